@@ -1,0 +1,17 @@
+"""lightning-strategies: distribution strategies for the PyTorch Lightning ``Trainer``.
+
+Importing the package registers its strategy names (``"ring"``, ...) with Lightning's
+``StrategyRegistry``, so ``Trainer(strategy="ring")`` works after ``import lightning_strategies``.
+"""
+
+from lightning_strategies.comm.stats import CommStats
+from lightning_strategies.strategies._registry import register_strategies
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CommStats",
+    "__version__",
+]
+
+register_strategies()

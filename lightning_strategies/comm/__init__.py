@@ -1,0 +1,9 @@
+"""Communication algorithms over :mod:`torch.distributed`, free of any Lightning import.
+
+Each algorithm is a plain function or class over tensors and a process group and returns or
+accumulates :class:`CommStats`, so it can be tested against ``torch.distributed`` directly.
+"""
+
+from lightning_strategies.comm.stats import CommStats
+
+__all__ = ["CommStats"]

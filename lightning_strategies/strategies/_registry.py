@@ -1,0 +1,57 @@
+"""The strategy names this package adds to Lightning's ``StrategyRegistry``.
+
+Variants are rows, not subclasses: ``"ring_bf16"`` is ``RingAllReduceStrategy`` with
+``wire_dtype="bf16"``, the way Lightning registers ``ddp_find_unused_parameters_true``.
+Registration happens on ``import lightning_strategies`` (Lightning discovers no entry points).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+__all__ = ["STRATEGY_ROWS", "StrategyRow", "register_strategies"]
+
+
+@dataclass(frozen=True)
+class StrategyRow:
+    """One registered name.
+
+    Attributes:
+        name: the string users pass as ``Trainer(strategy=name)``.
+        target: ``"module:ClassName"`` of the strategy class, imported when registered.
+        init_params: keyword arguments the class is built with for this name.
+        description: one line shown by ``StrategyRegistry.available_strategies()`` users.
+    """
+
+    name: str
+    target: str
+    description: str
+    init_params: dict[str, Any] = field(default_factory=dict)
+
+    def strategy_class(self) -> type:
+        module_name, _, cls_name = self.target.partition(":")
+        return getattr(importlib.import_module(module_name), cls_name)  # type: ignore[no-any-return]
+
+
+STRATEGY_ROWS: tuple[StrategyRow, ...] = ()
+
+
+def register_strategies(registry: Any = StrategyRegistry) -> list[str]:
+    """Register every row of :data:`STRATEGY_ROWS` that the registry does not hold yet.
+
+    Returns:
+        The names registered by this call (empty when they were all there already).
+    """
+    added = []
+    for row in STRATEGY_ROWS:
+        if row.name in registry:
+            continue
+        registry.register(
+            row.name, row.strategy_class(), description=row.description, **row.init_params
+        )
+        added.append(row.name)
+    return added
