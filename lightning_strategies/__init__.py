@@ -5,13 +5,32 @@ Importing the package registers its strategy names (``"ring"``, ...) with Lightn
 """
 
 from lightning_strategies.comm.stats import CommStats
+from lightning_strategies.data import DevicePrefetcher, PrefetchConfig
+from lightning_strategies.scaling import (
+    LinearWarmup,
+    ScalingConfig,
+    ScalingPlan,
+    global_batch_size,
+    plan_scaling,
+    replicas_of,
+    scaled_lr,
+)
 from lightning_strategies.strategies._registry import register_strategies
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CommStats",
+    "DevicePrefetcher",
+    "LinearWarmup",
+    "PrefetchConfig",
+    "ScalingConfig",
+    "ScalingPlan",
     "__version__",
+    "global_batch_size",
+    "plan_scaling",
+    "replicas_of",
+    "scaled_lr",
 ]
 
 register_strategies()

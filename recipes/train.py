@@ -1,0 +1,273 @@
+"""``run(cfg)``: build data, model, strategy and trainer from a Hydra config; fit; test; summarise.
+
+Under a Hydra multirun each job runs in its own process (a single run of this script with the
+job's overrides), so Lightning's subprocess launcher, which re-runs the command line for every
+rank, re-runs *that job* and not the whole sweep; a failing job becomes a failed row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_info
+from omegaconf import DictConfig, OmegaConf
+
+import lightning_strategies  # noqa: F401  (registers the strategy names)
+from lightning_strategies.scaling import replicas_of
+from recipes.classification import ClassificationModule, ThroughputMonitor
+
+__all__ = ["ConfigError", "run"]
+
+METRICS_FILE = "metrics.json"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot train, found before training starts."""
+
+
+def _torch_device(accelerator: str) -> str:
+    if accelerator in ("gpu", "cuda"):
+        return "cuda:0"
+    if accelerator == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    return str(accelerator)
+
+
+# Step-level metrics are logged unsynchronised on purpose: a per-step all-reduce of the loss
+# would add a collective to every step and distort the strategies' communication figures.
+warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting.*")
+
+if not OmegaConf.has_resolver("torch_device"):
+    OmegaConf.register_new_resolver("torch_device", _torch_device)
+
+
+def _output_dir(cfg: DictConfig) -> Path:
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    return Path(cfg.get("output_dir") or os.getcwd())
+
+
+def _strategy_name(cfg: DictConfig, strategy: Any) -> str:
+    if HydraConfig.initialized():
+        choice = HydraConfig.get().runtime.choices.get("strategy")
+        if choice:
+            return str(choice)
+    return type(strategy).__name__
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    # Write then rename, so a crash never leaves a truncated metrics.json behind.
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    tmp.replace(path)
+
+
+def _check_devices(accelerator: str, devices: Any) -> None:
+    if devices in (-1, "-1", "auto"):
+        return
+    try:
+        count = int(devices)
+    except (TypeError, ValueError):
+        return  # a list of device indices: Lightning checks it
+    if count < 1:
+        raise ConfigError(f"trainer.devices must be >= 1, found {devices}; set trainer.devices=1 or more")
+    if accelerator in ("gpu", "cuda"):
+        available = torch.cuda.device_count()
+        where = "CUDA GPUs"
+    elif accelerator == "cpu":
+        available = os.cpu_count() or 1
+        where = "CPU cores"
+    else:
+        return
+    if count > available:
+        raise ConfigError(
+            f"trainer.devices={count} but this machine has {available} {where}; "
+            f"set trainer.devices to at most {available} (or use more nodes with trainer.num_nodes)"
+        )
+
+
+def _check_positive(cfg: DictConfig) -> None:
+    lr = cfg.optimizer.get("lr")
+    if lr is None or not isinstance(lr, int | float) or lr <= 0:
+        raise ConfigError(f"optimizer.lr must be a positive number, found {lr!r}; e.g. optimizer.lr=0.1")
+    epochs = cfg.trainer.get("max_epochs")
+    if epochs is not None and (not isinstance(epochs, int) or epochs < 1) and epochs != -1:
+        raise ConfigError(f"trainer.max_epochs must be a positive integer, found {epochs!r}")
+
+
+def _per_device_batch(cfg: DictConfig, trainer: pl.Trainer) -> int | None:
+    glob = cfg.get("global_batch_size")
+    if glob is None:
+        return None
+    replicas, accumulate = replicas_of(trainer.strategy), trainer.accumulate_grad_batches
+    if not isinstance(glob, int) or glob < 1:
+        raise ConfigError(f"global_batch_size must be a positive integer, found {glob!r}")
+    if glob % (replicas * accumulate):
+        raise ConfigError(
+            f"global batch {glob} is not divisible by {replicas} replicas x {accumulate} accumulation steps; "
+            f"choose a global_batch_size that is a multiple of {replicas * accumulate}"
+        )
+    return glob // (replicas * accumulate)
+
+
+def _is_multirun_parent() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _run_job_in_subprocess(cfg: DictConfig) -> dict[str, Any]:
+    """Run this multirun job as a fresh single run of the same script, and collect its metrics."""
+    hc = HydraConfig.get()
+    out_dir = Path(hc.runtime.output_dir)
+    command = [sys.executable, os.path.abspath(sys.argv[0])]
+    for source in hc.runtime.config_sources:
+        if source.provider == "main" and source.schema == "file":
+            command += ["--config-path", source.path]
+    command += ["--config-name", str(hc.job.config_name), *hc.overrides.task, f'hydra.run.dir="{out_dir}"']
+    rank_zero_info(f"job {hc.job.num}: {' '.join(hc.overrides.task) or '(defaults)'} -> {out_dir}")
+    tail: deque[str] = deque(maxlen=40)
+    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True, bufsize=1) as proc:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # forward as it comes, keep the end for the report
+            sys.stderr.write(line)
+            tail.append(line.rstrip("\n"))
+        code = proc.wait()
+    metrics_path = out_dir / METRICS_FILE
+    if code == 0 and metrics_path.exists():
+        return dict(json.loads(metrics_path.read_text()))
+    noise = ("Set the environment variable HYDRA_FULL_ERROR", "See https://hydra.cc")
+    errors = [t for t in tail if t.strip() and not t.startswith(noise)]
+    reason = errors[-1] if errors else ""
+    failed = {
+        "status": "failed",
+        "exit_code": code,
+        "error": reason.strip() or f"exited with code {code}",
+        "stderr_tail": list(tail),
+        "overrides": list(hc.overrides.task),
+    }
+    _write_json(metrics_path, failed)
+    return failed
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Train and evaluate one configuration; return (and, on rank 0, write) its metrics.
+
+    Raises:
+        ConfigError: for settings that cannot train, before any training starts.
+    """
+    if _is_multirun_parent():
+        return _run_job_in_subprocess(cfg)
+    start = time.perf_counter()
+    torch.set_float32_matmul_precision("high")
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    out_dir = _output_dir(cfg)
+    _check_positive(cfg)
+
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model)(num_classes=datamodule.num_classes, in_channels=datamodule.in_channels)
+    module = ClassificationModule(
+        model,
+        num_classes=datamodule.num_classes,
+        optimizer=instantiate(cfg.optimizer),
+        scaling=instantiate(cfg.scaling),
+        no_decay_norm_bias=cfg.no_decay_norm_bias,
+        label_smoothing=cfg.label_smoothing,
+    )
+
+    strategy = instantiate(cfg.strategy)
+    trainer_factory = instantiate(cfg.trainer)
+    trainer_overrides: dict[str, Any] = {}
+    if isinstance(strategy, SingleDeviceStrategy) and trainer_factory.keywords.get("devices", 1) != 1:
+        rank_zero_info("strategy=single runs one process: using trainer.devices=1")
+        trainer_overrides.update(devices=1, num_nodes=1)
+    accelerator = str(trainer_factory.keywords.get("accelerator", "cpu"))
+    _check_devices(accelerator, trainer_overrides.get("devices", trainer_factory.keywords.get("devices", 1)))
+
+    throughput = ThroughputMonitor()
+    callbacks: list[pl.Callback] = [throughput, LearningRateMonitor(logging_interval="epoch")]
+    if cfg.checkpoint:
+        callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=True, save_top_k=0))
+    logger = instantiate(cfg.logger)(save_dir=str(out_dir))
+    trainer: pl.Trainer = trainer_factory(
+        strategy=strategy,
+        logger=logger,
+        callbacks=callbacks,
+        default_root_dir=str(out_dir),
+        enable_checkpointing=bool(cfg.checkpoint),
+        **trainer_overrides,
+    )
+    per_device = _per_device_batch(cfg, trainer)
+    if per_device is not None:
+        datamodule.batch_size = per_device
+    # Check the scaling arithmetic now, not inside the worker processes.
+    plan = module.scaling.plan(
+        base_lr=float(cfg.optimizer.lr),
+        per_device=datamodule.batch_size,
+        replicas=replicas_of(trainer.strategy),
+        accumulate=trainer.accumulate_grad_batches,
+    )
+
+    trainer.fit(module, datamodule=datamodule)
+    fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    test_metrics: dict[str, float] = {}
+    if cfg.run_test:
+        results = trainer.test(module, datamodule=datamodule, verbose=False)
+        test_metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
+
+    metrics: dict[str, Any] = {
+        "status": "ok",
+        "strategy": _strategy_name(cfg, strategy),
+        "world_size": trainer.world_size,
+        "num_nodes": trainer.num_nodes,
+        "test_acc": test_metrics.get("test_acc"),
+        "test_loss": test_metrics.get("test_loss"),
+        "val_acc": fit_metrics.get("val_acc"),
+        "val_loss": fit_metrics.get("val_loss"),
+        "train_loss": fit_metrics.get("train_loss_epoch"),
+        "samples_per_s": throughput.samples_per_s(),
+        "samples_per_s_by_epoch": throughput.epoch_rates,
+        "epochs": trainer.current_epoch,
+        "steps": trainer.global_step,
+        "wall_s": time.perf_counter() - start,
+        **(module.plan or plan).as_dict(),
+        **{k: v for k, v in fit_metrics.items() if "/" in k},  # comm/*, ps/*, async/*, pipeline/*
+    }
+    if HydraConfig.initialized():
+        metrics["overrides"] = list(HydraConfig.get().overrides.task)
+    if trainer.is_global_zero:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(out_dir / METRICS_FILE, metrics)
+        _print_summary(metrics, out_dir)
+    return metrics
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "-" if value is None else str(value)
+
+
+def _print_summary(metrics: dict[str, Any], out_dir: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="run summary", show_header=False)
+    for key in ("strategy", "world_size", "global_batch_size", "lr", "test_acc", "val_acc", "train_loss",
+                "samples_per_s", "wall_s"):
+        table.add_row(key, _fmt(metrics.get(key)))
+    Console(stderr=False).print(table)
+    print(f"metrics: {out_dir / METRICS_FILE}", flush=True)
