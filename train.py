@@ -1,6 +1,7 @@
 """Hydra entry point: ``python train.py [group=option ...] [key=value ...]``; see conf/train.yaml."""
 
 import sys
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig
@@ -10,8 +11,8 @@ from recipes.train import run
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
-def main(cfg: DictConfig) -> None:
-    run(cfg)
+def main(cfg: DictConfig) -> dict[str, Any]:
+    return run(cfg)
 
 
 if __name__ == "__main__":

@@ -185,8 +185,8 @@ class SweepReport(Callback):
         failed = getattr(job_return.status, "name", "") == "FAILED" or (
             isinstance(value, dict) and value.get("status") == "failed"
         )
-        if failed and config.hydra.mode is not None and str(config.hydra.mode).endswith("MULTIRUN"):
-            FAILED_JOBS.append(str(config.hydra.job.get("num", "?")))
+        if failed:
+            FAILED_JOBS.append(str(getattr(job_return, "working_dir", "?")))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         summary = write_report(config.hydra.sweep.dir)

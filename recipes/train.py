@@ -20,6 +20,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
@@ -54,6 +55,17 @@ warnings.filterwarnings("ignore", message=r".*when logging on epoch level in dis
 
 if not OmegaConf.has_resolver("torch_device"):
     OmegaConf.register_new_resolver("torch_device", _torch_device)
+
+
+def _build(node: Any) -> Any:
+    """``hydra.utils.instantiate``, but raising the object's own error (not Hydra's wrapper),
+    so a bad value reads as "data.batch_size ... found 0" rather than a stack of frames."""
+    try:
+        return instantiate(node)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, Exception):
+            raise err.__cause__ from None
+        raise
 
 
 def _output_dir(cfg: DictConfig) -> Path:
@@ -177,19 +189,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     out_dir = _output_dir(cfg)
     _check_positive(cfg)
 
-    datamodule = instantiate(cfg.data)
-    model = instantiate(cfg.model)(num_classes=datamodule.num_classes, in_channels=datamodule.in_channels)
+    datamodule = _build(cfg.data)
+    model = _build(cfg.model)(num_classes=datamodule.num_classes, in_channels=datamodule.in_channels)
     module = ClassificationModule(
         model,
         num_classes=datamodule.num_classes,
-        optimizer=instantiate(cfg.optimizer),
-        scaling=instantiate(cfg.scaling),
+        optimizer=_build(cfg.optimizer),
+        scaling=_build(cfg.scaling),
         no_decay_norm_bias=cfg.no_decay_norm_bias,
         label_smoothing=cfg.label_smoothing,
     )
 
-    strategy = instantiate(cfg.strategy)
-    trainer_factory = instantiate(cfg.trainer)
+    strategy = _build(cfg.strategy)
+    trainer_factory = _build(cfg.trainer)
     trainer_overrides: dict[str, Any] = {}
     if isinstance(strategy, SingleDeviceStrategy) and trainer_factory.keywords.get("devices", 1) != 1:
         rank_zero_info("strategy=single runs one process: using trainer.devices=1")
@@ -201,7 +213,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     callbacks: list[pl.Callback] = [throughput, LearningRateMonitor(logging_interval="epoch")]
     if cfg.checkpoint:
         callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=True, save_top_k=0))
-    logger = instantiate(cfg.logger)(save_dir=str(out_dir))
+    logger = _build(cfg.logger)(save_dir=str(out_dir))
     trainer: pl.Trainer = trainer_factory(
         strategy=strategy,
         logger=logger,

@@ -1,0 +1,53 @@
+"""Compose the app's Hydra config in-process, and run train.py as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+import recipes.train  # noqa: F401  (registers the torch_device resolver)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+# A few batches per stage: enough to run every hook, quick on 2 cores.
+FEW_BATCHES = [
+    "trainer.max_epochs=1",
+    "+trainer.limit_train_batches=2",
+    "+trainer.limit_val_batches=1",
+    "+trainer.limit_test_batches=1",
+    "trainer.enable_progress_bar=false",
+]
+
+
+def compose_cfg(overrides: list[str], output_dir: Path | None = None) -> DictConfig:
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    if output_dir is not None:
+        from omegaconf import open_dict
+
+        with open_dict(cfg):
+            cfg.output_dir = str(output_dir)
+    return cfg
+
+
+def config_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def run_train(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``python train.py ARGS`` from ``cwd`` (outputs land there), one torch thread per process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
