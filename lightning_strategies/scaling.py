@@ -256,7 +256,7 @@ class LinearWarmup(LRScheduler):
 
     def get_lr(self) -> list[float]:  # type: ignore[override]
         f = self.factor(self.last_epoch)
-        return [base * f for base in self.base_lrs]
+        return [float(base) * f for base in self.base_lrs]
 
 
 @dataclass(frozen=True)
@@ -278,7 +278,7 @@ class ScalingConfig:
     base_batch_size: int = 256
     warmup_epochs: float = 0.0
     decay: str = "none"
-    milestones: tuple[int, ...] = ()
+    milestones: Sequence[int] = ()
     gamma: float = 0.1
 
     def __post_init__(self) -> None:

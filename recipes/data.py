@@ -76,7 +76,9 @@ class _PrefetchingDataModule(pl.LightningDataModule):
         # wraps one, so shard here with the strategy's own sampler arguments.
         strategy = self.trainer.strategy if self.trainer is not None else None
         kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
-        sampler = DistributedSampler(dataset, shuffle=True, seed=self.seed, drop_last=True, **kwargs) if kwargs else None
+        sampler: DistributedSampler[Any] | None = (
+            DistributedSampler(dataset, shuffle=True, seed=self.seed, drop_last=True, **kwargs) if kwargs else None
+        )
         loader = DataLoader(
             dataset,
             batch_size=self.batch_size,

@@ -45,7 +45,9 @@ _DEPTHS: dict[str, tuple[type[BasicBlock] | type[Bottleneck], list[int]]] = {
 }
 
 
-def _resnet(name: str, *, num_classes: int, in_channels: int, stem: str, width: int, zero_init_residual: bool) -> ResNet:
+def _resnet(
+    name: str, *, num_classes: int, in_channels: int, stem: str, width: int, zero_init_residual: bool
+) -> ResNet:
     """A torchvision ``ResNet`` whose stage widths are ``width x (1, 2, 4, 8)`` (64 = torchvision's)."""
     block, layers = _DEPTHS[name]
     model = ResNet(block, layers, num_classes=num_classes, zero_init_residual=zero_init_residual)
@@ -58,7 +60,7 @@ def _resnet(name: str, *, num_classes: int, in_channels: int, stem: str, width: 
         # CIFAR-style stem (He et al. 2016 §4.2): a 3x3 stride-1 conv and no max-pool, so a
         # 32 px image still has 4x4 positions at layer4 instead of 1x1.
         model.conv1 = nn.Conv2d(in_channels, width, kernel_size=3, stride=1, padding=1, bias=False)
-        model.maxpool = nn.Identity()  # type: ignore[assignment]
+        model.maxpool = nn.Identity()
     else:
         model.conv1 = nn.Conv2d(in_channels, width, kernel_size=7, stride=2, padding=3, bias=False)
     model.bn1 = nn.BatchNorm2d(width)
@@ -132,7 +134,7 @@ def build_model(
             zero_init_residual=zero_init_residual,
         )
     if channels_last:
-        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        model = model.to(memory_format=torch.channels_last)
     if compile:
         model = torch.compile(model)  # type: ignore[assignment]
     return model

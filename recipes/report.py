@@ -43,7 +43,7 @@ def _overrides(job_dir: Path, metrics: dict[str, Any]) -> list[str]:
     if path.exists():
         from omegaconf import OmegaConf
 
-        return [str(o) for o in OmegaConf.load(path)]  # type: ignore[union-attr]
+        return [str(o) for o in OmegaConf.load(path)]
     return []
 
 
@@ -146,8 +146,9 @@ def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         heights = [float(v) if isinstance(v, int | float) else 0.0 for v in values]
         bars = ax.bar(range(len(rows)), heights, color=["C0" if v is not None else "lightgray" for v in values])
         for bar, v in zip(bars, values, strict=True):
-            ax.annotate("failed" if v is None else f"{float(v):.3g}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=8)
+            text = "failed" if v is None else f"{float(v):.3g}"
+            top = (bar.get_x() + bar.get_width() / 2, bar.get_height())
+            ax.annotate(text, top, ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
         ax.set_ylabel(title)
         ax.set_title(f"{title} by {', '.join(keys) or 'job'}")

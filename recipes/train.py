@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import time
-import warnings
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -48,10 +47,6 @@ def _torch_device(accelerator: str) -> str:
         return "cuda:0" if torch.cuda.is_available() else "cpu"
     return str(accelerator)
 
-
-# Step-level metrics are logged unsynchronised on purpose: a per-step all-reduce of the loss
-# would add a collective to every step and distort the strategies' communication figures.
-warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting.*")
 
 if not OmegaConf.has_resolver("torch_device"):
     OmegaConf.register_new_resolver("torch_device", _torch_device)

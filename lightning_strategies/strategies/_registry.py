@@ -34,7 +34,7 @@ class StrategyRow:
 
     def strategy_class(self) -> type:
         module_name, _, cls_name = self.target.partition(":")
-        return getattr(importlib.import_module(module_name), cls_name)  # type: ignore[no-any-return]
+        return getattr(importlib.import_module(module_name), cls_name)
 
 
 STRATEGY_ROWS: tuple[StrategyRow, ...] = ()

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from app_utils import FEW_BATCHES, compose_cfg, config_options, run_train
+
 from recipes.train import run
 
 pytestmark = pytest.mark.slow

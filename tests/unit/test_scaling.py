@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -93,7 +94,7 @@ def test_warmup_goes_linearly_from_base_to_scaled_lr() -> None:
     lrs = _lrs(sched, opt, 10)
     expected = [base + (target - base) * i / warmup for i in range(warmup)] + [target] * 3
     assert lrs == pytest.approx(expected)
-    increments = {round(b - a, 12) for a, b in zip(lrs[:warmup], lrs[1 : warmup + 1], strict=True)}
+    increments = {round(b - a, 12) for a, b in itertools.pairwise(lrs[: warmup + 1])}
     assert len(increments) == 1  # constant increment per iteration
 
 
@@ -164,7 +165,8 @@ def test_scaling_config_rejects(kwargs: dict, message: str) -> None:
 
 def test_replicas_of_reads_sampler_kwargs() -> None:
     class Pipeline:  # 8 processes as 2 replicas x 4 stages: the sampler shards over 2
-        distributed_sampler_kwargs = {"num_replicas": 2, "rank": 1}
+        def __init__(self) -> None:
+            self.distributed_sampler_kwargs = {"num_replicas": 2, "rank": 1}
 
     assert replicas_of(Pipeline()) == 2
     assert replicas_of(object()) == 1

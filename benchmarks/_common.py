@@ -1,0 +1,34 @@
+"""Shared by the benchmark scripts: the header line and ``name value unit`` output."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+from collections.abc import Sequence
+
+import torch
+
+
+def header(title: str) -> str:
+    """One line naming what ran where: machine, cores, versions, date (STYLE.md §12)."""
+    import lightning
+
+    cpu = platform.processor() or platform.machine()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (
+        f"# {title} | {cpu}, {os.cpu_count()} cores, {gpu} | torch {torch.__version__}, lightning "
+        f"{lightning.__version__}, python {platform.python_version()} | {datetime.date.today().isoformat()}"
+    )
+
+
+def line(name: str, value: float, unit: str) -> str:
+    """A result line, ``name value unit``, as every benchmark prints them."""
+    text = f"{name} {value:.4g} {unit}"
+    print(text, flush=True)
+    return text
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
