@@ -3,7 +3,8 @@
 A dataset sleeps ``load_ms`` per sample (simulated reading/decoding, no CPU used) and a small
 CNN takes a training step of comparable cost. Without prefetching (``num_workers=0``) a step
 costs load + compute; with one worker preparing batches ahead it should cost
-max(load, compute). Runs the two interleaved, several rounds, and prints medians and
+max(load, compute), load and compute each measured alone in the same rounds. Runs them
+interleaved, several rounds, and prints medians and
 ``prefetch_over_ideal`` = prefetched step / max(load, compute) (goal <= 1.10 when balanced).
 
     python benchmarks/prefetch.py            # load = 0.5x, 1x, 2x compute, plot into benchmarks/results/
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -68,17 +69,39 @@ def measure_compute(batch_size: int, image_size: int, reps: int = 15) -> float:
 def run(
     load_ratio: float, compute_s: float, *, batch_size: int, image_size: int, steps: int, rounds: int
 ) -> dict[str, float]:
+    """Median step time of three loaders, interleaved per round: data already in memory
+    (compute only, measured here rather than assumed), loading in series, loading prefetched."""
     load_ms = 1000 * load_ratio * compute_s / batch_size
-    data = SyntheticImages(batch_size * (steps + 2) * 2, image_size=image_size, load_ms=load_ms)
-    configs = {"none": PrefetchConfig(num_workers=0), "prefetch": PrefetchConfig(num_workers=1, prefetch_factor=2)}
-    results: dict[str, list[float]] = {k: [] for k in configs}
+    n = batch_size * (steps + 2) * 2
+    data = SyntheticImages(n, image_size=image_size, load_ms=load_ms)
+    in_memory = SyntheticImages(n, image_size=image_size)
+    x = torch.stack([in_memory[i][0] for i in range(n)])
+    y = torch.stack([in_memory[i][1] for i in range(n)])
+    loaders = {
+        "compute": lambda: DataLoader(TensorDataset(x, y), batch_size=batch_size),
+        "none": lambda: DataLoader(data, batch_size=batch_size, **PrefetchConfig(num_workers=0).loader_kwargs()),
+        "prefetch": lambda: DataLoader(
+            data, batch_size=batch_size, **PrefetchConfig(num_workers=1, prefetch_factor=2).loader_kwargs()
+        ),
+    }
+    results: dict[str, list[float]] = {k: [] for k in ("load", *loaders)}
     for _ in range(rounds):
-        for name, cfg in configs.items():  # interleaved, so machine noise hits both alike
+        # load only: what one batch really costs the loader (the sleep plus making the images)
+        results["load"].append(_load_steps(loaders["none"](), steps))
+        for name, make_loader in loaders.items():  # interleaved, so machine noise hits all alike
             model, opt = _step_fn(batch_size, image_size)
-            loader = DataLoader(data, batch_size=batch_size, **cfg.loader_kwargs())
-            results[name].append(_train_steps(loader, model, opt, steps))
-    load_s = load_ms * batch_size / 1000
-    return {"load_s": load_s, "compute_s": compute_s, **{k: median(v) for k, v in results.items()}}
+            results[name].append(_train_steps(make_loader(), model, opt, steps))
+    return {"load_s": load_ms * batch_size / 1000, **{k: median(v) for k, v in results.items()}}
+
+
+def _load_steps(loader: DataLoader, steps: int) -> float:
+    it = iter(loader)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        next(it)
+        times.append(time.perf_counter() - t)
+    return median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,13 +119,16 @@ def main(argv: list[str] | None = None) -> int:
         args.ratios, args.steps, args.rounds, args.plot = "1", 5, 1, None
     print(header("prefetch: step time vs simulated loading cost"))
     compute_s = measure_compute(args.batch_size, args.image_size)
-    line("compute_step_ms", 1000 * compute_s, "ms")
+    line("calibration_compute_step_ms", 1000 * compute_s, "ms")
     rows = []
     for ratio in (float(r) for r in args.ratios.split(",")):
         r = run(ratio, compute_s, batch_size=args.batch_size, image_size=args.image_size, steps=args.steps,
                 rounds=args.rounds)
-        ideal = max(r["load_s"], r["compute_s"])
+        ideal = max(r["load"], r["compute"])
         tag = f"load{ratio:g}x"
+        line(f"{tag}_simulated_load_ms", 1000 * r["load_s"], "ms")
+        line(f"{tag}_load_step_ms", 1000 * r["load"], "ms")
+        line(f"{tag}_compute_step_ms", 1000 * r["compute"], "ms")
         line(f"{tag}_no_prefetch_step_ms", 1000 * r["none"], "ms")
         line(f"{tag}_prefetch_step_ms", 1000 * r["prefetch"], "ms")
         line(f"{tag}_ideal_step_ms", 1000 * ideal, "ms")
@@ -117,11 +143,11 @@ def main(argv: list[str] | None = None) -> int:
 
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         fig, ax = plt.subplots(figsize=(5, 3.4))
-        loads = [1000 * r["load_s"] for _, r, _ in rows]
+        loads = [1000 * r["load"] for _, r, _ in rows]
         ax.plot(loads, [1000 * r["none"] for _, r, _ in rows], "o-", label="no prefetch (num_workers=0)")
         ax.plot(loads, [1000 * r["prefetch"] for _, r, _ in rows], "s-", label="prefetch (1 worker, factor 2)")
         ax.plot(loads, [1000 * i for _, _, i in rows], "k--", label="max(load, compute)")
-        ax.plot(loads, [1000 * (r["load_s"] + r["compute_s"]) for _, r, _ in rows], "k:", label="load + compute")
+        ax.plot(loads, [1000 * (r["load"] + r["compute"]) for _, r, _ in rows], "k:", label="load + compute")
         ax.set_xlabel("simulated load per batch (ms)")
         ax.set_ylabel("step time (ms)")
         ax.set_title(f"I/O overlap (compute {1000 * compute_s:.0f} ms/step)")

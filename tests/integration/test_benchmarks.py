@@ -1,0 +1,32 @@
+"""Every benchmark script runs in --quick mode and prints `name value unit` lines."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+LINE = re.compile(r"^[A-Za-z0-9_.]+ -?[0-9.]+(e[-+]?[0-9]+)? \S+$")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_benchmark_quick_mode(script: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--quick"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines and lines[0].startswith("# "), "the first line names machine, versions and date"
+    results = [x for x in lines if LINE.match(x)]
+    assert results, proc.stdout[-2000:]
+    for x in results:
+        assert x.split()[1] not in ("nan", "inf")
