@@ -1,0 +1,352 @@
+"""LARS: layer-wise adaptive rate scaling for large-batch SGD.
+
+You, Gitman and Ginsburg, "Large Batch Training of Convolutional Networks", 2017
+(arXiv:1708.03888), Algorithm 1, with torch's SGD momentum convention on top (as in
+NVIDIA's LARC and timm's ``optim/lars.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import Optimizer, ParamsT
+
+from lightning_strategies.optim.lamb import (
+    _block_elements,
+    _check,
+    _is_real,
+    _norm_dtype,
+    _refuse_complex,
+    _refuse_sparse,
+    _unit_norms,
+    _units,
+    _use_foreach,
+)
+
+__all__ = ["Lars"]
+
+
+class Lars(Optimizer):
+    r"""LARS (You et al. 2017, Algorithm 1): SGD whose step is rescaled per tensor by a local lr.
+
+    For each parameter tensor :math:`x` with gradient :math:`g`:
+
+    .. math::
+        \text{local} &= \eta_{tc} \, \|x\| / (\|g\| + \lambda \|x\| + \epsilon)
+            \quad (1 \text{ if } \|x\| = 0 \text{ or } \|g\| = 0;
+            \min(\cdot, 1) \text{ with trust\_clip}; 1 \text{ if layer\_adaptation is False}) \\
+        d &= \text{local} \cdot (g + \lambda x) \\
+        b &\leftarrow \mu b + d \quad (b = d \text{ at the first step, as torch's SGD}) \\
+        d &\leftarrow d + \mu b \text{ (nesterov)} \quad\text{or}\quad d \leftarrow b \\
+        x &\leftarrow x - \gamma d
+
+    with :math:`\gamma` = ``lr``, :math:`\eta_{tc}` = ``trust_coefficient``,
+    :math:`\lambda` = ``weight_decay``, :math:`\mu` = ``momentum``; with ``momentum=0`` there
+    is no buffer and :math:`x \leftarrow x - \gamma d`. Norms are taken in float32 (float64 for
+    float64 parameters); the momentum buffer has the parameter's dtype.
+
+    The multi-tensor path (``torch._foreach_*``, norms by ``torch._foreach_norm``) and the
+    per-tensor path run the same elementwise operations in the same order; on CPU the former
+    is cache blocked as in :class:`~lightning_strategies.optim.Lamb`. The first step with
+    momentum (buffers are created whole) runs per tensor on either path.
+
+    Per param group: ``lr``, ``momentum``, ``weight_decay``, ``trust_coefficient``, ``eps``,
+    ``nesterov``, ``trust_clip``, ``foreach`` and ``layer_adaptation`` (default True; False
+    gives local = 1, plain SGD for biases and normalisation layers, which
+    :func:`~lightning_strategies.optim.param_groups` sets for them).
+
+    Args:
+        params: parameters or param groups (dicts) to optimise.
+        lr: global learning rate :math:`\gamma` (no default: it depends on the batch size).
+        momentum: momentum factor :math:`\mu`.
+        weight_decay: L2 weight decay :math:`\lambda`, inside the local lr and the step.
+        trust_coefficient: :math:`\eta_{tc}`, how far one step may move a tensor relative to
+            its norm.
+        eps: added to the local-lr denominator.
+        nesterov: Nesterov momentum (needs ``momentum > 0``).
+        trust_clip: clip the local lr to at most 1 (LARC's clipping mode).
+        foreach: use the multi-tensor ``torch._foreach_*`` path (``None``: whenever every
+            parameter is a plain tensor on CPU, CUDA or XPU). Both paths give the same result.
+
+    Raises:
+        ValueError: a hyperparameter out of range, or a complex parameter.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float,
+        momentum: float = 0.9,
+        weight_decay: float = 1e-4,
+        *,
+        trust_coefficient: float = 0.001,
+        eps: float = 1e-8,
+        nesterov: bool = False,
+        trust_clip: bool = False,
+        foreach: bool | None = None,
+    ) -> None:
+        defaults: dict[str, Any] = {
+            "lr": lr,
+            "momentum": momentum,
+            "weight_decay": weight_decay,
+            "trust_coefficient": trust_coefficient,
+            "eps": eps,
+            "nesterov": nesterov,
+            "trust_clip": trust_clip,
+            "layer_adaptation": True,
+            "foreach": foreach,
+        }
+        _validate_lars(defaults, where="")
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Fill options added after a checkpoint was written, so old optimizer states load.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("trust_coefficient", 0.001)
+            group.setdefault("eps", 1e-8)
+            group.setdefault("nesterov", False)
+            group.setdefault("trust_clip", False)
+            group.setdefault("layer_adaptation", True)
+            group.setdefault("foreach", None)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (as torch does), then check its hyperparameters and parameters.
+
+        Args:
+            param_group: the group; keys it lacks take the constructor's values.
+        """
+        super().add_param_group(param_group)
+        index = len(self.param_groups) - 1
+        try:
+            _validate_lars(self.param_groups[index], where=f"param group {index}: ")
+            _refuse_complex("Lars", self.param_groups[index]["params"], index)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Perform one optimisation step.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (called with grad enabled).
+
+        Returns:
+            The closure's loss, or None without a closure.
+
+        Raises:
+            RuntimeError: a parameter has a sparse gradient.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            _refuse_sparse("Lars", params)
+            grads = [cast(Tensor, p.grad) for p in params]
+            momentum = float(group["momentum"])
+            bufs: list[Tensor | None] = [self.state[p].get("momentum_buffer") for p in params]
+            kwargs: dict[str, Any] = {
+                "lr": float(group["lr"]),
+                "momentum": momentum,
+                "weight_decay": float(group["weight_decay"]),
+                "trust_coefficient": float(group["trust_coefficient"]),
+                "eps": float(group["eps"]),
+                "nesterov": bool(group["nesterov"]),
+                "trust_clip": bool(group["trust_clip"]),
+                "layer_adaptation": bool(group["layer_adaptation"]),
+            }
+            if _use_foreach(group["foreach"], params):
+                _multi_tensor_lars(params, grads, bufs, **kwargs)
+            else:
+                _single_tensor_lars(params, grads, bufs, **kwargs)
+            if momentum != 0:
+                for p, buf in zip(params, bufs, strict=True):
+                    self.state[p]["momentum_buffer"] = buf
+        return loss
+
+
+def _local_lrs(
+    w_norms: Tensor,
+    g_norms: Tensor,
+    *,
+    trust_coefficient: float,
+    weight_decay: float,
+    eps: float,
+    trust_clip: bool,
+) -> Tensor:
+    """tc ||x|| / (||g|| + wd ||x|| + eps) per tensor; 1 when a norm is 0; clipped at 1 with trust_clip."""
+    local = trust_coefficient * w_norms / (g_norms + weight_decay * w_norms + eps)
+    local = torch.where(torch.minimum(w_norms, g_norms) > 0, local, 1.0)  # norms >= 0: both non-zero
+    if trust_clip:
+        local = local.clamp(max=1.0)
+    return local
+
+
+def _single_tensor_lars(
+    params: list[Tensor],
+    grads: list[Tensor],
+    bufs: list[Tensor | None],
+    *,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    trust_coefficient: float,
+    eps: float,
+    nesterov: bool,
+    trust_clip: bool,
+    layer_adaptation: bool,
+) -> None:
+    for i, (x, grad) in enumerate(zip(params, grads, strict=True)):
+        local: Tensor | None = None
+        if layer_adaptation:
+            w_norm = torch.linalg.vector_norm(x, dtype=_norm_dtype(x)).reshape(1)
+            g_norm = torch.linalg.vector_norm(grad, dtype=_norm_dtype(grad)).reshape(1)
+            local = _local_lrs(
+                w_norm,
+                g_norm,
+                trust_coefficient=trust_coefficient,
+                weight_decay=weight_decay,
+                eps=eps,
+                trust_clip=trust_clip,
+            )[0]
+        d = grad.add(x, alpha=weight_decay) if weight_decay != 0 else grad  # d = g + wd x
+        if momentum == 0:
+            if local is None:
+                x.add_(d, alpha=-lr)  # x = x - lr d
+            else:
+                x.addcmul_(d, local, value=-lr)  # x = x - lr local d
+            continue
+        buf = bufs[i]
+        if buf is None:
+            # b = local d at the first step (torch SGD initialises the buffer to the step)
+            buf = bufs[i] = d.mul(local) if local is not None else d.clone()
+        elif local is not None:
+            buf.mul_(momentum).addcmul_(d, local)  # b = mu b + local d
+        else:
+            buf.mul_(momentum).add_(d)  # b = mu b + d
+        if nesterov:
+            step = d.mul(local) if local is not None else d.clone()
+            step.add_(buf, alpha=momentum)  # d = local d + mu b
+            x.add_(step, alpha=-lr)  # x = x - lr d
+        else:
+            x.add_(buf, alpha=-lr)  # x = x - lr b
+
+
+def _multi_tensor_lars(
+    params: list[Tensor],
+    grads: list[Tensor],
+    bufs: list[Tensor | None],
+    *,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    trust_coefficient: float,
+    eps: float,
+    nesterov: bool,
+    trust_clip: bool,
+    layer_adaptation: bool,
+) -> None:
+    grouped = Optimizer._group_tensors_by_device_and_dtype(
+        [params, grads, bufs],  # type: ignore[list-item]
+        with_indices=True,
+    )
+    for (params_, grads_, bufs_), indices in grouped.values():
+        xs, gs = cast(list[Tensor], params_), cast(list[Tensor], grads_)
+        dev_bufs: list[Tensor | None] = bufs_
+        if momentum != 0 and not all(b is not None for b in dev_bufs):
+            # First step (or tensors new to the group): buffers are created whole, per tensor.
+            sub_bufs = list(dev_bufs)
+            _single_tensor_lars(
+                xs,
+                gs,
+                sub_bufs,
+                lr=lr,
+                momentum=momentum,
+                weight_decay=weight_decay,
+                trust_coefficient=trust_coefficient,
+                eps=eps,
+                nesterov=nesterov,
+                trust_clip=trust_clip,
+                layer_adaptation=layer_adaptation,
+            )
+            for j, sub_buf in zip(indices, sub_bufs, strict=True):
+                bufs[j] = sub_buf
+            continue
+        lists = [xs, gs] if momentum == 0 else [xs, gs, cast(list[Tensor], dev_bufs)]
+        for unit in _units(lists, _block_elements(xs[0].device)):
+            # A unit is a run of whole tensors, or one large tensor cut into chunks; each op
+            # below runs on one run / chunk, which stays in cache from the first op to the last.
+            ux, ug = unit.lists[0], unit.lists[1]
+            locals_: list[Tensor] | None = None
+            if layer_adaptation:
+                local = _local_lrs(
+                    _unit_norms(unit, list(torch._foreach_norm(ux, 2, dtype=_norm_dtype(ux[0])))),
+                    _unit_norms(unit, list(torch._foreach_norm(ug, 2, dtype=_norm_dtype(ug[0])))),
+                    trust_coefficient=trust_coefficient,
+                    weight_decay=weight_decay,
+                    eps=eps,
+                    trust_clip=trust_clip,
+                )
+                locals_ = unit.spread(local.unbind(0))
+            for b in unit.blocks:
+                ds = (
+                    torch._foreach_add(ug[b], ux[b], alpha=weight_decay) if weight_decay != 0 else ug[b]
+                )  # d = g + wd x
+                loc = locals_[b] if locals_ is not None else None
+                if momentum == 0:
+                    if loc is None:
+                        torch._foreach_add_(ux[b], ds, alpha=-lr)  # x = x - lr d
+                    else:
+                        torch._foreach_addcmul_(ux[b], ds, loc, value=-lr)  # x = x - lr local d
+                    continue
+                ub = unit.lists[2][b]
+                torch._foreach_mul_(ub, momentum)
+                if loc is not None:
+                    torch._foreach_addcmul_(ub, ds, loc)  # b = mu b + local d
+                else:
+                    torch._foreach_add_(ub, ds)  # b = mu b + d
+                if nesterov:
+                    steps = list(torch._foreach_mul(ds, loc) if loc is not None else torch._foreach_mul(ds, 1.0))
+                    torch._foreach_add_(steps, ub, alpha=momentum)  # d = local d + mu b
+                    torch._foreach_add_(ux[b], steps, alpha=-lr)  # x = x - lr d
+                else:
+                    torch._foreach_add_(ux[b], ub, alpha=-lr)  # x = x - lr b
+
+
+def _validate_lars(group: dict[str, Any], *, where: str) -> None:
+    lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]
+    tc, eps = group["trust_coefficient"], group["eps"]
+    _check(_is_real(lr) and lr >= 0.0, "learning rate", lr, "a float >= 0 (lr=...)", where)
+    _check(_is_real(momentum) and 0.0 <= momentum < 1.0, "momentum value", momentum, "0 <= momentum < 1", where)
+    _check(_is_real(wd) and wd >= 0.0, "weight_decay value", wd, "a float >= 0 (weight_decay=...)", where)
+    _check(
+        _is_real(tc) and tc > 0.0,
+        "trust_coefficient value",
+        tc,
+        "a float > 0 (the paper uses 0.001)",
+        where,
+    )
+    _check(_is_real(eps) and eps >= 0.0, "epsilon value", eps, "a float >= 0 (eps=...)", where)
+    for flag in ("nesterov", "trust_clip", "layer_adaptation"):
+        _check(isinstance(group[flag], bool), f"{flag} value", group[flag], "True or False", where)
+    if group["nesterov"] and momentum <= 0.0:
+        raise ValueError(
+            f"{where}Invalid nesterov value: True with momentum={momentum!r}; Nesterov momentum needs "
+            "momentum > 0. Set momentum (e.g. 0.9) or nesterov=False."
+        )
+    _check(
+        group["foreach"] in (None, True, False),
+        "foreach value",
+        group["foreach"],
+        "None, True or False",
+        where,
+    )
