@@ -16,6 +16,7 @@ from lightning_strategies.scaling import (
     scaled_lr,
 )
 from lightning_strategies.strategies._registry import register_strategies
+from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,7 @@ __all__ = [
     "CommStats",
     "DevicePrefetcher",
     "LinearWarmup",
+    "ParameterServerStrategy",
     "PrefetchConfig",
     "ScalingConfig",
     "ScalingPlan",

@@ -13,8 +13,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch import nn
 import torch.distributed as dist
+from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]

@@ -4,6 +4,18 @@ Each algorithm is a plain function or class over tensors and a process group and
 accumulates :class:`CommStats`, so it can be tested against ``torch.distributed`` directly.
 """
 
+from lightning_strategies.comm.ps import (
+    OptimizerSpec,
+    ParameterServerClient,
+    ParameterShard,
+    shard_parameters,
+)
 from lightning_strategies.comm.stats import CommStats
 
-__all__ = ["CommStats"]
+__all__ = [
+    "CommStats",
+    "OptimizerSpec",
+    "ParameterServerClient",
+    "ParameterShard",
+    "shard_parameters",
+]

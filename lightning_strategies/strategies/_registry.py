@@ -37,7 +37,24 @@ class StrategyRow:
         return getattr(importlib.import_module(module_name), cls_name)
 
 
-STRATEGY_ROWS: tuple[StrategyRow, ...] = ()
+STRATEGY_ROWS: tuple[StrategyRow, ...] = (
+    StrategyRow(
+        "parameter_server",
+        "lightning_strategies.strategies.parameter_server:ParameterServerStrategy",
+        "Synchronous sharded parameter servers over torch.distributed.rpc (one shard per process)",
+    ),
+    StrategyRow(
+        "ps",
+        "lightning_strategies.strategies.parameter_server:ParameterServerStrategy",
+        "Alias of 'parameter_server'",
+    ),
+    StrategyRow(
+        "ps_fork",
+        "lightning_strategies.strategies.parameter_server:ParameterServerStrategy",
+        "'ps' with fork-started processes (like 'ddp_fork'; CPU, notebooks, tests)",
+        init_params={"start_method": "fork"},
+    ),
+)
 
 
 def register_strategies(registry: Any = StrategyRegistry) -> list[str]:

@@ -1,0 +1,288 @@
+"""Traffic of the sharded parameter server, and its step time against DDP.
+
+Part 1, bytes: P fork-started CPU processes (gloo process group + TensorPipe RPC on
+127.0.0.1, one torch thread each) push gradients of a synthetic parameter set with
+ResNet-50's 161 tensor shapes (N = 25.6M float32) to ``num_servers`` shards and pull the
+values, for P = 2, 3, 4 and num_servers = 1 and P. The busiest shard's payload bytes per step
+(what it received plus what it sent, as the shards count them) give:
+
+    server_bytes_over_formula_P{P}_S{S}  busiest shard / (2 x P x N x 4 / S)        goal 1.00 +- 0.02
+    server_over_ring_bytes_P{P}_S{S}     busiest shard / ring per-worker bytes        theory P^2/(2(P-1)) at S=1
+    server_over_ring_theory_P{P}_S{S}    P^2/(2(P-1)) x S_balance (the formula value for comparison)
+
+where ring per-worker bytes = sent + received = 2 x 2(P-1)/P x N x 4 (reduce-scatter plus
+all-gather, each direction), counted like the shard's received + sent. With one server it
+carries P x N x 4 each way, P^2/(2(P-1)) times a ring worker; with P servers each carries 1/P
+of that.
+
+Part 2, time: ``ps_over_ddp_step`` = median step time of ``strategy="ps"`` / ``strategy="ddp"``
+for a small MLP fitted by Lightning on 2 fork-started CPU processes, the two strategies in
+interleaved rounds (goal <= 1.5), with the raw medians. A shared machine is noisy: read the
+ratio of interleaved runs, not the milliseconds.
+
+    python benchmarks/ps_traffic.py           # N = 25.6M, P = 2, 3, 4 (~1-2 min on 2 cores)
+    python benchmarks/ps_traffic.py --quick   # N ~ 0.2M, P = 2, 3 rounds (seconds, for CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import queue
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import header, line, median
+from lightning_strategies.comm.ps import (
+    OptimizerSpec,
+    ParameterServerClient,
+    ParameterShard,
+    free_port,
+    init_rpc,
+    local_shard,
+    register_shard,
+    shard_parameters,
+    shutdown_rpc,
+    unregister_shard,
+)
+
+
+def resnet50_sizes() -> list[int]:
+    """Element counts of ResNet-50's trainable tensors (25,557,032 in all), without weights."""
+    try:
+        import torchvision
+
+        with torch.device("meta"):
+            model = torchvision.models.resnet50()
+        return [p.numel() for p in model.parameters()]
+    except Exception:  # torchvision missing or broken: the same shapes by hand (stem, fc, blocks)
+        sizes = [64 * 3 * 49, 64, 64, 2048 * 1000, 1000]
+        for width, blocks, inp in ((64, 3, 64), (128, 4, 256), (256, 6, 512), (512, 3, 1024)):
+            for b in range(blocks):
+                cin = inp if b == 0 else 4 * width
+                sizes += [width * cin, width, width, width * width * 9, width, width]
+                sizes += [4 * width * width, 4 * width, 4 * width]
+                if b == 0:
+                    sizes += [4 * width * cin, 4 * width, 4 * width]
+        return sizes
+
+
+# --------------------------------------------------------------------------------------------
+# Part 1: bytes per step, counted by the shards
+# --------------------------------------------------------------------------------------------
+
+
+def _traffic_worker(
+    rank: int, world: int, port: int, rpc_port: int, sizes: Sequence[int], num_servers: int, steps: int
+) -> Any:
+    timeout = datetime.timedelta(seconds=120)
+    # RPC meets on a port of its own: the process group's store holds ``port``
+    init_rpc(rank, world, f"tcp://127.0.0.1:{rpc_port}", timeout=timeout, num_threads=2)
+    failed = True
+    try:
+        params = [torch.zeros(n, requires_grad=True) for n in sizes]
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3 * (rank + 1))
+        spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=0.1))
+        plan = shard_parameters(list(sizes), num_servers)
+        if rank < num_servers:
+            shard = ParameterShard(rank, plan[rank], [params[i] for i in plan[rank]], spec, world, timeout=timeout)
+            register_shard(shard)
+        dist.barrier()
+        client = ParameterServerClient(rank, params, plan, timeout=timeout)
+        per_step: list[int] = []
+        for _ in range(steps):
+            client.push_pull([0.1])
+            per_step.append(max(client.last_server_bytes))
+        dist.barrier()  # every shard has answered every worker: its counts are final
+        own = local_shard(rank)
+        shard_stats = own.stats if own is not None else None
+        failed = False
+        return {"busiest_per_step": per_step, "shard": shard_stats, "client": client.stats}
+    finally:
+        unregister_shard(rank)
+        shutdown_rpc(failed=failed, timeout=timeout)
+
+
+def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], out: Any) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        out.put((rank, "ok", fn(rank, world, port, *args)))
+    except BaseException:
+        out.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> list[Any]:
+    """``fn(rank, world, port, *args)`` in ``world`` forked processes; results by rank.
+
+    Every wait is bounded: on a timeout the processes started here are killed by PID.
+    """
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, out), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world - len(results)} of {world} processes did not finish in {timeout:.0f}s")
+            try:
+                rank, status, value = out.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    raise RuntimeError(f"ranks {dead} exited with codes {[procs[r].exitcode for r in dead]}") from None
+                continue
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(timeout=5)
+    return [results[r] for r in range(world)]
+
+
+def traffic(sizes: Sequence[int], worlds: Sequence[int], steps: int) -> None:
+    n = sum(sizes)
+    line("params_N", n, "floats")
+    for world in worlds:
+        for num_servers in sorted({1, world}):
+            results = run_world(_traffic_worker, world, free_port(), list(sizes), num_servers, steps)
+            busiest = max(max(r["busiest_per_step"]) for r in results)
+            # cross-check: the shards' own totals over all steps, busiest one per step
+            shard_totals = [r["shard"].bytes_received + r["shard"].bytes_sent for r in results if r["shard"]]
+            assert max(shard_totals) == busiest * steps, (shard_totals, busiest, steps)
+            formula = 2 * world * n * 4 / num_servers
+            ring_per_worker = 2 * (2 * (world - 1) / world) * n * 4
+            tag = f"P{world}_S{num_servers}"
+            line(f"server_bytes_per_step_{tag}", busiest, "bytes")
+            line(f"server_bytes_over_formula_{tag}", busiest / formula, "x")
+            line(f"server_over_ring_bytes_{tag}", busiest / ring_per_worker, "x")
+            line(f"server_over_ring_theory_{tag}", world**2 / (2 * (world - 1)) / num_servers, "x")
+
+
+# --------------------------------------------------------------------------------------------
+# Part 2: step time of ps against ddp under Lightning
+# --------------------------------------------------------------------------------------------
+
+
+def _timed_fit(strategy_name: str, steps: int, width: int, rpc_threads: int) -> float:
+    """Median step seconds of one Lightning fit on 2 fork-started CPU processes (rank 0's)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
+
+    class Mlp(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(
+                nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
+            )
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    class StepTimer(pl.Callback):
+        def __init__(self) -> None:
+            self.stamps: list[float] = []
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            self.stamps.append(time.perf_counter())
+
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            gaps = [b - a for a, b in zip(self.stamps[5:], self.stamps[6:], strict=False)]  # 5 warm-up steps
+            # callback_metrics travel back to the parent process with the fork launcher
+            trainer.callback_metrics["bench/step_s"] = torch.tensor(median(gaps))
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64 * 32, 256, generator=g), torch.randint(0, 10, (64 * 32,), generator=g))
+    strategy: Any = (
+        ParameterServerStrategy(start_method="fork", rpc_threads=rpc_threads)
+        if strategy_name == "ps"
+        else DDPStrategy(start_method="fork")
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[StepTimer()],
+    )
+    trainer.fit(Mlp(), DataLoader(data, batch_size=32))
+    return float(trainer.callback_metrics["bench/step_s"])
+
+
+def step_time(rounds: int, steps: int, width: int, rpc_threads: int = 4) -> None:
+    # keep stdout to `name value unit` lines: Lightning's per-fit banners go to its logger
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    params = 256 * width + width + width * width + width + width * 10 + 10
+    line("mlp_params", params, "floats")
+    times: dict[str, list[float]] = {"ps": [], "ddp": []}
+    for r in range(rounds):
+        order = ("ps", "ddp") if r % 2 == 0 else ("ddp", "ps")  # neither always runs first
+        for name in order:
+            times[name].append(_timed_fit(name, steps, width, rpc_threads))
+    ps_ms, ddp_ms = median(times["ps"]) * 1e3, median(times["ddp"]) * 1e3
+    line("ps_step_ms", ps_ms, "ms")
+    line("ddp_step_ms", ddp_ms, "ms")
+    ratios = [p / d for p, d in zip(times["ps"], times["ddp"], strict=True)]
+    line("ps_over_ddp_step", median(ratios), "x")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="small N, P=2, few rounds (CI)")
+    parser.add_argument("--steps", type=int, default=2, help="push/pull steps per traffic run")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved ps/ddp rounds (default 7; quick 3)")
+    parser.add_argument("--width", type=int, default=512, help="hidden width of the step-time MLP")
+    parser.add_argument("--rpc-threads", type=int, default=4, help="ParameterServerStrategy(rpc_threads=...)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    print(header("ps_traffic"), flush=True)
+    sizes = resnet50_sizes()
+    if args.quick:
+        sizes = [max(1, s // 128) for s in sizes]
+    traffic(sizes, (2,) if args.quick else (2, 3, 4), args.steps)
+    rounds = args.rounds if args.rounds is not None else (3 if args.quick else 7)
+    step_time(rounds, steps=20 if args.quick else 60, width=args.width, rpc_threads=args.rpc_threads)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

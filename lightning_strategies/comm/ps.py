@@ -1,0 +1,805 @@
+"""Sharded parameter servers over :mod:`torch.distributed.rpc`, with no Lightning import.
+
+The trainable tensors of a model are split by whole tensors across ``num_servers`` shards
+(:func:`shard_parameters`, balanced by size), so a layer-wise optimizer such as LAMB sees whole
+layers. Shards are co-located with the training processes: rank ``r`` hosts shard ``r`` for
+``r < num_servers``. Each shard owns a copy of its tensors and an instance of the user's
+optimizer rebuilt from an :class:`OptimizerSpec` (same class, same hyperparameters per group),
+so the optimizer *runs on the servers*; workers only push gradients and pull values.
+
+One step of a worker (:meth:`ParameterServerClient.push_pull`) sends each shard its slice of
+the gradients together with the worker's current learning rates (so LR schedulers and warmup
+on the worker keep working), to all shards in parallel with ``rpc_async``, and copies the
+answers into the local parameters.
+
+A shard in *sync* mode (``barrier=True``) is a barrier: it keeps every worker's push for the
+step, and when the last worker's push arrives it averages the gradients (divide by the number
+of workers, then sum in worker order, as DDP's reducer does), takes one optimizer step and
+answers every worker with the new values. That is DDP's arithmetic with the optimizer moved to
+the server. The RPC handler is ``@rpc.functions.async_execution``: it returns a future at once
+instead of blocking an RPC thread until the barrier opens, so a handful of RPC threads serve any
+number of workers (a blocking handler deadlocks once the waiting pushes occupy every thread).
+With ``barrier=False`` a shard applies each push alone, the building block of the asynchronous
+variant.
+
+Bytes are counted as payload (tensor bytes), for the worker (``bytes_sent`` = gradients pushed,
+``bytes_received`` = values pulled) and for the shard (``bytes_received`` = gradients,
+``bytes_sent`` = values). A worker calls its own co-located shard directly instead of through
+RPC (no serialisation); its payload still counts, so the counts measure the algorithm, not the
+transport.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import Tensor
+from torch.futures import Future
+from torch.optim import Optimizer
+
+from lightning_strategies.comm.stats import CommStats
+
+__all__ = [
+    "OptimizerSpec",
+    "ParameterServerClient",
+    "ParameterShard",
+    "ShardError",
+    "ShardReply",
+    "free_port",
+    "init_rpc",
+    "local_shard",
+    "register_shard",
+    "shard_loads",
+    "shard_parameters",
+    "shutdown_rpc",
+    "unregister_shard",
+    "worker_name",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Sharding plan
+# --------------------------------------------------------------------------------------------
+
+
+def shard_parameters(sizes: Sequence[int], num_servers: int) -> list[list[int]]:
+    """Assign whole tensors to shards, balancing the number of elements per shard.
+
+    Longest-processing-time greedy: tensors from largest to smallest (ties by index) each go to
+    the shard with the fewest elements so far (ties by shard index). The busiest shard holds at
+    most ``4/3`` of the optimum, and at most ``mean + largest tensor``; with many tensors it is
+    within a fraction of a percent of ``sum(sizes) / num_servers``. The plan depends only on
+    ``sizes`` and ``num_servers``, so every process computes the same plan without talking.
+
+    Args:
+        sizes: number of elements of each tensor, in the optimizer's parameter order.
+        num_servers: number of shards.
+
+    Returns:
+        For each shard, the sorted indices (into ``sizes``) of the tensors it holds. A shard
+        may be empty when there are fewer tensors than shards.
+
+    Raises:
+        ValueError: when ``num_servers`` < 1 or a size is negative.
+    """
+    if num_servers < 1:
+        raise ValueError(f"num_servers must be >= 1, found {num_servers}; pass a positive shard count")
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"tensor sizes must be >= 0, found {[s for s in sizes if s < 0]}")
+    loads = [0] * num_servers
+    plan: list[list[int]] = [[] for _ in range(num_servers)]
+    for idx in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        target = min(range(num_servers), key=lambda s: (loads[s], s))
+        plan[target].append(idx)
+        loads[target] += sizes[idx]
+    return [sorted(p) for p in plan]
+
+
+def shard_loads(sizes: Sequence[int], plan: Sequence[Sequence[int]]) -> list[int]:
+    """Elements held by each shard of ``plan``."""
+    return [sum(sizes[i] for i in shard) for shard in plan]
+
+
+# --------------------------------------------------------------------------------------------
+# Rebuilding the user's optimizer on a shard
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """What a shard needs to rebuild the worker's optimizer over its own tensors.
+
+    The convention of :mod:`torch.optim` is that ``optimizer.defaults`` holds exactly the
+    constructor's keyword arguments, and each param group holds its own values of them; a shard
+    builds ``optimizer_class(groups, **defaults)`` where ``groups`` keeps, per group of the
+    worker's optimizer, the tensors this shard holds and that group's hyperparameters.
+
+    Attributes:
+        optimizer_class: the class of the worker's optimizer.
+        defaults: the worker optimizer's ``defaults`` (its constructor keywords).
+        group_options: per param group, its hyperparameters (every key but ``"params"``).
+        group_sizes: per param group, how many tensors it holds (flat index ``i`` belongs to
+            the group whose cumulative size first exceeds ``i``).
+    """
+
+    optimizer_class: type[Optimizer]
+    defaults: dict[str, Any]
+    group_options: tuple[dict[str, Any], ...]
+    group_sizes: tuple[int, ...]
+
+    @classmethod
+    def from_optimizer(cls, optimizer: Optimizer) -> OptimizerSpec:
+        """Describe ``optimizer`` and check at once that a shard can rebuild it.
+
+        The check builds the class over one scalar tensor per group, so a constructor that
+        needs more than ``(params, **defaults)`` fails here, when the strategy is set up, and
+        not on a server mid-run.
+
+        Raises:
+            TypeError: when the class is not a :class:`torch.optim.Optimizer` or cannot be
+                rebuilt from its ``defaults``.
+        """
+        opt_cls = type(optimizer)
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                f"The parameter server runs the optimizer on the servers and rebuilds it there; found "
+                f"{opt_cls.__qualname__}, which is not a torch.optim.Optimizer. Expected a subclass of "
+                "torch.optim.Optimizer whose constructor is `(params, **optimizer.defaults)`. Fix: return "
+                "such an optimizer from configure_optimizers, or use strategy='ddp'."
+            )
+        spec = cls(
+            optimizer_class=opt_cls,
+            defaults=dict(optimizer.defaults),
+            group_options=tuple({k: v for k, v in g.items() if k not in _NOT_OPTIONS} for g in optimizer.param_groups),
+            group_sizes=tuple(len(g["params"]) for g in optimizer.param_groups),
+        )
+        probes = {i: torch.zeros(1, requires_grad=True) for i in _group_starts(spec.group_sizes)}
+        spec.build(probes)
+        return spec
+
+    def group_of(self, flat_index: int) -> int:
+        """The param group of the tensor at ``flat_index`` in the optimizer's parameter order."""
+        end = 0
+        for g, n in enumerate(self.group_sizes):
+            end += n
+            if flat_index < end:
+                return g
+        raise IndexError(f"flat index {flat_index} is past the optimizer's {end} tensors")
+
+    def _constructor_defaults(self) -> dict[str, Any]:
+        """``defaults`` less any key the constructor does not take.
+
+        Some optimizers keep internal options in ``defaults`` (LAMB's ``layer_adaptation``,
+        set by a LARS-style subclass). Dropping them is safe because every group passed to
+        the constructor already carries the worker group's value of every option.
+        """
+        try:
+            parameters = inspect.signature(self.optimizer_class.__init__).parameters
+        except (TypeError, ValueError):
+            return dict(self.defaults)
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            return dict(self.defaults)
+        return {k: v for k, v in self.defaults.items() if k in parameters}
+
+    def build(self, params: Mapping[int, Tensor]) -> Optimizer | None:
+        """Build the optimizer over ``params`` (flat index -> tensor); ``None`` when empty.
+
+        Groups keep the worker's group order; groups with no tensor on this shard are left out
+        (torch optimizers reject empty groups), which :meth:`ParameterShard.load_state_dict`
+        and :meth:`ParameterShard.state_dict` account for.
+        """
+        if not params:
+            return None
+        groups: list[dict[str, Any]] = []
+        for g in range(len(self.group_sizes)):
+            members = [params[i] for i in sorted(params) if self.group_of(i) == g]
+            if members:
+                groups.append({**self.group_options[g], "params": members})
+        try:
+            return self.optimizer_class(groups, **self._constructor_defaults())
+        except Exception as err:
+            try:
+                signature = str(inspect.signature(self.optimizer_class.__init__))
+            except (TypeError, ValueError):
+                signature = "(unknown signature)"
+            raise TypeError(
+                f"The parameter server could not rebuild the optimizer on a server: found "
+                f"{self.optimizer_class.__qualname__}{signature}, and "
+                f"`{self.optimizer_class.__qualname__}(param_groups, **defaults)` with keywords "
+                f"{sorted(self._constructor_defaults())} raised {type(err).__name__}: {err}. Expected a torch.optim "
+                "optimizer whose `defaults` are exactly its constructor keywords (every torch.optim "
+                "class and lightning_strategies.optim.Lamb are). Fix: make the constructor accept "
+                "`(params, **defaults)` (keep extra state out of __init__), or use strategy='ddp'."
+            ) from err
+
+
+# per-tensor lists of a param group, not hyperparameters: a shard holds a subset of the tensors
+_NOT_OPTIONS = ("params", "param_names")
+
+
+def _group_starts(group_sizes: Sequence[int]) -> list[int]:
+    """The flat index of the first tensor of every non-empty group."""
+    starts, pos = [], 0
+    for n in group_sizes:
+        if n:
+            starts.append(pos)
+        pos += n
+    return starts
+
+
+def _failed(fut: Future[Any]) -> bool:
+    try:
+        return isinstance(fut.value(), ShardError)
+    except Exception:
+        return True
+
+
+def _nbytes(tensors: Sequence[Tensor | None]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+# --------------------------------------------------------------------------------------------
+# The shard (server side)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ShardReply:
+    """A shard's answer to one push.
+
+    Attributes:
+        values: the shard's tensors after the step, in the shard's order.
+        version: optimizer steps the shard has taken (equals the step count in sync mode).
+        step_bytes: payload bytes the shard received plus sent for this step (all workers), so
+            every worker can log the busiest shard without an extra collective.
+    """
+
+    values: list[Tensor]
+    version: int
+    step_bytes: int
+
+
+@dataclass
+class ShardError:
+    """A shard's refusal of a push (barrier timeout, out-of-step push), sent as a value.
+
+    RPC carries an exception set on an ``async_execution`` future back as a plain value, not
+    as an error, so failures travel as this object and the client raises them.
+
+    Attributes:
+        message: what went wrong, naming the workers involved.
+        timed_out: the barrier timed out waiting for a worker.
+    """
+
+    message: str
+    timed_out: bool = False
+
+
+@dataclass
+class _PendingStep:
+    grads: dict[int, list[Tensor | None]] = field(default_factory=dict)
+    futures: dict[int, Future[ShardReply | ShardError]] = field(default_factory=dict)
+    lrs: list[float] | None = None
+    bytes_in: int = 0
+    timer: threading.Timer | None = None
+
+
+class ParameterShard:
+    """One server shard: a slice of the model's tensors and the optimizer that updates them.
+
+    Pushes arrive on RPC threads (and on the co-located worker's training thread), so all
+    state is guarded by one lock; the optimizer step runs on the thread of the push that
+    completes the step, and the futures of the waiting workers are completed outside the lock
+    (their callbacks serialise the reply inline).
+
+    Args:
+        shard_id: index of this shard (the rank that hosts it).
+        flat_indices: the optimizer-order indices of the tensors held, sorted.
+        params: those tensors' initial values (copied; the shard owns its tensors).
+        spec: how to rebuild the worker's optimizer over them.
+        num_workers: workers that push every step (the barrier's width in sync mode).
+        barrier: sync mode (wait for all workers, average, one step) when ``True``; apply each
+            push alone when ``False``.
+        timeout: how long the barrier waits for the last worker of a step before failing every
+            waiting worker with an error that names the missing ones.
+    """
+
+    def __init__(
+        self,
+        shard_id: int,
+        flat_indices: Sequence[int],
+        params: Sequence[Tensor],
+        spec: OptimizerSpec,
+        num_workers: int,
+        *,
+        barrier: bool = True,
+        timeout: timedelta = timedelta(minutes=30),
+    ) -> None:
+        if len(flat_indices) != len(params):
+            raise ValueError(f"{len(flat_indices)} indices for {len(params)} tensors")
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, found {num_workers}")
+        self.shard_id = shard_id
+        self.flat_indices = list(flat_indices)
+        self.params = [p.detach().clone().requires_grad_(True) for p in params]
+        self.spec = spec
+        self.num_workers = num_workers
+        self.barrier = barrier
+        self.timeout = timeout
+        self.optimizer = spec.build(dict(zip(self.flat_indices, self.params, strict=True)))
+        self._groups = [spec.group_of(i) for i in self.flat_indices]
+        # which of the worker's groups each of this optimizer's groups is (empty ones are skipped)
+        self._group_ids = sorted(set(self._groups))
+        self._values_bytes = _nbytes(self.params)
+        self.stats = CommStats()
+        self.version = 0
+        self._lock = threading.Lock()
+        self._pending = _PendingStep()
+        self._failure: str | None = None
+
+    # -- pushes -------------------------------------------------------------------------------
+
+    def push(
+        self, worker: int, step: int, grads: list[Tensor | None], lrs: list[float]
+    ) -> Future[ShardReply | ShardError]:
+        """Take worker ``worker``'s gradients for step ``step``; the future holds the new values.
+
+        Args:
+            worker: the pushing worker's index in ``[0, num_workers)``.
+            step: the worker's step count; in sync mode every worker must push the shard's
+                current step exactly once.
+            grads: one gradient (or ``None`` for an unused tensor) per tensor of this shard.
+            lrs: the worker's current learning rate of every param group of its optimizer.
+        """
+        fut: Future[ShardReply | ShardError] = Future()
+        nbytes = _nbytes(grads)
+        with self._lock:
+            self.stats.bytes_received += nbytes
+            self.stats.calls += 1
+            error = self._check_push(worker, step, grads, lrs)
+            if error is not None:
+                fut.set_result(ShardError(error))
+                return fut
+            if not self.barrier:
+                reply = self._apply_alone(grads, lrs, nbytes)
+                fut.set_result(reply)
+                return fut
+            pending = self._pending
+            pending.grads[worker] = grads
+            pending.futures[worker] = fut
+            pending.lrs = lrs
+            pending.bytes_in += nbytes
+            if len(pending.grads) == 1 and self.num_workers > 1:
+                pending.timer = threading.Timer(self.timeout.total_seconds(), self._expire, args=(self.version,))
+                pending.timer.daemon = True
+                pending.timer.start()
+            if len(pending.grads) < self.num_workers:
+                return fut
+            self._pending = _PendingStep()
+            if pending.timer is not None:
+                pending.timer.cancel()
+            self._step([pending.grads[w] for w in range(self.num_workers)], pending.lrs)
+            sent = self.num_workers * self._values_bytes
+            self.stats.bytes_sent += sent
+            # The values are not cloned: the next step cannot run before every worker pushes
+            # again, which each does only after receiving (and deserialising) this reply.
+            reply = ShardReply(list(self.params), self.version, pending.bytes_in + sent)
+        for w in sorted(pending.futures):
+            pending.futures[w].set_result(reply)
+        return fut
+
+    def _check_push(self, worker: int, step: int, grads: list[Tensor | None], lrs: list[float]) -> str | None:
+        where = f"parameter server shard {self.shard_id}"
+        if self._failure is not None:
+            return f"{where} has failed earlier and takes no more pushes: {self._failure}"
+        if not 0 <= worker < self.num_workers:
+            return f"{where}: push from worker {worker}, expected a worker in [0, {self.num_workers})"
+        if len(grads) != len(self.params):
+            return f"{where}: worker {worker} pushed {len(grads)} gradients, expected {len(self.params)}"
+        if len(lrs) != len(self.spec.group_sizes):
+            return (
+                f"{where}: worker {worker} sent {len(lrs)} learning rates, expected one per param group "
+                f"({len(self.spec.group_sizes)})"
+            )
+        if self.barrier:
+            if step != self.version:
+                return (
+                    f"{where}: worker {worker} pushed step {step} while the shard is at step {self.version}; "
+                    "in sync mode every worker must push every step once (did a worker skip an "
+                    "optimizer step, e.g. a training_step returning None on one rank only?)"
+                )
+            if worker in self._pending.grads:
+                return f"{where}: worker {worker} pushed step {step} twice"
+        return None
+
+    def _expire(self, version: int) -> None:
+        """Barrier timeout: fail every waiting worker, naming the workers that never pushed."""
+        with self._lock:
+            pending = self._pending
+            if self.version != version or not pending.futures:
+                return
+            missing = [w for w in range(self.num_workers) if w not in pending.grads]
+            self._failure = (
+                f"parameter server shard {self.shard_id} waited {self.timeout.total_seconds():.0f}s for "
+                f"the gradients of step {version} from worker(s) {missing} (received from "
+                f"{sorted(pending.grads)}). Worker(s) {missing} died or are stuck; check their logs. "
+                "To wait longer for slow workers, raise the strategy's `timeout`."
+            )
+            self._pending = _PendingStep()
+        # the remote workers' errors first: once the co-located worker (index == shard_id) wakes
+        # up it fails and shuts RPC down, which would drop replies not yet on the wire
+        for w in sorted(pending.futures, key=lambda w: (w == self.shard_id, w)):
+            pending.futures[w].set_result(ShardError(self._failure, timed_out=True))
+
+    # -- optimizer ----------------------------------------------------------------------------
+
+    def _set_lrs(self, lrs: Sequence[float]) -> None:
+        if self.optimizer is None:
+            return
+        for group, g in zip(self.optimizer.param_groups, self._group_ids, strict=True):
+            group["lr"] = lrs[g]
+
+    def _step(self, grads_by_worker: list[list[Tensor | None]], lrs: Sequence[float] | None) -> None:
+        if self.optimizer is None:
+            self.version += 1
+            return
+        n = len(grads_by_worker)
+        for i, p in enumerate(self.params):
+            avg: Tensor | None = None
+            for grads in grads_by_worker:
+                g = grads[i]
+                if g is None:
+                    continue
+                # divide then sum in worker order: DDP's reducer divides each rank's gradient by
+                # the world size before the sum-all-reduce, so the rounding matches for P=2
+                part = g.to(p.device, p.dtype).div(n) if n > 1 else g.to(p.device, p.dtype)
+                avg = part if avg is None else avg.add_(part)
+            p.grad = avg
+        if lrs is not None:
+            self._set_lrs(lrs)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+
+    def _apply_alone(self, grads: list[Tensor | None], lrs: list[float], nbytes: int) -> ShardReply:
+        self._step([grads], lrs)
+        self.stats.bytes_sent += self._values_bytes
+        # cloned: without a barrier the next push may update the tensors while this reply is
+        # still being serialised on another thread
+        return ShardReply([p.detach().clone() for p in self.params], self.version, nbytes + self._values_bytes)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def values(self) -> list[Tensor]:
+        """The shard's current tensors (not copies)."""
+        return list(self.params)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This shard's optimizer state keyed by the worker optimizer's flat parameter index.
+
+        Returns:
+            ``{"state": {flat_index: per-tensor state}, "param_groups": {group: options}}``;
+            :meth:`ParameterServerClient.gather_state_dict` merges these into one state dict
+            shaped like ``worker_optimizer.state_dict()``.
+        """
+        with self._lock:
+            if self.optimizer is None:
+                return {"state": {}, "param_groups": {}, "version": self.version}
+            sd = self.optimizer.state_dict()
+            return {
+                "state": {self.flat_indices[i]: s for i, s in sd["state"].items()},
+                "param_groups": {
+                    g: {k: v for k, v in group.items() if k not in _NOT_OPTIONS}
+                    for g, group in zip(self._group_ids, sd["param_groups"], strict=True)
+                },
+                "version": self.version,
+            }
+
+    def load_state_dict(self, full_state: Mapping[str, Any], version: int | None = None) -> None:
+        """Load this shard's part of a full optimizer state dict (worker optimizer format).
+
+        Args:
+            full_state: ``{"state": {flat_index: ...}, "param_groups": [...]}`` as returned by
+                :meth:`ParameterServerClient.gather_state_dict` (or a plain optimizer's
+                ``state_dict()`` of the same model).
+            version: the step count to resume at (sync mode needs the workers' step).
+        """
+        with self._lock:
+            if version is not None:
+                self.version = version
+            if self.optimizer is None:
+                return
+            local_ids = {flat: i for i, flat in enumerate(self.flat_indices)}
+            groups = []
+            for g in self._group_ids:
+                options = {k: v for k, v in full_state["param_groups"][g].items() if k not in _NOT_OPTIONS}
+                groups.append(
+                    {
+                        **options,
+                        "params": [local_ids[f] for f in self.flat_indices if self.spec.group_of(f) == g],
+                    }
+                )
+            state = {local_ids[int(f)]: s for f, s in full_state["state"].items() if int(f) in local_ids}
+            self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def load_values(self, values: Sequence[Tensor]) -> None:
+        """Overwrite the shard's tensors (e.g. with the weights of a restored checkpoint)."""
+        with self._lock, torch.no_grad():
+            for p, v in zip(self.params, values, strict=True):
+                p.copy_(v)
+
+
+# --------------------------------------------------------------------------------------------
+# RPC plumbing: process-wide shard registry and handlers
+# --------------------------------------------------------------------------------------------
+
+_LOCAL_SHARDS: dict[int, ParameterShard] = {}
+
+
+def register_shard(shard: ParameterShard) -> None:
+    """Make ``shard`` reachable by RPC in this process (one process may host several)."""
+    _LOCAL_SHARDS[shard.shard_id] = shard
+
+
+def unregister_shard(shard_id: int) -> None:
+    """Forget the shard (at teardown), so a later fit in this process starts clean."""
+    _LOCAL_SHARDS.pop(shard_id, None)
+
+
+def local_shard(shard_id: int) -> ParameterShard | None:
+    """The shard ``shard_id`` when this process hosts it."""
+    return _LOCAL_SHARDS.get(shard_id)
+
+
+def _hosted(shard_id: int) -> ParameterShard:
+    shard = _LOCAL_SHARDS.get(shard_id)
+    if shard is None:
+        raise RuntimeError(
+            f"parameter server shard {shard_id} is not hosted by {rpc.get_worker_info().name} "
+            f"(this process hosts {sorted(_LOCAL_SHARDS)}); the sharding plans of the workers disagree"
+        )
+    return shard
+
+
+@rpc.functions.async_execution
+def _rpc_push(
+    shard_id: int, worker: int, step: int, grads: list[Tensor | None], lrs: list[float]
+) -> Future[ShardReply | ShardError]:
+    # returns the barrier's future at once: the RPC thread is free while the step waits
+    return _hosted(shard_id).push(worker, step, grads, lrs)
+
+
+def _rpc_state_dict(shard_id: int) -> dict[str, Any]:
+    return _hosted(shard_id).state_dict()
+
+
+def worker_name(rank: int) -> str:
+    """The RPC name of the training process of global rank ``rank``."""
+    return f"ps_worker{rank}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on right now (for RPC's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def init_rpc(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    *,
+    timeout: timedelta,
+    num_threads: int = 4,
+    device_maps: Mapping[str, Mapping[torch.device, torch.device]] | None = None,
+) -> None:
+    """Start this process's TensorPipe RPC agent as :func:`worker_name` ``(rank)``.
+
+    Rank and world size are explicit and the rendezvous is ``init_method`` (a ``tcp://`` address
+    of its own), so it does not collide with the process group's store on ``MASTER_PORT``.
+
+    Args:
+        rank: global rank.
+        world_size: number of processes.
+        init_method: ``tcp://host:port`` of the rendezvous, the same on every rank.
+        timeout: default timeout of every RPC (and of the rendezvous).
+        num_threads: RPC server threads. Handlers never block (async execution), so a few
+            suffice; more threads only compete for cores with training.
+        device_maps: per peer name, how this process's devices map to the peer's (CUDA only).
+    """
+    options = rpc.TensorPipeRpcBackendOptions(
+        num_worker_threads=num_threads,
+        rpc_timeout=timeout.total_seconds(),
+        init_method=init_method,
+    )
+    for peer, mapping in (device_maps or {}).items():
+        options.set_device_map(peer, dict(mapping))  # type: ignore[arg-type]
+    rpc.init_rpc(worker_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
+
+
+def shutdown_rpc(*, failed: bool, timeout: timedelta, grace_seconds: float = 1.0) -> None:
+    """Stop this process's RPC agent.
+
+    Args:
+        failed: this run failed. A graceful shutdown waits until every process reaches it,
+            which dead peers never do; so after a failure the shutdown is local, after a short
+            grace that lets replies already queued (such as a shard's error naming the dead
+            worker, sent to the survivors) leave before the agent closes its pipes.
+        timeout: bound on the graceful shutdown's wait for the peers.
+        grace_seconds: the grace before a local shutdown.
+    """
+    if failed:
+        time.sleep(grace_seconds)
+        rpc.shutdown(graceful=False)
+        return
+    rpc.shutdown(graceful=True, timeout=timeout.total_seconds())
+
+
+# --------------------------------------------------------------------------------------------
+# The worker side
+# --------------------------------------------------------------------------------------------
+
+
+class ParameterServerClient:
+    """A worker's handle on every shard: push gradients, pull values, count bytes.
+
+    Args:
+        worker: this worker's index (its global rank).
+        params: the worker's trainable tensors in the optimizer's flat order; the pulled
+            values are copied into them in place.
+        plan: :func:`shard_parameters`'s output; shard ``s`` is hosted by rank ``s``.
+        timeout: the barrier timeout of the shards; the RPC timeout is a little longer so the
+            shard's error, which names the missing workers, arrives first.
+    """
+
+    def __init__(
+        self,
+        worker: int,
+        params: Sequence[Tensor],
+        plan: Sequence[Sequence[int]],
+        *,
+        timeout: timedelta = timedelta(minutes=30),
+    ) -> None:
+        self.worker = worker
+        self.params = list(params)
+        self.plan = [list(p) for p in plan]
+        self.rpc_timeout = timeout.total_seconds() + max(5.0, 0.1 * timeout.total_seconds())
+        self.stats = CommStats()
+        self.step = 0
+        self.last_wait_seconds = 0.0
+        self.last_server_bytes = [0] * len(self.plan)
+
+    @property
+    def num_servers(self) -> int:
+        return len(self.plan)
+
+    def push_pull(self, lrs: Sequence[float]) -> None:
+        """Push ``p.grad`` of every tensor to its shard, wait for all shards, copy the answers.
+
+        All shards are contacted before waiting on any (``rpc_async``), so the shards work in
+        parallel; the co-located shard is called directly. This is the worker's only
+        synchronisation point of the step.
+
+        Raises:
+            RuntimeError: naming the shard and its host rank when a shard fails or times out.
+        """
+        start = time.perf_counter()
+        futures: dict[int, Future[ShardReply | ShardError]] = {}
+        for s, idx in enumerate(self.plan):
+            if not idx:
+                continue  # more shards than tensors: nothing to exchange with this one
+            grads = [self.params[i].grad for i in idx]
+            grads = [g.detach() if g is not None else None for g in grads]
+            self.stats.bytes_sent += _nbytes(grads)
+            shard = local_shard(s)
+            if shard is not None:
+                futures[s] = shard.push(self.worker, self.step, grads, list(lrs))
+            else:
+                futures[s] = rpc.rpc_async(
+                    worker_name(s),
+                    _rpc_push,
+                    args=(s, self.worker, self.step, grads, list(lrs)),
+                    timeout=self.rpc_timeout,
+                )
+        self.stats.calls += len(futures)
+        for s, reply in self._wait_all(futures).items():
+            self.last_server_bytes[s] = reply.step_bytes
+            with torch.no_grad():
+                for i, v in zip(self.plan[s], reply.values, strict=True):
+                    self.params[i].copy_(v)
+            self.stats.bytes_received += _nbytes(reply.values)
+        self.step += 1
+        self.last_wait_seconds = time.perf_counter() - start
+        self.stats.seconds += self.last_wait_seconds
+
+    def _wait_all(self, futures: Mapping[int, Future[Any]]) -> dict[int, Any]:
+        """Each shard's result (shard id -> future), or the first failure as soon as it happens.
+
+        Waiting in shard order would report a dead host only after an earlier shard's barrier
+        timed out; a gate future opened by the first failure (or by the last success) reports
+        the dead one at once.
+        """
+        if not futures:
+            return {}
+        gate: Future[int] = Future()
+        lock = threading.Lock()
+        pending = [len(futures)]
+
+        def on_done(s: int, fut: Future[Any]) -> None:
+            failed = fut.done() and _failed(fut)
+            with lock:
+                pending[0] -= 1
+                if gate.done():
+                    return
+                if failed:
+                    gate.set_result(s)
+                elif pending[0] == 0:
+                    gate.set_result(-1)
+
+        for s, fut in futures.items():
+            fut.add_done_callback(functools.partial(on_done, s))
+        first_failed = gate.wait()
+        if first_failed >= 0:
+            self._wait(first_failed, futures[first_failed])  # raises, naming the shard
+        return {s: self._wait(s, fut) for s, fut in futures.items()}
+
+    def _wait(self, s: int, fut: Future[Any]) -> Any:
+        where = (
+            f"worker {self.worker}: parameter server shard {s} (hosted by rank {s}, RPC name "
+            f"{worker_name(s)!r}) failed at step {self.step}"
+        )
+        try:
+            result = fut.wait()
+        except Exception as err:
+            raise RuntimeError(f"{where}: {err}") from err
+        if isinstance(result, ShardError):
+            raise (TimeoutError if result.timed_out else RuntimeError)(f"{where}: {result.message}")
+        return result
+
+    def gather_state_dict(
+        self, spec: OptimizerSpec, worker_param_groups: Sequence[Mapping[str, Any]]
+    ) -> dict[str, Any]:
+        """Collect every shard's optimizer state into one ``Optimizer.state_dict()``-shaped dict.
+
+        The result indexes tensors by the worker optimizer's flat order, so it loads into the
+        same optimizer class over the same model on a single device, and back into the shards
+        with :meth:`ParameterShard.load_state_dict`. Group options come from a shard holding a
+        tensor of the group (they carry what the optimizer stores in its groups), else from the
+        worker's optimizer.
+        """
+        futures: dict[int, Future[Any]] = {}
+        for s in range(self.num_servers):
+            shard = local_shard(s)
+            if shard is not None:
+                done: Future[Any] = Future()
+                done.set_result(shard.state_dict())
+                futures[s] = done
+            else:
+                futures[s] = rpc.rpc_async(worker_name(s), _rpc_state_dict, args=(s,), timeout=self.rpc_timeout)
+        state: dict[int, Any] = {}
+        group_options: dict[int, dict[str, Any]] = {}
+        for part in self._wait_all(futures).values():
+            state.update(part["state"])
+            for g, options in part["param_groups"].items():
+                group_options.setdefault(int(g), options)
+        groups = []
+        start = 0
+        for g, n in enumerate(spec.group_sizes):
+            worker_group = worker_param_groups[g]
+            options = group_options.get(g, {k: v for k, v in worker_group.items() if k not in _NOT_OPTIONS})
+            if "param_names" in worker_group:
+                options = {**options, "param_names": list(worker_group["param_names"])}
+            groups.append({**options, "params": list(range(start, start + n))})
+            start += n
+        return {"state": dict(sorted(state.items())), "param_groups": groups}

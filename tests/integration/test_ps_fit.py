@@ -1,0 +1,323 @@
+"""``Trainer(strategy="ps")`` against ``strategy="ddp"`` on 2 and 3 fork-started CPU processes:
+same final weights, checkpoints that resume exactly and load on one device, accumulation,
+the per-step communication logs, and the errors for what the strategy does not support."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.utils.data import DataLoader
+
+import lightning_strategies  # noqa: F401  (registers "ps")
+from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
+from tests.lightning_utils import (
+    GlobalBatchSampler,
+    TinyRegressor,
+    fit_weights,
+    regression_data,
+    sgd_momentum,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def lamb(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    from lightning_strategies.optim import Lamb
+
+    return Lamb(params, lr=0.02, weight_decay=0.01)
+
+
+OPTIMIZERS = {"sgd_momentum": sgd_momentum, "lamb": lamb}
+
+
+def ps(num_servers: int | None = None) -> ParameterServerStrategy:
+    return ParameterServerStrategy(start_method="fork", num_servers=num_servers, timeout=timedelta(seconds=30))
+
+
+@functools.cache
+def ddp_weights(devices: int, optimizer: str, accumulate: int = 1) -> dict[str, torch.Tensor]:
+    return fit_weights(
+        DDPStrategy(start_method="fork"),
+        devices,
+        model=TinyRegressor(optimizer_factory=OPTIMIZERS[optimizer]),
+        accumulate_grad_batches=accumulate,
+    )
+
+
+def assert_weights_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], devices: int) -> None:
+    assert got.keys() == want.keys()
+    # P=2: the shard computes g0/2 + g1/2 like DDP's reducer (halving is exact, a 2-term sum is
+    # order-free), so the weights are bit-identical. P=3: gloo's ring adds the three thirds in a
+    # different order per chunk than the shard does, a rounding difference of ~1 ulp of the
+    # gradient per step; over 6 steps, with weights of O(1), that stays far below 1e-6.
+    atol = 0.0 if devices == 2 else 1e-6
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "lamb"])
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("num_servers", [None, 1])
+def test_ps_ends_with_ddp_weights(devices: int, optimizer: str, num_servers: int | None) -> None:
+    got = fit_weights(ps(num_servers), devices, model=TinyRegressor(optimizer_factory=OPTIMIZERS[optimizer]))
+    assert_weights_equal(got, ddp_weights(devices, optimizer), devices)
+
+
+def test_one_process_equals_a_single_device() -> None:
+    got = fit_weights(ps(), 1, batch_size=16)
+    want = fit_weights("auto", 1, batch_size=16)
+    assert_weights_equal(got, want, 2)  # one worker: no averaging at all, bit-identical
+
+
+def test_registered_name_trains_like_ddp() -> None:
+    # "ps" itself starts ranks with popen, which re-runs pytest; "ps_fork" is the same row forked
+    got = fit_weights("ps_fork", 2)
+    assert_weights_equal(got, ddp_weights(2, "sgd_momentum"), 2)
+
+
+def test_gradient_accumulation_matches_ddp() -> None:
+    # the accumulated local gradient is pushed at the optimizer step, as DDP syncs it at the last
+    # micro-batch: same average, same step
+    got = fit_weights(ps(), 2, accumulate_grad_batches=2)
+    assert_weights_equal(got, ddp_weights(2, "sgd_momentum", accumulate=2), 2)
+
+
+class _Warmup(TinyRegressor):
+    """Linear warmup per step: the servers must use the learning rate the worker's scheduler set."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = super().configure_optimizers()
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+
+def test_lr_scheduler_warmup_matches_ddp() -> None:
+    got = fit_weights(ps(), 2, model=_Warmup())
+    want = fit_weights(DDPStrategy(start_method="fork"), 2, model=_Warmup())
+    assert_weights_equal(got, want, 2)
+    # and the warmup did change the result: the servers did not keep the initial lr
+    assert not torch.equal(got["net.0.weight"], ddp_weights(2, "sgd_momentum")["net.0.weight"])
+
+
+class _BatchNormRegressor(TinyRegressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
+        self.spread = 0.0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        # before the forward every rank must hold rank 0's running statistics, as under DDP
+        stats = self.all_gather(self.net[1].running_mean.clone())
+        self.spread = max(self.spread, float((stats.max(0).values - stats.min(0).values).max()))
+        self.log("synced", float(self.global_rank + 1), sync_dist=True, reduce_fx="sum")
+        return super().training_step(batch, batch_idx)
+
+    def on_train_end(self) -> None:
+        self.trainer.callback_metrics["buffer_spread"] = torch.tensor(self.spread)
+        # Lightning's own collectives still run on the process group
+        strategy = self.trainer.strategy
+        strategy.barrier()
+        self.trainer.callback_metrics["broadcast"] = torch.tensor(float(strategy.broadcast(self.global_rank + 7)))
+        ranks = torch.tensor(float(self.global_rank + 1))
+        self.trainer.callback_metrics["reduced"] = strategy.reduce(ranks, reduce_op="sum")
+
+
+def test_buffers_follow_rank0_like_ddp() -> None:
+    trainer = _trainer(ps(), 2, max_steps=4)
+    trainer.fit(_BatchNormRegressor(), _loader())
+    assert float(trainer.callback_metrics["buffer_spread"]) == 0.0
+    assert float(trainer.callback_metrics["broadcast"]) == 7.0  # rank 0's value
+    assert float(trainer.callback_metrics["reduced"]) == float(trainer.callback_metrics["synced"]) == 3.0
+    got = fit_weights(ps(), 2, model=_BatchNormRegressor())
+    want = fit_weights(DDPStrategy(start_method="fork"), 2, model=_BatchNormRegressor())
+    assert_weights_equal(got, want, 2)  # weights and buffers (rank 0's state_dict)
+
+
+class _Metrics(pl.Callback):
+    """Keeps what the strategy logged each step (rank 0's is returned to the parent)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+def _trainer(strategy: Any, devices: int, max_steps: int, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        **kwargs,
+    )
+
+
+def _loader(batch_size: int = 8) -> DataLoader:
+    data = regression_data()
+    return DataLoader(data, batch_size=batch_size, sampler=GlobalBatchSampler(len(data), batch_size))
+
+
+@pytest.mark.parametrize("log_every_n_steps", [1, 2])
+def test_logs_bytes_and_wait_per_step(log_every_n_steps: int) -> None:
+    trainer = _trainer(ps(), 2, max_steps=4, log_every_n_steps=log_every_n_steps)
+    trainer.fit(TinyRegressor(), _loader())
+    metrics = trainer.callback_metrics
+    n_bytes = 4 * sum(p.numel() for p in TinyRegressor().parameters())  # 212 floats
+    # per step (a mean over the steps since the last log when logging every n steps)
+    assert float(metrics["comm/bytes_sent"]) == float(metrics["comm/bytes_received"]) == n_bytes
+    # two shards by size: net.0.weight (128 floats) alone, the other three (84) together;
+    # the busiest takes 128 floats from each of 2 workers and sends them back to each
+    assert float(metrics["ps/server_bytes_max"]) == 2 * 2 * 128 * 4
+    assert 0.0 < float(metrics["ps/wait_seconds"]) < 30.0
+    assert "train_loss" in metrics
+
+
+class _SaveAtEnd(pl.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)  # every rank calls it; rank 0 gathers and writes
+
+
+def test_checkpoint_resume_restores_the_servers_optimizer_state(tmp_path: Path) -> None:
+    # whole epochs (4 steps of global batch 16 over 64 samples): Lightning replays the data of a
+    # run resumed under max_steps differently even on one device, under max_epochs exactly
+    full_model = TinyRegressor()
+    _trainer(ps(), 2, max_steps=-1, max_epochs=2).fit(full_model, _loader())
+    ckpt = tmp_path / "half.ckpt"
+    _trainer(ps(), 2, max_steps=-1, max_epochs=1, callbacks=[_SaveAtEnd(ckpt)]).fit(TinyRegressor(), _loader())
+    resumed_model = TinyRegressor()
+    _trainer(ps(), 2, max_steps=-1, max_epochs=2).fit(resumed_model, _loader(), ckpt_path=ckpt)
+    # momentum restored to the shards: the resumed run is bit-identical to the uninterrupted one
+    assert_weights_equal(resumed_model.state_dict(), full_model.state_dict(), 2)
+
+    # the file holds the gathered momentum of every tensor, equal to DDP's at the same step
+    state = torch.load(ckpt, weights_only=False)
+    ddp_ckpt = tmp_path / "ddp.ckpt"
+    _trainer(DDPStrategy(start_method="fork"), 2, max_steps=-1, max_epochs=1, callbacks=[_SaveAtEnd(ddp_ckpt)]).fit(
+        TinyRegressor(), _loader()
+    )
+    ddp_state = torch.load(ddp_ckpt, weights_only=False)
+    ps_opt, ddp_opt = state["optimizer_states"][0], ddp_state["optimizer_states"][0]
+    assert sorted(ps_opt["state"]) == [0, 1, 2, 3]
+    for i in range(4):
+        torch.testing.assert_close(
+            ps_opt["state"][i]["momentum_buffer"], ddp_opt["state"][i]["momentum_buffer"], rtol=0, atol=0
+        )
+    assert [g["params"] for g in ps_opt["param_groups"]] == [[0, 1, 2, 3]]
+
+
+def test_ps_checkpoint_loads_into_a_single_device_model(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ps.ckpt"
+    _trainer(ps(), 2, max_steps=3, callbacks=[_SaveAtEnd(ckpt)]).fit(TinyRegressor(), _loader())
+    state = torch.load(ckpt, weights_only=False)
+    model = TinyRegressor()
+    model.load_state_dict(state["state_dict"])  # plain keys, no "module." prefix
+    optimizer = model.configure_optimizers()
+    optimizer.load_state_dict(state["optimizer_states"][0])
+    assert len(optimizer.state) == 4
+
+
+class _Manual(TinyRegressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(loss)
+        opt.step()  # type: ignore[union-attr]
+        return loss
+
+
+class _TwoOptimizers(TinyRegressor):
+    def configure_optimizers(self) -> Any:
+        return [
+            torch.optim.SGD(self.net[0].parameters(), lr=0.1),
+            torch.optim.SGD(self.net[2].parameters(), lr=0.1),
+        ]
+
+
+class _NeedsModel(torch.optim.SGD):
+    def __init__(self, params: Any, model: nn.Module) -> None:
+        super().__init__(params, lr=0.1)
+        self.model = model
+
+
+class _Unrebuildable(TinyRegressor):
+    def configure_optimizers(self) -> Any:
+        return _NeedsModel(self.parameters(), self)
+
+
+class _LambGlobalClip(TinyRegressor):
+    def configure_optimizers(self) -> Any:
+        from lightning_strategies.optim import Lamb
+
+        return Lamb(self.parameters(), lr=0.01, max_grad_norm=1.0)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "model", "trainer_kwargs", "message"),
+    [
+        (
+            lambda: ps(num_servers=3),
+            TinyRegressor,
+            {},
+            r"num_servers=3\) with 2 processes: expected 1 <= num_servers <= 2",
+        ),
+        (ps, _Manual, {}, r"found `automatic_optimization = False`"),
+        (
+            ps,
+            _TwoOptimizers,
+            {},
+            r"(multiple optimizers is only supported with manual optimization|found 2 optimizers)",
+        ),
+        (ps, _Unrebuildable, {}, r"could not rebuild the optimizer on a server: found _NeedsModel"),
+        (ps, _LambGlobalClip, {}, r"Lamb\(max_grad_norm=1.0\) with num_servers=2: the global gradient norm"),
+        (
+            ps,
+            TinyRegressor,
+            {"gradient_clip_val": 1.0},
+            r"gradient_clip_val=1.0\): gradient clipping is unsupported",
+        ),
+    ],
+)
+def test_unsupported_setups_raise_clear_errors(
+    strategy: Any, model: Any, trainer_kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(Exception, match=message):
+        fit_weights(strategy(), 2, model=model(), **trainer_kwargs)
+
+
+class _DiesOnRank1(TinyRegressor):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_rank == 1 and batch_idx == 2:
+            raise RuntimeError("rank 1 crashed in training_step")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_crashing_rank_fails_the_fit_without_hanging() -> None:
+    start = time.monotonic()
+    with pytest.raises(Exception, match="rank 1 crashed in training_step"):
+        fit_weights(ps(), 2, model=_DiesOnRank1())
+    # the launcher reports the crash and stops the survivor: well inside the 30 s barrier timeout
+    assert time.monotonic() - start < 25

@@ -1,0 +1,277 @@
+"""Parameter-server layer in one process: sharding plan, the shard's barrier and optimizer,
+state gathering, and the strategy's option checks. No RPC and no process group: a worker's
+co-located shard is called directly, so several "workers" can push to one shard here."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_strategies  # noqa: F401  (registers the strategy names)
+from lightning_strategies.comm.ps import (
+    OptimizerSpec,
+    ParameterServerClient,
+    ParameterShard,
+    ShardError,
+    register_shard,
+    shard_loads,
+    shard_parameters,
+    unregister_shard,
+)
+from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
+
+# ResNet-50's 161 tensor sizes, grouped: the realistic case for balance
+RESNET50_LIKE = (
+    [2048 * 1000, 1000]
+    + [512 * 2048] * 3
+    + [2048 * 512] * 3
+    + [512 * 512 * 9] * 3
+    + [256 * 1024] * 6
+    + [1024 * 256] * 6
+    + [256 * 256 * 9] * 6
+    + [128 * 512] * 4
+    + [512 * 128] * 4
+    + [128 * 128 * 9] * 4
+    + [64 * 256] * 3
+    + [256 * 64] * 3
+    + [64 * 64 * 9] * 3
+    + [64 * 3 * 49]
+    + [64, 128, 256, 512, 1024, 2048] * 18
+)
+
+
+def test_sharding_covers_every_tensor_once_and_is_deterministic() -> None:
+    sizes = [7, 300, 5, 300, 12, 0, 64, 64, 1]
+    plan = shard_parameters(sizes, 3)
+    assert sorted(i for shard in plan for i in shard) == list(range(len(sizes)))
+    assert all(shard == sorted(shard) for shard in plan)
+    assert plan == shard_parameters(list(sizes), 3)  # same inputs, same plan on every rank
+    assert shard_parameters([5, 5, 5, 5], 2) == [[0, 2], [1, 3]]  # ties broken by index
+
+
+@pytest.mark.parametrize("num_servers", [1, 2, 3, 4, 8])
+def test_sharding_is_balanced_by_size(num_servers: int) -> None:
+    loads = shard_loads(RESNET50_LIKE, shard_parameters(RESNET50_LIKE, num_servers))
+    mean = sum(RESNET50_LIKE) / num_servers
+    # greedy largest-first never exceeds mean + largest tensor; on ResNet-50 it is within 1 %
+    assert max(loads) <= mean + max(RESNET50_LIKE)
+    assert max(loads) / mean < 1.01
+
+
+def test_sharding_with_more_shards_than_tensors_leaves_some_empty() -> None:
+    assert shard_parameters([10, 20], 3) == [[1], [0], []]
+
+
+def test_sharding_rejects_no_servers() -> None:
+    with pytest.raises(ValueError, match="num_servers must be >= 1, found 0"):
+        shard_parameters([1, 2], 0)
+
+
+def _model_params(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(6, 4, generator=g), torch.randn(6, generator=g), torch.randn(3, 6, generator=g)]
+
+
+def _grad(worker: int, step: int, like: torch.Tensor, i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * worker + 10 * step + i)
+    return torch.randn(like.shape, generator=g)
+
+
+def _sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.1}], lr=0.1, momentum=0.9)
+
+
+def _reference(steps: int, workers: int, lrs: list[float]) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """Single-device SGD on the gradient averaged the way DDP does (divide, then sum)."""
+    params = [p.clone().requires_grad_(True) for p in _model_params()]
+    opt = _sgd(params)
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lrs[step]
+        for i, p in enumerate(params):
+            p.grad = sum((_grad(w, step, p, i).div(workers) for w in range(workers)), torch.zeros_like(p))
+        opt.step()
+    return [p.detach() for p in params], opt.state_dict()
+
+
+def _shards(num_servers: int, workers: int, **kw: Any) -> tuple[OptimizerSpec, list[list[int]], list[ParameterShard]]:
+    params = _model_params()
+    spec = OptimizerSpec.from_optimizer(_sgd([p.clone().requires_grad_(True) for p in params]))
+    plan = shard_parameters([p.numel() for p in params], num_servers)
+    shards = [ParameterShard(s, idx, [params[i] for i in idx], spec, workers, **kw) for s, idx in enumerate(plan)]
+    return spec, plan, shards
+
+
+def test_sync_shards_equal_single_device_sgd_on_the_averaged_gradient() -> None:
+    workers, steps, lrs = 3, 4, [0.1, 0.05, 0.2, 0.1]  # the lr changes: it travels with the push
+    _, plan, shards = _shards(2, workers)
+    params = _model_params()
+    for step in range(steps):
+        for shard, idx in zip(shards, plan, strict=True):
+            futures = [
+                shard.push(w, step, [_grad(w, step, params[i], i) for i in idx], [lrs[step]] * 2)
+                for w in range(workers)
+            ]
+            # the barrier holds every answer until the last worker's push
+            replies = [f.wait() for f in futures]
+            assert all(r.version == step + 1 for r in replies)
+            for i, v in zip(idx, replies[0].values, strict=True):
+                params[i] = v.detach().clone()
+    expected, _ = _reference(steps, workers, lrs)
+    for got, want in zip(params, expected, strict=True):
+        # same operations in the same order as the reference: bit-identical
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # byte accounting: each worker's gradients in, each worker's values out
+    for shard, idx in zip(shards, plan, strict=True):
+        nbytes = sum(params[i].numel() * 4 for i in idx)
+        assert shard.stats.bytes_received == shard.stats.bytes_sent == steps * workers * nbytes
+
+
+def test_barrier_waits_for_every_worker() -> None:
+    _, plan, shards = _shards(1, 2)
+    params = _model_params()
+    first = shards[0].push(0, 0, [torch.ones_like(params[i]) for i in plan[0]], [0.1, 0.1])
+    assert not first.done()
+    second = shards[0].push(1, 0, [torch.ones_like(params[i]) for i in plan[0]], [0.1, 0.1])
+    assert first.done() and second.done()
+    assert first.wait().step_bytes == 2 * 2 * sum(p.numel() * 4 for p in params)
+
+
+def test_barrier_timeout_names_the_missing_worker() -> None:
+    _, _, shards = _shards(1, 3, timeout=timedelta(seconds=0.3))
+    grads = [torch.ones(p.shape) for p in _model_params()]
+    fut = shards[0].push(0, 0, grads, [0.1, 0.1])
+    shards[0].push(2, 0, grads, [0.1, 0.1])
+    deadline = time.monotonic() + 10
+    while not fut.done() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    error = fut.wait()
+    assert isinstance(error, ShardError) and error.timed_out
+    assert re.search(r"from worker\(s\) \[1\] \(received from \[0, 2\]\)", error.message)
+    # a failed shard refuses later pushes instead of hanging them
+    late = shards[0].push(1, 0, grads, [0.1, 0.1]).wait()
+    assert isinstance(late, ShardError) and "has failed earlier" in late.message
+
+
+def test_out_of_step_push_is_refused() -> None:
+    _, _, shards = _shards(1, 2)
+    grads = [torch.ones(p.shape) for p in _model_params()]
+    error = shards[0].push(0, 3, grads, [0.1, 0.1]).wait()
+    assert isinstance(error, ShardError) and "pushed step 3 while the shard is at step 0" in error.message
+
+
+def test_barrier_off_applies_each_push_alone() -> None:
+    _, _, shards = _shards(1, 2, barrier=False)
+    grads = [torch.ones(p.shape) for p in _model_params()]
+    reply = shards[0].push(1, 0, grads, [0.1, 0.1]).wait()
+    assert reply.version == 1
+    assert shards[0].push(0, 0, grads, [0.1, 0.1]).wait().version == 2
+
+
+def test_client_gathers_state_shaped_like_the_single_device_optimizer() -> None:
+    workers, steps, lrs = 1, 3, [0.1, 0.1, 0.1]
+    spec, plan, shards = _shards(2, workers)
+    params = [p.clone().requires_grad_(True) for p in _model_params()]
+    for shard in shards:
+        register_shard(shard)
+    try:
+        client = ParameterServerClient(0, params, plan)
+        for step in range(steps):
+            for i, p in enumerate(params):
+                p.grad = _grad(0, step, p, i)
+            client.push_pull(lrs[:1] * 2)
+        state = client.gather_state_dict(spec, _sgd(params).param_groups)
+    finally:
+        for shard in shards:
+            unregister_shard(shard.shard_id)
+    expected_params, expected_state = _reference(steps, workers, lrs)
+    for got, want in zip(params, expected_params, strict=True):
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
+    assert [g["params"] for g in state["param_groups"]] == [[0, 1], [2]]
+    assert state["param_groups"][1]["weight_decay"] == 0.1
+    for i in range(3):
+        torch.testing.assert_close(state["state"][i]["momentum_buffer"], expected_state["state"][i]["momentum_buffer"])
+    # the gathered state loads into a single-device optimizer and back into fresh shards
+    _sgd([p.detach().clone().requires_grad_(True) for p in params]).load_state_dict(state)
+    _, _, fresh = _shards(2, workers)
+    for shard in fresh:
+        shard.load_state_dict(state)
+    assert fresh[0].state_dict()["state"].keys() == shards[0].state_dict()["state"].keys()
+    torch.testing.assert_close(fresh[1].state_dict()["state"], shards[1].state_dict()["state"])
+    assert client.stats.bytes_sent == client.stats.bytes_received == steps * sum(p.numel() * 4 for p in params)
+
+
+def test_client_skips_empty_shards() -> None:
+    params = [torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True)]
+    spec = OptimizerSpec.from_optimizer(torch.optim.SGD([p.detach().clone().requires_grad_(True) for p in params]))
+    plan = shard_parameters([3, 2], 3)  # shard 2 holds nothing and is never contacted
+    shards = [ParameterShard(s, idx, [params[i] for i in idx], spec, 1) for s, idx in enumerate(plan) if idx]
+    for shard in shards:
+        register_shard(shard)
+    try:
+        client = ParameterServerClient(0, params, plan)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        client.push_pull([0.5])
+    finally:
+        for shard in shards:
+            unregister_shard(shard.shard_id)
+    assert all(torch.equal(p.detach(), torch.full_like(p, -0.5)) for p in params)
+    assert client.last_server_bytes == [2 * 3 * 4, 2 * 2 * 4, 0]
+
+
+def test_concurrent_pushes_from_threads_complete_the_step_once() -> None:
+    workers = 4
+    _, _, shards = _shards(1, workers)
+    grads = [torch.ones(p.shape) for p in _model_params()]
+    replies: list[Any] = [None] * workers
+
+    def push(w: int) -> None:
+        replies[w] = shards[0].push(w, 0, grads, [0.1, 0.1]).wait()
+
+    threads = [threading.Thread(target=push, args=(w,)) for w in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert shards[0].version == 1
+    assert all(r is not None and r.version == 1 for r in replies)
+
+
+class _NeedsModel(torch.optim.SGD):
+    def __init__(self, params: Any, model: Any) -> None:
+        super().__init__(params, lr=0.1)
+        self.model = model
+
+
+def test_optimizer_that_cannot_be_rebuilt_is_reported() -> None:
+    opt = _NeedsModel([torch.zeros(2, requires_grad=True)], model=None)
+    with pytest.raises(TypeError, match=r"could not rebuild the optimizer.*_NeedsModel.*Fix:"):
+        OptimizerSpec.from_optimizer(opt)
+    with pytest.raises(TypeError, match=r"which is not a torch\.optim\.Optimizer"):
+        OptimizerSpec.from_optimizer(object())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_servers": 0}, r"num_servers=0\): expected at least 1"),
+        ({"rpc_threads": 0}, r"rpc_threads=0\): expected at least 1"),
+    ],
+)
+def test_bad_options_raise(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ParameterServerStrategy(**kwargs)
+
+
+def test_names_are_registered() -> None:
+    for name in ("ps", "parameter_server", "ps_fork"):
+        assert name in StrategyRegistry
+        assert isinstance(StrategyRegistry.get(name), ParameterServerStrategy)
