@@ -4,6 +4,7 @@ Importing the package registers its strategy names (``"ring"``, ...) with Lightn
 ``StrategyRegistry``, so ``Trainer(strategy="ring")`` works after ``import lightning_strategies``.
 """
 
+from lightning_strategies.comm.ring import ring_all_reduce
 from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.data import DevicePrefetcher, PrefetchConfig
 from lightning_strategies.scaling import (
@@ -17,6 +18,7 @@ from lightning_strategies.scaling import (
 )
 from lightning_strategies.strategies._registry import register_strategies
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
+from lightning_strategies.strategies.ring import RingAllReduceStrategy
 
 __version__ = "0.1.0"
 
@@ -26,12 +28,14 @@ __all__ = [
     "LinearWarmup",
     "ParameterServerStrategy",
     "PrefetchConfig",
+    "RingAllReduceStrategy",
     "ScalingConfig",
     "ScalingPlan",
     "__version__",
     "global_batch_size",
     "plan_scaling",
     "replicas_of",
+    "ring_all_reduce",
     "scaled_lr",
 ]
 

@@ -10,6 +10,7 @@ from lightning_strategies.comm.ps import (
     ParameterShard,
     shard_parameters,
 )
+from lightning_strategies.comm.ring import RingBucketReducer, RingPeerError, ring_all_reduce
 from lightning_strategies.comm.stats import CommStats
 
 __all__ = [
@@ -17,5 +18,8 @@ __all__ = [
     "OptimizerSpec",
     "ParameterServerClient",
     "ParameterShard",
+    "RingBucketReducer",
+    "RingPeerError",
+    "ring_all_reduce",
     "shard_parameters",
 ]

@@ -54,6 +54,17 @@ STRATEGY_ROWS: tuple[StrategyRow, ...] = (
         "'ps' with fork-started processes (like 'ddp_fork'; CPU, notebooks, tests)",
         init_params={"start_method": "fork"},
     ),
+    StrategyRow(
+        "ring",
+        "lightning_strategies.strategies.ring:RingAllReduceStrategy",
+        "DDP whose gradient buckets are averaged by our ring all-reduce (reduce-scatter + all-gather)",
+    ),
+    StrategyRow(
+        "ring_bf16",
+        "lightning_strategies.strategies.ring:RingAllReduceStrategy",
+        "'ring' sending gradients as bfloat16 on the wire, accumulating in their own dtype",
+        init_params={"wire_dtype": "bf16"},
+    ),
 )
 
 

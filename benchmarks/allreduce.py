@@ -1,0 +1,210 @@
+"""Our ring all-reduce against gloo's ``dist.all_reduce`` and a naive parameter-server reduce.
+
+P fork-started CPU processes on one machine, joined by a gloo process group on 127.0.0.1,
+one torch thread each. In every repetition the methods run *interleaved* in the same
+processes (gloo, ring, ring with a bfloat16 wire, reduce-to-one-then-broadcast), each after
+a barrier, timed as the slowest rank's wall time, in an order that rotates every
+repetition; a ratio is the median over repetitions of (method / gloo in the same
+repetition). Prints a header (machine, versions, date), then ``name value unit`` lines per
+P and N:
+
+    ring_over_gloo_P{P}_N{N}        ring time / gloo all_reduce time    goal <= 1.05 at 25.6M, P=2,3
+    ring_bf16_over_gloo_P{P}_N{N}   bf16-wire ring / gloo all_reduce     goal <= 0.7
+    ps_over_gloo_P{P}_N{N}          reduce-to-rank-0 + broadcast / gloo  (the contrast)
+    bytes_over_formula_P{P}_N{N}    ring bytes_sent / (2(P-1)/P x N x 4)  goal 1.000 (<= 1.001)
+
+and the raw medians (``gloo_ms_P{P}_N{N}``, ...). Loopback TCP on a shared machine is noisy:
+read the ratios, which are measured side by side, rather than the milliseconds. The ring
+runs with ``check_peers=False``, as the ``"ring"`` strategy's DDP hook calls it (the check
+is one small all-gather, ~0.3 ms here).
+
+On one machine every byte costs the same two memory copies whichever rank sends it, so the
+naive reduce moves as many bytes in total as the ring (2(P-1) x N) and is not slower here;
+the ring's advantage is per-link bandwidth, which appears across machines (or NICs).
+
+    python benchmarks/allreduce.py            # P = 2, 3, 4; N = 1M, 25.6M float32 (~1-2 min)
+    python benchmarks/allreduce.py --quick    # P = 2, N = 64K, 3 repetitions (seconds, for CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import queue
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import header, line, median
+from lightning_strategies.comm import ring_all_reduce
+
+METHODS = ("gloo", "ring", "ring_bf16", "ps")
+
+
+def _ps_all_reduce(t: torch.Tensor, scratch: list[torch.Tensor]) -> None:
+    """Naive parameter server: everyone sends to rank 0, rank 0 sums and sends the sum back.
+
+    Rank 0 receives and sends (P-1) x N elements while the others idle: its link is the
+    bottleneck the ring removes.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        works = [dist.irecv(scratch[src - 1], src) for src in range(1, world)]
+        for src, w in enumerate(works, start=1):
+            assert w is not None
+            w.wait()
+            t.add_(scratch[src - 1])
+        for w in [dist.isend(t, dst) for dst in range(1, world)]:
+            assert w is not None
+            w.wait()
+    else:
+        dist.send(t, 0)
+        dist.recv(t, 0)
+
+
+def _measure(n: int, reps: int, warmup: int) -> dict[str, Any]:
+    """Median wall time of each method on N float32 elements, interleaved, on this rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+    y = torch.empty_like(x)
+    scratch = [torch.empty_like(x) for _ in range(world - 1)] if rank == 0 else []
+    bytes_sent: list[int] = []
+
+    def ring() -> None:
+        bytes_sent.append(ring_all_reduce(y, check_peers=False).bytes_sent)
+
+    def ring_bf16() -> None:
+        ring_all_reduce(y, wire_dtype=torch.bfloat16, check_peers=False)
+
+    runs: dict[str, Callable[[], Any]] = {
+        "gloo": lambda: dist.all_reduce(y),
+        "ring": ring,
+        "ring_bf16": ring_bf16,
+        "ps": lambda: _ps_all_reduce(y, scratch),
+    }
+    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    for rep in range(warmup + reps):
+        # Rotate the order so no method always runs right after the same other one.
+        for name in METHODS[rep % len(METHODS) :] + METHODS[: rep % len(METHODS)]:
+            y.copy_(x)
+            dist.barrier()
+            start = time.perf_counter()
+            runs[name]()
+            # The collective is as slow as its slowest rank.
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if rep >= warmup:
+                times[name].append(float(elapsed))
+    sent = torch.tensor([max(bytes_sent)], dtype=torch.int64)
+    dist.all_reduce(sent, op=dist.ReduceOp.MAX)
+    # Ratios per repetition (the methods ran seconds apart), then the median: load that drifts
+    # over the run cancels out better than in a ratio of medians.
+    ratios = {m: median([t / g for t, g in zip(times[m], times["gloo"], strict=True)]) for m in METHODS}
+    return {"ms": {m: 1000 * median(v) for m, v in times.items()}, "ratio": ratios, "bytes_sent": int(sent)}
+
+
+def _bench_worker(rank: int, world: int, port: int, sizes: Sequence[int], reps: int, warmup: int) -> Any:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        return {n: _measure(n, reps, warmup) for n in sizes}
+    finally:
+        dist.destroy_process_group()
+
+
+def _child(rank: int, world: int, port: int, args: tuple[Any, ...], out: Any) -> None:
+    try:
+        out.put((rank, "ok", _bench_worker(rank, world, port, *args)))
+    except BaseException:
+        out.put((rank, "error", traceback.format_exc()))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_world(world: int, sizes: Sequence[int], reps: int, warmup: int, timeout: float) -> dict[int, Any]:
+    """Start ``world`` forked processes, return rank 0's results; kill them past ``timeout``."""
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_child, args=(r, world, port, (sizes, reps, warmup), out), daemon=True) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < world:
+            try:
+                rank, status, value = out.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError(f"P={world}: workers died or exceeded {timeout:.0f}s") from None
+                continue
+            if status != "ok":
+                raise RuntimeError(f"P={world} rank {rank} failed:\n{value}")
+            got[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signal.SIGKILL)
+    return dict(got[0])
+
+
+def _label(n: int) -> str:
+    return f"{n / 1e6:g}M" if n >= 1_000_000 else f"{n / 1e3:g}K"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="P=2, N=64K, 3 repetitions (CI smoke run)")
+    parser.add_argument("--procs", type=int, nargs="+", default=[2, 3, 4], help="world sizes P")
+    parser.add_argument("--sizes", type=float, nargs="+", default=[1e6, 25.6e6], help="float32 elements N")
+    parser.add_argument("--reps", type=int, default=15, help="timed repetitions per method (median)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per world size")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.procs, args.sizes, args.reps, args.warmup = [2], [65536], 3, 1
+    sizes = [int(s) for s in args.sizes]
+    print(header("ring all-reduce vs gloo all_reduce vs naive PS (CPU, gloo, 1 thread/process)"), flush=True)
+    for world in args.procs:
+        results = run_world(world, sizes, args.reps, args.warmup, args.timeout)
+        for n in sizes:
+            tag = f"P{world}_N{_label(n)}"
+            ms, ratio = results[n]["ms"], results[n]["ratio"]
+            formula = 2 * (world - 1) / world * n * 4
+            line(f"ring_over_gloo_{tag}", ratio["ring"], "x")
+            line(f"ring_bf16_over_gloo_{tag}", ratio["ring_bf16"], "x")
+            line(f"ps_over_gloo_{tag}", ratio["ps"], "x")
+            line(f"bytes_over_formula_{tag}", results[n]["bytes_sent"] / formula, "x")
+            for m in METHODS:
+                line(f"{m}_ms_{tag}", ms[m], "ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

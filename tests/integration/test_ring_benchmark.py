@@ -1,0 +1,31 @@
+"""``benchmarks/allreduce.py --quick`` runs and prints the lines it promises (CI smoke run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_allreduce_benchmark_quick_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    spec = importlib.util.spec_from_file_location("allreduce_bench", ROOT / "benchmarks" / "allreduce.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT))
+    try:
+        spec.loader.exec_module(module)
+        assert module.main(["--quick"]) == 0
+    finally:
+        sys.path.remove(str(ROOT))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("# ring all-reduce") and "torch" in lines[0]
+    values = dict((name, float(value)) for name, value, _ in (line.split() for line in lines[1:]))
+    for name in ("ring_over_gloo", "ring_bf16_over_gloo", "ps_over_gloo", "bytes_over_formula"):
+        assert f"{name}_P2_N65.536K" in values, lines
+    assert values["bytes_over_formula_P2_N65.536K"] == 1.0
