@@ -29,25 +29,19 @@ the ring's advantage is per-link bandwidth, which appears across machines (or NI
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import queue
-import signal
-import socket
 import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import header, line, median
+from benchmarks._workers import run_workers
 from lightning_strategies.comm import ring_all_reduce
 
 METHODS = ("gloo", "ring", "ring_bf16", "ps")
@@ -115,63 +109,13 @@ def _measure(n: int, reps: int, warmup: int) -> dict[str, Any]:
     return {"ms": {m: 1000 * median(v) for m, v in times.items()}, "ratio": ratios, "bytes_sent": int(sent)}
 
 
-def _bench_worker(rank: int, world: int, port: int, sizes: Sequence[int], reps: int, warmup: int) -> Any:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    try:
-        return {n: _measure(n, reps, warmup) for n in sizes}
-    finally:
-        dist.destroy_process_group()
-
-
-def _child(rank: int, world: int, port: int, args: tuple[Any, ...], out: Any) -> None:
-    try:
-        out.put((rank, "ok", _bench_worker(rank, world, port, *args)))
-    except BaseException:
-        out.put((rank, "error", traceback.format_exc()))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _bench_worker(rank: int, world: int, sizes: Sequence[int], reps: int, warmup: int) -> Any:
+    return {n: _measure(n, reps, warmup) for n in sizes}
 
 
 def run_world(world: int, sizes: Sequence[int], reps: int, warmup: int, timeout: float) -> dict[int, Any]:
-    """Start ``world`` forked processes, return rank 0's results; kill them past ``timeout``."""
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_child, args=(r, world, port, (sizes, reps, warmup), out), daemon=True) for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(got) < world:
-            try:
-                rank, status, value = out.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
-            except queue.Empty:
-                if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError(f"P={world}: workers died or exceeded {timeout:.0f}s") from None
-                continue
-            if status != "ok":
-                raise RuntimeError(f"P={world} rank {rank} failed:\n{value}")
-            got[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive() and p.pid is not None:
-                os.kill(p.pid, signal.SIGKILL)
-    return dict(got[0])
+    """Run the measurements in ``world`` forked processes, return rank 0's results."""
+    return dict(run_workers(_bench_worker, world, sizes, reps, warmup, timeout=timeout, pg_timeout_s=120)[0])
 
 
 def _label(n: int) -> str:

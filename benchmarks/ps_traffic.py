@@ -29,23 +29,19 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
-import os
-import queue
-import signal
 import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import header, line, median
+from benchmarks._workers import run_workers
 from lightning_strategies.comm.ps import (
     OptimizerSpec,
     ParameterServerClient,
@@ -86,10 +82,10 @@ def resnet50_sizes() -> list[int]:
 
 
 def _traffic_worker(
-    rank: int, world: int, port: int, rpc_port: int, sizes: Sequence[int], num_servers: int, steps: int
+    rank: int, world: int, rpc_port: int, sizes: Sequence[int], num_servers: int, steps: int
 ) -> Any:
     timeout = datetime.timedelta(seconds=120)
-    # RPC meets on a port of its own: the process group's store holds ``port``
+    # RPC meets on a port of its own: the process group's store holds another
     init_rpc(rank, world, f"tcp://127.0.0.1:{rpc_port}", timeout=timeout, num_threads=2)
     failed = True
     try:
@@ -117,52 +113,9 @@ def _traffic_worker(
         shutdown_rpc(failed=failed, timeout=timeout)
 
 
-def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], out: Any) -> None:
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        out.put((rank, "ok", fn(rank, world, port, *args)))
-    except BaseException:
-        out.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def run_world(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> list[Any]:
-    """``fn(rank, world, port, *args)`` in ``world`` forked processes; results by rank.
-
-    Every wait is bounded: on a timeout the processes started here are killed by PID.
-    """
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, out), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < world:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world - len(results)} of {world} processes did not finish in {timeout:.0f}s")
-            try:
-                rank, status, value = out.get(timeout=1.0)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
-                if dead:
-                    raise RuntimeError(f"ranks {dead} exited with codes {[procs[r].exitcode for r in dead]}") from None
-                continue
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive() and p.pid is not None:
-                os.kill(p.pid, signal.SIGKILL)
-                p.join(timeout=5)
-    return [results[r] for r in range(world)]
+    """``fn(rank, world, *args)`` in ``world`` forked processes with a gloo group; results by rank."""
+    return run_workers(fn, world, *args, timeout=timeout)
 
 
 def traffic(sizes: Sequence[int], worlds: Sequence[int], steps: int) -> None:

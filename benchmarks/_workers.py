@@ -1,0 +1,116 @@
+"""Run a function in P fork-started processes joined by a gloo process group on 127.0.0.1.
+
+Shared by the benchmarks and the multi-process tests (``tests/dist_utils.py`` re-exports it).
+
+Every wait is bounded: a worker that hangs or dies makes :func:`run_workers` kill the
+processes *it* started (by PID) and raise, so a broken collective fails a test instead of
+hanging CI.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+    pg_timeout_s: float,
+) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout_s),
+        )
+        out = fn(rank, world_size, *args)
+        results.put((rank, "ok", out))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    pg_timeout_s: float = 60.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return results by rank.
+
+    ``fn`` must be picklable only in spirit: processes are forked, so closures work too.
+    Raises ``RuntimeError`` with every failing rank's traceback, or ``TimeoutError`` (after
+    killing the workers) when they do not all finish within ``timeout`` seconds.
+    """
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, pg_timeout_s), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"{world_size - len(out) - len(errors)} of {world_size} workers did not finish "
+                    f"within {timeout:.0f}s (finished: {sorted(out)}, failed: {sorted(errors)})"
+                )
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                missing = [r for r in dead if r not in out and r not in errors]
+                if missing:
+                    errors.update({r: f"process exited with code {procs[r].exitcode}" for r in missing})
+                continue
+            (out if status == "ok" else errors)[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(timeout=5)
+    if errors:
+        raise RuntimeError(
+            "\n".join(f"--- rank {r} failed:\n{tb}" for r, tb in sorted(errors.items()))
+        )
+    return [out[r] for r in range(world_size)]
