@@ -13,7 +13,7 @@ multi-tensor path) are shared with :mod:`lightning_strategies.optim.lars`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor
@@ -27,7 +27,39 @@ _FOREACH_DEVICES = ("cpu", "cuda", "xpu")
 _FOREACH_TYPES = (Tensor, torch.nn.Parameter)
 
 
-class Lamb(Optimizer):
+class _LayerwiseOptimizer(Optimizer):
+    """The torch conventions Lamb and Lars share: every param group validated when added,
+    complex parameters refused, and options added after a checkpoint was written filled with
+    their defaults (``_GROUP_DEFAULTS``) so old optimizer states load."""
+
+    _GROUP_DEFAULTS: ClassVar[dict[str, Any]] = {}
+
+    def _validate_group(self, group: dict[str, Any], *, where: str) -> None:
+        raise NotImplementedError
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self._GROUP_DEFAULTS.items():
+                group.setdefault(key, value)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (as torch does), then check its hyperparameters and parameters.
+
+        Args:
+            param_group: the group; keys it lacks take the constructor's values.
+        """
+        super().add_param_group(param_group)
+        index = len(self.param_groups) - 1
+        try:
+            self._validate_group(self.param_groups[index], where=f"param group {index}: ")
+            _refuse_complex(type(self).__name__, self.param_groups[index]["params"], index)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+
+class Lamb(_LayerwiseOptimizer):
     r"""LAMB (You et al., ICLR 2020, Algorithm 2): Adam moments scaled per tensor by a trust ratio.
 
     For each parameter tensor :math:`x` with gradient :math:`g` at step :math:`t`:
@@ -115,31 +147,20 @@ class Lamb(Optimizer):
         _validate_lamb(defaults, where="")
         super().__init__(params, defaults)
 
+    _GROUP_DEFAULTS: ClassVar[dict[str, Any]] = {
+        "bias_correction": True,
+        "trust_clip": False,
+        "layer_adaptation": True,
+        "max_grad_norm": None,
+        "foreach": None,
+    }
+
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # Fill options added after a checkpoint was written, so old optimizer states load.
         super().__setstate__(state)
         self.defaults.setdefault("max_grad_norm", None)
-        for group in self.param_groups:
-            group.setdefault("bias_correction", True)
-            group.setdefault("trust_clip", False)
-            group.setdefault("layer_adaptation", True)
-            group.setdefault("max_grad_norm", None)
-            group.setdefault("foreach", None)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group (as torch does), then check its hyperparameters and parameters.
-
-        Args:
-            param_group: the group; keys it lacks take the constructor's values.
-        """
-        super().add_param_group(param_group)
-        index = len(self.param_groups) - 1
-        try:
-            _validate_lamb(self.param_groups[index], where=f"param group {index}: ")
-            _refuse_complex("Lamb", self.param_groups[index]["params"], index)
-        except ValueError:
-            self.param_groups.pop()
-            raise
+    def _validate_group(self, group: dict[str, Any], *, where: str) -> None:
+        _validate_lamb(group, where=where)
 
     def _init_group(self, group: dict[str, Any]) -> _LambGroup:
         out = _LambGroup()

@@ -8,7 +8,7 @@ NVIDIA's LARC and timm's ``optim/lars.py``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor
@@ -18,8 +18,8 @@ from lightning_strategies.optim.lamb import (
     _block_elements,
     _check,
     _is_real,
+    _LayerwiseOptimizer,
     _norm_dtype,
-    _refuse_complex,
     _refuse_sparse,
     _unit_norms,
     _units,
@@ -29,7 +29,7 @@ from lightning_strategies.optim.lamb import (
 __all__ = ["Lars"]
 
 
-class Lars(Optimizer):
+class Lars(_LayerwiseOptimizer):
     r"""LARS (You et al. 2017, Algorithm 1): SGD whose step is rescaled per tensor by a local lr.
 
     For each parameter tensor :math:`x` with gradient :math:`g`:
@@ -102,31 +102,17 @@ class Lars(Optimizer):
         _validate_lars(defaults, where="")
         super().__init__(params, defaults)
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # Fill options added after a checkpoint was written, so old optimizer states load.
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("trust_coefficient", 0.001)
-            group.setdefault("eps", 1e-8)
-            group.setdefault("nesterov", False)
-            group.setdefault("trust_clip", False)
-            group.setdefault("layer_adaptation", True)
-            group.setdefault("foreach", None)
+    _GROUP_DEFAULTS: ClassVar[dict[str, Any]] = {
+        "trust_coefficient": 0.001,
+        "eps": 1e-8,
+        "nesterov": False,
+        "trust_clip": False,
+        "layer_adaptation": True,
+        "foreach": None,
+    }
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group (as torch does), then check its hyperparameters and parameters.
-
-        Args:
-            param_group: the group; keys it lacks take the constructor's values.
-        """
-        super().add_param_group(param_group)
-        index = len(self.param_groups) - 1
-        try:
-            _validate_lars(self.param_groups[index], where=f"param group {index}: ")
-            _refuse_complex("Lars", self.param_groups[index]["params"], index)
-        except ValueError:
-            self.param_groups.pop()
-            raise
+    def _validate_group(self, group: dict[str, Any], *, where: str) -> None:
+        _validate_lars(group, where=where)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
