@@ -7,6 +7,7 @@ Importing the package registers its strategy names (``"ring"``, ...) with Lightn
 from lightning_strategies.comm.ring import ring_all_reduce
 from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.data import DevicePrefetcher, PrefetchConfig
+from lightning_strategies.pipeline_protocol import PipelineModule
 from lightning_strategies.scaling import (
     LinearWarmup,
     ScalingConfig,
@@ -18,6 +19,7 @@ from lightning_strategies.scaling import (
 )
 from lightning_strategies.strategies._registry import register_strategies
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
+from lightning_strategies.strategies.pipeline import PipelineStrategy
 from lightning_strategies.strategies.ring import RingAllReduceStrategy
 
 __version__ = "0.1.0"
@@ -27,6 +29,8 @@ __all__ = [
     "DevicePrefetcher",
     "LinearWarmup",
     "ParameterServerStrategy",
+    "PipelineModule",
+    "PipelineStrategy",
     "PrefetchConfig",
     "RingAllReduceStrategy",
     "ScalingConfig",

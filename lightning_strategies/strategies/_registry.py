@@ -65,6 +65,17 @@ STRATEGY_ROWS: tuple[StrategyRow, ...] = (
         "'ring' sending gradients as bfloat16 on the wire, accumulating in their own dtype",
         init_params={"wire_dtype": "bf16"},
     ),
+    StrategyRow(
+        "pipeline",
+        "lightning_strategies.strategies.pipeline:PipelineStrategy",
+        "Pipeline model parallelism (GPipe / 1F1B / interleaved 1F1B, torch.distributed.pipelining) x data parallel",
+    ),
+    StrategyRow(
+        "pipeline_fork",
+        "lightning_strategies.strategies.pipeline:PipelineStrategy",
+        "'pipeline' with fork-started processes (like 'ddp_fork'; CPU, notebooks, tests)",
+        init_params={"start_method": "fork"},
+    ),
 )
 
 

@@ -1,0 +1,340 @@
+"""PipelineStrategy on fork-started gloo processes, held to the unsplit model.
+
+Tolerances: a pipeline computes the same float32 operations as the unsplit model, except that
+the batch's mean loss becomes the sum of per-micro-batch means x 1/M, which re-associates the
+sums of the loss and of every weight gradient. With O(1) values that moves results by a few
+ulps (~1e-7) per step; after a handful of SGD steps the drift stays below ~1e-6, so weights are
+compared with ``atol=1e-5, rtol=1e-4`` (a wrong gradient, e.g. one micro-batch or one stage
+missing, moves them by >1e-2).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_workers
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+from lightning_utils import regression_data
+from torch import nn
+from torch.utils.data import DataLoader
+
+import lightning_strategies  # noqa: F401
+from lightning_strategies.strategies.pipeline import PipelineRuntime, PipelineStrategy
+
+pytestmark = pytest.mark.slow
+
+ATOL, RTOL = 1e-5, 1e-4
+
+
+def deep_net() -> nn.Sequential:
+    """Six blocks, no batch norm (so micro-batching changes nothing)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 4)
+    )
+
+
+class PipeRegressor(pl.LightningModule):
+    """Written the plain way (loss from ``self(x)``), plus the two pipeline methods."""
+
+    def __init__(self, momentum: float = 0.9, weight_decay: float = 0.0) -> None:
+        super().__init__()
+        self.net = deep_net()
+        self.momentum, self.weight_decay = momentum, weight_decay
+        self.losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def pipeline_layers(self) -> nn.Sequential:
+        return self.net
+
+    def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(outputs, targets)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        self.losses.append(float(loss))
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=self.momentum, weight_decay=self.weight_decay)
+
+
+def fit(
+    strategy: Any,
+    devices: int,
+    *,
+    max_steps: int = 4,
+    batch_size: int = 16,
+    model: pl.LightningModule | None = None,
+    distributed_sampler: bool = False,
+    ckpt_path: str | None = None,
+    **trainer_kwargs: Any,
+) -> tuple[dict[str, torch.Tensor], pl.Trainer]:
+    """Fit on the 64 regression samples in order (no shuffling: the same batches everywhere)."""
+    model = model if model is not None else PipeRegressor()
+    trainer_kwargs.setdefault("enable_checkpointing", False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=distributed_sampler,
+        log_every_n_steps=1,
+        **trainer_kwargs,
+    )
+    trainer.fit(model, DataLoader(regression_data(), batch_size=batch_size), ckpt_path=ckpt_path)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, trainer
+
+
+def assert_weights_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=ATOL, rtol=RTOL, msg=lambda m, k=k: f"{k}: {m}")
+
+
+# -- the runtime alone: loss and gradients step by step ------------------------------------------
+
+
+def _runtime_steps(rank: int, world: int, schedule: str, steps: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    net = deep_net()
+    runtime = PipelineRuntime(
+        net,
+        counts=[2, 2, 2] if world == 3 else [3, 3],
+        schedule=schedule,
+        microbatches=4,
+        loss_fn=nn.functional.mse_loss,
+        group=dist.group.WORLD,
+        device=torch.device("cpu"),
+    )
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    data = regression_data()
+    losses, grads = [], {}
+    for step in range(steps):
+        x, y = data.tensors[0][16 * step : 16 * (step + 1)], data.tensors[1][16 * step : 16 * (step + 1)]
+        optimizer.zero_grad()
+        loss = runtime.step(x, y)
+        losses.append(None if loss is None else float(loss))
+        # plain lists: tensors would travel through shared memory that dies with the worker
+        grads = {n: p.grad.tolist() for n, p in net.named_parameters() if p.grad is not None}
+        optimizer.step()
+    return {"losses": losses, "grads": grads}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_loss_and_gradients_equal_the_unsplit_model(schedule: str, world: int) -> None:
+    steps = 3
+    results = run_workers(_runtime_steps, world, schedule, steps, timeout=60)
+    net = deep_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    data = regression_data()
+    ref_losses = []
+    for step in range(steps):
+        x, y = data.tensors[0][16 * step : 16 * (step + 1)], data.tensors[1][16 * step : 16 * (step + 1)]
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        ref_losses.append(float(loss))
+        optimizer.step()
+    assert results[-1]["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    assert all(loss is None for r in results[:-1] for loss in r["losses"])
+    seen: set[str] = set()
+    for r in results:
+        for name, grad in r["grads"].items():
+            ref_grad = dict(net.named_parameters())[name].grad
+            torch.testing.assert_close(torch.tensor(grad), ref_grad, atol=1e-6, rtol=1e-5)
+            seen.add(name)
+    assert seen == {n for n, _ in net.named_parameters()}  # every stage's gradients, each on one rank
+
+
+# -- Lightning fits ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def single_device() -> dict[str, torch.Tensor]:
+    return fit("auto", 1)[0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "devices"),
+    [
+        ({"schedule": "gpipe"}, 2),
+        ({"schedule": "1f1b"}, 2),
+        ({"schedule": "1f1b", "microbatches": 4}, 3),
+        ({"schedule": "interleaved_1f1b", "stages_per_rank": 2, "microbatches": 4}, 2),
+        ({"schedule": "gpipe", "balance": "time"}, 2),
+        ({"schedule": "1f1b", "balance": [1, 5]}, 2),
+    ],
+    ids=["gpipe", "1f1b", "1f1b-3stages", "interleaved", "balance-time", "balance-list"],
+)
+def test_fit_equals_single_device(kwargs: dict[str, Any], devices: int, single_device: dict[str, torch.Tensor]) -> None:
+    weights, trainer = fit(PipelineStrategy(start_method="fork", **kwargs), devices)
+    assert_weights_close(weights, single_device)
+    metrics = trainer.callback_metrics
+    assert 0.0 <= float(metrics["pipeline/bubble_fraction"]) < 1.0
+    stages = devices * kwargs.get("stages_per_rank", 1)
+    assert all(float(metrics[f"pipeline/stage_seconds/{s}"]) > 0 for s in range(stages))
+    assert "train_loss" in metrics  # the module's own self.log, on the last stage's outputs
+
+
+def test_fit_with_clipping_accumulation_and_weight_decay_equals_single_device() -> None:
+    """Global-norm clipping across stages; accumulation; decay must not touch other stages' weights."""
+    kwargs: dict[str, Any] = {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2, "max_steps": 2}
+    ref, _ = fit("auto", 1, model=PipeRegressor(weight_decay=0.1), **kwargs)
+    weights, _ = fit(PipelineStrategy(start_method="fork"), 2, model=PipeRegressor(weight_decay=0.1), **kwargs)
+    assert_weights_close(weights, ref)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_two_replicas_x_two_stages_matches_ddp(accumulate: int, tmp_path: Path) -> None:
+    """4 processes (2 replicas of a 2-stage pipeline) vs 2-process DDP, both with Lightning's sampler.
+
+    With accumulation, replicas average once per optimizer step (as DDP under no_sync). The
+    checkpoint holds the same full model and every stage's optimizer state.
+    """
+    ddp, _ = fit(
+        DDPStrategy(start_method="fork"), 2, batch_size=8, distributed_sampler=True, accumulate_grad_batches=accumulate
+    )
+    callback = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=4 // accumulate)
+    pp, _ = fit(
+        PipelineStrategy(num_stages=2, start_method="fork"),
+        4,
+        batch_size=8,
+        distributed_sampler=True,
+        callbacks=[callback],
+        enable_checkpointing=True,
+        accumulate_grad_batches=accumulate,
+    )
+    assert_weights_close(pp, ddp)
+    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert_weights_close(checkpoint["state_dict"], ddp)
+    assert len(checkpoint["optimizer_states"][0]["state"]) == len(list(PipeRegressor().parameters()))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_validation_uses_every_sample(schedule: str) -> None:
+    """Eval batches that do not split into micro-batches are padded, not dropped: val_loss as on one device."""
+    model = PipeRegressor()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
+    )
+    val = DataLoader(regression_data(n=30, seed=1), batch_size=7)
+    ref = trainer.validate(model, val, verbose=False)[0]["val_loss"]
+    pipe = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=PipelineStrategy(schedule=schedule, start_method="fork"), logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    out = pipe.validate(PipeRegressor(), val, verbose=False)[0]["val_loss"]
+    assert out == pytest.approx(ref, rel=1e-5)
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+
+
+def test_checkpoint_resumes_and_loads_into_a_single_device_model(tmp_path: Path) -> None:
+    """1 epoch (4 steps) under the pipeline, saved; then resumed to 2 epochs, and loaded on one device.
+
+    The reference is the same save-and-resume on one device (Lightning's resume is compared with
+    itself). The pipeline's checkpoint must equal the single device's (gathered weights and every
+    stage's momentum buffers), resume to the same weights, and resume under another split too.
+    """
+
+    def save(strategy: Any, devices: int, name: str) -> dict[str, Any]:
+        callback = ModelCheckpoint(dirpath=tmp_path / name, save_last=True, every_n_epochs=1)
+        fit(strategy, devices, max_steps=4, callbacks=[callback], enable_checkpointing=True)
+        return torch.load(tmp_path / name / "last.ckpt", weights_only=False)
+
+    single_ckpt = save("auto", 1, "single")
+    pipe_ckpt = save(PipelineStrategy(start_method="fork"), 2, "pipe")
+    assert_weights_close(pipe_ckpt["state_dict"], single_ckpt["state_dict"])
+    single_state, pipe_state = single_ckpt["optimizer_states"][0]["state"], pipe_ckpt["optimizer_states"][0]["state"]
+    assert pipe_state.keys() == single_state.keys()  # every stage's part, indexed as on one device
+    for i in single_state:
+        torch.testing.assert_close(pipe_state[i]["momentum_buffer"], single_state[i]["momentum_buffer"])
+
+    ref, _ = fit("auto", 1, max_steps=8, ckpt_path=str(tmp_path / "single" / "last.ckpt"))
+    pipe_path = str(tmp_path / "pipe" / "last.ckpt")
+    single = PipeRegressor()
+    single.load_state_dict(pipe_ckpt["state_dict"])  # the full model, loadable on one device
+    assert_weights_close(fit("auto", 1, max_steps=8, model=single, ckpt_path=pipe_path)[0], ref)
+    assert_weights_close(fit(PipelineStrategy(start_method="fork"), 2, max_steps=8, ckpt_path=pipe_path)[0], ref)
+    # another split of the same checkpoint (3 stages) resumes as well
+    resplit = PipelineStrategy(start_method="fork", microbatches=4)
+    assert_weights_close(fit(resplit, 3, max_steps=8, ckpt_path=pipe_path)[0], ref)
+
+
+# -- a real model ------------------------------------------------------------------------------------
+
+
+def test_resnet18_two_stages_learns_digits(tmp_path: Path) -> None:
+    from recipes.classification import ClassificationModule
+    from recipes.data import DigitsDataModule
+    from recipes.models import build_model
+
+    torch.manual_seed(0)
+    data = DigitsDataModule(batch_size=64, image_size=16, num_workers=0)
+    model = ClassificationModule(
+        build_model("resnet18", num_classes=10, in_channels=1, width=16),
+        num_classes=10,
+        optimizer=_sgd_partial(),
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=PipelineStrategy(schedule="1f1b", microbatches=4, start_method="fork"),
+        max_epochs=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, datamodule=data)
+    result = trainer.test(model, datamodule=data, verbose=False)[0]
+    assert result["test_acc"] >= 0.93, result
+
+
+def _sgd_partial() -> Any:
+    import functools
+
+    return functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=5e-4)
+
+
+# -- the app ---------------------------------------------------------------------------------------
+
+
+def test_app_strategy_pipeline_two_stages(tmp_path: Path) -> None:
+    """`python train.py strategy=pipeline trainer=ddp_sim`, in-process with fork-started ranks."""
+    import json
+
+    from app_utils import FEW_BATCHES, compose_cfg
+
+    from recipes.train import run
+
+    cfg = compose_cfg(
+        ["strategy=pipeline", "trainer=ddp_sim", "strategy.start_method=fork", *FEW_BATCHES], tmp_path
+    )
+    run(cfg)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    # 2 processes but one replica: the scaling rule sees 1 replica (global batch 64, lr unscaled)
+    assert metrics["world_size"] == 2 and metrics["global_batch_size"] == 64, metrics
+    assert metrics["lr"] == pytest.approx(0.05)
