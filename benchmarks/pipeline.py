@@ -38,25 +38,20 @@ them splits the work evenly.
 from __future__ import annotations
 
 import argparse
-import os
-import queue
-import signal
-import socket
 import sys
 import time
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import header, line, median
+from benchmarks._workers import run_workers
 from lightning_strategies.strategies.pipeline import PipelineRuntime, partition_blocks, profile_blocks
 
 K = 2
@@ -269,51 +264,9 @@ def _measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _child(rank: int, world: int, port: int, cfg: dict[str, Any], results: Any) -> None:
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        results.put((rank, "ok", _measure(rank, world, cfg)))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_world(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """K forked processes; rank 0's results. Kills the processes it started (by PID) past ``timeout``."""
-    ctx = mp.get_context("fork")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_child, args=(r, K, port, cfg, results), daemon=True) for r in range(K)]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(got) < K:
-            try:
-                rank, status, value = results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
-            except queue.Empty:
-                if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError(f"workers died or exceeded {timeout:.0f}s") from None
-                continue
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            got[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive() and p.pid is not None:
-                os.kill(p.pid, signal.SIGKILL)
-    return dict(got[0])
+    """K forked processes with a gloo group; rank 0's results (killed past ``timeout``)."""
+    return dict(run_workers(_measure, K, cfg, timeout=timeout)[0])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
