@@ -145,8 +145,9 @@ def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(max(4.0, 0.9 * len(rows) + 2), 3.2))
         heights = [float(v) if isinstance(v, int | float) else 0.0 for v in values]
         bars = ax.bar(range(len(rows)), heights, color=["C0" if v is not None else "lightgray" for v in values])
-        for bar, v in zip(bars, values, strict=True):
-            text = "failed" if v is None else f"{float(v):.3g}"
+        for bar, v, row in zip(bars, values, rows, strict=True):
+            # a failed job, or a job that does not measure this (ddp counts no bytes)
+            text = ("failed" if row.get("status") != "ok" else "n/a") if v is None else f"{float(v):.3g}"
             top = (bar.get_x() + bar.get_width() / 2, bar.get_height())
             ax.annotate(text, top, ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)

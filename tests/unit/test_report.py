@@ -1,0 +1,45 @@
+"""The sweep report: one row per job (failed ones too), swept keys as columns, PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from recipes.report import collect, main, swept_keys, write_report
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _job(root: Path, name: str, metrics: dict | None, overrides: list[str]) -> None:
+    job = root / name
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    if metrics is not None:
+        (job / "metrics.json").write_text(json.dumps(metrics))
+
+
+def test_report_rows_columns_and_plots(tmp_path: Path) -> None:
+    ok = {"status": "ok", "test_acc": 0.97, "samples_per_s": 300.0, "lr": 0.1, "wall_s": 30.0}
+    _job(tmp_path, "0", {**ok, "comm/bytes_sent": 2.8e6}, ["strategy=ring", "trainer=ddp_sim"])
+    _job(tmp_path, "1", ok, ["strategy=ddp", "trainer=ddp_sim"])
+    _job(tmp_path, "2", {"status": "failed", "error": "ValueError: boom"}, ["strategy=ps", "trainer=ddp_sim"])
+    _job(tmp_path, "3", None, ["strategy=async", "trainer=ddp_sim"])
+    rows = collect(tmp_path)
+    assert [r["job"] for r in rows] == ["0", "1", "2", "3"]
+    assert swept_keys(rows) == ["strategy"]  # trainer=ddp_sim is common to all jobs
+    summary = write_report(tmp_path).read_text()
+    assert "| job | strategy | status |" in summary
+    assert summary.count("| ok |") == 2 and summary.count("| failed |") == 2
+    assert "ValueError: boom" in summary and "no metrics.json" in summary
+    for name in ("test_acc.png", "samples_per_s.png", "comm_bytes_sent.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG and f"]({name})" in summary
+
+
+def test_report_cli_and_missing_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _job(tmp_path, "0", {"status": "ok", "test_acc": 0.5}, ["optimizer.lr=0.1"])
+    assert main([str(tmp_path)]) == 0
+    assert "sweep summary:" in capsys.readouterr().out
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        main([str(tmp_path / "nope")])
