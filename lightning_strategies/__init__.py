@@ -18,6 +18,7 @@ from lightning_strategies.scaling import (
     scaled_lr,
 )
 from lightning_strategies.strategies._registry import register_strategies
+from lightning_strategies.strategies.async_ps import AsyncParameterServerStrategy
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 from lightning_strategies.strategies.pipeline import PipelineStrategy
 from lightning_strategies.strategies.ring import RingAllReduceStrategy
@@ -25,6 +26,7 @@ from lightning_strategies.strategies.ring import RingAllReduceStrategy
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncParameterServerStrategy",
     "CommStats",
     "DevicePrefetcher",
     "LinearWarmup",

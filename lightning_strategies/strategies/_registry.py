@@ -55,6 +55,18 @@ STRATEGY_ROWS: tuple[StrategyRow, ...] = (
         init_params={"start_method": "fork"},
     ),
     StrategyRow(
+        "async",
+        "lightning_strategies.strategies.async_ps:AsyncParameterServerStrategy",
+        "Asynchronous sharded parameter servers: pushes applied on arrival, optional staleness bound, "
+        "dynamic batches",
+    ),
+    StrategyRow(
+        "async_fork",
+        "lightning_strategies.strategies.async_ps:AsyncParameterServerStrategy",
+        "'async' with fork-started processes (like 'ddp_fork'; CPU, notebooks, tests)",
+        init_params={"start_method": "fork"},
+    ),
+    StrategyRow(
         "ring",
         "lightning_strategies.strategies.ring:RingAllReduceStrategy",
         "DDP whose gradient buckets are averaged by our ring all-reduce (reduce-scatter + all-gather)",
@@ -68,7 +80,8 @@ STRATEGY_ROWS: tuple[StrategyRow, ...] = (
     StrategyRow(
         "pipeline",
         "lightning_strategies.strategies.pipeline:PipelineStrategy",
-        "Pipeline model parallelism (GPipe / 1F1B / interleaved 1F1B, torch.distributed.pipelining) x data parallel",
+        "Pipeline model parallelism (GPipe / 1F1B / interleaved 1F1B, torch.distributed.pipelining)"
+        " x data parallel",
     ),
     StrategyRow(
         "pipeline_fork",

@@ -1,0 +1,614 @@
+"""``AsyncParameterServerStrategy`` ("async"): asynchronous sharded parameter servers.
+
+The synchronous strategy (:mod:`.parameter_server`) makes every worker wait for the slowest
+at every step. Here no step waits for another worker: each push is applied by the shards on
+arrival (:mod:`lightning_strategies.comm.async_ps`), optionally held back only by a
+stale-synchronous bound on the workers' clocks (``max_staleness``). For that to pay off the data
+must be shared dynamically too: every worker draws its next batch from one queue per epoch
+(hosted by rank 0), so a fast worker trains on more batches than a slow one while the epoch
+still covers every sample exactly once. The hooks changed relative to ``"ps"`` are:
+
+- ``setup``: host the coordinator (clocks, gate, queue) on rank 0; refuse what cannot work
+  with different batch counts per rank (``max_steps``, batch-based validation).
+- ``process_dataloader``: replace the training loader's sampler by a :class:`DynamicBatchSampler`
+  (Lightning's ``DistributedSampler``, if it injected one, is dropped; validation and test
+  loaders keep it).
+- ``setup_optimizers``: give ``Trainer.estimated_stepping_batches`` the mean batches per worker
+  (the dynamic loader has no length) while ``configure_optimizers`` runs.
+- ``optimizer_step`` (through ``_push_pull``): accumulate ``push_every`` steps, push, pull
+  every ``pull_every`` steps; flush at the epoch's last batch.
+- ``training_step``: no per-step collective (the sync strategy broadcasts buffers each step; the
+  ranks' step counts differ here, so a per-step collective would pair steps of different ranks).
+- ``on_validation_start`` / ``on_train_end`` / ``lightning_module_state_dict``: a barrier (all
+  pushes are in), then every worker pulls the latest weights and rank 0's buffers, so
+  validation, the checkpoint and the returned model see one consistent state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
+from torch.utils.data.distributed import DistributedSampler
+from typing_extensions import override
+
+from lightning_strategies.comm.async_ps import (
+    STALENESS_LR,
+    AsyncCoordinator,
+    AsyncParameterServerClient,
+    AsyncParameterShard,
+    DataPlan,
+    StalenessLR,
+    draw_batch,
+    register_coordinator,
+    report_failure,
+    unregister_coordinator,
+)
+from lightning_strategies.comm.ps import (
+    OptimizerSpec,
+    register_shard,
+    shard_loads,
+    shard_parameters,
+)
+from lightning_strategies.strategies.parameter_server import (
+    ParameterServerStrategy,
+    _broadcast_from_rank0,
+    _ServerStepOptimizer,
+    _should_update_logs,
+)
+
+__all__ = ["AsyncParameterServerStrategy", "DynamicBatchSampler"]
+
+log = logging.getLogger(__name__)
+
+_COORDINATOR_RANK = 0
+
+
+class DynamicBatchSampler(Sampler[list[int]]):
+    """A batch sampler that asks a shared queue for each next batch and stops when it is empty.
+
+    It has no ``__len__`` on purpose: each rank takes as many batches as it can process, so
+    Lightning treats the loader as of unknown length (fetching one batch ahead to find the
+    epoch's last batch, and validating after it).
+
+    Args:
+        plan: how the epoch is batched (the same on every rank).
+        draw: ``draw(epoch, plan)`` returns the next indices, or ``None`` at the end.
+        epoch: returns the current epoch when an iteration starts.
+    """
+
+    def __init__(
+        self,
+        plan: DataPlan,
+        draw: Callable[[int, DataPlan], list[int] | None],
+        epoch: Callable[[], int],
+    ) -> None:
+        self.plan = plan
+        self._draw = draw
+        self._epoch = epoch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch = self._epoch()  # read lazily: Lightning creates the iterator before the epoch starts
+        while (batch := self._draw(epoch, self.plan)) is not None:
+            yield batch
+
+
+class AsyncParameterServerStrategy(ParameterServerStrategy):
+    """Asynchronous data parallelism through sharded, co-located parameter servers.
+
+    Every worker pushes its gradients to the shards, which apply them at once with the user's
+    optimizer (the worker's learning rate travels with each push), and pulls the weights back,
+    without waiting for any other worker. Batches come from one shared queue per epoch, so a
+    fast worker processes more of them than a slow one; each epoch still covers every sample
+    exactly once.
+
+    A worker's *clock* is the number of pushes it has made. With ``max_staleness=s`` no worker
+    starts step ``c+1`` before every worker has pushed step ``c-s`` (stale-synchronous
+    parallel): ``s=0`` is a bulk-synchronous schedule, ``None`` never waits. A gradient's
+    *staleness* is the number of updates a shard applied between the worker's pull of the
+    weights it used and its push; with ``P`` equally fast workers it averages about ``P-1``.
+
+    Logged at Lightning's step-logging cadence, as per-step means since the last log:
+    ``comm/bytes_sent``, ``comm/bytes_received``, ``ps/server_bytes_max`` (as for ``"ps"``),
+    ``async/staleness_mean``, ``async/staleness_max`` (over the pushes since the last log),
+    ``async/wait_seconds`` (time held by the staleness gate) and ``async/clock``.
+
+    Learning rate and momentum: each worker's push is one optimizer step on its *own* batch (not
+    the average of ``P`` batches), so use the per-worker batch's learning rate (no linear scaling
+    by ``P``). Asynchrony behaves like extra momentum of about ``1 - 1/P`` (Mitliagkas et al.
+    2016, "Asynchrony begets momentum"), so lower the optimizer's momentum (the digits ResNet
+    diverges at 0.9 with ``P=2`` and trains at 0.5) or the learning rate; ``staleness_lr=
+    "inverse"`` damps stale gradients further. LR schedules run on each worker's own step count,
+    estimated as the mean batches per worker (a fast worker reaches the schedule's end early).
+
+    Requirements (each checked at setup, with the fix in the message): epochs, not steps
+    (``max_steps=-1``; the ranks take different numbers of steps), validation once per epoch or
+    every n epochs (``val_check_interval=1.0``), a map-style training dataset in a
+    ``DataLoader`` with at least as many batches per epoch as processes, ``num_workers=0`` in the
+    training loader when ``max_staleness`` is set (loader processes fetch indices ahead, which
+    would gate the wrong step), and everything ``"ps"`` requires. Checkpoints are consistent
+    at epoch ends (where ``ModelCheckpoint`` saves by default); a mid-epoch checkpoint does not
+    record the queue's position.
+
+    Args:
+        accelerator: set by the Trainer.
+        parallel_devices: set by the Trainer.
+        cluster_environment: set by the Trainer.
+        checkpoint_io: set by the Trainer.
+        precision_plugin: set by the Trainer.
+        max_staleness: the bound ``s`` on the workers' clock gap; ``None`` for none.
+        push_every: accumulate the local gradients of this many steps (averaged), then push.
+        pull_every: fetch the weights every this many steps (with the push when both are due).
+        num_servers: shards, hosted by ranks ``0 .. num_servers-1``; default one per process.
+        timeout: how long collectives and a gated draw wait for a slow or dead peer before failing.
+        staleness_lr: ``"none"``, or ``"inverse"`` to divide each gradient's learning rate by
+            ``1 + staleness`` on the shard.
+        rpc_threads: RPC server threads per process.
+        process_group_backend: ``"gloo"`` / ``"nccl"``; default by device.
+        start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``, as for DDP.
+    """
+
+    strategy_name = "async"
+
+    def __init__(
+        self,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        *,
+        max_staleness: int | None = None,
+        push_every: int = 1,
+        pull_every: int = 1,
+        num_servers: int | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        staleness_lr: StalenessLR = "none",
+        rpc_threads: int = 4,
+        process_group_backend: str | None = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        _check_options(max_staleness, push_every, pull_every, timeout, staleness_lr)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            num_servers=num_servers,
+            timeout=timeout,
+            rpc_threads=rpc_threads,
+            process_group_backend=process_group_backend,
+            start_method=start_method,
+        )
+        self.max_staleness = max_staleness
+        self.push_every = push_every
+        self.pull_every = pull_every
+        self.staleness_lr: StalenessLR = staleness_lr
+        self._trainer: pl.Trainer | None = None
+        self._coordinator: AsyncCoordinator | None = None
+        self._plan: DataPlan | None = None
+        self._ahead = True
+        self._epoch_over = False
+        self._local_steps = 0
+        self._accumulated: list[Tensor | None] = []
+        self._accumulated_steps = 0
+        self._sync_buffers: list[Tensor] = []
+        self._window_staleness: list[int] = []
+        self._window_gate = 0.0
+
+    @property
+    def coordinator(self) -> AsyncCoordinator | None:
+        """The clocks, gate and data queue (on rank 0 while fitting; ``None`` elsewhere)."""
+        return self._coordinator
+
+    @property
+    def async_client(self) -> AsyncParameterServerClient | None:
+        """This worker's push/pull/draw handle (``None`` outside of fitting)."""
+        client = self._client
+        return client if isinstance(client, AsyncParameterServerClient) else None
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._trainer = trainer
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._check_loop(trainer)
+            # the training loader draws its first batch while the optimizers are configured
+            if self.global_rank == _COORDINATOR_RANK:
+                self._coordinator = AsyncCoordinator(self.world_size, self.max_staleness, timeout=self.ps_timeout)
+                register_coordinator(self._coordinator)
+            self.barrier("async_coordinator_ready")
+            _without_per_step_collective(trainer)
+        super().setup(trainer)
+
+    def _check_loop(self, trainer: pl.Trainer) -> None:
+        name = type(self).__name__
+        if trainer.max_steps != -1:
+            raise ValueError(
+                f"{name} found Trainer(max_steps={trainer.max_steps}): expected max_steps=-1, because the ranks "
+                "take different numbers of steps per epoch, so they would stop in different epochs and their "
+                "epoch-end collectives would never match. Fix: train for max_epochs (and drop max_steps)."
+            )
+        interval = trainer.val_check_interval
+        if not (isinstance(interval, float) and interval == 1.0) or trainer.check_val_every_n_epoch is None:
+            raise ValueError(
+                f"{name} found Trainer(val_check_interval={interval!r}, check_val_every_n_epoch="
+                f"{trainer.check_val_every_n_epoch!r}): expected validation at epoch ends "
+                "(val_check_interval=1.0 and check_val_every_n_epoch an integer), because the ranks count "
+                "different batches and would validate at different times. Fix: validate every n epochs."
+            )
+        for callback in trainer.checkpoint_callbacks:
+            every = getattr(callback, "_every_n_train_steps", 0)
+            if every:
+                raise ValueError(
+                    f"{name} found ModelCheckpoint(every_n_train_steps={every}): expected checkpoints at epoch "
+                    "ends, because the ranks take different numbers of steps and saving is collective (and the "
+                    "queue's position within an epoch is not saved). Fix: ModelCheckpoint(every_n_epochs=...)."
+                )
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """Configure the optimizers with a finite ``estimated_stepping_batches``.
+
+        The dynamic loader has no length, for which Lightning estimates ``max_steps`` (-1), and
+        LR schedules built from the estimate break. While ``configure_optimizers`` runs, the
+        estimate sees the mean batches per worker and epoch; afterwards the loop's length is
+        unknown again (a known length would end a fast worker's epoch at its "share").
+        """
+        if trainer.state.fn != TrainerFn.FITTING:
+            super().setup_optimizers(trainer)
+            return
+        fit_loop = trainer.fit_loop
+        fit_loop.setup_data()
+        unknown = fit_loop.max_batches
+        if self._plan is not None and unknown == float("inf"):
+            fit_loop.max_batches = math.ceil(self._plan.num_batches / self.world_size)
+        try:
+            super().setup_optimizers(trainer)
+        finally:
+            fit_loop.max_batches = unknown
+
+    @override
+    def _start_servers(self) -> None:
+        """Build this rank's asynchronous shard and client (as ``"ps"`` does, without a barrier mode)."""
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"{type(self).__name__} found {len(self.optimizers)} optimizers from configure_optimizers: "
+                "expected exactly one, because the servers run one optimizer over the whole model. Fix: "
+                "return one optimizer (use param groups for different hyperparameters)."
+            )
+        optimizer = self.optimizers[0]
+        self._spec = OptimizerSpec.from_optimizer(optimizer)
+        if self._spec.defaults.get("max_grad_norm") is not None and self.num_servers > 1:
+            raise ValueError(
+                f"{type(self).__name__} found {type(optimizer).__qualname__}(max_grad_norm="
+                f"{self._spec.defaults['max_grad_norm']}) with num_servers={self.num_servers}: the global "
+                "gradient norm spans every shard, but each shard's optimizer sees only its slice. Expected "
+                "max_grad_norm=None, or num_servers=1. Fix: drop max_grad_norm, or pass num_servers=1."
+            )
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        sizes = [p.numel() for p in params]
+        plan = shard_parameters(sizes, self.num_servers)
+        rank = self.global_rank
+        if rank < self.num_servers:
+            register_shard(
+                AsyncParameterShard(
+                    rank,
+                    plan[rank],
+                    [params[i] for i in plan[rank]],
+                    self._spec,
+                    self.world_size,
+                    staleness_lr=self.staleness_lr,
+                    timeout=self.ps_timeout,
+                )
+            )
+        log.debug(f"{type(self).__name__}: shard loads (elements) {shard_loads(sizes, plan)}")
+        self.barrier("ps_shards_ready")  # no push may reach a rank before its shard is registered
+        self._client = AsyncParameterServerClient(
+            rank, params, plan, timeout=self.ps_timeout, coordinator_rank=_COORDINATOR_RANK
+        )
+        self._server_step = _ServerStepOptimizer(optimizer, self._push_pull)
+        assert self.model is not None
+        self._sync_buffers = [b for b in self.model.buffers() if self.world_size > 1]
+        self._buffers = []  # the sync strategy's per-step broadcast: not here (see training_step)
+        self._local_steps, self._accumulated, self._accumulated_steps = 0, [], 0
+
+    # -- data ----------------------------------------------------------------------------------
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Give the training loader a :class:`DynamicBatchSampler`; other loaders pass through."""
+        trainer = self._trainer
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        name = type(self).__name__
+        if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
+            raise TypeError(
+                f"{name} found a training loader of type {type(dataloader).__qualname__}"
+                f"{' over an IterableDataset' if isinstance(dataloader, DataLoader) else ''}: expected a "
+                "torch DataLoader over a map-style dataset, because workers draw batch indices from a shared "
+                "queue. Fix: return a DataLoader(dataset, batch_size=..., shuffle=...) from train_dataloader() "
+                "(and no device-prefetch wrapper)."
+            )
+        if dataloader.num_workers > 0 and self.max_staleness is not None:
+            raise ValueError(
+                f"{name}(max_staleness={self.max_staleness}) found a training DataLoader with num_workers="
+                f"{dataloader.num_workers}: loader processes fetch batch indices ahead of the steps, so the "
+                "staleness gate would hold back the wrong step. Expected num_workers=0 with a staleness bound. "
+                "Fix: num_workers=0, or max_staleness=None."
+            )
+        plan = _plan_of(dataloader)
+        if plan.num_batches < self.world_size:
+            raise ValueError(
+                f"{name} found {plan.num_batches} training batches per epoch ({plan.num_samples} samples in "
+                f"batches of {plan.batch_size}) for {self.world_size} processes: expected at least one batch per "
+                "process, because a rank that trains on no batch skips the epoch-end validation its peers run. "
+                "Fix: a smaller batch size, or fewer processes."
+            )
+        limit = trainer.limit_train_batches
+        # Lightning fetches one batch ahead only when the loader has no length, i.e. no batch limit
+        self._ahead = isinstance(limit, float) and limit == 1.0
+        if isinstance(limit, int) and plan.num_batches < limit * self.world_size:
+            raise ValueError(
+                f"{name} found Trainer(limit_train_batches={limit}) with {self.world_size} processes and "
+                f"{plan.num_batches} batches per epoch: expected at least {limit} x {self.world_size} = "
+                f"{limit * self.world_size} batches, so that every rank reaches its limit (and validates). Fix: "
+                f"limit_train_batches <= {plan.num_batches // self.world_size}."
+            )
+        self._plan = plan
+        sampler = DynamicBatchSampler(plan, self._draw, self._current_epoch)
+        kwargs: dict[str, Any] = {}
+        if dataloader.num_workers > 0:
+            kwargs.update(
+                prefetch_factor=dataloader.prefetch_factor,
+                persistent_workers=dataloader.persistent_workers,
+                worker_init_fn=dataloader.worker_init_fn,
+                multiprocessing_context=dataloader.multiprocessing_context,
+            )
+        return DataLoader(
+            dataloader.dataset,
+            batch_sampler=sampler,
+            num_workers=dataloader.num_workers,
+            collate_fn=dataloader.collate_fn,
+            pin_memory=dataloader.pin_memory,
+            timeout=dataloader.timeout,
+            **kwargs,
+        )
+
+    def _current_epoch(self) -> int:
+        trainer = self._trainer
+        if trainer is None:
+            return 0
+        # the epoch being run (`current_epoch` counts completed ones, one less during the epoch end)
+        return int(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
+
+    def _draw(self, epoch: int, plan: DataPlan) -> list[int] | None:
+        """The next batch from the coordinator; runs on the training thread, between steps."""
+        client = self.async_client
+        draw = draw_batch(
+            self.global_rank,
+            epoch,
+            client.clock if client is not None else 0,
+            plan,
+            coordinator_rank=_COORDINATOR_RANK,
+            rpc_timeout=client.rpc_timeout if client is not None else self.ps_timeout.total_seconds() + 5.0,
+            ahead=self._ahead,
+            client=client,
+            should_stop=self._told_to_stop,
+        )
+        # the batch drawn at the start of the epoch's last step comes back empty: flush then
+        self._epoch_over = draw.indices is None
+        if draw.blocked and draw.indices is not None and client is not None and self.pull_every == 1:
+            client.pull()  # the gate waited for slower workers' pushes: train on them
+        return draw.indices
+
+    def _told_to_stop(self) -> bool:
+        return bool(getattr(self._trainer, "received_sigterm", False))
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """The step without the sync strategy's per-step buffer broadcast.
+
+        Ranks take different numbers of steps, so a per-step collective would pair the steps
+        of different ranks and, at the epoch end, meet a peer's epoch-end collective instead.
+        Buffers (BatchNorm statistics) stay local during the epoch and are taken from rank 0
+        before validation and checkpoints.
+        """
+        return DDPStrategy.training_step(self, *args, **kwargs)
+
+    @override
+    def _push_pull(self, optimizer: Optimizer) -> None:
+        client = self.async_client
+        assert client is not None
+        grads: list[Tensor | None] = [p.grad for p in client.params]
+        self._local_steps += 1
+        flush = self._epoch_over
+        push_due = self._local_steps % self.push_every == 0 or flush
+        pull_due = self._local_steps % self.pull_every == 0 or flush
+        if self.push_every > 1:
+            grads = self._accumulate(grads, take=push_due)
+        if push_due and grads is not None:
+            client.push(grads, [float(g["lr"]) for g in optimizer.param_groups], pull=pull_due)
+            self._window_staleness.extend(client.last_staleness)
+        elif pull_due:
+            client.pull()
+        if flush:
+            self._local_steps, self._epoch_over = 0, False
+        self._log_window(client)
+
+    def _accumulate(self, grads: list[Tensor | None], *, take: bool) -> list[Tensor | None]:
+        """Add this step's gradients to the local sums; when ``take``, return their mean and reset."""
+        if not self._accumulated:
+            self._accumulated = [None] * len(grads)
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            acc = self._accumulated[i]
+            self._accumulated[i] = g.detach().clone() if acc is None else acc.add_(g.detach())
+        self._accumulated_steps += 1
+        if not take:
+            return grads
+        n = self._accumulated_steps
+        mean = [a.div_(n) if a is not None else None for a in self._accumulated]
+        self._accumulated, self._accumulated_steps = [], 0
+        return mean
+
+    def _log_window(self, client: AsyncParameterServerClient) -> None:
+        self._window += client.stats.reset()
+        self._window_steps += 1
+        self._window_server_max = max(self._window_server_max, max(client.last_server_bytes, default=0))
+        self._window_gate += client.gate_seconds
+        client.gate_seconds = 0.0
+        module = self.lightning_module
+        if module is None or module._current_fx_name is None or not _should_update_logs(module):
+            return
+        n = self._window_steps
+        window = self._window.reset()
+        staleness = self._window_staleness
+        metrics = {
+            "comm/bytes_sent": window.bytes_sent / n,
+            "comm/bytes_received": window.bytes_received / n,
+            "ps/server_bytes_max": float(self._window_server_max),
+            "async/staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+            "async/staleness_max": float(max(staleness, default=0)),
+            "async/wait_seconds": self._window_gate / n,
+            "async/clock": float(client.clock),
+        }
+        self._window_steps, self._window_server_max, self._window_gate = 0, 0, 0.0
+        self._window_staleness = []
+        module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    # -- consistent points: validation, checkpoints, the end -----------------------------------
+
+    def _pull_latest(self, reason: str, *, last: bool = False) -> None:
+        """Barrier (every rank's pushes are applied), then the latest weights and rank 0's buffers.
+
+        With ``last``, a second barrier keeps every shard up until every rank has pulled: the
+        next step is teardown, which drops this rank's shard.
+        """
+        client = self.async_client
+        if client is None:
+            return
+        self.barrier(reason)
+        client.pull()
+        if self._sync_buffers:
+            _broadcast_from_rank0(self._sync_buffers)
+        if last:
+            self.barrier(f"{reason}_pulled")
+
+    @override
+    def on_validation_start(self) -> None:
+        self._pull_latest("async_validation")
+        super().on_validation_start()
+
+    @override
+    def on_train_end(self) -> None:
+        self._pull_latest("async_train_end", last=True)
+        super().on_train_end()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The latest weights: every rank calls this from ``Trainer.save_checkpoint``, before the
+        optimizer state is gathered, so after the barrier the shards hold every push."""
+        self._pull_latest("async_checkpoint")
+        return super().lightning_module_state_dict()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Fail the draws that wait on this worker's clock at once (the gate would wait ``timeout``)."""
+        if self._rpc_started and self._trainer is not None and self._trainer.state.fn == TrainerFn.FITTING:
+            reason = f"{type(exception).__name__}: {exception}"
+            report_failure(self.global_rank, reason, coordinator_rank=_COORDINATOR_RANK)
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        if self._coordinator is not None:
+            unregister_coordinator()
+            self._coordinator = None
+        self._accumulated, self._sync_buffers = [], []
+        super().teardown()
+
+
+def _check_options(
+    max_staleness: int | None, push_every: int, pull_every: int, timeout: object, staleness_lr: str
+) -> None:
+    name = "AsyncParameterServerStrategy"
+    if max_staleness is not None and (
+        isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0
+    ):
+        raise ValueError(
+            f"{name}(max_staleness={max_staleness!r}): expected an integer >= 0 (0 = bulk-synchronous schedule) "
+            "or None (no bound). Fix: pass e.g. max_staleness=2, or None."
+        )
+    for key, value in (("push_every", push_every), ("pull_every", pull_every)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"{name}({key}={value!r}): expected an integer >= 1 (steps between exchanges). Fix: pass "
+                f"{key}=1 to exchange every step."
+            )
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(
+            f"{name}(timeout={timeout!r}): expected a datetime.timedelta, as DDPStrategy takes. Fix: pass "
+            f"timeout=datetime.timedelta(seconds={timeout if isinstance(timeout, int | float) else 1800})."
+        )
+    if staleness_lr not in STALENESS_LR:
+        raise ValueError(
+            f"{name}(staleness_lr={staleness_lr!r}): expected one of {list(STALENESS_LR)}. Fix: 'none' keeps the "
+            "worker's lr, 'inverse' divides it by 1 + the gradient's staleness."
+        )
+
+
+def _plan_of(dataloader: DataLoader) -> DataPlan:
+    """The batching of ``dataloader`` as a :class:`DataPlan` (its sampler decides shuffle and seed)."""
+    sampler = dataloader.sampler
+    batch_size = dataloader.batch_size
+    drop_last = dataloader.drop_last
+    if batch_size is None:  # a custom batch sampler
+        batch_size = getattr(dataloader.batch_sampler, "batch_size", None)
+        drop_last = bool(getattr(dataloader.batch_sampler, "drop_last", False))
+        sampler = getattr(dataloader.batch_sampler, "sampler", sampler)
+    if not isinstance(batch_size, int):
+        raise TypeError(
+            f"AsyncParameterServerStrategy could not find the batch size of the training DataLoader (batch "
+            f"sampler {type(dataloader.batch_sampler).__qualname__}): expected DataLoader(batch_size=...) or a "
+            "batch sampler with a `batch_size`. Fix: pass batch_size to the DataLoader."
+        )
+    shuffle = isinstance(sampler, RandomSampler) or bool(getattr(sampler, "shuffle", False))
+    seed = int(sampler.seed) if isinstance(sampler, DistributedSampler) else 0
+    return DataPlan(len(dataloader.dataset), batch_size, drop_last, shuffle, seed)  # type: ignore[arg-type]
+
+
+def _without_per_step_collective(trainer: pl.Trainer) -> None:
+    """Replace the training loop's per-step SIGTERM broadcast by a local check.
+
+    Lightning broadcasts a SIGTERM flag from rank 0 before every training step; with ranks
+    taking different numbers of steps that broadcast would pair with a peer's epoch-end
+    collective. Each rank still stops on its own SIGTERM.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+
+    def check_sigterm() -> None:
+        if getattr(trainer, "received_sigterm", False):
+            raise SIGTERMException()
+
+    epoch_loop._broadcast_sigterm_tensor = check_sigterm  # type: ignore[method-assign]

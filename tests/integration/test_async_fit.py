@@ -1,0 +1,371 @@
+"""``Trainer(strategy="async")`` on 2 and 3 fork-started CPU processes: digits accuracy, the
+staleness bound asserted from the coordinator's recorded clocks, dynamic batches that cover
+every sample once per epoch, checkpoint and resume, logs, failures and the setup errors."""
+
+from __future__ import annotations
+
+import functools
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_strategies  # noqa: F401  (registers "async")
+from lightning_strategies.comm.async_ps import AsyncParameterShard
+from lightning_strategies.comm.ps import local_shard
+from lightning_strategies.scaling import ScalingConfig
+from lightning_strategies.strategies.async_ps import AsyncParameterServerStrategy
+from recipes.classification import ClassificationModule
+from recipes.data import DigitsDataModule
+from recipes.models import build_model
+from tests.lightning_utils import TinyRegressor
+
+pytestmark = pytest.mark.slow
+
+
+def strategy(**kwargs: Any) -> AsyncParameterServerStrategy:
+    return AsyncParameterServerStrategy(start_method="fork", timeout=timedelta(seconds=30), **kwargs)
+
+
+def _trainer(strategy: Any, devices: int, epochs: int, **kwargs: Any) -> pl.Trainer:
+    options: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    options.update(kwargs)
+    return pl.Trainer(**options)
+
+
+# --------------------------------------------------------------------------------------------
+# Accuracy on the digits recipe's data and model
+# --------------------------------------------------------------------------------------------
+
+
+def _digits_fit(strategy: Any, devices: int, epochs: int = 4) -> dict[str, float]:
+    """small_cnn (width 16) on 16x16 digits, per-worker batch 32, SGD at the per-worker lr with
+    the digits recipe's schedule (one warmup epoch, cosine decay)."""
+    torch.manual_seed(0)
+    data = DigitsDataModule(batch_size=32, image_size=16, seed=0)
+    module = ClassificationModule(
+        build_model("small_cnn", num_classes=10, in_channels=1, width=16),
+        num_classes=10,
+        optimizer=functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=5e-4),
+        scaling=ScalingConfig(rule="none", base_batch_size=32, warmup_epochs=1, decay="cosine"),
+    )
+    trainer = _trainer(strategy, devices, epochs, log_every_n_steps=5, callbacks=[_Records()])
+    trainer.fit(module, datamodule=data)
+    fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    records = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("rec/")}
+    results = trainer.test(module, datamodule=data, verbose=False)
+    return {**fit_metrics, "test_acc": float(results[0]["test_acc"]), **records}  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_digits_reach_93_percent(devices: int) -> None:
+    metrics = _digits_fit(strategy(), devices)
+    assert metrics["test_acc"] >= 0.93, metrics
+    # the logs of "ps" plus the async ones, at Lightning's cadence
+    for key in (
+        "comm/bytes_sent",
+        "comm/bytes_received",
+        "async/staleness_mean",
+        "async/staleness_max",
+        "async/wait_seconds",
+    ):
+        assert key in metrics, sorted(metrics)
+    assert metrics["async/wait_seconds"] == 0.0  # no bound: never held back
+
+
+def test_bulk_synchronous_schedule_stays_within_one_step_and_trains_like_ps() -> None:
+    metrics = _digits_fit(strategy(max_staleness=0), 2)
+    clocks = metrics["rec/clock_log"]
+    assert len(clocks) > 50
+    # s = 0: every worker's clock within one step of the others at all times ...
+    assert int((clocks.max(1).values - clocks.min(1).values).max()) <= 1
+    # ... and no step started before every other worker had pushed the previous one
+    admissions = metrics["rec/admissions"]
+    assert int((admissions[:, 1] - admissions[:, 2]).max()) <= 0
+    # the "ps" accuracy band of this setup (ps: 0.97-0.99 on these 270 test digits)
+    assert metrics["test_acc"] >= 0.93, metrics
+
+
+class _Records(pl.Callback):
+    """Copies the coordinator's records (rank 0) into callback_metrics, which the fork launcher
+    returns to the parent process."""
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        if not isinstance(strategy, AsyncParameterServerStrategy):
+            return
+        strategy.barrier()  # every rank has pushed its last step
+        coordinator = strategy.coordinator
+        if coordinator is None:
+            return
+        metrics = trainer.callback_metrics
+        metrics["rec/clock_log"] = torch.tensor(list(coordinator.clock_log))
+        metrics["rec/admissions"] = torch.tensor(list(coordinator.admissions)).reshape(-1, 3)
+        metrics["rec/blocked"] = torch.tensor(coordinator.blocked_draws)
+        metrics["rec/wait"] = torch.tensor(coordinator.wait_seconds)
+        metrics["rec/clocks"] = torch.tensor(coordinator.clocks)
+        shard = local_shard(0)
+        assert isinstance(shard, AsyncParameterShard)
+        worst = [max((s for w, _, s in shard.log if w == worker), default=-1) for worker in range(trainer.world_size)]
+        metrics["rec/shard0_staleness_max"] = torch.tensor(worst)
+        epochs = trainer.current_epoch
+        metrics["rec/served"] = torch.tensor([coordinator.served(e) for e in range(max(0, epochs - 3), epochs)])
+
+
+# --------------------------------------------------------------------------------------------
+# A slowed worker: the bound, the unbounded case and the dynamic queue's coverage
+# --------------------------------------------------------------------------------------------
+
+N_SAMPLES = 96
+
+
+class _IndexedRegressor(TinyRegressor):
+    """Records the sample indices each rank trained on; rank 1 sleeps per step (a straggler)."""
+
+    def __init__(self, slow_seconds: float = 0.0) -> None:
+        super().__init__()
+        self.slow_seconds = slow_seconds
+        self.seen: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        index, x, y = batch
+        if self.global_rank == 1 and self.slow_seconds:
+            time.sleep(self.slow_seconds)
+        self.seen.extend(index.tolist())
+        return super().training_step((x, y), batch_idx)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        _, x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def on_train_epoch_end(self) -> None:
+        # an epoch-end collective, as Lightning's own metric syncs are: aligned across ranks
+        gathered: list[Any] = [None] * self.trainer.world_size
+        dist.all_gather_object(gathered, self.seen)
+        self.seen = []
+        epoch = self.current_epoch
+        self.trainer.callback_metrics[f"rec/seen_{epoch}"] = torch.tensor(sorted(i for s in gathered for i in s))
+        self.trainer.callback_metrics[f"rec/count_{epoch}"] = torch.tensor([len(s) for s in gathered])
+
+
+def _indexed_loaders(batch_size: int = 8) -> tuple[DataLoader, DataLoader]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N_SAMPLES, 8, generator=g)
+    y = torch.tanh(x @ torch.randn(8, 4, generator=g))
+    data = TensorDataset(torch.arange(N_SAMPLES), x, y)
+    return DataLoader(data, batch_size=batch_size, shuffle=True), DataLoader(data, batch_size=32)
+
+
+def _slow_fit(max_staleness: int | None, epochs: int = 3, devices: int = 2) -> dict[str, Any]:
+    train, val = _indexed_loaders()
+    trainer = _trainer(strategy(max_staleness=max_staleness), devices, epochs, callbacks=[_Records()])
+    trainer.fit(_IndexedRegressor(slow_seconds=0.03), train, val)
+    return dict(trainer.callback_metrics)
+
+
+def _assert_each_sample_once_per_epoch(metrics: dict[str, Any], epochs: int, first: int = 0) -> None:
+    for e in range(first, epochs):
+        assert metrics[f"rec/seen_{e}"].tolist() == list(range(N_SAMPLES)), f"epoch {e}"
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_clock_gap_never_exceeds_the_bound_with_a_straggler(max_staleness: int) -> None:
+    metrics = _slow_fit(max_staleness)
+    admissions = metrics["rec/admissions"]
+    # every step started with the worker's clock at most s ahead of the slowest other worker
+    assert int((admissions[:, 1] - admissions[:, 2]).max()) <= max_staleness
+    # so the clocks never drift more than s + 1 apart (the step in flight)
+    clocks = metrics["rec/clock_log"]
+    assert int((clocks.max(1).values - clocks.min(1).values).max()) <= max_staleness + 1
+    assert int(metrics["rec/blocked"][0]) > 0  # the fast worker was indeed held back
+    _assert_each_sample_once_per_epoch(metrics, 3)
+
+
+def test_unbounded_fast_worker_never_waits_and_takes_more_batches() -> None:
+    metrics = _slow_fit(None)
+    assert int(metrics["rec/blocked"][0]) == 0 and float(metrics["rec/wait"][0]) == 0.0
+    for e in range(3):
+        fast, slow = metrics[f"rec/count_{e}"].tolist()
+        assert fast > 2 * slow, (e, fast, slow)  # rank 1 sleeps 30 ms a step, rank 0 ~1 ms
+    _assert_each_sample_once_per_epoch(metrics, 3)
+    # a gradient of the slow worker missed the fast worker's updates made in between
+    fast, slow = metrics["rec/shard0_staleness_max"].tolist()
+    assert slow > 2 and slow > fast, (fast, slow)
+
+
+def test_three_workers_cover_the_epoch_once() -> None:
+    metrics = _slow_fit(2, epochs=2, devices=3)
+    admissions = metrics["rec/admissions"]
+    assert int((admissions[:, 1] - admissions[:, 2]).max()) <= 2
+    _assert_each_sample_once_per_epoch(metrics, 2)
+
+
+def test_push_and_pull_every_n_steps_still_cover_the_epoch() -> None:
+    train, val = _indexed_loaders()
+    trainer = _trainer(strategy(push_every=2, pull_every=3), 2, 2, log_every_n_steps=1, callbacks=[_Records()])
+    trainer.fit(_IndexedRegressor(), train, val)
+    metrics = trainer.callback_metrics
+    _assert_each_sample_once_per_epoch(metrics, 2)
+    # 6 batches per worker and epoch (12 in all): 3 pushes each, the last one flushed at the epoch end
+    served = metrics["rec/served"]
+    pushes = sum((n + 1) // 2 for n in served.flatten().tolist())
+    assert int(metrics["rec/clocks"].sum()) == pushes
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints
+# --------------------------------------------------------------------------------------------
+
+
+class _SaveAtEnd(pl.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)  # every rank calls it; rank 0 gathers and writes
+
+
+class _StateAtStart(pl.Callback):
+    """The weights and the shards' optimizer state a (resumed) fit starts from."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, AsyncParameterServerStrategy)
+        client, spec = strategy.async_client, strategy._spec
+        assert client is not None and spec is not None
+        state = client.gather_state_dict(spec, strategy.optimizers[0].param_groups)
+        for i, s in state["state"].items():
+            trainer.callback_metrics[f"start/momentum_{i}"] = s["momentum_buffer"].clone()
+        for k, v in pl_module.state_dict().items():
+            trainer.callback_metrics[f"start/{k}"] = v.detach().clone()
+        trainer.callback_metrics["start/epoch"] = torch.tensor(trainer.current_epoch)
+
+
+def test_checkpoint_holds_the_shards_state_and_resumes(tmp_path: Path) -> None:
+    ckpt = tmp_path / "async.ckpt"
+    train, val = _indexed_loaders()
+    model = _IndexedRegressor()
+    _trainer(strategy(max_staleness=1), 2, 2, callbacks=[_SaveAtEnd(ckpt)]).fit(model, train, val)
+    state = torch.load(ckpt, weights_only=False)
+    # the file holds the latest weights (pulled after every push was in) and all shards' momentum
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(state["state_dict"][k], v, rtol=0, atol=0)
+    opt = state["optimizer_states"][0]
+    assert sorted(opt["state"]) == [0, 1, 2, 3]
+
+    # resuming restores both into the shards and finishes the remaining epochs
+    resumed = _trainer(strategy(max_staleness=1), 2, 4, callbacks=[_StateAtStart(), _Records()])
+    resumed.fit(_IndexedRegressor(), train, val, ckpt_path=ckpt)
+    metrics = resumed.callback_metrics
+    for k, v in state["state_dict"].items():
+        torch.testing.assert_close(metrics[f"start/{k}"], v, rtol=0, atol=0)
+    for i in range(4):
+        torch.testing.assert_close(metrics[f"start/momentum_{i}"], opt["state"][i]["momentum_buffer"], rtol=0, atol=0)
+    assert int(metrics["start/epoch"]) == state["epoch"] == 2
+    _assert_each_sample_once_per_epoch(metrics, 4, first=2)  # 0 and 1 were in the first fit
+
+    # and the file loads into a plain single-device model and optimizer
+    plain = TinyRegressor()
+    plain.load_state_dict(state["state_dict"])
+    optimizer = plain.configure_optimizers()
+    optimizer.load_state_dict(opt)
+    assert len(optimizer.state) == 4
+
+
+# --------------------------------------------------------------------------------------------
+# Failures and unsupported setups
+# --------------------------------------------------------------------------------------------
+
+
+class _DiesOnRank1(_IndexedRegressor):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_rank == 1 and batch_idx == 2:
+            raise RuntimeError("rank 1 crashed in training_step")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("max_staleness", [None, 0])
+def test_a_crashing_worker_fails_the_fit_without_hanging(max_staleness: int | None) -> None:
+    start = time.monotonic()
+    train, val = _indexed_loaders()
+    with pytest.raises(Exception, match="rank 1 crashed in training_step"):
+        _trainer(strategy(max_staleness=max_staleness), 2, 2).fit(_DiesOnRank1(), train, val)
+    # the launcher reports the crash and stops the survivor, well inside the 30 s timeouts
+    assert time.monotonic() - start < 25
+
+
+@pytest.mark.parametrize(
+    ("trainer_kwargs", "message"),
+    [
+        ({"max_steps": 5}, r"found Trainer\(max_steps=5\): expected max_steps=-1"),
+        ({"val_check_interval": 0.5}, r"val_check_interval=0.5.*expected validation at epoch ends"),
+        ({"limit_train_batches": 10}, r"limit_train_batches=10\) with 2 processes and 12 batches"),
+        (
+            {"enable_checkpointing": True, "callbacks": [ModelCheckpoint(every_n_train_steps=2)]},
+            r"ModelCheckpoint\(every_n_train_steps=2\): expected checkpoints at epoch ends",
+        ),
+    ],
+)
+def test_unsupported_loops_raise_clear_errors(trainer_kwargs: dict[str, Any], message: str) -> None:
+    train, val = _indexed_loaders()
+    with pytest.raises(Exception, match=message):
+        _trainer(strategy(), 2, 1, **trainer_kwargs).fit(_IndexedRegressor(), train, val)
+
+
+def test_loader_processes_with_a_bound_raise_a_clear_error() -> None:
+    _, val = _indexed_loaders()
+    train = DataLoader(val.dataset, batch_size=8, num_workers=1)
+    with pytest.raises(Exception, match=r"max_staleness=1\) found a training DataLoader with num_workers=1"):
+        _trainer(strategy(max_staleness=1), 2, 1).fit(_IndexedRegressor(), train, val)
+
+
+# --------------------------------------------------------------------------------------------
+# The app
+# --------------------------------------------------------------------------------------------
+
+
+def test_app_strategy_async_with_options(tmp_path: Path) -> None:
+    """`python train.py strategy=async trainer=ddp_sim ...`, in-process with fork-started ranks."""
+    from app_utils import FEW_BATCHES, compose_cfg
+
+    from recipes.train import run
+
+    cfg = compose_cfg(
+        [
+            "strategy=async",
+            "trainer=ddp_sim",
+            "strategy.start_method=fork",
+            "strategy.max_staleness=1",
+            "strategy.staleness_lr=inverse",
+            "strategy.push_every=2",
+            "model=small_cnn",
+            "model.width=8",
+            "data.image_size=8",
+            *FEW_BATCHES,
+            "trainer.log_every_n_steps=1",
+        ],
+        output_dir=tmp_path,
+    )
+    metrics = run(cfg)
+    assert metrics["status"] == "ok" and metrics["world_size"] == 2, metrics
+    assert metrics["test_acc"] is not None
+    for key in ("comm/bytes_sent", "async/staleness_mean", "async/staleness_max", "async/wait_seconds"):
+        assert key in metrics, sorted(metrics)
+    assert (tmp_path / "checkpoints" / "last.ckpt").exists()
