@@ -39,6 +39,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
@@ -284,6 +285,24 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
             super().setup_optimizers(trainer)
         finally:
             fit_loop.max_batches = unknown
+        self._warn_high_momentum()
+
+    def _warn_high_momentum(self) -> None:
+        # Asynchrony adds an implicit momentum of about 1 - 1/P (Mitliagkas et al. 2016); on top
+        # of SGD's usual 0.9 the sum passes 1 and training diverges (the digits ResNet does at P=2).
+        workers = self.num_nodes * self.num_processes
+        if workers < 2:
+            return
+        implicit = 1.0 - 1.0 / workers
+        for optimizer in self.optimizers:
+            momenta = [float(g.get("momentum", g.get("betas", (0.0,))[0])) for g in optimizer.param_groups]
+            if momenta and max(momenta) + implicit > 1.0:
+                rank_zero_warn(
+                    f"async with {workers} workers adds an implicit momentum of about {implicit:.2f} "
+                    f"to the optimizer's {max(momenta):g} (Mitliagkas et al. 2016): together above 1, training "
+                    f"often diverges. Lower it, e.g. optimizer.momentum={max(0.0, 1.0 - implicit):g}, or the lr."
+                )
+                return
 
     @override
     def _start_servers(self) -> None:

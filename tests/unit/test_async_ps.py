@@ -287,3 +287,21 @@ def test_dynamic_sampler_draws_until_the_queue_is_empty_and_has_no_length() -> N
     sampler = DynamicBatchSampler(DataPlan(4, 2), draw, lambda: 7)
     assert list(sampler) == [[0, 1], [2, 3]] and calls == [7, 7, 7]
     assert not hasattr(sampler, "__len__")
+
+
+def test_warns_when_momentum_plus_asynchrony_exceeds_one() -> None:
+    import warnings
+
+    import torch
+
+    from lightning_strategies.strategies.async_ps import AsyncParameterServerStrategy
+
+    strategy = AsyncParameterServerStrategy(parallel_devices=[torch.device("cpu")] * 2)
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    strategy.optimizers = [torch.optim.SGD(params, lr=0.1, momentum=0.9)]
+    with pytest.warns(UserWarning, match=r"implicit momentum of about 0.50 to the optimizer's 0.9.*momentum=0.5"):
+        strategy._warn_high_momentum()
+    strategy.optimizers = [torch.optim.SGD(params, lr=0.1, momentum=0.5)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        strategy._warn_high_momentum()  # 0.5 + 0.5 is not above 1: no warning
