@@ -4,6 +4,7 @@ Importing the package registers its strategy names (``"ring"``, ...) with Lightn
 ``StrategyRegistry``, so ``Trainer(strategy="ring")`` works after ``import lightning_strategies``.
 """
 
+from lightning_strategies.checkpoint import AtomicCheckpointIO
 from lightning_strategies.comm.ring import ring_all_reduce
 from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.data import DevicePrefetcher, PrefetchConfig
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncParameterServerStrategy",
+    "AtomicCheckpointIO",
     "CommStats",
     "DevicePrefetcher",
     "LinearWarmup",

@@ -28,6 +28,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_strategies  # noqa: F401  (registers the strategy names)
+from lightning_strategies.checkpoint import AtomicCheckpointIO
 from lightning_strategies.scaling import replicas_of
 from recipes.classification import ClassificationModule, ThroughputMonitor
 
@@ -215,6 +216,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         callbacks=callbacks,
         default_root_dir=str(out_dir),
         enable_checkpointing=bool(cfg.checkpoint),
+        plugins=[AtomicCheckpointIO()],  # a crash mid-save never replaces the last good checkpoint
         **trainer_overrides,
     )
     per_device = _per_device_batch(cfg, trainer)

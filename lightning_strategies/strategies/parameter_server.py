@@ -40,6 +40,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_strategies.checkpoint import ATOMIC_CHECKPOINT_IO_DEFAULT
 from lightning_strategies.comm.ps import (
     OptimizerSpec,
     ParameterServerClient,
@@ -98,6 +99,7 @@ class ParameterServerStrategy(DDPStrategy):
     """
 
     strategy_name = "parameter_server"
+    checkpoint_io = ATOMIC_CHECKPOINT_IO_DEFAULT  # atomic checkpoint writes unless the user gives an IO
 
     def __init__(
         self,

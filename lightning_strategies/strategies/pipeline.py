@@ -62,6 +62,7 @@ from torch.optim import Optimizer
 from torch.utils.data import BatchSampler, DataLoader
 from typing_extensions import override
 
+from lightning_strategies.checkpoint import ATOMIC_CHECKPOINT_IO_DEFAULT
 from lightning_strategies.pipeline_protocol import check_pipeline_module
 
 __all__ = [
@@ -457,6 +458,7 @@ class PipelineStrategy(DDPStrategy):
     """
 
     strategy_name = "pipeline"
+    checkpoint_io = ATOMIC_CHECKPOINT_IO_DEFAULT  # atomic checkpoint writes unless the user gives an IO
 
     def __init__(
         self,

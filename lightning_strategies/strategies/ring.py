@@ -26,6 +26,7 @@ from torch.nn.parallel.distributed import DistributedDataParallel
 from torch.optim.optimizer import Optimizer
 from typing_extensions import override
 
+from lightning_strategies.checkpoint import ATOMIC_CHECKPOINT_IO_DEFAULT
 from lightning_strategies.comm.ring import WIRE_DTYPES, RingBucketReducer, resolve_wire_dtype
 
 __all__ = ["RingAllReduceStrategy"]
@@ -61,6 +62,8 @@ class RingAllReduceStrategy(DDPStrategy):
         ValueError: for an invalid ``wire_dtype`` or ``bucket_cap_mb``, or a DDP
             communication-hook option (the ring *is* the hook).
     """
+
+    checkpoint_io = ATOMIC_CHECKPOINT_IO_DEFAULT  # atomic checkpoint writes unless the user gives an IO
 
     def __init__(
         self,

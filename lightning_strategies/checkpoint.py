@@ -1,0 +1,157 @@
+"""Checkpoint files that are either the old one or the new one, never half of the new one.
+
+A run killed while it writes ``last.ckpt`` (a preempted node, an OOM kill, a worker that dies
+and is restarted by ``torchrun --max-restarts``) must find the previous ``last.ckpt`` intact
+when it resumes. :class:`AtomicCheckpointIO` writes a local checkpoint to a temporary file in
+the target's directory, flushes it to disk (``fsync``) and only then renames it over the target
+(``os.replace``, atomic on POSIX and Windows within one file system), then ``fsync``\\ s the
+directory so the rename itself survives a power loss.
+
+Every strategy of this package uses it when the user gave no ``CheckpointIO``: their
+``checkpoint_io`` property is :data:`ATOMIC_CHECKPOINT_IO_DEFAULT`. For another strategy, pass
+``Trainer(plugins=[AtomicCheckpointIO()])``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+from lightning.pytorch.strategies import Strategy
+from typing_extensions import override
+
+__all__ = ["ATOMIC_CHECKPOINT_IO_DEFAULT", "AtomicCheckpointIO", "temp_files_of"]
+
+_TEMP_SUFFIX = ".tmp"
+
+
+def _temp_prefix(target: Path) -> str:
+    # Hidden and not ending in ".ckpt": ModelCheckpoint's "last"/top-k searches never see it.
+    return f".{target.name}."
+
+
+def temp_files_of(target: _PATH) -> list[Path]:
+    """The temporary files that writes of ``target`` left behind (a writer killed mid-write).
+
+    Args:
+        target: the checkpoint path as passed to ``save_checkpoint``.
+
+    Returns:
+        The leftover files in ``target``'s directory, sorted; empty when there are none.
+    """
+    path = Path(os.fspath(target))
+    if not path.parent.is_dir():
+        return []
+    prefix = _temp_prefix(path)
+    return sorted(p for p in path.parent.iterdir() if p.name.startswith(prefix) and p.name.endswith(_TEMP_SUFFIX))
+
+
+def _fsync_directory(directory: Path) -> None:
+    # Makes the rename durable. Not possible everywhere (Windows cannot open a directory):
+    # the rename is still atomic there, only not flushed.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose local writes replace the target atomically and durably.
+
+    ``torch.save`` writes to ``.<name>.<pid>-<random>.tmp`` next to the target; the file is
+    ``fsync``\\ ed and renamed over the target with ``os.replace``. If anything fails before the
+    rename (an exception inside ``torch.save``, a full disk) the temporary file is removed and
+    the error re-raised, and the target still holds the previous checkpoint. A process killed
+    mid-write leaves its temporary file (it cannot clean up), never a truncated target; the next
+    successful save of the same path removes such leftovers.
+
+    Remote paths (``s3://``, ``gs://``, ...) are written as by ``TorchCheckpointIO``, inside an
+    fsspec transaction. Loading and removing are ``TorchCheckpointIO``'s.
+    """
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        """Write ``checkpoint`` to ``path`` so that ``path`` never holds a partial file.
+
+        Args:
+            checkpoint: the state Lightning dumps (model, optimizers, loops, callbacks).
+            path: the target file; its directory is created when missing.
+            storage_options: not supported, as for ``TorchCheckpointIO``.
+
+        Raises:
+            TypeError: if ``storage_options`` is given.
+        """
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint got storage_options={storage_options!r}; expected None "
+                "(local files take no storage options). Fix: drop the argument, or pass a CheckpointIO plugin "
+                "that defines storage options."
+            )
+        fs, local = url_to_fs(str(path))
+        if not isinstance(fs, LocalFileSystem):
+            super().save_checkpoint(checkpoint, path)
+            return
+        target = Path(local)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temp = target.parent / f"{_temp_prefix(target)}{os.getpid()}-{uuid.uuid4().hex[:8]}{_TEMP_SUFFIX}"
+        # O_EXCL: a fresh file of our own; mode 0o666 so the umask applies as for a plain open().
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                # Data on disk before the rename: otherwise a crash soon after could leave the
+                # new name pointing at an empty or partial file on some file systems (ext4, xfs).
+                os.fsync(f.fileno())
+            os.replace(temp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                temp.unlink()
+            raise
+        _fsync_directory(target.parent)
+        for leftover in temp_files_of(target):
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+
+
+def _checkpoint_io_or_atomic(self: Strategy) -> CheckpointIO:
+    # Strategy.checkpoint_io, with AtomicCheckpointIO where Lightning would use TorchCheckpointIO.
+    # Filled in lazily (not in __init__) so that Trainer(strategy=<instance>, plugins=[<io>])
+    # stays valid: Lightning rejects a strategy instance that already holds a CheckpointIO when
+    # plugins give one too.
+    io = self._checkpoint_io
+    if io is None:
+        io = self._checkpoint_io = AtomicCheckpointIO()
+    elif isinstance(io, _WrappingCheckpointIO) and not io._base_checkpoint_io_configured:
+        io.checkpoint_io = AtomicCheckpointIO()  # e.g. AsyncCheckpointIO() given without a base
+    return io
+
+
+def _set_checkpoint_io(self: Strategy, io: CheckpointIO) -> None:
+    self._checkpoint_io = io
+
+
+ATOMIC_CHECKPOINT_IO_DEFAULT = property(
+    _checkpoint_io_or_atomic,
+    _set_checkpoint_io,
+    doc="The strategy's CheckpointIO: the user's (Trainer plugins or the constructor), else AtomicCheckpointIO.",
+)
+"""A drop-in for ``Strategy.checkpoint_io`` that defaults to :class:`AtomicCheckpointIO`.
+
+A strategy class opts in with one line, ``checkpoint_io = ATOMIC_CHECKPOINT_IO_DEFAULT``.
+"""

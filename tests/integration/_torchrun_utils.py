@@ -1,0 +1,109 @@
+"""Start ``torchrun`` (one invocation per simulated node) on 127.0.0.1 and wait, bounded.
+
+Each invocation gets its own session (``start_new_session=True``), so on a timeout the test
+kills exactly the process groups it created: the torchrun agent and the workers it started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks._workers import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).with_name("_torchrun_fit.py")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def child_env() -> dict[str, str]:
+    """One torch thread per process; the repo root and ``tests/`` importable."""
+    env = dict(os.environ)
+    paths = [str(REPO), str(REPO / "tests")]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(paths))
+    return env
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    text = path.read_text(errors="replace") if path.exists() else "(no output)"
+    return text[-chars:]
+
+
+def run_torchrun_nodes(
+    script_args: list[str],
+    *,
+    nnodes: int,
+    nproc_per_node: int,
+    log_dir: Path,
+    max_restarts: int = 0,
+    rdzv_backend: str = "static",
+    timeout: float = 120.0,
+) -> list[str]:
+    """Run ``_torchrun_fit.py`` under ``nnodes`` torchrun invocations on 127.0.0.1.
+
+    Args:
+        script_args: the arguments of ``_torchrun_fit.py``.
+        nnodes: torchrun invocations, node ranks ``0 .. nnodes-1``, all on 127.0.0.1.
+        nproc_per_node: worker processes per invocation.
+        log_dir: where each invocation's stdout+stderr goes (``node<k>.log``).
+        max_restarts: torchrun's ``--max-restarts``.
+        rdzv_backend: ``"static"`` (``--master-addr/--master-port --node-rank``) or ``"c10d"``
+            (``--rdzv-endpoint``; a fresh store prefix per rendezvous round, which restarts need:
+            under ``static`` a restarted group reads the dead attempt's gloo addresses from the
+            reused store and fails to connect).
+        timeout: seconds for all invocations together; past it their process groups are killed.
+
+    Returns:
+        Each node's output.
+
+    Raises:
+        TimeoutError: after killing every invocation, if they did not all exit in time.
+        RuntimeError: with the output tails, if any invocation exited non-zero.
+    """
+    port = free_port()
+    procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+    try:
+        for node in range(nnodes):
+            log = log_dir / f"node{node}.log"
+            if rdzv_backend == "static":
+                rdzv = ["--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
+                        f"--node-rank={node}"]  # fmt: skip
+            else:
+                rdzv = [f"--rdzv-backend={rdzv_backend}", f"--rdzv-endpoint=127.0.0.1:{port}"]
+            cmd = [
+                *TORCHRUN,
+                f"--nnodes={nnodes}",
+                f"--nproc-per-node={nproc_per_node}",
+                *rdzv,
+                f"--max-restarts={max_restarts}",
+                str(SCRIPT),
+                *script_args,
+            ]
+            with log.open("wb") as f:
+                proc = subprocess.Popen(
+                    cmd, cwd=REPO, env=child_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            procs.append((proc, log))
+        deadline = time.monotonic() + timeout
+        for proc, _ in procs:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        logs = "\n".join(f"--- {log.name}:\n{_tail(log)}" for _, log in procs)
+        raise TimeoutError(f"torchrun did not finish within {timeout:.0f}s; killed.\n{logs}") from None
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # the session this test created, nothing else
+                proc.wait(timeout=10)
+    failed = [(proc, log) for proc, log in procs if proc.returncode != 0]
+    if failed:
+        raise RuntimeError(
+            "\n".join(f"--- {log.name} exited with {proc.returncode}:\n{_tail(log)}" for proc, log in failed)
+        )
+    return [log.read_text(errors="replace") for _, log in procs]
