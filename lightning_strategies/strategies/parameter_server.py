@@ -56,13 +56,14 @@ from lightning_strategies.comm.ps import (
     worker_name,
 )
 from lightning_strategies.comm.stats import CommStats
+from lightning_strategies.strategies._elastic import ElasticRestartMixin
 
 __all__ = ["ParameterServerStrategy"]
 
 log = logging.getLogger(__name__)
 
 
-class ParameterServerStrategy(DDPStrategy):
+class ParameterServerStrategy(ElasticRestartMixin, DDPStrategy):
     """Synchronous data parallelism through sharded, co-located parameter servers.
 
     Each step every worker pushes its gradients to the shards (all in parallel), each shard

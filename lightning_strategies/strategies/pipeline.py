@@ -64,6 +64,7 @@ from typing_extensions import override
 
 from lightning_strategies.checkpoint import ATOMIC_CHECKPOINT_IO_DEFAULT
 from lightning_strategies.pipeline_protocol import check_pipeline_module
+from lightning_strategies.strategies._elastic import ElasticRestartMixin
 
 __all__ = [
     "BALANCES",
@@ -409,7 +410,7 @@ class PipelinePrecision(Precision):
 # -- the strategy --------------------------------------------------------------------------------
 
 
-class PipelineStrategy(DDPStrategy):
+class PipelineStrategy(ElasticRestartMixin, DDPStrategy):
     """Pipeline model parallelism (GPipe, 1F1B or interleaved 1F1B), optionally x data parallelism.
 
     Registered as ``"pipeline"`` on ``import lightning_strategies``. The module must implement

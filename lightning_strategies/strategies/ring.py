@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from lightning_strategies.checkpoint import ATOMIC_CHECKPOINT_IO_DEFAULT
 from lightning_strategies.comm.ring import WIRE_DTYPES, RingBucketReducer, resolve_wire_dtype
+from lightning_strategies.strategies._elastic import ElasticRestartMixin
 
 __all__ = ["RingAllReduceStrategy"]
 
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 _NOT_OURS = ("ddp_comm_hook", "ddp_comm_wrapper", "ddp_comm_state", "model_averaging_period")
 
 
-class RingAllReduceStrategy(DDPStrategy):
+class RingAllReduceStrategy(ElasticRestartMixin, DDPStrategy):
     """Data-parallel training whose gradients are averaged by a ring all-reduce.
 
     Registered as ``"ring"`` (and ``"ring_bf16"`` = ``wire_dtype="bf16"``) on

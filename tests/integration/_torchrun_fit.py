@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -99,32 +98,6 @@ class _RecordStart(Callback):
                 f.write(f"restart={restart} start_step={trainer.global_step} checkpoint_io={io}\n")
 
 
-def init_process_group_for_this_attempt(backend: str = "gloo") -> None:
-    """After a torchrun restart, join the process group through a store prefixed by the attempt.
-
-    torch 2.14's workers share the elastic agent's store across restarts (``MASTER_PORT`` is the
-    same in every attempt) and key it only by group name, so a restarted rank can read the
-    *dead* attempt's gloo addresses before its peers overwrite them and fail with "Gloo
-    connectFullMesh failed ... Connection refused" (pytorch/pytorch#167288 looks like the same
-    with NCCL; older torch prefixed ``/worker/attempt_<n>`` itself). Lightning initializes no
-    process group that already exists, so doing it here first fixes every strategy. A no-op
-    outside torchrun and in the first attempt.
-    """
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if restart == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60)
-    )
-    dist.init_process_group(
-        backend,
-        store=dist.PrefixStore(f"/worker/attempt_{restart}", store),
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=timedelta(seconds=60),
-    )
-
-
 def fit(
     name: str,
     strategy: pl.strategies.Strategy,
@@ -180,7 +153,6 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    init_process_group_for_this_attempt()
     callbacks: list[Callback] = [_RecordStart(Path(f"{args.out}.attempts"))]
     if args.die_rank is not None:
         assert args.die_at_step is not None and args.die_marker is not None, "--die-* go together"
