@@ -10,9 +10,10 @@ in the model's history. Epoch boundaries only: Lightning 2.6 restarts a plain Da
 batch 0 after a mid-epoch resume.
 
 Rendezvous is ``c10d``, and the restarted workers join their process group through a store
-prefixed by the attempt (``_torchrun_fit.init_process_group_for_this_attempt``): with torch 2.14
-the restarted group otherwise reads the dead attempt's gloo addresses from the agent's store and
-fails to connect (under ``static`` and ``c10d`` alike), for Lightning's own ``ddp`` too.
+prefixed by the attempt (``lightning_strategies.strategies._elastic``, part of every strategy of
+ours): with torch 2.14 the restarted group otherwise reads the dead attempt's gloo addresses from
+the agent's store and fails to connect (under ``static`` and ``c10d`` alike), for Lightning's own
+``ddp`` too; this test fails without it.
 
 Tolerance: the restarted attempt loads the exact float32 weights and SGD momentum buffers that the
 checkpoint holds and then runs the same operations on the same batches as the uninterrupted run,
