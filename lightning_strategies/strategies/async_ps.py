@@ -61,10 +61,8 @@ from lightning_strategies.comm.async_ps import (
     unregister_coordinator,
 )
 from lightning_strategies.comm.ps import (
-    OptimizerSpec,
     register_shard,
     shard_loads,
-    shard_parameters,
 )
 from lightning_strategies.strategies.parameter_server import (
     ParameterServerStrategy,
@@ -307,24 +305,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     @override
     def _start_servers(self) -> None:
         """Build this rank's asynchronous shard and client (as ``"ps"`` does, without a barrier mode)."""
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"{type(self).__name__} found {len(self.optimizers)} optimizers from configure_optimizers: "
-                "expected exactly one, because the servers run one optimizer over the whole model. Fix: "
-                "return one optimizer (use param groups for different hyperparameters)."
-            )
-        optimizer = self.optimizers[0]
-        self._spec = OptimizerSpec.from_optimizer(optimizer)
-        if self._spec.defaults.get("max_grad_norm") is not None and self.num_servers > 1:
-            raise ValueError(
-                f"{type(self).__name__} found {type(optimizer).__qualname__}(max_grad_norm="
-                f"{self._spec.defaults['max_grad_norm']}) with num_servers={self.num_servers}: the global "
-                "gradient norm spans every shard, but each shard's optimizer sees only its slice. Expected "
-                "max_grad_norm=None, or num_servers=1. Fix: drop max_grad_norm, or pass num_servers=1."
-            )
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        sizes = [p.numel() for p in params]
-        plan = shard_parameters(sizes, self.num_servers)
+        optimizer, spec, params, sizes, plan = self._plan_servers()
         rank = self.global_rank
         if rank < self.num_servers:
             register_shard(
@@ -332,7 +313,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
                     rank,
                     plan[rank],
                     [params[i] for i in plan[rank]],
-                    self._spec,
+                    spec,
                     self.world_size,
                     staleness_lr=self.staleness_lr,
                     timeout=self.ps_timeout,

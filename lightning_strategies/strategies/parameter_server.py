@@ -249,11 +249,15 @@ class ParameterServerStrategy(ElasticRestartMixin, DDPStrategy):
                 "layer's step), or use strategy='ddp'."
             )
 
-    def _start_servers(self) -> None:
-        """Build this rank's shard and its client; a barrier makes every shard reachable first."""
+    def _plan_servers(self) -> tuple[Optimizer, OptimizerSpec, list[Tensor], list[int], list[list[int]]]:
+        """Check the optimizer can run on the shards.
+
+        Returns:
+            The optimizer, its rebuild spec, its parameters, their sizes and the shard plan.
+        """
         if len(self.optimizers) != 1:
             raise ValueError(
-                f"ParameterServerStrategy found {len(self.optimizers)} optimizers from configure_optimizers: "
+                f"{type(self).__name__} found {len(self.optimizers)} optimizers from configure_optimizers: "
                 "expected exactly one, because the servers run one optimizer over the whole model. Fix: "
                 "return one optimizer (use param groups for different hyperparameters)."
             )
@@ -262,21 +266,25 @@ class ParameterServerStrategy(ElasticRestartMixin, DDPStrategy):
         if self._spec.defaults.get("max_grad_norm") is not None and self.num_servers > 1:
             # LAMB (timm-style) clips by the norm over *all* its tensors; each shard sees a slice
             raise ValueError(
-                f"ParameterServerStrategy found {type(optimizer).__qualname__}(max_grad_norm="
+                f"{type(self).__name__} found {type(optimizer).__qualname__}(max_grad_norm="
                 f"{self._spec.defaults['max_grad_norm']}) with num_servers={self.num_servers}: the global "
                 "gradient norm spans every shard, but each shard's optimizer sees only its slice. Expected "
                 "max_grad_norm=None, or num_servers=1. Fix: drop max_grad_norm, or pass num_servers=1."
             )
         params = [p for group in optimizer.param_groups for p in group["params"]]
         sizes = [p.numel() for p in params]
-        plan = shard_parameters(sizes, self.num_servers)
+        return optimizer, self._spec, params, sizes, shard_parameters(sizes, self.num_servers)
+
+    def _start_servers(self) -> None:
+        """Build this rank's shard and its client; a barrier makes every shard reachable first."""
+        optimizer, spec, params, sizes, plan = self._plan_servers()
         rank = self.global_rank
         if rank < self.num_servers:
             shard = ParameterShard(
                 rank,
                 plan[rank],
                 [params[i] for i in plan[rank]],
-                self._spec,
+                spec,
                 self.world_size,
                 timeout=self.ps_timeout,
             )
