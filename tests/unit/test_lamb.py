@@ -9,23 +9,11 @@ from typing import Any
 
 import pytest
 import torch
+from optim_cases import SHAPES
 from torch import nn
 
 import lightning_strategies.optim.lamb as lamb_module
 from lightning_strategies.optim import Lamb, param_groups
-
-SHAPES = [(1,), (7,), (5, 3), (4, 3, 3, 3)]  # scalar-ish, 1-D, 2-D (linear), 4-D (conv)
-# The update paths: per tensor; multi-tensor; multi-tensor with CPU cache blocking cut down to
-# 8 elements, so (1,) and (7,) run as one unit of whole tensors and (5, 3) and (4, 3, 3, 3)
-# are cut into chunks (with the default 2**19 no tensor here is).
-PATHS = ["per_tensor", "foreach", "foreach_blocked"]
-
-
-@pytest.fixture(params=PATHS)
-def foreach(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    if request.param == "foreach_blocked":
-        monkeypatch.setattr(lamb_module, "CPU_BLOCK_ELEMENTS", 8)
-    return request.param != "per_tensor"
 
 
 def reference_lamb(

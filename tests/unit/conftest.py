@@ -1,0 +1,20 @@
+"""Fixtures of the unit tests."""
+
+from __future__ import annotations
+
+import pytest
+
+import lightning_strategies.optim.lamb as lamb_module
+
+# The optimizers' update paths: per tensor; multi-tensor; multi-tensor with CPU cache blocking
+# cut down to 8 elements, so (1,) and (7,) run as one unit of whole tensors and (5, 3) and
+# (4, 3, 3, 3) are cut into chunks (with the default block no tensor of the tests is).
+PATHS = ["per_tensor", "foreach", "foreach_blocked"]
+
+
+@pytest.fixture(params=PATHS)
+def foreach(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """True for the multi-tensor paths; the blocked one shrinks the CPU cache block to 8 elements."""
+    if request.param == "foreach_blocked":
+        monkeypatch.setattr(lamb_module, "CPU_BLOCK_ELEMENTS", 8)
+    return request.param != "per_tensor"
