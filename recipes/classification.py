@@ -129,7 +129,8 @@ class ClassificationModule(pl.LightningModule):
 
 
 class ThroughputMonitor(pl.Callback):
-    """Logs ``throughput/samples_per_s`` each training epoch (all replicas together).
+    """Logs ``throughput/samples_per_s`` each training epoch (all replicas together), and
+    records the validation accuracy reached against wall time since ``fit`` started.
 
     Time runs from the epoch's first batch to its last ``on_train_batch_end``, so validation
     and checkpointing are not counted; samples are this rank's times the data-parallel replicas.
@@ -137,9 +138,23 @@ class ThroughputMonitor(pl.Callback):
 
     def __init__(self) -> None:
         self.epoch_rates: list[float] = []
+        self.val_curve: list[tuple[float, float]] = []  # (seconds since fit start, val_acc)
+        self._fit_start = 0.0
         self._start: float | None = None
         self._last: float = 0.0
         self._samples = 0
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fit_start = time.perf_counter()
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        acc = trainer.callback_metrics.get("val_acc")
+        if not trainer.sanity_checking and acc is not None:
+            self.val_curve.append((time.perf_counter() - self._fit_start, float(acc)))
+
+    def time_to_val_acc(self, target: float) -> float | None:
+        """Seconds from the start of ``fit`` to the first validation at ``target`` or better."""
+        return next((t for t, acc in self.val_curve if acc >= target), None)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start, self._samples = None, 0

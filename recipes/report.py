@@ -32,6 +32,10 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("lr", "lr"),
     ("world_size", "procs"),
     ("comm/bytes_sent", "bytes sent/step"),
+    ("ps/server_bytes_max", "busiest server bytes/step"),
+    ("async/staleness_mean", "staleness"),
+    ("pipeline/bubble_fraction", "bubble"),
+    ("seconds_to_val_acc_95", "s to 95% val"),
     ("wall_s", "wall s"),
 )
 
@@ -137,8 +141,16 @@ def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     keys = swept_keys(rows)
     labels = [_label(r, keys) for r in rows]
     written = []
-    for key, title in (("test_acc", "test accuracy"), ("samples_per_s", "samples / s"),
-                       ("comm/bytes_sent", "bytes sent per step per worker"), ("wall_s", "wall time (s)")):
+    for key, title in (
+        ("test_acc", "test accuracy"),
+        ("samples_per_s", "samples / s"),
+        ("comm/bytes_sent", "bytes sent per step per worker"),
+        ("ps/server_bytes_max", "busiest server bytes per step"),
+        ("seconds_to_val_acc_95", "seconds to 95% validation accuracy"),
+        ("async/staleness_mean", "mean staleness (updates)"),
+        ("pipeline/bubble_fraction", "pipeline bubble fraction"),
+        ("wall_s", "wall time (s)"),
+    ):
         values = [r.get(key) if r.get("status") == "ok" else None for r in rows]
         if not any(isinstance(v, int | float) for v in values):
             continue

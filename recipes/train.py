@@ -249,6 +249,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "train_loss": fit_metrics.get("train_loss_epoch"),
         "samples_per_s": throughput.samples_per_s(),
         "samples_per_s_by_epoch": throughput.epoch_rates,
+        "val_acc_by_epoch": [acc for _, acc in throughput.val_curve],
+        "seconds_to_val_acc_95": throughput.time_to_val_acc(0.95),
         "epochs": trainer.current_epoch,
         "steps": trainer.global_step,
         "wall_s": time.perf_counter() - start,

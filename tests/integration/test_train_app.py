@@ -72,6 +72,9 @@ def test_digits_default_reaches_95_percent(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["test_acc"] >= 0.95, metrics
+    # the first validation at >= 95% comes after some training and before the end of the run
+    assert metrics["val_acc_by_epoch"][-1] >= 0.95
+    assert 0 < metrics["seconds_to_val_acc_95"] < metrics["wall_s"]
     assert metrics["strategy"] == "single" and metrics["world_size"] == 1
     assert "metrics: " in proc.stdout and "test_acc" in proc.stdout  # the human summary
     assert "global batch 64 = 64 per device x 1 replicas x 1; lr 0.05" in proc.stdout + proc.stderr

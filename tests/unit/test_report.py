@@ -22,7 +22,8 @@ def _job(root: Path, name: str, metrics: dict | None, overrides: list[str]) -> N
 
 def test_report_rows_columns_and_plots(tmp_path: Path) -> None:
     ok = {"status": "ok", "test_acc": 0.97, "samples_per_s": 300.0, "lr": 0.1, "wall_s": 30.0}
-    _job(tmp_path, "0", {**ok, "comm/bytes_sent": 2.8e6}, ["strategy=ring", "trainer=ddp_sim"])
+    ring = {**ok, "comm/bytes_sent": 2.8e6, "seconds_to_val_acc_95": 12.5}
+    _job(tmp_path, "0", ring, ["strategy=ring", "trainer=ddp_sim"])
     _job(tmp_path, "1", ok, ["strategy=ddp", "trainer=ddp_sim"])
     _job(tmp_path, "2", {"status": "failed", "error": "ValueError: boom"}, ["strategy=ps", "trainer=ddp_sim"])
     _job(tmp_path, "3", None, ["strategy=async", "trainer=ddp_sim"])
@@ -33,7 +34,8 @@ def test_report_rows_columns_and_plots(tmp_path: Path) -> None:
     assert "| job | strategy | status |" in summary
     assert summary.count("| ok |") == 2 and summary.count("| failed |") == 2
     assert "ValueError: boom" in summary and "no metrics.json" in summary
-    for name in ("test_acc.png", "samples_per_s.png", "comm_bytes_sent.png"):
+    assert "s to 95% val" in summary and "| 12.5 |" in summary
+    for name in ("test_acc.png", "samples_per_s.png", "comm_bytes_sent.png", "seconds_to_val_acc_95.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG and f"]({name})" in summary
 
 
