@@ -118,10 +118,14 @@ def run_world(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 3
     return run_workers(fn, world, *args, timeout=timeout)
 
 
-def traffic(sizes: Sequence[int], worlds: Sequence[int], steps: int) -> None:
+def traffic(sizes: Sequence[int], worlds: Sequence[int], steps: int) -> dict[str, list[float]]:
+    """Busiest-node bytes per step for ps (1 server, P servers) and ring, measured and by formula."""
     n = sum(sizes)
     line("params_N", n, "floats")
+    series: dict[str, list[float]] = {"P": [], "ps_1": [], "ps_P": [], "ring": []}
     for world in worlds:
+        series["P"].append(world)
+        series["ring"].append(2 * (2 * (world - 1) / world) * n * 4)  # sent + received per worker
         for num_servers in sorted({1, world}):
             results = run_world(_traffic_worker, world, free_port(), list(sizes), num_servers, steps)
             busiest = max(max(r["busiest_per_step"]) for r in results)
@@ -135,6 +139,35 @@ def traffic(sizes: Sequence[int], worlds: Sequence[int], steps: int) -> None:
             line(f"server_bytes_over_formula_{tag}", busiest / formula, "x")
             line(f"server_over_ring_bytes_{tag}", busiest / ring_per_worker, "x")
             line(f"server_over_ring_theory_{tag}", world**2 / (2 * (world - 1)) / num_servers, "x")
+            series["ps_1" if num_servers == 1 else "ps_P"].append(busiest)
+    return series
+
+
+def plot_traffic(series: dict[str, list[float]], n: int, path: Path) -> None:
+    """The seed's claim 1: a parameter server's traffic grows with workers, a ring's does not."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = series["P"]
+    mb = 1e6
+    fig, ax = plt.subplots(figsize=(5.2, 3.4))
+    ax.plot(worlds, [b / mb for b in series["ps_1"]], "o", color="C3", label="ps, 1 server (measured)")
+    ax.plot(worlds, [2 * p * n * 4 / mb for p in worlds], "--", color="C3", label="2 P N x 4 B")
+    ax.plot(worlds, [b / mb for b in series["ps_P"]], "s", color="C1", label="ps, P servers (measured)")
+    ax.plot(worlds, [2 * n * 4 / mb for _ in worlds], "--", color="C1", label="2 N x 4 B")
+    ax.plot(worlds, [b / mb for b in series["ring"]], "^-", color="C0", label="ring, per worker: 2 x 2(P-1)/P N x 4 B")
+    ax.set_xticks(worlds)
+    ax.set_xlabel("workers P")
+    ax.set_ylabel("MB per step at the busiest node")
+    ax.set_title(f"traffic per step, N = {n / 1e6:.1f}M floats")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"# plot: {path}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -231,7 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = resnet50_sizes()
     if args.quick:
         sizes = [max(1, s // 128) for s in sizes]
-    traffic(sizes, (2,) if args.quick else (2, 3, 4), args.steps)
+    series = traffic(sizes, (2,) if args.quick else (2, 3, 4), args.steps)
+    if not args.quick:
+        plot_traffic(series, sum(sizes), Path(__file__).parent / "results" / "ps_traffic.png")
     rounds = args.rounds if args.rounds is not None else (3 if args.quick else 7)
     step_time(rounds, steps=20 if args.quick else 60, width=args.width, rpc_threads=args.rpc_threads)
     return 0
