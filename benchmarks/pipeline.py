@@ -308,7 +308,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     line("p2p_one_way_ms", r["p2p_ms"], "ms")
     line("cpu_parallel_efficiency", r["parallel_efficiency"], "x")
     print(f"# blocks per stage: params {r['balance_split_params']}, time {r['balance_split_time']}", flush=True)
+    if not args.quick:
+        plot_bubble(r, Path(__file__).parent / "results" / "pipeline.png")
     return 0
+
+
+def plot_bubble(r: dict[str, Any], path: Path) -> None:
+    """The seed's claim 5: the measured bubble against (K-1)/(M+K-1), per schedule."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.2, 3.4))
+    for schedule, marker in (("gpipe", "o"), ("1f1b", "s")):
+        ms = [m for m in MICROBATCHES if f"bubble_{schedule}_M{m}" in r]
+        ax.plot(ms, [r[f"bubble_{schedule}_M{m}"] for m in ms], marker + "-", label=f"{schedule} (measured)")
+    ax.plot(MICROBATCHES, [(K - 1) / (m + K - 1) for m in MICROBATCHES], "k--", label="(K-1)/(M+K-1)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(MICROBATCHES, [str(m) for m in MICROBATCHES])
+    ax.set_xlabel("micro-batches M")
+    ax.set_ylabel("bubble (idle share of a step)")
+    ax.set_title(f"pipeline bubble, K={K} stages (CPU parallel efficiency {r['parallel_efficiency']:.2f})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"# plot: {path}")
 
 
 if __name__ == "__main__":
