@@ -7,6 +7,8 @@ import os
 import platform
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,3 +34,22 @@ def line(name: str, value: float, unit: str) -> str:
 
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Lay out, write (creating the folder) and close ``fig``; say where it went."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    print(f"# plot: {path}", flush=True)

@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning_strategies  # noqa: F401  (registers the names)
-from benchmarks._common import header, line
+from benchmarks._common import header, line, pyplot, save_figure
 
 BASE_BATCH = 32
 SGD_BASE_LR = 0.05
@@ -146,12 +146,7 @@ def table(errors: dict[tuple[str, int], float], batches: list[int]) -> list[str]
 
 
 def plot(errors: dict[tuple[str, int], float], batches: list[int], path: Path, *, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path.parent.mkdir(parents=True, exist_ok=True)
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.6, 3.8))
     for config, marker in zip(CONFIGS, "osD^", strict=True):
         ax.plot(batches, [errors[config.name, b] for b in batches], marker=marker, label=config.name)
@@ -162,10 +157,7 @@ def plot(errors: dict[tuple[str, int], float], batches: list[int], path: Path, *
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"# plot: {path}")
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import header, line, median
+from benchmarks._common import header, line, median, pyplot, save_figure
 from benchmarks._workers import run_workers
 from lightning_strategies.strategies.pipeline import PipelineRuntime, partition_blocks, profile_blocks
 
@@ -315,10 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def plot_bubble(r: dict[str, Any], path: Path) -> None:
     """The seed's claim 5: the measured bubble against (K-1)/(M+K-1), per schedule."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5.2, 3.4))
     for schedule, marker in (("gpipe", "o"), ("1f1b", "s")):
@@ -331,11 +328,7 @@ def plot_bubble(r: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("bubble (idle share of a step)")
     ax.set_title(f"pipeline bubble, K={K} stages (CPU parallel efficiency {r['parallel_efficiency']:.2f})")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"# plot: {path}")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

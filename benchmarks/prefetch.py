@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import header, line, median
+from benchmarks._common import header, line, median, pyplot, save_figure
 from lightning_strategies.data import PrefetchConfig
 from recipes.data import SyntheticImages
 from recipes.models import build_model
@@ -138,12 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         line(f"{tag}_prefetch_over_ideal", r["prefetch"] / ideal, "x")
         rows.append((ratio, r, ideal))
     if args.plot is not None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        plt = pyplot()
         fig, ax = plt.subplots(figsize=(5, 3.4))
         loads = [1000 * r["load"] for _, r, _ in rows]
         ax.plot(loads, [1000 * r["none"] for _, r, _ in rows], "o-", label="no prefetch (num_workers=0)")
@@ -154,9 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_ylabel("step time (ms)")
         ax.set_title(f"I/O overlap (compute {1000 * compute_s:.0f} ms/step)")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
-        print(f"# plot: {args.plot}")
+        save_figure(fig, args.plot)
     return 0
 
 

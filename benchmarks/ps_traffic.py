@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import header, line, median
+from benchmarks._common import header, line, median, pyplot, save_figure
 from benchmarks._workers import run_workers
 from lightning_strategies.comm.ps import (
     OptimizerSpec,
@@ -145,10 +145,7 @@ def traffic(sizes: Sequence[int], worlds: Sequence[int], steps: int) -> dict[str
 
 def plot_traffic(series: dict[str, list[float]], n: int, path: Path) -> None:
     """The seed's claim 1: a parameter server's traffic grows with workers, a ring's does not."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     worlds = series["P"]
     mb = 1e6
@@ -163,11 +160,7 @@ def plot_traffic(series: dict[str, list[float]], n: int, path: Path) -> None:
     ax.set_ylabel("MB per step at the busiest node")
     ax.set_title(f"traffic per step, N = {n / 1e6:.1f}M floats")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"# plot: {path}")
+    save_figure(fig, path)
 
 
 # --------------------------------------------------------------------------------------------
