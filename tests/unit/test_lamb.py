@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from optim_cases import SHAPES
+from optim_cases import SHAPES, make_problem
 from torch import nn
 
 import lightning_strategies.optim.lamb as lamb_module
@@ -60,15 +60,6 @@ def reference_lamb(
             trusts.append(trust)
             xs[i] = xs[i] - lr * trust * r
     return xs, trusts, global_norms
-
-
-def make_problem(
-    steps: int, *, dtype: torch.dtype = torch.float64, weight_scale: float = 1.0, seed: int = 0
-) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
-    g = torch.Generator().manual_seed(seed)
-    weights = [torch.randn(s, generator=g, dtype=dtype) * weight_scale for s in SHAPES]
-    grads = [[torch.randn(s, generator=g, dtype=dtype) * (k + 1) for s in SHAPES] for k in range(steps)]
-    return weights, grads
 
 
 def run_lamb(
