@@ -15,7 +15,8 @@ when the file exists, so a run that ``torchrun --max-restarts`` restarts continu
 last finished epoch left off. ``--die-rank R --die-at-step S --die-marker M`` makes rank ``R``
 SIGKILL itself at the start of global step ``S`` unless ``M`` exists (it creates ``M`` first),
 so it dies in the first attempt only. Each attempt's rank 0 appends ``restart=<n> start_step=<k>
-checkpoint_io=<class>`` to ``<out>.attempts``, which tells the test where each attempt began.
+checkpoint_io=<class> env=<cluster environment class>`` to ``<out>.attempts``, which tells the test
+where each attempt began and which launcher's environment Lightning recognised.
 
 The tests also import :func:`fit` to run the same fit fork-started as the reference.
 """
@@ -36,9 +37,14 @@ from lightning_utils import GlobalBatchSampler, TinyRegressor, regression_data
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_strategies import ParameterServerStrategy, PipelineStrategy, RingAllReduceStrategy
+from lightning_strategies import (
+    AsyncParameterServerStrategy,
+    ParameterServerStrategy,
+    PipelineStrategy,
+    RingAllReduceStrategy,
+)
 
-STRATEGIES = ("ring", "ps", "pipeline")
+STRATEGIES = ("ring", "ps", "pipeline", "async", "ddp")
 BATCH_PER_REPLICA = 8  # global batch 16 at 2 processes (ring, ps); the pipeline's one replica gets 16
 
 
@@ -60,6 +66,10 @@ def make_strategy(name: str, start_method: str = "popen") -> pl.strategies.Strat
         return ParameterServerStrategy(start_method=start_method)
     if name == "pipeline":
         return PipelineStrategy(start_method=start_method)
+    if name == "async":
+        return AsyncParameterServerStrategy(start_method=start_method)
+    if name == "ddp":
+        return pl.strategies.DDPStrategy(start_method=start_method)
     raise ValueError(f"unknown strategy {name!r}: expected one of {STRATEGIES}")
 
 
@@ -95,7 +105,8 @@ class _RecordStart(Callback):
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "-")
             with self.path.open("a") as f:
                 io = type(trainer.strategy.checkpoint_io).__name__
-                f.write(f"restart={restart} start_step={trainer.global_step} checkpoint_io={io}\n")
+                env = type(trainer.strategy.cluster_environment).__name__
+                f.write(f"restart={restart} start_step={trainer.global_step} checkpoint_io={io} env={env}\n")
 
 
 def fit(
@@ -167,7 +178,7 @@ def main() -> None:
         callbacks=callbacks,
         ckpt_dir=args.ckpt_dir,
     )
-    if int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:  # torchrun or SLURM
         tmp = args.out.with_name(args.out.name + ".part")
         torch.save(weights, tmp)
         os.replace(tmp, args.out)  # the test never reads a half-written file

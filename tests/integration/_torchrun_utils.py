@@ -1,4 +1,4 @@
-"""Start ``torchrun`` (one invocation per simulated node) on 127.0.0.1 and wait, bounded.
+"""Start ``torchrun`` (one invocation per simulated node), or SLURM-like tasks, on 127.0.0.1 and wait, bounded.
 
 Each invocation gets its own session (``start_new_session=True``), so on a timeout the test
 kills exactly the process groups it created: the torchrun agent and the workers it started.
@@ -67,27 +67,71 @@ def run_torchrun_nodes(
         RuntimeError: with the output tails, if any invocation exited non-zero.
     """
     port = free_port()
+    commands = []
+    for node in range(nnodes):
+        if rdzv_backend == "static":
+            rdzv = ["--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
+                    f"--node-rank={node}"]  # fmt: skip
+        else:
+            rdzv = [f"--rdzv-backend={rdzv_backend}", f"--rdzv-endpoint=127.0.0.1:{port}"]
+        cmd = [
+            *TORCHRUN,
+            f"--nnodes={nnodes}",
+            f"--nproc-per-node={nproc_per_node}",
+            *rdzv,
+            f"--max-restarts={max_restarts}",
+            str(SCRIPT),
+            *script_args,
+        ]
+        commands.append((cmd, child_env(), log_dir / f"node{node}.log"))
+    return run_bounded(commands, what="torchrun", timeout=timeout)
+
+
+def run_slurm_tasks(script_args: list[str], *, ntasks: int, log_dir: Path, timeout: float = 120.0) -> list[str]:
+    """Run ``_torchrun_fit.py`` as ``srun --nodes N --ntasks-per-node 1`` would on N nodes.
+
+    Each task gets the variables ``srun`` sets (``SLURM_NTASKS``, ``SLURM_PROCID``,
+    ``SLURM_NODEID``, ``SLURM_LOCALID``, ...), so Lightning picks its ``SLURMEnvironment`` and
+    starts no processes itself; ``MASTER_ADDR``/``MASTER_PORT`` point at 127.0.0.1 (on a real
+    cluster Lightning derives them from ``SLURM_NODELIST`` and ``SLURM_JOB_ID``). Output goes to
+    ``task<k>.log``. Returns and raises as :func:`run_torchrun_nodes`.
+    """
+    port = free_port()
+    commands = []
+    for task in range(ntasks):
+        env = child_env()
+        for key in [k for k in env if k.startswith(("TORCHELASTIC_", "SLURM_")) or k in ("RANK", "LOCAL_RANK")]:
+            del env[key]  # a test run inside torchrun or a real allocation must not leak into the tasks
+        env.update(
+            SLURM_JOB_ID="4242",
+            SLURM_JOB_NAME="lightning-strategies-test",  # not "bash"/"interactive": those disable SLURM detection
+            SLURM_NNODES=str(ntasks),
+            SLURM_NTASKS=str(ntasks),
+            SLURM_NTASKS_PER_NODE="1",
+            SLURM_NODELIST="127.0.0.1",
+            SLURM_PROCID=str(task),
+            SLURM_NODEID=str(task),
+            SLURM_LOCALID="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        commands.append(([sys.executable, str(SCRIPT), *script_args], env, log_dir / f"task{task}.log"))
+    return run_bounded(commands, what="SLURM tasks", timeout=timeout)
+
+
+def run_bounded(commands: list[tuple[list[str], dict[str, str], Path]], *, what: str, timeout: float) -> list[str]:
+    """Start each ``(command, env, log)`` in its own session and wait for all, ``timeout`` seconds in all.
+
+    Raises:
+        TimeoutError: after killing every session, if they did not all exit in time.
+        RuntimeError: with the output tails, if any command exited non-zero.
+    """
     procs: list[tuple[subprocess.Popen[bytes], Path]] = []
     try:
-        for node in range(nnodes):
-            log = log_dir / f"node{node}.log"
-            if rdzv_backend == "static":
-                rdzv = ["--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
-                        f"--node-rank={node}"]  # fmt: skip
-            else:
-                rdzv = [f"--rdzv-backend={rdzv_backend}", f"--rdzv-endpoint=127.0.0.1:{port}"]
-            cmd = [
-                *TORCHRUN,
-                f"--nnodes={nnodes}",
-                f"--nproc-per-node={nproc_per_node}",
-                *rdzv,
-                f"--max-restarts={max_restarts}",
-                str(SCRIPT),
-                *script_args,
-            ]
+        for cmd, env, log in commands:
             with log.open("wb") as f:
                 proc = subprocess.Popen(
-                    cmd, cwd=REPO, env=child_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+                    cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
                 )
             procs.append((proc, log))
         deadline = time.monotonic() + timeout
@@ -95,7 +139,7 @@ def run_torchrun_nodes(
             proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
     except subprocess.TimeoutExpired:
         logs = "\n".join(f"--- {log.name}:\n{_tail(log)}" for _, log in procs)
-        raise TimeoutError(f"torchrun did not finish within {timeout:.0f}s; killed.\n{logs}") from None
+        raise TimeoutError(f"{what} did not finish within {timeout:.0f}s; killed.\n{logs}") from None
     finally:
         for proc, _ in procs:
             if proc.poll() is None:

@@ -50,7 +50,8 @@ def test_killed_worker_is_restarted_and_resumes_from_last_checkpoint(name: str, 
     attempts = Path(f"{out}.attempts").read_text().split()
     # first attempt from scratch, the restarted one from last.ckpt of epoch 1 (step 4), not 0
     io = "checkpoint_io=AtomicCheckpointIO"  # our strategies' default
-    assert attempts == ["restart=0", "start_step=0", io, "restart=1", "start_step=4", io], attempts
+    env = "env=TorchElasticEnvironment"
+    assert attempts == ["restart=0", "start_step=0", io, env, "restart=1", "start_step=4", io, env], attempts
     got = torch.load(out, weights_only=True)
     want = fit(name, make_strategy(name, start_method="fork"), devices=2, max_epochs=MAX_EPOCHS)
     for k in want:

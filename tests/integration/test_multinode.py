@@ -1,5 +1,8 @@
 """Two "nodes" on one machine: ``torchrun --nnodes 2 --nproc-per-node 1`` twice, static rendezvous
-on 127.0.0.1, trains ``ring``, ``ps`` and ``pipeline`` to the weights of the 2-process single-node run.
+on 127.0.0.1, trains ``ring``, ``ps`` and ``pipeline`` to the weights of the 2-process single-node run;
+so do two tasks of a simulated ``srun --nodes 2 --ntasks-per-node 1`` (the variables SLURM sets,
+read by Lightning's ``SLURMEnvironment``). ``async`` runs through both launchers too; its
+updates depend on arrival order, so it is held to training (loss down), not to equal weights.
 
 Nothing in our strategies looks at nodes (Lightning's ``TorchElasticEnvironment`` turns
 torchrun's ``GROUP_RANK``/``RANK``/``WORLD_SIZE`` into node and global ranks), so the same two
@@ -20,25 +23,58 @@ from pathlib import Path
 import pytest
 import torch
 from _torchrun_fit import fit, make_strategy
-from _torchrun_utils import run_torchrun_nodes
-from lightning_utils import TinyRegressor
+from _torchrun_utils import run_slurm_tasks, run_torchrun_nodes
+from lightning_utils import TinyRegressor, regression_data
 
 pytestmark = pytest.mark.slow
 
 MAX_STEPS = 6
+ASYNC_EPOCHS = 3  # 8 batches of 8 per epoch, shared by both workers
 ATOL = 1e-6
+
+
+def _two_node_args(name: str, out: Path) -> list[str]:
+    # async trains whole epochs: its ranks take different numbers of steps per epoch
+    length = ["--max-epochs", str(ASYNC_EPOCHS)] if name == "async" else ["--max-steps", str(MAX_STEPS)]
+    return ["--strategy", name, "--num-nodes", "2", "--devices", "1", *length, "--out", str(out)]
 
 
 @pytest.mark.parametrize("name", ["ring", "ps", "pipeline"])
 def test_two_nodes_train_like_one_node(name: str, tmp_path: Path) -> None:
     out = tmp_path / "weights.pt"
-    run_torchrun_nodes(
-        ["--strategy", name, "--num-nodes", "2", "--devices", "1", "--max-steps", str(MAX_STEPS), "--out", str(out)],
-        nnodes=2,
-        nproc_per_node=1,
-        log_dir=tmp_path,
-    )
+    run_torchrun_nodes(_two_node_args(name, out), nnodes=2, nproc_per_node=1, log_dir=tmp_path)
+    _assert_like_one_node(name, torch.load(out, weights_only=True))
+
+
+@pytest.mark.parametrize("name", ["ring", "ps", "pipeline"])
+def test_two_slurm_nodes_train_like_one_node(name: str, tmp_path: Path) -> None:
+    out = tmp_path / "weights.pt"
+    run_slurm_tasks(_two_node_args(name, out), ntasks=2, log_dir=tmp_path)
+    assert "env=SLURMEnvironment" in Path(f"{out}.attempts").read_text()  # Lightning took SLURM's ranks
+    _assert_like_one_node(name, torch.load(out, weights_only=True))
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+def test_async_runs_on_two_nodes(launcher: str, tmp_path: Path) -> None:
+    out = tmp_path / "weights.pt"
+    if launcher == "torchrun":
+        run_torchrun_nodes(_two_node_args("async", out), nnodes=2, nproc_per_node=1, log_dir=tmp_path)
+    else:
+        run_slurm_tasks(_two_node_args("async", out), ntasks=2, log_dir=tmp_path)
     got = torch.load(out, weights_only=True)
+    assert got.keys() == TinyRegressor().state_dict().keys()
+    assert _loss(got) < 0.5 * _loss(TinyRegressor().state_dict())  # it trained, on both nodes' pushes
+
+
+def _loss(weights: dict[str, torch.Tensor]) -> float:
+    model = TinyRegressor()
+    model.load_state_dict(weights)
+    data = regression_data()
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(model(data.tensors[0]), data.tensors[1]))
+
+
+def _assert_like_one_node(name: str, got: dict[str, torch.Tensor]) -> None:
     want = fit(name, make_strategy(name, start_method="fork"), devices=2, max_steps=MAX_STEPS)
     assert got.keys() == want.keys()
     for k in want:
