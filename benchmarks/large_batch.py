@@ -2,6 +2,7 @@
 
     python benchmarks/large_batch.py            # B = 32 ... 1024, 30 epochs, ~10 min on 1 CPU thread; + PNG
     python benchmarks/large_batch.py --quick    # CI-sized: B = 32 and 1024, 2 epochs, no PNG
+    python benchmarks/large_batch.py --replot results/large_batch.txt   # redraw the PNG from a saved run
 
 Goyal et al. (2017, *Accurate, Large Minibatch SGD*, Table 1 / Fig. 3) train ResNet-50 on
 ImageNet for a fixed number of epochs at global batches of 256 ... 8k: with linear lr scaling
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import re
 import sys
 import time
 import warnings
@@ -146,8 +148,10 @@ def table(errors: dict[tuple[str, int], float], batches: list[int]) -> list[str]
 
 
 def plot(errors: dict[tuple[str, int], float], batches: list[int], path: Path, *, title: str) -> None:
+    """Test error against the global batch, one line per configuration; beside it the grid as a
+    table and the paper's figures (claim 3 of issue 9)."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(5.6, 3.8))
+    fig, (ax, ax_table) = plt.subplots(1, 2, figsize=(10.5, 3.9), gridspec_kw={"width_ratios": [1.15, 1]})
     for config, marker in zip(CONFIGS, "osD^", strict=True):
         ax.plot(batches, [errors[config.name, b] for b in batches], marker=marker, label=config.name)
     ax.set_xscale("log", base=2)
@@ -157,7 +161,49 @@ def plot(errors: dict[tuple[str, int], float], batches: list[int], path: Path, *
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    ax_table.axis("off")
+    cells = [[str(b), *(f"{errors[c.name, b]:.2f}" for c in CONFIGS)] for b in batches]
+    columns = ["B", "sgd\nnone", "sgd\nlinear", "sgd linear\n+ warmup", "lamb sqrt\n+ warmup"]
+    grid = ax_table.table(cellText=cells, colLabels=columns, loc="upper center", cellLoc="center")
+    grid.auto_set_font_size(False)
+    grid.set_fontsize(8)
+    grid.scale(1.0, 1.5)
+    for (row, _), cell in grid.get_celld().items():
+        if row == 0:
+            cell.set_height(cell.get_height() * 1.6)
+    ax_table.set_title("test error (%), this run: digits", fontsize=9)
+    paper = "\n".join(f"{label}: {value:.2f}%" for label, value in PAPER)
+    ax_table.text(
+        0.5,
+        0.02,
+        f"Goyal et al. 2017, Table 1 / Fig. 3\nResNet-50 ImageNet top-1 error (for shape only)\n{paper}",
+        ha="center",
+        va="bottom",
+        fontsize=8,
+        transform=ax_table.transAxes,
+        bbox={"boxstyle": "round", "facecolor": "whitesmoke", "edgecolor": "lightgray"},
+    )
     save_figure(fig, path)
+
+
+def read_results(path: Path) -> tuple[dict[tuple[str, int], float], list[int], str]:
+    """The errors, batches and title of a run saved as its printed output (``--replot``)."""
+    errors: dict[tuple[str, int], float] = {}
+    title = ""
+    for text in path.read_text().splitlines():
+        if not title and text.startswith("# large batch:"):
+            title = text[2:].split(" | ")[0]
+        match = re.fullmatch(r"test_error_(\w+)_B(\d+) (\S+) %", text.strip())
+        if match:
+            errors[match[1], int(match[2])] = float(match[3])
+    batches = sorted({b for _, b in errors})
+    missing = [(c.name, b) for b in batches for c in CONFIGS if (c.name, b) not in errors]
+    if not errors or missing:
+        raise SystemExit(
+            f"{path}: expected test_error_<config>_B<batch> lines for {[c.name for c in CONFIGS]} at every "
+            f"batch; {'found none' if not errors else f'missing {missing}'}. Pass the output of a full run."
+        )
+    return errors, batches, title or "large batch"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,7 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=("small_cnn", "resnet18"), default="small_cnn")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default results/large_batch.png)")
     parser.add_argument("--quick", action="store_true", help="B = 32 and 1024, 2 epochs, no PNG unless --plot (CI)")
+    parser.add_argument("--replot", type=Path, default=None, help="draw the PNG from a saved run's output; no training")
     args = parser.parse_args(argv)
+    if args.replot is not None:
+        saved, saved_batches, saved_title = read_results(args.replot)
+        plot(
+            saved, saved_batches, args.plot or Path(__file__).parent / "results" / "large_batch.png", title=saved_title
+        )
+        return 0
     torch.set_num_threads(1)
     _quiet()
     if args.quick:

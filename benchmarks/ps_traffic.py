@@ -7,13 +7,19 @@ values, for P = 2, 3, 4 and num_servers = 1 and P. The busiest shard's payload b
 (what it received plus what it sent, as the shards count them) give:
 
     server_bytes_over_formula_P{P}_S{S}  busiest shard / (2 x P x N x 4 / S)        goal 1.00 +- 0.02
-    server_over_ring_bytes_P{P}_S{S}     busiest shard / ring per-worker bytes        theory P^2/(2(P-1)) at S=1
+    server_over_ring_bytes_P{P}_S{S}     busiest shard / busiest ring rank (measured)  theory P^2/(2(P-1)) at S=1
     server_over_ring_theory_P{P}_S{S}    P^2/(2(P-1)) x S_balance (the formula value for comparison)
 
 where ring per-worker bytes = sent + received = 2 x 2(P-1)/P x N x 4 (reduce-scatter plus
-all-gather, each direction), counted like the shard's received + sent. With one server it
-carries P x N x 4 each way, P^2/(2(P-1)) times a ring worker; with P servers each carries 1/P
-of that.
+all-gather, each direction), counted like the shard's received + sent. The ring is measured
+too: the package's ``ring_all_reduce`` on the same N floats in the same P processes, its
+busiest rank's sent + received bytes as its ``CommStats`` count them:
+
+    ring_bytes_per_step_P{P}             busiest ring rank's sent + received bytes
+    ring_bytes_over_formula_P{P}         that / (2 x 2(P-1)/P x N x 4)                goal 1.00 +- 0.001
+
+With one server it carries P x N x 4 each way, P^2/(2(P-1)) times a ring worker; with P servers
+each carries 1/P of that.
 
 Part 2, time: ``ps_over_ddp_step`` = median step time of ``strategy="ps"`` / ``strategy="ddp"``
 for a small MLP fitted by Lightning on 2 fork-started CPU processes, the two strategies in
@@ -54,6 +60,7 @@ from lightning_strategies.comm.ps import (
     shutdown_rpc,
     unregister_shard,
 )
+from lightning_strategies.comm.ring import ring_all_reduce
 
 
 def resnet50_sizes() -> list[int]:
@@ -81,9 +88,7 @@ def resnet50_sizes() -> list[int]:
 # --------------------------------------------------------------------------------------------
 
 
-def _traffic_worker(
-    rank: int, world: int, rpc_port: int, sizes: Sequence[int], num_servers: int, steps: int
-) -> Any:
+def _traffic_worker(rank: int, world: int, rpc_port: int, sizes: Sequence[int], num_servers: int, steps: int) -> Any:
     timeout = datetime.timedelta(seconds=120)
     # RPC meets on a port of its own: the process group's store holds another
     init_rpc(rank, world, f"tcp://127.0.0.1:{rpc_port}", timeout=timeout, num_threads=2)
@@ -113,6 +118,12 @@ def _traffic_worker(
         shutdown_rpc(failed=failed, timeout=timeout)
 
 
+def _ring_worker(rank: int, world: int, n: int) -> int:
+    """Sent + received bytes of one ``ring_all_reduce`` of ``n`` float32 on this rank."""
+    stats = ring_all_reduce(torch.ones(n), check_peers=False)
+    return stats.bytes_sent + stats.bytes_received
+
+
 def run_world(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> list[Any]:
     """``fn(rank, world, *args)`` in ``world`` forked processes with a gloo group; results by rank."""
     return run_workers(fn, world, *args, timeout=timeout)
@@ -125,7 +136,11 @@ def traffic(sizes: Sequence[int], worlds: Sequence[int], steps: int) -> dict[str
     series: dict[str, list[float]] = {"P": [], "ps_1": [], "ps_P": [], "ring": []}
     for world in worlds:
         series["P"].append(world)
-        series["ring"].append(2 * (2 * (world - 1) / world) * n * 4)  # sent + received per worker
+        ring_bytes = max(run_world(_ring_worker, world, n))
+        ring_formula = 2 * (2 * (world - 1) / world) * n * 4  # sent + received per worker
+        line(f"ring_bytes_per_step_P{world}", ring_bytes, "bytes")
+        line(f"ring_bytes_over_formula_P{world}", ring_bytes / ring_formula, "x")
+        series["ring"].append(ring_bytes)
         for num_servers in sorted({1, world}):
             results = run_world(_traffic_worker, world, free_port(), list(sizes), num_servers, steps)
             busiest = max(max(r["busiest_per_step"]) for r in results)
@@ -133,11 +148,10 @@ def traffic(sizes: Sequence[int], worlds: Sequence[int], steps: int) -> dict[str
             shard_totals = [r["shard"].bytes_received + r["shard"].bytes_sent for r in results if r["shard"]]
             assert max(shard_totals) == busiest * steps, (shard_totals, busiest, steps)
             formula = 2 * world * n * 4 / num_servers
-            ring_per_worker = 2 * (2 * (world - 1) / world) * n * 4
             tag = f"P{world}_S{num_servers}"
             line(f"server_bytes_per_step_{tag}", busiest, "bytes")
             line(f"server_bytes_over_formula_{tag}", busiest / formula, "x")
-            line(f"server_over_ring_bytes_{tag}", busiest / ring_per_worker, "x")
+            line(f"server_over_ring_bytes_{tag}", busiest / ring_bytes, "x")
             line(f"server_over_ring_theory_{tag}", world**2 / (2 * (world - 1)) / num_servers, "x")
             series["ps_1" if num_servers == 1 else "ps_P"].append(busiest)
     return series
@@ -154,7 +168,8 @@ def plot_traffic(series: dict[str, list[float]], n: int, path: Path) -> None:
     ax.plot(worlds, [2 * p * n * 4 / mb for p in worlds], "--", color="C3", label="2 P N x 4 B")
     ax.plot(worlds, [b / mb for b in series["ps_P"]], "s", color="C1", label="ps, P servers (measured)")
     ax.plot(worlds, [2 * n * 4 / mb for _ in worlds], "--", color="C1", label="2 N x 4 B")
-    ax.plot(worlds, [b / mb for b in series["ring"]], "^-", color="C0", label="ring, per worker: 2 x 2(P-1)/P N x 4 B")
+    ax.plot(worlds, [b / mb for b in series["ring"]], "^", color="C0", label="ring, busiest worker (measured)")
+    ax.plot(worlds, [2 * 2 * (p - 1) / p * n * 4 / mb for p in worlds], "--", color="C0", label="2 x 2(P-1)/P N x 4 B")
     ax.set_xticks(worlds)
     ax.set_xlabel("workers P")
     ax.set_ylabel("MB per step at the busiest node")

@@ -5,32 +5,38 @@ the digits recipe's data (1,257 training images at 16x16) with a small CNN (widt
 per-worker batch of 32, SGD (lr 0.05, momentum 0.9) with one warmup epoch and a cosine decay.
 Every step sleeps ``--base-ms`` after its backward, standing in for a heavier model so that the
 2 shared cores do not decide the result; the last rank then sleeps ``(k-1)`` times its own step
-so far (the median of its last 10 steps), i.e. it is ``k`` times slower. Whole epochs, the same
-samples every epoch, are timed (between barriers at the epoch's start and end, the first epoch
-left out as warm-up) for
+so far (the median of its last 10 steps), i.e. it is ``k`` times slower. Each epoch's training is
+timed between barriers (at the epoch's start and when validation starts: the last worker's last
+step is in), the first epoch left out of the rates as warm-up; the 270 validation digits are
+scored at every epoch end, stamped with the training time so far (validation excluded), which
+gives accuracy against wall time. Runs, for every slowdown ``k`` in ``--ks`` (1, 2, 4):
 
     async       strategy="async", max_staleness=None (no worker ever waits)
-    async_ssp   strategy="async", max_staleness=--bound (stale-synchronous)
     ps          strategy="ps", synchronous (every step waits for the slowest)
 
-in interleaved rounds, with a control round of async and ps without a straggler (k = 1), and
-printed as ``name value unit`` lines:
+and, at the headline slowdown ``--k``, ``async_ssp``: strategy="async", max_staleness=--bound
+(stale-synchronous), in interleaved rounds, printed as ``name value unit`` lines (a tag
+``_k{k}`` on every slowdown but the headline one):
 
     async_over_sync_throughput{_P}   samples/s async / samples/s ps      goal >= 1.35 at P=2, k=2
     async_ssp{b}_over_sync_throughput{_P}
     async_over_sync_throughput_k1{_P}  the same without a straggler: what a synchronous step costs
                                      beyond waiting for the slowest (barrier, per-step collectives)
-    straggler_gain{_P}               the first over the control: the gain from not waiting alone
-    async_over_sync_ideal{_P}        (P-1+1/k) / (P/k): every worker busy vs all at the slow pace
-    staleness_mean{_P}               updates a shard applied between a gradient's pull and its push
+    straggler_gain{_k}{_P}           the first over the control: the gain from not waiting alone
+    async_over_sync_ideal{_k}{_P}    (P-1+1/k) / (P/k): every worker busy vs all at the slow pace
+    staleness_mean{_k}{_P}           updates a shard applied between a gradient's pull and its push
     staleness_mean_over_P_minus_1{_P}  that over P-1 (1 when all workers are equally fast)
-    test_acc_async{_P}, test_acc_ps{_P}  final accuracy on the 270 held-out digits, side by side
+    test_acc_{async,ps}{_k}{_P}      final accuracy on the 270 held-out digits, side by side
+    seconds_to_val_acc_95_{async,ps}{_k}{_P}  training seconds to the first epoch at >= 95% val
+    sync_over_async_time_to_val_acc_95{_k}{_P}  the two above, ps / async: > 1 when async gets
+                                     there first (epoch-granular: both are epoch ends)
 
-(no suffix for P=2, ``_P3`` for P=3). A shared machine is noisy: the ratios of interleaved runs
-are the result, not the samples per second.
+(no suffix for P=2, ``_P3`` for P=3), and draws ``results/stragglers.png``: samples/s against k
+and validation accuracy against training time, async beside ps, one row per P. A shared machine
+is noisy: the ratios of interleaved runs are the result, not the samples per second.
 
-    python benchmarks/stragglers.py           # P = 2 and 3, 3 rounds, 5 epochs (~5 min on 2 cores)
-    python benchmarks/stragglers.py --quick   # P = 2, 1 round, 3 epochs (< 1 min)
+    python benchmarks/stragglers.py           # P = 2 and 3, k = 1, 2, 4, 3 rounds, 5 epochs (18 min, 2 busy cores)
+    python benchmarks/stragglers.py --quick   # P = 2, k = 1, 2, 1 round, 3 epochs, no PNG (~1 min)
 """
 
 from __future__ import annotations
@@ -50,11 +56,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import header, line, median
+from benchmarks._common import header, line, median, pyplot, save_figure
+
+TARGET_ACC = 0.95  # the accuracy "time to accuracy" is measured at
 
 
-def _fit(name: str, world: int, k: float, base_ms: float, epochs: int, bound: int) -> dict[str, float]:
-    """One Lightning fit + test; rank 0's measurements, returned through callback_metrics."""
+def _fit(name: str, world: int, k: float, base_ms: float, epochs: int, bound: int) -> dict[str, Any]:
+    """One Lightning fit + test; rank 0's measurements (rates, staleness, the accuracy curve)."""
     import lightning.pytorch as pl
     import torch.distributed as dist
 
@@ -69,7 +77,8 @@ def _fit(name: str, world: int, k: float, base_ms: float, epochs: int, bound: in
     from recipes.models import build_model
 
     class Straggle(pl.Callback):
-        """Base sleep on every rank, and the last rank k times slower; epoch timing and counts."""
+        """Base sleep on every rank, and the last rank k times slower; epoch timing, counts and
+        validation accuracy against the training time so far."""
 
         def __init__(self) -> None:
             self.start = 0.0
@@ -78,6 +87,7 @@ def _fit(name: str, world: int, k: float, base_ms: float, epochs: int, bound: in
             self.times: list[float] = []
             self.counts: list[float] = []
             self.own: list[float] = []
+            self.curve: list[tuple[float, float]] = []  # (training seconds so far, val_acc)
 
         def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
             self.start = time.perf_counter()
@@ -95,12 +105,18 @@ def _fit(name: str, world: int, k: float, base_ms: float, epochs: int, bound: in
             dist.barrier()
             self.epoch_start, self.samples = time.perf_counter(), 0
 
-        def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
-            dist.barrier()  # the epoch ends when the last worker's last step is in
+        def on_validation_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+            # Validation runs at the end of every training epoch, before on_train_epoch_end:
+            # the epoch's training ends when the last worker's last step is in.
+            dist.barrier()
             self.times.append(time.perf_counter() - self.epoch_start)
             total = torch.tensor(float(self.samples))
             dist.all_reduce(total)
             self.counts.append(float(total))
+
+        def on_validation_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+            # val_acc is the torchmetrics accuracy over every rank's share of the split
+            self.curve.append((sum(self.times), float(trainer.callback_metrics["val_acc"])))
 
         def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
             shard = local_shard(trainer.global_rank)
@@ -108,10 +124,14 @@ def _fit(name: str, world: int, k: float, base_ms: float, epochs: int, bound: in
             parts: list[Any] = [None] * trainer.world_size
             dist.all_gather_object(parts, mine)
             pushes = sum(p for _, p in parts)
+            # fork-started ranks hand rank 0's callback_metrics back to the launching process:
+            # the measurements travel as tensors (the curve as two 1-D ones)
             m = trainer.callback_metrics
             m["bench/staleness_mean"] = torch.tensor(sum(s for s, _ in parts) / pushes if pushes else 0.0)
             timed = slice(1, None)  # the first epoch pays for warm-up
             m["bench/samples_per_s"] = torch.tensor(sum(self.counts[timed]) / sum(self.times[timed]))
+            m["bench/curve_s"] = torch.tensor([t for t, _ in self.curve], dtype=torch.float64)
+            m["bench/curve_acc"] = torch.tensor([a for _, a in self.curve], dtype=torch.float64)
 
     torch.manual_seed(0)
     data = DigitsDataModule(batch_size=32, image_size=16, seed=0)
@@ -133,7 +153,7 @@ def _fit(name: str, world: int, k: float, base_ms: float, epochs: int, bound: in
         devices=world,
         strategy=strategy,
         max_epochs=epochs,
-        limit_val_batches=0,
+        num_sanity_val_steps=0,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -141,17 +161,28 @@ def _fit(name: str, world: int, k: float, base_ms: float, epochs: int, bound: in
         callbacks=[Straggle()],
     )
     trainer.fit(module, datamodule=data)
-    out = {k.split("/")[1]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("bench/")}
+    out: dict[str, Any] = {}
+    for key, value in trainer.callback_metrics.items():
+        if key.startswith("bench/"):
+            out[key.split("/")[1]] = value.tolist() if value.ndim else float(value)
     results = trainer.test(module, datamodule=data, verbose=False)
     out["test_acc"] = float(results[0]["test_acc"])
     return out
 
 
-def compare(world: int, k: float, base_ms: float, epochs: int, rounds: int, bound: int) -> float:
-    # (strategy, slowdown): the straggler runs, and a control without a straggler (k = 1) that
-    # measures what the synchronous step costs beyond waiting (barrier, per-step collectives)
-    names = (("async", k), ("async_ssp", k), ("ps", k), ("async", 1.0), ("ps", 1.0))
-    runs: dict[tuple[str, float], list[dict[str, float]]] = {n: [] for n in names}
+def time_to(curve_s: Sequence[float], curve_acc: Sequence[float], target: float) -> float | None:
+    """Training seconds at the first validation with accuracy ``target`` or better (None: never)."""
+    return next((t for t, acc in zip(curve_s, curve_acc, strict=True) if acc >= target), None)
+
+
+def compare(
+    world: int, k: float, ks: Sequence[float], base_ms: float, epochs: int, rounds: int, bound: int
+) -> dict[str, Any]:
+    """Every (strategy, slowdown) fitted ``rounds`` times, interleaved; lines printed; plot data returned."""
+    # ps and async at every slowdown (k = 1 is the control without a straggler: it measures
+    # what the synchronous step costs beyond waiting), async_ssp at the headline k only
+    names = [(name, s) for s in ks for name in ("async", "ps")] + [("async_ssp", k)]
+    runs: dict[tuple[str, float], list[dict[str, Any]]] = {n: [] for n in names}
     for r in range(rounds):
         shift = r % len(names)
         for name, slowdown in names[shift:] + names[:shift]:  # no run always goes first
@@ -159,37 +190,119 @@ def compare(world: int, k: float, base_ms: float, epochs: int, rounds: int, boun
     suffix = "" if world == 2 else f"_P{world}"
     rate = {n: [x["samples_per_s"] for x in runs[n]] for n in names}
 
+    def tag(slowdown: float) -> str:
+        return "" if slowdown == k else f"_k{slowdown:g}"
+
     def ratio(a: tuple[str, float], b: tuple[str, float]) -> list[float]:
         return [x / y for x, y in zip(rate[a], rate[b], strict=True)]
 
+    def curve(n: tuple[str, float]) -> tuple[list[float], list[float]]:
+        # per epoch, the median over rounds of the time stamp and of the accuracy
+        xs = [x["curve_s"] for x in runs[n]]
+        ys = [x["curve_acc"] for x in runs[n]]
+        return [median(c) for c in zip(*xs, strict=True)], [median(c) for c in zip(*ys, strict=True)]
+
     for name, slowdown in names:
-        tag = "" if slowdown == k else f"_k{slowdown:g}"
-        line(f"{name}_samples_per_s{tag}{suffix}", median(rate[(name, slowdown)]), "samples/s")
-    straggled = ratio(("async", k), ("ps", k))
+        line(f"{name}_samples_per_s{tag(slowdown)}{suffix}", median(rate[(name, slowdown)]), "samples/s")
     control = ratio(("async", 1.0), ("ps", 1.0))
-    line(f"async_over_sync_throughput{suffix}", median(straggled), "x")
+    for slowdown in ks:
+        line(
+            f"async_over_sync_throughput{tag(slowdown)}{suffix}",
+            median(ratio(("async", slowdown), ("ps", slowdown))),
+            "x",
+        )
     line(f"async_ssp{bound}_over_sync_throughput{suffix}", median(ratio(("async_ssp", k), ("ps", k))), "x")
-    line(f"async_over_sync_throughput_k1{suffix}", median(control), "x")
-    # the gain from not waiting for the straggler alone, against the ideal below
-    line(f"straggler_gain{suffix}", median([a / c for a, c in zip(straggled, control, strict=True)]), "x")
-    line(f"async_over_sync_ideal{suffix}", (world - 1 + 1 / k) / (world / k), "x")
-    staleness = median([x["staleness_mean"] for x in runs[("async", k)]])
-    line(f"staleness_mean{suffix}", staleness, "updates")
-    line(f"staleness_mean_over_P_minus_1{suffix}", staleness / (world - 1), "x")
+    for slowdown in ks:
+        if slowdown == 1.0:
+            continue
+        straggled = ratio(("async", slowdown), ("ps", slowdown))
+        # the gain from not waiting for the straggler alone, against the ideal below
+        gain = median([a / c for a, c in zip(straggled, control, strict=True)])
+        line(f"straggler_gain{tag(slowdown)}{suffix}", gain, "x")
+        line(f"async_over_sync_ideal{tag(slowdown)}{suffix}", (world - 1 + 1 / slowdown) / (world / slowdown), "x")
+    for slowdown in ks:
+        staleness = median([x["staleness_mean"] for x in runs[("async", slowdown)]])
+        line(f"staleness_mean{tag(slowdown)}{suffix}", staleness, "updates")
+        if slowdown == k:
+            line(f"staleness_mean_over_P_minus_1{suffix}", staleness / (world - 1), "x")
     line(f"staleness_mean_ssp{bound}{suffix}", median([x["staleness_mean"] for x in runs[("async_ssp", k)]]), "updates")
-    for name in ("async", "async_ssp", "ps"):
-        line(f"test_acc_{name}{suffix}", median([x["test_acc"] for x in runs[(name, k)]]), "fraction")
-    return median(straggled)
+    for name, slowdown in names:
+        line(
+            f"test_acc_{name}{tag(slowdown)}{suffix}",
+            median([x["test_acc"] for x in runs[(name, slowdown)]]),
+            "fraction",
+        )
+    curves = {n: curve(n) for n in names}
+    for slowdown in ks:
+        reached = {name: time_to(*curves[(name, slowdown)], TARGET_ACC) for name in ("async", "ps")}
+        for name, seconds in reached.items():
+            if seconds is None:
+                print(f"# {name}{tag(slowdown)}{suffix}: validation never reached {TARGET_ACC:.0%}", flush=True)
+            else:
+                line(f"seconds_to_val_acc_95_{name}{tag(slowdown)}{suffix}", seconds, "s")
+        if reached["async"] is not None and reached["ps"] is not None:
+            line(f"sync_over_async_time_to_val_acc_95{tag(slowdown)}{suffix}", reached["ps"] / reached["async"], "x")
+    return {"world": world, "ks": list(ks), "rate": {n: median(v) for n, v in rate.items()}, "curves": curves}
+
+
+def plot(results: Sequence[dict[str, Any]], k: float, bound: int, path: Path) -> None:
+    """The seed's claim 2: samples/s against the slowdown k, and validation accuracy against
+    training time, async beside ps; one row per P."""
+    plt = pyplot()
+    fig, axes = plt.subplots(len(results), 2, figsize=(10.0, 3.6 * len(results)), squeeze=False)
+    for (ax_rate, ax_acc), r in zip(axes, results, strict=True):
+        world, ks, rate = r["world"], r["ks"], r["rate"]
+        for name, style, label in (("async", "o-", "async (no waiting)"), ("ps", "s-", "ps (synchronous)")):
+            ax_rate.plot(ks, [rate[(name, s)] for s in ks], style, label=label)
+        ax_rate.plot([k], [rate[("async_ssp", k)]], "D", color="C2", label=f"async, max_staleness={bound}")
+        # what each would reach if the straggler cost only its own share: every worker busy
+        # (async), everybody at the slow worker's pace (ps); from the k = 1 rates
+        base_async, base_ps = rate[("async", 1.0)], rate[("ps", 1.0)]
+        fine = [1 + i * (max(ks) - 1) / 50 for i in range(51)]
+        ax_rate.plot(
+            fine,
+            [base_async * (world - 1 + 1 / s) / world for s in fine],
+            ":",
+            color="C0",
+            label="ideal async: rate(k=1) x (P-1+1/k)/P",
+        )
+        ax_rate.plot(fine, [base_ps / s for s in fine], ":", color="C1", label="ideal sync: rate(k=1) / k")
+        ax_rate.set_xscale("log", base=2)
+        ax_rate.set_xticks(ks, [f"{s:g}" for s in ks])
+        ax_rate.set_ylim(bottom=0)
+        ax_rate.set_xlabel("slowdown k of the last worker")
+        ax_rate.set_ylabel("samples / s (all workers)")
+        ax_rate.set_title(f"P = {world}: throughput")
+        ax_rate.grid(alpha=0.3)
+        ax_rate.legend(fontsize=7, loc="lower left")
+        # colour = strategy (as on the left), line style = slowdown
+        styles = dict(zip(ks, (":", "--", "-", "-."), strict=False))
+        for name, color, marker in (("async", "C0", "o"), ("ps", "C1", "s")):  # legend: a column each
+            for s in ks:
+                xs, ys = r["curves"][(name, s)]
+                ax_acc.plot(
+                    xs, ys, styles.get(s, "-"), marker=marker, markersize=4, color=color, label=f"{name}, k={s:g}"
+                )
+        ax_acc.axhline(TARGET_ACC, color="gray", lw=0.8, ls=":")
+        ax_acc.set_ylim(max(0.0, min(min(r["curves"][n][1]) for n in r["curves"]) - 0.05), 1.0)
+        ax_acc.set_xlabel("training wall time (s, validation excluded)")
+        ax_acc.set_ylabel("validation accuracy")
+        ax_acc.set_title(f"P = {world}: accuracy vs time (one point per epoch)")
+        ax_acc.grid(alpha=0.3)
+        ax_acc.legend(fontsize=7, loc="lower right", ncol=2)
+    save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="P=2, one round, 3 epochs (< 1 min)")
-    parser.add_argument("--k", type=float, default=2.0, help="the slow worker's slowdown factor")
+    parser.add_argument("--quick", action="store_true", help="P=2, k = 1 and --k, one round, 3 epochs, no PNG")
+    parser.add_argument("--k", type=float, default=2.0, help="the headline slowdown (untagged lines, async_ssp)")
+    parser.add_argument("--ks", default=None, help="slowdowns, comma-separated (default 1,2,4; quick 1,--k)")
     parser.add_argument("--base-ms", type=float, default=20.0, help="sleep per step on every worker (ms)")
     parser.add_argument("--epochs", type=int, default=None, help="epochs per fit (default 5; quick 3)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; quick 1)")
     parser.add_argument("--bound", type=int, default=2, help="max_staleness of the async_ssp runs")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default results/stragglers.png; quick none)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_strategies"):
@@ -198,9 +311,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(header("stragglers"), flush=True)
     epochs = args.epochs or (3 if args.quick else 5)
     rounds = args.rounds or (1 if args.quick else 3)
+    default_ks = (1.0, args.k) if args.quick else (1.0, 2.0, 4.0)
+    ks = sorted({1.0, args.k, *(float(s) for s in args.ks.split(","))} if args.ks else set(default_ks) | {args.k})
+    if args.plot is None and not args.quick:
+        args.plot = Path(__file__).parent / "results" / "stragglers.png"
     line("slowdown_k", args.k, "x")
-    for world in (2,) if args.quick else (2, 3):
-        compare(world, args.k, args.base_ms, epochs, rounds, args.bound)
+    results = [
+        compare(world, args.k, ks, args.base_ms, epochs, rounds, args.bound)
+        for world in ((2,) if args.quick else (2, 3))
+    ]
+    if args.plot is not None:
+        plot(results, args.k, args.bound, args.plot)
     return 0
 
 

@@ -3,7 +3,10 @@
 ``python -m recipes.report multirun/2026-11-29/10-00-00`` (also run automatically at the end of
 every Hydra multirun by :class:`SweepReport`). Each job directory holds the ``metrics.json``
 that ``recipes.train.run`` wrote (or a failed one); the table has one row per job, failed jobs
-included with their error, and one column per swept key.
+included with their error, and one column per swept key. The plots group by the swept keys: with
+one key a bar per job; with more, the last key's values along the x axis and one colour per
+combination of the others (``optimizer=sgd,lamb data.batch_size=32,128``: batch sizes on the
+axis, sgd and lamb side by side at each).
 """
 
 from __future__ import annotations
@@ -60,7 +63,12 @@ def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
     if not root.is_dir():
         raise FileNotFoundError(f"sweep directory {str(root)!r} does not exist; pass the multirun/<date>/<time> dir")
     rows = []
-    for job_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+    # Hydra numbers job dirs 0, 1, ...: in job order (10 after 9), other names after, by name
+    job_dirs = sorted(
+        (p for p in root.iterdir() if p.is_dir()),
+        key=lambda p: (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name),
+    )
+    for job_dir in job_dirs:
         metrics_path = job_dir / "metrics.json"
         if metrics_path.exists():
             try:
@@ -104,12 +112,26 @@ def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|")
 
 
+def _absent(row: dict[str, Any], key: str) -> str:
+    """Why ``row`` has no ``key``: the job failed, never got there, or does not measure it."""
+    if row.get("status") != "ok":
+        return "failed"
+    if key == "seconds_to_val_acc_95" and row.get("val_acc_by_epoch"):
+        return "not reached"  # validated every epoch, never at 95%
+    return "n/a"  # e.g. ddp counts no bytes
+
+
 def _job_value(row: dict[str, Any], key: str) -> str:
     for item in row["overrides"]:
         k, _, v = item.partition("=")
         if k == key:
             return v
     return "<default>"
+
+
+def _table_absent(row: dict[str, Any], key: str) -> str:
+    why = _absent(row, key)
+    return why if why == "not reached" else "-"  # the status column already says "failed"
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
@@ -119,7 +141,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cells = [row["job"], *(_job_value(row, k) for k in keys)]
-        cells += [_cell(row.get(key)) for key, _ in columns]
+        cells += [_cell(row[key]) if row.get(key) is not None else _table_absent(row, key) for key, _ in columns]
         lines.append("| " + " | ".join(cells) + " |")
     failed = [r for r in rows if r.get("status") != "ok"]
     for row in failed:
@@ -131,40 +153,78 @@ def _label(row: dict[str, Any], keys: list[str]) -> str:
     return ", ".join(_job_value(row, k) for k in keys) or row["job"]
 
 
+def _layout(rows: list[dict[str, Any]], keys: list[str]) -> tuple[list[str], list[str], list[tuple[int, int]]]:
+    """Bar positions grouped by the swept keys: (x tick labels, series labels, (x, series) per row).
+
+    One key (or none): one bar per job. More: the last key's values on the x axis, one series per
+    combination of the other keys' values, both in first-seen order.
+    """
+    if len(keys) < 2:
+        return [_label(r, keys) for r in rows], [], [(i, 0) for i in range(len(rows))]
+    ticks: list[str] = []
+    series: list[str] = []
+    where = []
+    for row in rows:
+        tick, hue = _job_value(row, keys[-1]), _label(row, keys[:-1])
+        for values, value in ((ticks, tick), (series, hue)):
+            if value not in values:
+                values.append(value)
+        where.append((ticks.index(tick), series.index(hue)))
+    return ticks, series, where
+
+
+PLOTS: tuple[tuple[str, str], ...] = (
+    ("test_acc", "test accuracy"),
+    ("samples_per_s", "samples / s"),
+    ("comm/bytes_sent", "bytes sent per step per worker"),
+    ("ps/server_bytes_max", "busiest server bytes per step"),
+    ("seconds_to_val_acc_95", "seconds to 95% validation accuracy"),
+    ("async/staleness_mean", "mean staleness (updates)"),
+    ("pipeline/bubble_fraction", "pipeline bubble fraction"),
+    ("wall_s", "wall time (s)"),
+)
+
+
 def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """Bar charts of the numeric columns across jobs (failed jobs shown as empty bars)."""
+    """Bar charts of the numeric columns across jobs, grouped by the swept keys (see the module
+    docstring); a job without the value is an empty bar saying why: "failed", "not reached" (time
+    to 95% of a job that validated but never got there) or "n/a" (ddp counts no bytes)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     keys = swept_keys(rows)
-    labels = [_label(r, keys) for r in rows]
+    ticks, series, where = _layout(rows, keys)
+    width = 0.8 / max(1, len(series))
     written = []
-    for key, title in (
-        ("test_acc", "test accuracy"),
-        ("samples_per_s", "samples / s"),
-        ("comm/bytes_sent", "bytes sent per step per worker"),
-        ("ps/server_bytes_max", "busiest server bytes per step"),
-        ("seconds_to_val_acc_95", "seconds to 95% validation accuracy"),
-        ("async/staleness_mean", "mean staleness (updates)"),
-        ("pipeline/bubble_fraction", "pipeline bubble fraction"),
-        ("wall_s", "wall time (s)"),
-    ):
+    for key, title in PLOTS:
         values = [r.get(key) if r.get("status") == "ok" else None for r in rows]
         if not any(isinstance(v, int | float) for v in values):
             continue
-        fig, ax = plt.subplots(figsize=(max(4.0, 0.9 * len(rows) + 2), 3.2))
-        heights = [float(v) if isinstance(v, int | float) else 0.0 for v in values]
-        bars = ax.bar(range(len(rows)), heights, color=["C0" if v is not None else "lightgray" for v in values])
-        for bar, v, row in zip(bars, values, rows, strict=True):
-            # a failed job, or a job that does not measure this (ddp counts no bytes)
-            text = ("failed" if row.get("status") != "ok" else "n/a") if v is None else f"{float(v):.3g}"
+        fig, ax = plt.subplots(figsize=(max(4.0, 0.9 * len(rows) + 2), 3.4))
+        in_legend: set[int] = set()
+        for (x, hue), v, row in zip(where, values, rows, strict=True):
+            # with series, each bar sits at its group's centre plus its series' offset
+            pos = x + (hue - (len(series) - 1) / 2) * width if series else x
+            height = float(v) if isinstance(v, int | float) else 0.0
+            color = f"C{hue}" if v is not None else "lightgray"
+            label = series[hue] if series and v is not None and hue not in in_legend else None
+            if label is not None:
+                in_legend.add(hue)
+            bar = ax.bar(pos, height, width=width if series else 0.8, color=color, label=label)[0]
+            text = _absent(row, key) if v is None else f"{float(v):.3g}"
             top = (bar.get_x() + bar.get_width() / 2, bar.get_height())
-            ax.annotate(text, top, ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
+            ax.annotate(text, top, ha="center", va="bottom", fontsize=7 if series else 8)
+        ax.set_xticks(
+            range(len(ticks)), ticks, rotation=0 if series else 30, ha="center" if series else "right", fontsize=8
+        )
         ax.set_ylabel(title)
+        if series:
+            ax.set_xlabel(keys[-1])
+            ax.legend(title=", ".join(keys[:-1]), fontsize=7, title_fontsize=7)
         ax.set_title(f"{title} by {', '.join(keys) or 'job'}")
+        ax.margins(y=0.12)  # room for the value above the tallest bar
         fig.tight_layout()
         path = out_dir / f"{key.replace('/', '_')}.png"
         fig.savefig(path, dpi=110)
@@ -181,7 +241,9 @@ def write_report(sweep_dir: str | Path) -> Path:
         raise FileNotFoundError(f"no job directories with metrics.json or .hydra/ below {str(root)!r}")
     table = markdown_table(rows)
     images = plot(rows, root)
-    text = f"# Sweep summary: {root}\n\n{len(rows)} jobs, {sum(r.get('status') == 'ok' for r in rows)} ok\n\n{table}"
+    keys = swept_keys(rows)
+    ok = sum(r.get("status") == "ok" for r in rows)
+    text = f"# Sweep summary: {root}\n\n{len(rows)} jobs, {ok} ok; swept: {', '.join(keys) or '(nothing)'}\n\n{table}"
     text += "".join(f"\n![{p.stem}]({p.name})\n" for p in images)
     summary = root / "summary.md"
     summary.write_text(text)

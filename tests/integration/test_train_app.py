@@ -115,6 +115,8 @@ def test_multirun_failed_job_is_a_failed_row(tmp_path: Path) -> None:
     summary = (tmp_path / "sweep" / "summary.md").read_text()
     assert summary.count("| ok |") == 1 and summary.count("| failed |") == 1
     assert "optimizer.lr must be a positive number, found -1" in summary
+    for name in ("test_acc.png", "wall_s.png"):  # the plots, the failed job an empty bar
+        assert (tmp_path / "sweep" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({name})" in summary
 
 
 def test_tensorboard_logger(tmp_path: Path) -> None:

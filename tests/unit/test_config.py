@@ -107,3 +107,17 @@ def test_bad_input_stops_before_training(
     with pytest.raises(error, match=message):
         run(cfg)
     assert not (tmp_path / "metrics.json").exists() and not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "momentum"),
+    [
+        (["strategy=async", "trainer=ddp_sim"], 0.5),  # conf/strategy_optimizer/async_sgd.yaml
+        (["strategy=async", "optimizer.momentum=0.8"], 0.8),  # the command line still wins
+        (["strategy=async", "optimizer=lamb"], None),  # no async_lamb.yaml: Lamb has no momentum key
+        (["strategy=ddp", "trainer=ddp_sim"], 0.9),  # only async is specialised
+    ],
+)
+def test_async_sgd_gets_a_lower_momentum(overrides: list[str], momentum: float | None) -> None:
+    # asynchrony adds ~1 - 1/P implicit momentum; SGD's 0.9 on top diverges the digits ResNet
+    assert compose_cfg(overrides).optimizer.get("momentum") == momentum

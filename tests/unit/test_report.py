@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.report import collect, main, swept_keys, write_report
+from recipes.report import _layout, collect, main, swept_keys, write_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -45,3 +45,36 @@ def test_report_cli_and_missing_dir(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "sweep summary:" in capsys.readouterr().out
     with pytest.raises(FileNotFoundError, match="does not exist"):
         main([str(tmp_path / "nope")])
+
+
+def test_report_groups_by_two_swept_keys(tmp_path: Path) -> None:
+    # optimizer=sgd,lamb data.batch_size=32,128 as Hydra numbers it: the cartesian product in order
+    combos = [("sgd", "32"), ("sgd", "128"), ("lamb", "32"), ("lamb", "128")]
+    for i, (opt, batch) in enumerate(combos):
+        metrics = {"status": "ok", "test_acc": 0.9 + i / 100, "samples_per_s": 100.0 * (i + 1)}
+        _job(tmp_path, str(i), metrics, [f"optimizer={opt}", f"data.batch_size={batch}"])
+    rows = collect(tmp_path)
+    keys = swept_keys(rows)
+    assert keys == ["optimizer", "data.batch_size"]
+    # the last key along the axis, one series per value of the others
+    ticks, series, where = _layout(rows, keys)
+    assert ticks == ["32", "128"] and series == ["sgd", "lamb"]
+    assert where == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    summary = write_report(tmp_path).read_text()
+    assert "swept: optimizer, data.batch_size" in summary
+    assert "| job | optimizer | data.batch_size | status |" in summary
+    assert "| 2 | lamb | 32 | ok | 0.92 |" in summary
+    for name in ("test_acc.png", "samples_per_s.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG
+
+
+def test_report_orders_jobs_numerically_and_says_not_reached(tmp_path: Path) -> None:
+    for i in range(11):  # "10" sorts before "2" as text
+        metrics = {"status": "ok", "test_acc": 0.5, "val_acc_by_epoch": [0.4, 0.5], "seconds_to_val_acc_95": None}
+        if i == 0:
+            metrics.update(val_acc_by_epoch=[0.9, 0.96], seconds_to_val_acc_95=3.0)
+        _job(tmp_path, str(i), metrics, [f"optimizer.lr={i}"])
+    rows = collect(tmp_path)
+    assert [r["job"] for r in rows] == [str(i) for i in range(11)]
+    summary = write_report(tmp_path).read_text()
+    assert summary.count("| not reached |") == 10 and "| 3 |" in summary
