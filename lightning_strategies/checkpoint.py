@@ -10,6 +10,14 @@ directory so the rename itself survives a power loss.
 Every strategy of this package uses it when the user gave no ``CheckpointIO``: their
 ``checkpoint_io`` property is :data:`ATOMIC_CHECKPOINT_IO_DEFAULT`. For another strategy, pass
 ``Trainer(plugins=[AtomicCheckpointIO()])``.
+
+Reading is ``TorchCheckpointIO``'s, except that a file which exists but is not a whole
+checkpoint (empty, truncated by a copy or a full disk, random bytes) raises
+:class:`CorruptCheckpointError` naming the path, what is wrong with it and the checkpoints
+beside it, instead of ``torch.load``'s "failed finding central directory" or ``EOFError``
+with an empty message. The file is diagnosed only after ``torch.load`` failed (a checkpoint is
+a zip archive: empty, not a zip, or a zip whose directory or CRCs are broken); an error on a
+sound archive (a ``weights_only`` policy refusal, a device that is missing) is re-raised as it was.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +39,11 @@ from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.strategies import Strategy
 from typing_extensions import override
 
-__all__ = ["ATOMIC_CHECKPOINT_IO_DEFAULT", "AtomicCheckpointIO", "temp_files_of"]
+__all__ = ["ATOMIC_CHECKPOINT_IO_DEFAULT", "AtomicCheckpointIO", "CorruptCheckpointError", "temp_files_of"]
 
 _TEMP_SUFFIX = ".tmp"
+_ZIP_MAGIC = b"PK\x03\x04"  # a zip archive's first local file header: how torch.save's files start
+_LEGACY_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9"  # pickle of torch's pre-1.6 magic number
 
 
 def _temp_prefix(target: Path) -> str:
@@ -53,6 +65,62 @@ def temp_files_of(target: _PATH) -> list[Path]:
         return []
     prefix = _temp_prefix(path)
     return sorted(p for p in path.parent.iterdir() if p.name.startswith(prefix) and p.name.endswith(_TEMP_SUFFIX))
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint file that exists but is not a whole checkpoint (empty, truncated, not one at all).
+
+    Attributes:
+        path: the file, as given to ``load_checkpoint``.
+        problem: what is wrong with it, in words ("the file is empty (0 bytes)", ...).
+    """
+
+    def __init__(self, message: str, *, path: str, problem: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.problem = problem
+
+
+def _diagnose(fs: Any, path: str) -> str | None:
+    """What makes ``path`` unreadable as a checkpoint, or None when it looks like a sound checkpoint."""
+    try:
+        size = int(fs.size(path))
+        with fs.open(path, "rb") as f:
+            head = f.read(len(_LEGACY_MAGIC))
+            if size == 0:
+                return "the file is empty (0 bytes)"
+            if head.startswith(_LEGACY_MAGIC):
+                return None  # torch's pre-1.6 format: not diagnosed, torch's own error stands
+            if not head.startswith(_ZIP_MAGIC):
+                return (
+                    f"it is not a checkpoint: {size} bytes that do not start like a zip archive (torch.save "
+                    "writes one), e.g. random bytes, a text file or another format"
+                )
+            f.seek(0)
+            if not zipfile.is_zipfile(f):
+                return f"it is truncated ({size} bytes: a zip archive without its end, the central directory)"
+            f.seek(0)
+            with zipfile.ZipFile(f) as archive:
+                bad = archive.testzip()  # reads every member: only on this error path
+    except (zipfile.BadZipFile, EOFError, ValueError) as err:
+        return f"it is damaged ({size} bytes; the zip archive cannot be read: {err})"
+    except OSError:
+        return None
+    if bad is not None:
+        return f"it is damaged ({size} bytes; the member {bad!r} fails its CRC check)"
+    return None
+
+
+def _siblings(path: str) -> list[str]:
+    """Whole-looking ``*.ckpt`` files beside ``path``, newest first (three at most): what to resume
+    from instead. "Whole-looking": a zip archive with its central directory (a cheap read of its end)."""
+    target = Path(path)
+    try:
+        found = [p for p in target.parent.glob("*.ckpt") if p.name != target.name and p.is_file()]
+        found.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    except OSError:
+        return []
+    return [str(p) for p in found if zipfile.is_zipfile(p)][:3]
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -81,8 +149,52 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     successful save of the same path removes such leftovers.
 
     Remote paths (``s3://``, ``gs://``, ...) are written as by ``TorchCheckpointIO``, inside an
-    fsspec transaction. Loading and removing are ``TorchCheckpointIO``'s.
+    fsspec transaction. Removing is ``TorchCheckpointIO``'s; loading too, except that a file that
+    is not a whole checkpoint raises :class:`CorruptCheckpointError`.
     """
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        map_location: Callable[..., Any] | None = lambda storage, loc: storage,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """``TorchCheckpointIO.load_checkpoint``, with a clear error for a file that is not a checkpoint.
+
+        Args:
+            path: the checkpoint file (local or fsspec URL).
+            map_location: as for ``torch.load``.
+            weights_only: as for ``torch.load``.
+
+        Returns:
+            The loaded checkpoint.
+
+        Raises:
+            FileNotFoundError: if ``path`` does not exist.
+            CorruptCheckpointError: if ``path`` is empty, truncated or not a checkpoint; the message
+                names the path, what is wrong and the other checkpoints in its folder.
+        """
+        try:
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        except (FileNotFoundError, MemoryError):
+            raise
+        except Exception as err:
+            fs, local = url_to_fs(str(path))
+            problem = _diagnose(fs, local)
+            if problem is None:
+                raise  # a sound archive: the error is not about the file's bytes
+            others = _siblings(local) if isinstance(fs, LocalFileSystem) else []
+            instead = f" (whole ones in its folder, newest first: {', '.join(others)})" if others else ""
+            said = str(err).split(". ")[0].splitlines()[0] if str(err).strip() else "(no message)"
+            raise CorruptCheckpointError(
+                f"Cannot resume from checkpoint {str(path)!r}: {problem}; torch.load raised "
+                f"{type(err).__name__}: {said}. Expected a whole "
+                "checkpoint as Trainer.save_checkpoint writes it. Fix: pass another checkpoint as ckpt_path"
+                f"{instead}, copy the file again if it was transferred, or start without ckpt_path.",
+                path=str(path),
+                problem=problem,
+            ) from err
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:

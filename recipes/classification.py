@@ -3,10 +3,28 @@
 It is written the plain way (loss from ``self(x)``, optimizer over the parameters) and also
 implements the pipeline contract (``pipeline_layers`` / ``pipeline_loss``) so the same module
 runs under every strategy.
+
+Two kinds of bad input stop a run with an error that says what was found and what to change,
+instead of training on silently:
+
+- **Non-finite values.** After every optimizer step, before any callback can save them, the
+  weights are checked (one fused norm over the parameters and one host sync per step). A NaN
+  or inf loss on any rank makes the update non-finite, and the update is the same on every
+  replica (DDP and the ring all-reduce the gradients, the parameter servers average them, a
+  pipeline's stages back-propagate the one loss), so every rank raises
+  :class:`FloatingPointError` at the same step and none is left waiting in a collective for a
+  peer that stopped. The loss itself is not checked: it is per rank, and a rank raising alone
+  would leave its peers in the next all-reduce until the timeout. Under ``async`` each rank
+  raises at its first step that pulls the broken weights. The last checkpoint, written before
+  that step, stays as it was.
+- **A checkpoint of another model** (``ckpt_path`` of a different architecture, width, class or
+  channel count): ``on_load_checkpoint`` compares the tensors' names and shapes before
+  Lightning's strict load and names the first differences.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -42,6 +60,8 @@ class ClassificationModule(pl.LightningModule):
         no_decay_norm_bias: put biases and norm weights in a group without weight decay or
             layer adaptation (Goyal et al. §5.1; You et al. 2020).
         label_smoothing: as in ``nn.CrossEntropyLoss``.
+        check_finite: raise :class:`FloatingPointError` at the first optimizer step that leaves
+            a weight NaN or inf (costs one pass over the weights and one host sync per step).
     """
 
     def __init__(
@@ -53,6 +73,7 @@ class ClassificationModule(pl.LightningModule):
         scaling: ScalingConfig | None = None,
         no_decay_norm_bias: bool = False,
         label_smoothing: float = 0.0,
+        check_finite: bool = True,
     ) -> None:
         super().__init__()
         self.model = model
@@ -64,6 +85,8 @@ class ClassificationModule(pl.LightningModule):
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.plan: ScalingPlan | None = None
+        self.check_finite = check_finite
+        self._last_loss: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
@@ -80,9 +103,78 @@ class ClassificationModule(pl.LightningModule):
         logits = self(x)
         loss = self.criterion(logits, y)
         self.train_acc(logits.detach(), y)
+        self._last_loss = loss.detach()  # for the non-finite report; read only when it fires
         self.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True)
         self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
         return loss
+
+    def optimizer_step(
+        self,
+        epoch: int,
+        batch_idx: int,
+        optimizer: Any,
+        optimizer_closure: Callable[[], Any] | None = None,
+    ) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        # Here, not in on_train_batch_end: callbacks' hooks run before the module's, so a
+        # ModelCheckpoint(every_n_train_steps=...) would already have saved the broken weights.
+        if self.check_finite:
+            self._check_finite_weights(batch_idx)
+
+    def _check_finite_weights(self, batch_idx: int) -> None:
+        params = [p.detach() for p in self.parameters()]
+        if not params or bool(torch.isfinite(torch.nn.utils.get_total_norm(params))):
+            return
+        names = [name for name, p in self.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
+        if not names:
+            return  # the squares overflowed, the weights themselves are finite
+        loss = "n/a" if self._last_loss is None else f"{float(self._last_loss):.4g}"
+        step = self.trainer.global_step + 1  # 1-based; Lightning counts the step once this hook returns
+        raise FloatingPointError(
+            f"{type(self).__name__}: the weights are not finite after optimizer step {step} "
+            f"(epoch {self.current_epoch}, batch {batch_idx}): {len(names)} of {len(params)} parameter tensors "
+            f"hold NaN or inf (first: {names[0]}); this rank's loss at that step was {loss}. Expected finite "
+            "weights: a NaN or inf loss or gradient on some rank was applied. Fix: lower optimizer.lr or warm "
+            "up (scaling.warmup_epochs), clip gradients (trainer.gradient_clip_val=1.0), or look for NaN/inf in "
+            "the inputs; resume from the last checkpoint, written before this step."
+        )
+
+    def on_train_epoch_end(self) -> None:
+        # Images the data skipped as unreadable (ImageFolderDataModule), summed over ranks; only
+        # data modules that count them add this one epoch-end collective.
+        datamodule = getattr(self.trainer, "datamodule", None)
+        counter = getattr(datamodule, "unreadable_skipped", None)
+        if callable(counter):
+            self.log("data/unreadable_skipped", float(counter()), reduce_fx="sum", sync_dist=True)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse, with the differences named, a checkpoint whose tensors do not fit this model."""
+        saved = checkpoint.get("state_dict")
+        if not isinstance(saved, dict):
+            return
+        own = self.state_dict()
+        missing = [k for k in own if k not in saved]
+        extra = [k for k in saved if k not in own]
+        reshaped = [
+            f"{k} is {list(saved[k].shape)} there, {list(v.shape)} here"
+            for k, v in own.items()
+            if k in saved and isinstance(saved[k], torch.Tensor) and saved[k].shape != v.shape
+        ]
+        if not (missing or extra or reshaped):
+            return
+        found = []
+        if reshaped:
+            found.append(f"{len(reshaped)} tensors differ in shape (first: {reshaped[0]})")
+        if missing:
+            found.append(f"{len(missing)} of this model's tensors are not in it (first: {missing[0]})")
+        if extra:
+            found.append(f"{len(extra)} of its tensors are not in this model (first: {extra[0]})")
+        raise ValueError(
+            f"{type(self).__name__}: the checkpoint holds another model: {'; '.join(found)}. Expected the "
+            f"{len(own)} tensors of the model this run builds ({type(self.model).__name__}). Fix: resume with "
+            "the model settings the checkpoint was trained with (model name and width, the data's classes "
+            "and channels), or start without a checkpoint."
+        )
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
@@ -121,11 +213,32 @@ class ClassificationModule(pl.LightningModule):
         rank_zero_info(self.plan.describe())
         weight_decay = float(self.optimizer_factory.keywords.get("weight_decay", 0.0))  # type: ignore[attr-defined]
         optimizer = self.optimizer_factory(self._parameter_groups(weight_decay), lr=self.plan.lr)
-        total = int(trainer.estimated_stepping_batches)
-        epochs = max(1, trainer.max_epochs or 1)
-        steps_per_epoch = max(1, total // epochs)
+        estimated = trainer.estimated_stepping_batches
+        if math.isinf(estimated):
+            total, steps_per_epoch = self._endless_run_steps(trainer)
+        else:
+            total = int(estimated)
+            epochs = max(1, trainer.max_epochs or 1)
+            steps_per_epoch = max(1, total // epochs)
         scheduler = self.scaling.scheduler(optimizer, self.plan, steps_per_epoch=steps_per_epoch, total_steps=total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _endless_run_steps(self, trainer: pl.Trainer) -> tuple[int, int]:
+        """(total, per epoch) optimizer steps of a run without a planned end (``max_epochs=-1``).
+
+        Warmup and step decay need only the steps per epoch; a cosine decay needs the end.
+        """
+        if self.scaling.decay == "cosine":
+            raise ValueError(
+                "scaling.decay='cosine' decays to zero at the end of the run, but trainer.max_epochs=-1 (and no "
+                "max_steps) trains without an end. Fix: set trainer.max_epochs or trainer.max_steps, or use "
+                "scaling.decay=none or step."
+            )
+        if trainer.train_dataloader is None:
+            trainer.fit_loop.setup_data()  # as Lightning's estimated_stepping_batches does
+        batches = trainer.num_training_batches
+        per_epoch = 1 if math.isinf(batches) else max(1, math.ceil(batches / trainer.accumulate_grad_batches))
+        return per_epoch, per_epoch  # total only bounds the cosine decay, which is excluded above
 
 
 class ThroughputMonitor(pl.Callback):

@@ -2,13 +2,18 @@
 
 Each takes a per-device ``batch_size`` and the prefetch settings of
 :class:`lightning_strategies.PrefetchConfig`; the strategy's ``distributed_sampler_kwargs``
-decide how samples are sharded (a pipeline shards over replicas, not stages).
+decide how samples are sharded (a pipeline shards over replicas, not stages). The training
+loader is a :class:`lightning_strategies.ResumableDataLoader`, so ``fit(ckpt_path=...)`` from a
+mid-epoch checkpoint continues at the next unseen batch of the same order; the evaluation
+loaders are plain (Lightning runs them whole).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +22,16 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_strategies.data import DevicePrefetcher, PrefetchConfig
+from lightning_strategies.data import DevicePrefetcher, PrefetchConfig, ResumableDataLoader
 
-__all__ = ["DigitsDataModule", "ImageFolderDataModule", "SyntheticDataModule", "SyntheticImages"]
+__all__ = [
+    "DigitsDataModule",
+    "ImageFolderDataModule",
+    "SkipUnreadable",
+    "SyntheticDataModule",
+    "SyntheticImages",
+    "UnreadableImageError",
+]
 
 
 class _PrefetchingDataModule(pl.LightningDataModule):
@@ -63,12 +75,16 @@ class _PrefetchingDataModule(pl.LightningDataModule):
         if len(dataset) == 0:  # type: ignore[arg-type]
             raise ValueError(f"{type(self).__name__}: the {'train' if train else 'evaluation'} split is empty")
         generator = torch.Generator().manual_seed(self.seed)
-        if not (train and self.prefetch.device_prefetch):
-            return DataLoader(
+        if not train:
+            return DataLoader(dataset, batch_size=self.batch_size, generator=generator, **self.prefetch.loader_kwargs())
+        if not self.prefetch.device_prefetch:
+            # shuffled by an EpochRandomSampler seeded with `seed` (one device), or by the
+            # DistributedSampler Lightning swaps in: either way each epoch's order is reproducible
+            return ResumableDataLoader(
                 dataset,
                 batch_size=self.batch_size,
-                shuffle=train,
-                drop_last=train,
+                shuffle=True,
+                drop_last=True,
                 generator=generator,
                 **self.prefetch.loader_kwargs(),
             )
@@ -79,7 +95,7 @@ class _PrefetchingDataModule(pl.LightningDataModule):
         sampler: DistributedSampler[Any] | None = (
             DistributedSampler(dataset, shuffle=True, seed=self.seed, drop_last=True, **kwargs) if kwargs else None
         )
-        loader = DataLoader(
+        loader = ResumableDataLoader(
             dataset,
             batch_size=self.batch_size,
             shuffle=sampler is None,
@@ -239,18 +255,124 @@ class SyntheticDataModule(_PrefetchingDataModule):
         self.train_set, self.val_set, self.test_set = sets
 
 
+class UnreadableImageError(OSError):
+    """An image file of an ImageFolder that PIL cannot open or decode (and skipping was off or gave up)."""
+
+
+# What PIL raises for a file it cannot decode: UnidentifiedImageError and "image file is truncated"
+# are OSErrors, a broken PNG chunk is a SyntaxError, an image over PIL's pixel limit a
+# DecompressionBombError (an Exception). Errors of the transforms are not among them: a bug, not a file.
+_UNREADABLE: tuple[type[BaseException], ...] = (OSError, SyntaxError)
+try:
+    from PIL.Image import DecompressionBombError
+
+    _UNREADABLE += (DecompressionBombError,)
+except ImportError:  # pragma: no cover - Pillow comes with torchvision
+    pass
+
+
+class SkipUnreadable(Dataset[tuple[Any, Any]]):
+    """A torchvision ``ImageFolder`` whose unreadable images are skipped and counted instead of fatal.
+
+    One corrupt JPEG in a million (a broken download, a full disk) should not end a multi-day run
+    at hour 20. When ``folder.loader`` raises for image ``i``, the next image of the folder
+    (``i+1``, ``i+2``, ... wrapping around) takes its place, so every batch stays full and every
+    rank takes the same number of steps; the file is named in a warning and counted in
+    :attr:`skipped` (shared with the loader's worker processes). ``max_consecutive`` unreadable
+    images in a row raise :class:`UnreadableImageError`: that is a wrong folder, not bad luck.
+
+    Args:
+        folder: a ``torchvision.datasets.ImageFolder`` (or any ``DatasetFolder``): its ``samples``,
+            ``loader``, ``transform`` and ``target_transform`` are used.
+        skip: False raises :class:`UnreadableImageError` at the first unreadable image instead.
+        max_consecutive: unreadable images in a row that make it give up.
+    """
+
+    def __init__(self, folder: Any, *, skip: bool = True, max_consecutive: int = 16) -> None:
+        if max_consecutive < 1:
+            raise ValueError(f"max_consecutive must be >= 1, found {max_consecutive}")
+        self.folder = folder
+        self.skip = skip
+        self.max_consecutive = max_consecutive
+        self.counter = multiprocessing.Value("q", 0)
+
+    @property
+    def skipped(self) -> int:
+        """Loads that hit an unreadable image so far, in this process and its loader workers."""
+        return int(self.counter.value)
+
+    @property
+    def classes(self) -> list[str]:
+        return list(self.folder.classes)
+
+    def __len__(self) -> int:
+        return len(self.folder.samples)
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        n = len(self)
+        first: tuple[str, BaseException] | None = None
+        for k in range(min(self.max_consecutive, n)):
+            path, target = self.folder.samples[(index + k) % n]
+            try:
+                image = self.folder.loader(path)
+            except _UNREADABLE as err:
+                if not self.skip:
+                    raise UnreadableImageError(
+                        f"cannot read image {path!r} ({type(err).__name__}: {err}); expected an image file PIL "
+                        "can open. Fix: replace or delete the file, or skip unreadable images "
+                        "(ImageFolderDataModule(skip_unreadable=True), the default)."
+                    ) from err
+                with self.counter.get_lock():
+                    self.counter.value += 1
+                warnings.warn(
+                    f"skipped unreadable image {path!r} ({type(err).__name__}: {err}); the next image of the "
+                    "folder takes its place in the batch. Replace or delete the file.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                first = first or (path, err)
+                continue
+            if self.folder.transform is not None:
+                image = self.folder.transform(image)
+            if self.folder.target_transform is not None:
+                target = self.folder.target_transform(target)
+            return image, target
+        assert first is not None
+        raise UnreadableImageError(
+            f"{min(self.max_consecutive, n)} images in a row from index {index} are unreadable (first: "
+            f"{first[0]!r}: {type(first[1]).__name__}: {first[1]}); expected image files PIL can open. Fix: "
+            "check that data.root points at images (ImageNet layout root/train/<class>/<image>) and replace the "
+            "broken files."
+        )
+
+
 class ImageFolderDataModule(_PrefetchingDataModule):
     """Any ImageFolder tree in the ImageNet layout: ``root/train/<class>/*`` and ``root/val/<class>/*``.
 
     Training uses RandomResizedCrop + flip; evaluation resizes to ``image_size x 256/224`` and
     centre-crops (the standard ImageNet protocol). ``val/`` also serves as the test split,
     unless ``root/test/`` exists.
+
+    An image PIL cannot read is skipped (the next one takes its place), named in a warning and
+    counted (:class:`SkipUnreadable`); :meth:`unreadable_skipped` gives the count, which the
+    recipes' module logs as ``data/unreadable_skipped`` (summed over ranks) every epoch.
+    ``skip_unreadable=False`` makes the first one an :class:`UnreadableImageError`.
     """
 
     in_channels = 3
 
-    def __init__(self, *, root: str, batch_size: int = 32, image_size: int = 224, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        root: str,
+        batch_size: int = 32,
+        image_size: int = 224,
+        skip_unreadable: bool = True,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(batch_size=batch_size, **kwargs)
+        self.skip_unreadable = skip_unreadable
+        self._counter_pid = -1
         path = Path(os.path.expanduser(str(root)))
         missing = [d for d in ("train", "val") if not (path / d).is_dir()]
         if missing:
@@ -286,7 +408,36 @@ class ImageFolderDataModule(_PrefetchingDataModule):
                 normalize,
             ]
         )
-        self.train_set = datasets.ImageFolder(str(self.root / "train"), transform=train_tf)
-        self.val_set = datasets.ImageFolder(str(self.root / "val"), transform=eval_tf)
+        skip = self.skip_unreadable
+        self.train_set = SkipUnreadable(datasets.ImageFolder(str(self.root / "train"), transform=train_tf), skip=skip)
+        self.val_set = SkipUnreadable(datasets.ImageFolder(str(self.root / "val"), transform=eval_tf), skip=skip)
         test_dir = self.root / "test" if (self.root / "test").is_dir() else self.root / "val"
-        self.test_set = datasets.ImageFolder(str(test_dir), transform=eval_tf)
+        self.test_set = SkipUnreadable(datasets.ImageFolder(str(test_dir), transform=eval_tf), skip=skip)
+        self._counter_pid = os.getpid()
+
+    def _splits(self) -> list[SkipUnreadable]:
+        return [s for s in (self.train_set, self.val_set, self.test_set) if isinstance(s, SkipUnreadable)]
+
+    def _own_counters(self) -> None:
+        # Set up before a fork launch, the rank processes would share the parent's counters and a
+        # sum over ranks would count each skip once per rank: each rank process counts afresh.
+        if self._counter_pid != os.getpid():
+            for split in self._splits():
+                split.counter = multiprocessing.Value("q", 0)
+            self._counter_pid = os.getpid()
+
+    def unreadable_skipped(self) -> int:
+        """Images skipped as unreadable by this rank's loaders (all splits, workers included)."""
+        return sum(split.skipped for split in self._splits())
+
+    def train_dataloader(self) -> Any:
+        self._own_counters()
+        return super().train_dataloader()
+
+    def val_dataloader(self) -> Any:
+        self._own_counters()
+        return super().val_dataloader()
+
+    def test_dataloader(self) -> Any:
+        self._own_counters()
+        return super().test_dataloader()

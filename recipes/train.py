@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import lightning_strategies  # noqa: F401  (registers the strategy names)
 from lightning_strategies.checkpoint import AtomicCheckpointIO
+from lightning_strategies.faults import PeerFailureReport
 from lightning_strategies.scaling import replicas_of
 from recipes.classification import ClassificationModule, ThroughputMonitor
 
@@ -118,6 +119,24 @@ def _check_positive(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.max_epochs must be a positive integer, found {epochs!r}")
 
 
+def _resume_path(cfg: DictConfig) -> str | None:
+    """The checkpoint ``resume`` names (``ckpt_path`` of ``fit``), checked to exist before anything is built."""
+    resume = cfg.get("resume")
+    if resume is None:
+        return None
+    path = Path(os.path.expanduser(str(resume)))
+    if path.is_file():
+        return str(path)
+    hint = ""
+    if path.is_dir():
+        found = [c for c in (path / "checkpoints" / "last.ckpt", path / "last.ckpt") if c.is_file()]
+        hint = f" (it is a directory{f'; did you mean {found[0]}' if found else ''})"
+    raise ConfigError(
+        f"resume={resume!r}: no checkpoint file at {path}{hint}; expected a .ckpt written by an earlier run, e.g. "
+        "<run dir>/checkpoints/last.ckpt. Fix: set resume=<path to the .ckpt>, or resume=null to start fresh"
+    )
+
+
 def _per_device_batch(cfg: DictConfig, trainer: pl.Trainer) -> int | None:
     glob = cfg.get("global_batch_size")
     if glob is None:
@@ -125,12 +144,35 @@ def _per_device_batch(cfg: DictConfig, trainer: pl.Trainer) -> int | None:
     replicas, accumulate = replicas_of(trainer.strategy), trainer.accumulate_grad_batches
     if not isinstance(glob, int) or glob < 1:
         raise ConfigError(f"global_batch_size must be a positive integer, found {glob!r}")
+    if glob < replicas * accumulate:
+        raise ConfigError(
+            f"global batch {glob} is smaller than {replicas} replicas x {accumulate} accumulation steps: each device "
+            f"would get a batch of 0 samples; set global_batch_size to a multiple of {replicas * accumulate} "
+            "(or run fewer processes)"
+        )
     if glob % (replicas * accumulate):
         raise ConfigError(
             f"global batch {glob} is not divisible by {replicas} replicas x {accumulate} accumulation steps; "
             f"choose a global_batch_size that is a multiple of {replicas * accumulate}"
         )
     return glob // (replicas * accumulate)
+
+
+def _check_train_batches(datamodule: pl.LightningDataModule, replicas: int) -> None:
+    """Stop before training when the train split cannot fill one batch per replica: Lightning
+    would only warn and fit nothing, and the run would report an untrained model."""
+    datamodule.setup("fit")
+    train = getattr(datamodule, "train_set", None)
+    if train is None:
+        return
+    n, batch = len(train), int(datamodule.batch_size)  # type: ignore[attr-defined]
+    per_replica = -(-n // replicas)  # the distributed sampler pads the shares to equal length
+    if per_replica // batch == 0:  # the train loader drops a last, partial batch
+        raise ConfigError(
+            f"the train split has {n} samples ({per_replica} per replica over {replicas} replicas), fewer than one "
+            f"per-device batch of {batch}: no training step would run; expected at least {batch * replicas} "
+            "samples. Fix: use more data, or a smaller data.batch_size (or global_batch_size)"
+        )
 
 
 def _is_multirun_parent() -> bool:
@@ -184,6 +226,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     out_dir = _output_dir(cfg)
     _check_positive(cfg)
+    resume = _resume_path(cfg)
 
     datamodule = _build(cfg.data)
     model = _build(cfg.model)(num_classes=datamodule.num_classes, in_channels=datamodule.in_channels)
@@ -206,7 +249,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     _check_devices(accelerator, trainer_overrides.get("devices", trainer_factory.keywords.get("devices", 1)))
 
     throughput = ThroughputMonitor()
-    callbacks: list[pl.Callback] = [throughput, LearningRateMonitor(logging_interval="epoch")]
+    # PeerFailureReport: a survivor's error names the lost rank under any strategy (ddp too)
+    callbacks: list[pl.Callback] = [throughput, LearningRateMonitor(logging_interval="epoch"), PeerFailureReport()]
     if cfg.checkpoint:
         callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=True, save_top_k=0))
     logger = _build(cfg.logger)(save_dir=str(out_dir))
@@ -222,6 +266,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     per_device = _per_device_batch(cfg, trainer)
     if per_device is not None:
         datamodule.batch_size = per_device
+    _check_train_batches(datamodule, replicas_of(trainer.strategy))
     # Check the scaling arithmetic now, not inside the worker processes.
     plan = module.scaling.plan(
         base_lr=float(cfg.optimizer.lr),
@@ -230,7 +275,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         accumulate=trainer.accumulate_grad_batches,
     )
 
-    trainer.fit(module, datamodule=datamodule)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
     fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     test_metrics: dict[str, float] = {}
     if cfg.run_test:

@@ -70,8 +70,12 @@ __all__ = [
 StalenessLR = Literal["none", "inverse"]
 STALENESS_LR: tuple[str, ...] = ("none", "inverse")
 
-# records kept for inspection (tests, logs); bounded so that long runs do not grow without end
-_RECORD_LIMIT = 200_000
+# records kept for inspection (tests, logs); bounded so that long runs do not grow without end.
+# A record is a small tuple, ~104 bytes with its deque slot (~128 for a clock tuple of 2 workers),
+# and rank 0 keeps three kinds (its shard's pushes, the coordinator's admissions and clocks):
+# at 200_000 each that was ~67 MB, which benchmarks/soak.py saw as steady RSS growth; 10_000
+# caps them at ~3.4 MB, still far more than any test or report reads.
+_RECORD_LIMIT = 10_000
 
 
 # --------------------------------------------------------------------------------------------

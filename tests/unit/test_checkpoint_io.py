@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
+import re
 import signal
 import stat
+import struct
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 import lightning_strategies  # noqa: F401  (registers the names)
 from lightning_strategies import ParameterServerStrategy, PipelineStrategy, RingAllReduceStrategy
-from lightning_strategies.checkpoint import AtomicCheckpointIO, temp_files_of
+from lightning_strategies.checkpoint import AtomicCheckpointIO, CorruptCheckpointError, temp_files_of
 
 OURS = ("ring", "ring_bf16", "ps", "parameter_server", "ps_fork", "pipeline", "async")
 
@@ -191,3 +195,63 @@ def test_a_wrapping_plugin_without_a_base_wraps_the_atomic_io() -> None:
 def test_lightning_strategies_are_left_alone() -> None:
     assert type(_io("ddp")) is TorchCheckpointIO
     assert type(_io(DDPStrategy())) is TorchCheckpointIO
+
+
+# -- reading a file that is not a whole checkpoint -----------------------------------------------
+
+
+def _damaged(good: bytes, kind: str) -> bytes:
+    if kind == "truncated":
+        return good[: len(good) // 2]
+    if kind == "random":
+        return bytes(range(256)) * 16  # starts with 0x00: neither a zip nor a legacy torch file
+    if kind == "empty":
+        return b""
+    # "bitflip": one byte in the middle of the pickled data member (after its local header)
+    with zipfile.ZipFile(io.BytesIO(good)) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith("data.pkl"))
+    name_len, extra_len = struct.unpack("<HH", good[info.header_offset + 26 : info.header_offset + 30])
+    flipped = bytearray(good)
+    flipped[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0xFF
+    return bytes(flipped)
+
+
+@pytest.mark.parametrize(
+    ("kind", "problem"),
+    [
+        ("truncated", r"it is truncated \(\d+ bytes: a zip archive without its end"),
+        ("random", r"it is not a checkpoint: 4096 bytes that do not start like a zip archive"),
+        ("empty", r"the file is empty \(0 bytes\)"),
+        ("bitflip", r"it is damaged \(\d+ bytes; the member '.*data\.pkl' fails its CRC check\)"),
+    ],
+)
+def test_a_damaged_file_names_path_problem_and_whole_neighbours(tmp_path: Path, kind: str, problem: str) -> None:
+    good = tmp_path / "epoch=0.ckpt"
+    AtomicCheckpointIO().save_checkpoint(_ckpt(1.0), good)
+    (tmp_path / "half.ckpt").write_bytes(good.read_bytes()[:100])  # not whole: not offered instead
+    bad = tmp_path / "last.ckpt"
+    bad.write_bytes(_damaged(good.read_bytes(), kind))
+    for weights_only in (None, True):
+        with pytest.raises(CorruptCheckpointError) as err:
+            AtomicCheckpointIO().load_checkpoint(bad, weights_only=weights_only)
+        text = str(err.value)
+        assert re.search(problem, text), text
+        assert f"Cannot resume from checkpoint '{bad}'" in text and "Expected a whole checkpoint" in text
+        assert f"Fix: pass another checkpoint as ckpt_path (whole ones in its folder, newest first: {good})" in text
+        assert err.value.path == str(bad) and re.search(problem, err.value.problem)
+        assert err.value.__cause__ is not None  # torch.load's own error, chained
+
+
+class _NotAllowed:
+    """A class ``torch.load(weights_only=True)`` refuses: the file is sound, the policy says no."""
+
+
+def test_errors_about_a_sound_file_pass_unchanged(tmp_path: Path) -> None:
+    path = tmp_path / "custom.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"obj": _NotAllowed()}, path)
+    with pytest.raises(pickle.UnpicklingError, match="Unsupported global") as err:
+        AtomicCheckpointIO().load_checkpoint(path, weights_only=True)
+    assert not isinstance(err.value, CorruptCheckpointError)
+    assert isinstance(AtomicCheckpointIO().load_checkpoint(path, weights_only=False)["obj"], _NotAllowed)
+    with pytest.raises(FileNotFoundError, match="Checkpoint file not found"):
+        AtomicCheckpointIO().load_checkpoint(tmp_path / "missing.ckpt")

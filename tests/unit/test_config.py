@@ -96,6 +96,12 @@ BAD_INPUT = [
     ),
     (["scaling.rule=cubic"], ValueError, r"unknown scaling rule 'cubic'; expected one of none, linear, sqrt"),
     (["data.num_workers=0", "data.prefetch_factor=2"], ValueError, r"prefetch_factor=2 needs loader workers"),
+    (
+        ["resume=/no/such.ckpt"],
+        ConfigError,
+        r"resume='/no/such.ckpt': no checkpoint file at /no/such.ckpt; expected a .ckpt written by an earlier run",
+    ),
+    (["resume=/"], ConfigError, r"no checkpoint file at / \(it is a directory\).*Fix: set resume=<path to the .ckpt>"),
 ]
 
 
