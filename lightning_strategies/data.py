@@ -1,4 +1,4 @@
-"""Input-pipeline settings that overlap loading batch N+1 with training on batch N.
+"""Input pipelines that overlap loading with training, and that resume exactly where they stopped.
 
 Two independent overlaps, both from the seed's "minimise I/O waits" advice:
 
@@ -6,19 +6,39 @@ Two independent overlaps, both from the seed's "minimise I/O waits" advice:
   batches (``num_workers`` x ``prefetch_factor`` batches ahead) while the main process trains;
 * device side, :class:`DevicePrefetcher`: the host-to-GPU copy of batch N+1 runs on a side
   CUDA stream while the default stream computes step N (needs pinned memory to be async).
+
+And one for restarts, :class:`ResumableDataLoader`: Lightning 2.6 restores its loop counters
+from a mid-epoch checkpoint but replays a plain ``DataLoader`` from batch 0 of the epoch, so the
+resumed run trains on batches the interrupted one already used and never sees others. Lightning
+saves and restores any training loader with ``state_dict()`` / ``load_state_dict()`` (the
+``combined_loader`` entry of the fit loop's checkpoint state); this loader's state is the
+epoch of its sampler and the number of batches *handed to the loop* (not those the workers
+have prefetched), and on resume it skips that many batches of indices before loading anything.
+
+Why our own ~100 lines rather than torchdata's ``StatefulDataLoader`` (0.11.0, which installs
+beside torch 2.14 without pulling another torch): that loader re-implements torch's DataLoader
+iterators on torch 2.6-era private internals, adds a dependency for one feature, and still
+needs an epoch-seeded sampler for the order to be reproducible across a restart. The skip here
+works with any sampler whose order is a function of its epoch, which covers the
+``DistributedSampler`` that Lightning injects (for DDP, ring, ps, and the pipeline's
+replicas-only sharding), :class:`EpochRandomSampler` (what ``shuffle=True`` builds here, so
+one-device runs resume exactly too) and deterministic samplers. The async strategy replaces the
+training sampler by its shared dynamic queue, whose position is not checkpointed (it resumes at
+epoch ends only).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sized
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, Sampler
 
-__all__ = ["DevicePrefetcher", "PrefetchConfig"]
+__all__ = ["DevicePrefetcher", "EpochRandomSampler", "PrefetchConfig", "ResumableDataLoader"]
 
 log = logging.getLogger("lightning_strategies")
 
@@ -57,9 +77,7 @@ class PrefetchConfig:
                 or not isinstance(self.prefetch_factor, int)
                 or self.prefetch_factor < 1
             ):
-                raise ValueError(
-                    f"prefetch_factor must be a positive integer or None, found {self.prefetch_factor!r}"
-                )
+                raise ValueError(f"prefetch_factor must be a positive integer or None, found {self.prefetch_factor!r}")
             if self.num_workers == 0:
                 raise ValueError(
                     f"prefetch_factor={self.prefetch_factor} needs loader workers, found num_workers=0; "
@@ -106,7 +124,10 @@ class DevicePrefetcher:
     is a plain pass-through (said once in the log), so configs can leave it on everywhere.
 
     ``sampler`` and ``batch_sampler`` of the wrapped loader are exposed so Lightning can still
-    call ``set_epoch`` on a distributed sampler.
+    call ``set_epoch`` on a distributed sampler, and ``state_dict`` / ``load_state_dict`` are the
+    wrapped :class:`ResumableDataLoader`'s, less the batch copied ahead (which the training loop
+    has not taken), so a checkpoint resumes at the right batch; over a loader without them the
+    state is empty.
 
     Args:
         loader: any iterable of batches (tensors or collections of tensors).
@@ -119,6 +140,7 @@ class DevicePrefetcher:
         self.device = torch.device(device)
         self.non_blocking = non_blocking
         self.active = self.device.type == "cuda"
+        self._ahead = 0  # batches taken from the loader but not yet handed out
         global _cpu_notice_given
         if not self.active and not _cpu_notice_given:
             log.info("device_prefetch: batches stay on %s, nothing to copy ahead (a no-op)", self.device)
@@ -139,7 +161,23 @@ class DevicePrefetcher:
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped loader's state, counting only the batches handed out (``{}`` if it has none)."""
+        if not isinstance(self.loader, ResumableDataLoader):
+            return {}
+        state = self.loader.state_dict()
+        if self._ahead and not self.loader._pending:
+            state["batches"] -= self._ahead
+            state["complete"] = False
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the wrapped loader's state (no-op for a loader without one)."""
+        if isinstance(self.loader, ResumableDataLoader) and state_dict:
+            self.loader.load_state_dict(state_dict)
+
     def __iter__(self) -> Iterator[Any]:
+        self._ahead = 0
         if not self.active:
             yield from self.loader
             return
@@ -161,4 +199,188 @@ class DevicePrefetcher:
             batch = upcoming
             _record_stream(batch, current_stream)
             upcoming = preload()
+            self._ahead = 0 if upcoming is None else 1
             yield batch
+        self._ahead = 0
+
+
+class EpochRandomSampler(RandomSampler):
+    """A shuffling sampler whose order is a function of ``(seed, epoch)`` alone.
+
+    ``RandomSampler`` draws each epoch's order from a generator that runs on from epoch to
+    epoch, so a fresh process cannot reproduce epoch ``e`` without replaying epochs ``0..e-1``.
+    This one permutes with a generator seeded ``seed + epoch``, exactly as
+    ``DistributedSampler(num_replicas=1, shuffle=True, seed=seed)`` does, and Lightning calls its
+    :meth:`set_epoch` before every epoch (also the first one after a resume). It stays a
+    ``RandomSampler``, so Lightning still sees a shuffled loader and swaps in its
+    ``DistributedSampler`` when the run is distributed.
+
+    Args:
+        data_source: the (map-style) dataset.
+        seed: the base seed; runs with the same seed see the same order in every epoch.
+    """
+
+    def __init__(self, data_source: Sized, *, seed: int = 0) -> None:
+        super().__init__(data_source)
+        self.seed = int(seed)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch ``epoch``'s order from the next iteration on."""
+        self.epoch = int(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator()
+        g.manual_seed((self.seed + self.epoch) % _SEED_RANGE)
+        yield from torch.randperm(len(self.data_source), generator=g).tolist()
+
+
+_SEED_RANGE = 2**63  # torch.Generator.manual_seed takes 64-bit seeds; seed + epoch must stay inside
+
+
+class _SkipFirst:
+    """The loader's index sampler, minus the batches a resumed epoch has already trained on.
+
+    Torch's iterators call ``iter(loader._index_sampler)`` when an epoch's iteration is set up
+    (twice for worker processes; and they keep this object for persistent workers), so the skip
+    is read then from ``skip``, a one-item list the loader clears once the iterator is built.
+    (Not the loader itself: a persistent iterator holding its loader would be a reference cycle,
+    freed late by the garbage collector, whose worker shutdown then waits out its timeouts.)
+    Only indices are skipped: no sample of a skipped batch is loaded.
+    """
+
+    def __init__(self, inner: Any, skip: list[int]) -> None:
+        self.inner = inner
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[Any]:
+        it = iter(self.inner)
+        for _ in range(self.skip[0]):
+            if next(it, _END) is _END:
+                break
+        return it
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+_END = object()
+
+
+def _sampler_epoch(loader: DataLoader[Any]) -> int | None:
+    """The epoch of the loader's sampler (``DistributedSampler``, :class:`EpochRandomSampler`), if it has one."""
+    candidates = [loader.sampler, getattr(loader.batch_sampler, "sampler", None)]
+    for sampler in candidates:
+        epoch = getattr(sampler, "epoch", None)
+        if isinstance(epoch, int) and not isinstance(epoch, bool):
+            return epoch
+    return None
+
+
+class ResumableDataLoader(DataLoader[Any]):
+    """A ``DataLoader`` that a checkpoint taken mid-epoch resumes at the next unseen batch.
+
+    It takes exactly ``DataLoader``'s arguments. Two things differ:
+
+    * ``state_dict()`` / ``load_state_dict()``, which Lightning calls to save it with every
+      checkpoint and restore it on ``fit(ckpt_path=...)``. The state is the sampler's epoch and
+      the batches this epoch has handed to the training loop; batches that worker processes
+      have prefetched but the loop has not taken are not counted, so they are loaded again.
+      On resume the first iteration skips the counted batches' *indices* (nothing is loaded for
+      them), unless the saved epoch was complete or its sampler epoch differs from the current
+      one (a checkpoint at an epoch's last batch resumes at the next epoch's first batch).
+    * ``shuffle=True`` builds an :class:`EpochRandomSampler` seeded by ``generator``'s initial
+      seed (else torch's, i.e. ``seed_everything``), so the order of every epoch is
+      reproducible in a fresh process; ``DistributedSampler`` already is.
+
+    Iteration starts at the first ``next()``, not at ``iter()``: Lightning creates the first
+    epoch's iterator before it calls ``set_epoch``, and with worker processes a plain loader
+    would fix the order of the wrong epoch then (after an epoch-end resume: epoch 0's order).
+
+    Exact means: the resumed run sees the same indices in the same steps as an uninterrupted
+    run. Random augmentations drawn inside the dataset are not replayed (worker processes seed
+    their RNGs per epoch, and skipped batches are never loaded), and a sampler that draws its
+    order from global random state cannot be reproduced; use one whose order depends on its
+    epoch. A map-style dataset is required: an ``IterableDataset`` has no indices to skip.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Sampler[Any] | Iterable[Any] | None = None,
+        batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(dataset, IterableDataset):
+            raise TypeError(
+                f"ResumableDataLoader found an IterableDataset ({type(dataset).__qualname__}): expected a map-style "
+                "dataset, because a resumed epoch skips the indices of the batches already trained on. Fix: use a "
+                "plain DataLoader and make the dataset save its own position, or index the data."
+            )
+        if shuffle and sampler is None and batch_sampler is None:
+            generator = kwargs.get("generator")
+            seed = generator.initial_seed() if generator is not None else torch.initial_seed()
+            sampler = EpochRandomSampler(dataset, seed=seed % _SEED_RANGE)  # type: ignore[arg-type]
+            shuffle = None
+        super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, **kwargs)
+        self._epoch: int | None = None  # the sampler epoch of the current (or last) iteration
+        self._batches = 0  # batches of that iteration handed to the caller
+        self._complete = False  # that iteration ran to its end
+        self._pending: dict[str, Any] | None = None  # a loaded state, applied at the next iteration
+        self._skip = [0]  # batches to skip, read by _SkipFirst while an iteration is set up
+
+    @property
+    def _index_sampler(self) -> Any:
+        return _SkipFirst(super()._index_sampler, self._skip)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[Any]:
+        epoch = _sampler_epoch(self)
+        skip = self._resume_skip(epoch)
+        self._epoch, self._batches, self._complete = epoch, skip, False
+        self._skip[0] = skip
+        try:
+            iterator = super().__iter__()
+        finally:
+            self._skip[0] = 0
+        for batch in iterator:
+            self._batches += 1  # counted when handed over: a checkpoint after this step covers it
+            yield batch
+        self._complete = True
+
+    def _resume_skip(self, epoch: int | None) -> int:
+        pending, self._pending = self._pending, None
+        if pending is None or pending.get("complete"):
+            return 0
+        saved_epoch = pending.get("epoch")
+        if epoch is not None and saved_epoch is not None and epoch != saved_epoch:
+            return 0  # the checkpoint's epoch is over; this is the next one
+        batches = int(pending.get("batches", 0))
+        try:
+            if batches >= len(self):
+                return 0
+        except TypeError:  # a batch sampler without a length
+            pass
+        return batches
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "batches", "complete"}`` of the current iteration (a loaded one until it starts)."""
+        if self._pending is not None:
+            return dict(self._pending)
+        return {"epoch": self._epoch, "batches": self._batches, "complete": self._complete}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume at the next iteration from ``state_dict`` (from :meth:`state_dict`)."""
+        unknown = set(state_dict) - {"epoch", "batches", "complete"}
+        batches = state_dict.get("batches", 0)
+        if unknown or isinstance(batches, bool) or not isinstance(batches, int) or batches < 0:
+            raise ValueError(
+                f"ResumableDataLoader.load_state_dict found {state_dict!r}: expected the keys epoch, batches (an "
+                "integer >= 0) and complete, as state_dict() returns. Fix: resume from a checkpoint whose training "
+                "loader was a ResumableDataLoader."
+            )
+        self._pending = dict(state_dict)
