@@ -4,10 +4,11 @@ Importing the package registers its strategy names (``"ring"``, ...) with Lightn
 ``StrategyRegistry``, so ``Trainer(strategy="ring")`` works after ``import lightning_strategies``.
 """
 
-from lightning_strategies.checkpoint import AtomicCheckpointIO
+from lightning_strategies.checkpoint import AtomicCheckpointIO, CorruptCheckpointError
 from lightning_strategies.comm.ring import ring_all_reduce
 from lightning_strategies.comm.stats import CommStats
-from lightning_strategies.data import DevicePrefetcher, PrefetchConfig
+from lightning_strategies.data import DevicePrefetcher, EpochRandomSampler, PrefetchConfig, ResumableDataLoader
+from lightning_strategies.faults import PeerFailureReport, PeerLostError
 from lightning_strategies.pipeline_protocol import PipelineModule
 from lightning_strategies.scaling import (
     LinearWarmup,
@@ -30,12 +31,17 @@ __all__ = [
     "AsyncParameterServerStrategy",
     "AtomicCheckpointIO",
     "CommStats",
+    "CorruptCheckpointError",
     "DevicePrefetcher",
+    "EpochRandomSampler",
     "LinearWarmup",
     "ParameterServerStrategy",
+    "PeerFailureReport",
+    "PeerLostError",
     "PipelineModule",
     "PipelineStrategy",
     "PrefetchConfig",
+    "ResumableDataLoader",
     "RingAllReduceStrategy",
     "ScalingConfig",
     "ScalingPlan",

@@ -144,6 +144,13 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     at epoch ends (where ``ModelCheckpoint`` saves by default); a mid-epoch checkpoint does not
     record the queue's position.
 
+    On a fault: as for ``"ps"``, a dead rank's shard (and, for rank 0, the coordinator) fails the
+    survivors' next push, pull or draw at once; a hung rank fails them when the gate (after
+    ``timeout``) or an RPC to it (after ``timeout`` + max(5 s, 10%)) gives up. The error names the
+    lost rank(s) (``"async: lost peer rank 1 of 4: ..."``; :class:`~lightning_strategies.PeerLostError`
+    when a step failed). A rank that fails on its own error first tells the coordinator, so no
+    draw waits on its clock.
+
     Args:
         accelerator: set by the Trainer.
         parallel_devices: set by the Trainer.
@@ -154,7 +161,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         push_every: accumulate the local gradients of this many steps (averaged), then push.
         pull_every: fetch the weights every this many steps (with the push when both are due).
         num_servers: shards, hosted by ranks ``0 .. num_servers-1``; default one per process.
-        timeout: how long collectives and a gated draw wait for a slow or dead peer before failing.
+        timeout: how long collectives and a gated draw wait for a slow or hung peer before
+            failing; default 30 minutes, as DDP.
         staleness_lr: ``"none"``, or ``"inverse"`` to divide each gradient's learning rate by
             ``1 + staleness`` on the shard.
         rpc_threads: RPC server threads per process.

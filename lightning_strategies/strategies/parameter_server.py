@@ -56,6 +56,7 @@ from lightning_strategies.comm.ps import (
     worker_name,
 )
 from lightning_strategies.comm.stats import CommStats
+from lightning_strategies.faults import PeerFailureMixin
 from lightning_strategies.strategies._elastic import ElasticRestartMixin
 
 __all__ = ["ParameterServerStrategy"]
@@ -63,7 +64,7 @@ __all__ = ["ParameterServerStrategy"]
 log = logging.getLogger(__name__)
 
 
-class ParameterServerStrategy(ElasticRestartMixin, DDPStrategy):
+class ParameterServerStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
     """Synchronous data parallelism through sharded, co-located parameter servers.
 
     Each step every worker pushes its gradients to the shards (all in parallel), each shard
@@ -82,6 +83,13 @@ class ParameterServerStrategy(ElasticRestartMixin, DDPStrategy):
     clipping (DDP clips the averaged gradient, which no single shard holds whole), and an
     optimizer-side global norm (``Lamb(max_grad_norm=...)``) over more than one shard.
 
+    On a fault: when a rank dies, the RPCs to its shard fail at once (its connections close),
+    and a shard waiting for its push fails after ``timeout``; a hung rank fails the others after
+    ``timeout``. The survivors' errors name the lost rank(s) from their heartbeats
+    (``"parameter_server: lost peer rank 1 of 4: ..."``, :mod:`lightning_strategies.faults`; a
+    :class:`~lightning_strategies.PeerLostError` when a step failed, else a note on the error),
+    and RPC shuts down without waiting for the dead.
+
     Args:
         accelerator: set by the Trainer.
         parallel_devices: set by the Trainer.
@@ -91,7 +99,9 @@ class ParameterServerStrategy(ElasticRestartMixin, DDPStrategy):
         num_servers: number of shards, hosted by ranks ``0 .. num_servers-1``; default the
             world size (every rank serves ``1/P`` of the parameters, the balanced layout).
         timeout: how long the process group's collectives and a shard's barrier wait for a
-            slow or dead peer before failing (the error names the missing worker).
+            slow or hung peer before failing (the error names the missing worker); RPCs wait
+            a little longer (``timeout`` + max(5 s, 10%)), so the shard's error arrives first.
+            Default 30 minutes, as DDP.
         rpc_threads: RPC server threads per process. Handlers never block, so a few suffice;
             each extra thread competes with training for the cores.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default by device, as for DDP.
@@ -144,6 +154,7 @@ class ParameterServerStrategy(ElasticRestartMixin, DDPStrategy):
         self._spec: OptimizerSpec | None = None
         self._server_step: _ServerStepOptimizer | None = None
         self._buffers: list[Tensor] = []
+        self._state_at_fit_end: dict[str, Any] | None = None  # for Trainer.save_checkpoint after fit
         # communication since the last logged step
         self._window = CommStats()
         self._window_steps = 0
@@ -314,7 +325,8 @@ class ParameterServerStrategy(ElasticRestartMixin, DDPStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         model = model or self.lightning_module
         assert isinstance(model, pl.LightningModule)
-        return self.precision_plugin.optimizer_step(self._server_step, model=model, closure=closure, **kwargs)
+        with self._peer_watch():  # a lost peer raises PeerLostError (super() is not called here)
+            return self.precision_plugin.optimizer_step(self._server_step, model=model, closure=closure, **kwargs)
 
     def _push_pull(self, optimizer: Optimizer) -> None:
         assert self._client is not None
@@ -358,14 +370,32 @@ class ParameterServerStrategy(ElasticRestartMixin, DDPStrategy):
 
         Rank 0 asks every shard over RPC (the other ranks' training threads need not take
         part), so the file loads into a single-device optimizer of the same model too.
+        Each group's ``lr`` is the worker's: a shard holds the lr of the last push, while the
+        worker's group already holds the one its LR scheduler set for the next step, which a
+        resumed run must start with (as a DDP checkpoint does).
         """
         if self._client is None or self._spec is None:
+            if self._state_at_fit_end is not None:
+                return self._state_at_fit_end  # after fit: the servers are gone
             return super().optimizer_state(optimizer)
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         if not self.is_global_zero:
             return {}
-        return self._client.gather_state_dict(self._spec, optimizer.param_groups)
+        state = self._client.gather_state_dict(self._spec, optimizer.param_groups)
+        for group, worker_group in zip(state["param_groups"], optimizer.param_groups, strict=True):
+            group["lr"] = worker_group["lr"]
+        return state
+
+    @override
+    def on_train_end(self) -> None:
+        # The shards and their optimizer state go with RPC at teardown, and the worker optimizer
+        # never steps (its state is empty): without this, a Trainer.save_checkpoint after fit
+        # would silently save no momentum / Adam moments.
+        if self._client is not None and self.optimizers:
+            self._state_at_fit_end = self.optimizer_state(self.optimizers[0])
+            self.barrier("ps_state_at_fit_end")  # no shard leaves (teardown) before rank 0 has read it
+        super().on_train_end()
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:

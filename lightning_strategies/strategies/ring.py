@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from lightning_strategies.checkpoint import ATOMIC_CHECKPOINT_IO_DEFAULT
 from lightning_strategies.comm.ring import WIRE_DTYPES, RingBucketReducer, resolve_wire_dtype
+from lightning_strategies.faults import PeerFailureMixin
 from lightning_strategies.strategies._elastic import ElasticRestartMixin
 
 __all__ = ["RingAllReduceStrategy"]
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 _NOT_OURS = ("ddp_comm_hook", "ddp_comm_wrapper", "ddp_comm_state", "model_averaging_period")
 
 
-class RingAllReduceStrategy(ElasticRestartMixin, DDPStrategy):
+class RingAllReduceStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
     """Data-parallel training whose gradients are averaged by a ring all-reduce.
 
     Registered as ``"ring"`` (and ``"ring_bf16"`` = ``wire_dtype="bf16"``) on
@@ -49,13 +50,21 @@ class RingAllReduceStrategy(ElasticRestartMixin, DDPStrategy):
     ``LightningModule.log``, so they reach ``trainer.callback_metrics`` and the logger (which
     writes rank 0's).
 
+    On a fault: a peer that dies closes its connections, so its ring neighbours fail at once
+    (:class:`~lightning_strategies.comm.ring.RingPeerError`, naming the neighbour); a peer that
+    hangs fails them after ``timeout``. Either way every survivor's error names the lost rank(s)
+    from their heartbeats (``"ring: lost peer rank 1 of 4: ..."``, :mod:`lightning_strategies.faults`):
+    a :class:`~lightning_strategies.PeerLostError` when a training step failed, else the
+    diagnosis as a note on the error; teardown does not wait for the dead peer.
+
     Args:
         bucket_cap_mb: DDP bucket size in MiB: each bucket is one ring call. Bigger buckets
             mean fewer calls but later overlap with backward.
         wire_dtype: ``None`` (send gradients in their own dtype), ``"bf16"`` or ``"fp16"``:
             send chunks in that type and accumulate in the gradient's dtype (compression).
-        timeout: process-group timeout, also of the ring's own group: a dead or stuck peer
-            fails the step after this long instead of hanging.
+        timeout: process-group timeout, also of the ring's own group: a stuck peer fails the
+            step after this long instead of hanging (default 30 minutes, as DDP; a dead one
+            fails it at once).
         **kwargs: everything else ``DDPStrategy`` takes (``start_method``,
             ``find_unused_parameters``, ``static_graph``, ``process_group_backend``, ...).
 
@@ -64,6 +73,7 @@ class RingAllReduceStrategy(ElasticRestartMixin, DDPStrategy):
             communication-hook option (the ring *is* the hook).
     """
 
+    strategy_name = "ring"
     checkpoint_io = ATOMIC_CHECKPOINT_IO_DEFAULT  # atomic checkpoint writes unless the user gives an IO
 
     def __init__(
