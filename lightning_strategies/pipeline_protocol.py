@@ -39,9 +39,7 @@ def check_pipeline_module(module: Any) -> None:
     Raises:
         TypeError: naming the missing methods and what each must return.
     """
-    missing = [
-        name for name in ("pipeline_layers", "pipeline_loss") if not callable(getattr(module, name, None))
-    ]
+    missing = [name for name in ("pipeline_layers", "pipeline_loss") if not callable(getattr(module, name, None))]
     if missing:
         raise TypeError(
             f"{type(module).__name__} does not implement lightning_strategies.PipelineModule: missing "

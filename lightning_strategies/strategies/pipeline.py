@@ -15,12 +15,13 @@ The hooks changed (everything else, launching included, is ``DDPStrategy``'s):
 - ``_configure_launcher``: the options are checked against the world size before any process starts.
 - ``setup_environment``: the process-group mesh.
 - ``setup``: no DDP wrapper; rank 0's weights everywhere; the clipping plugin (global norm).
-- ``training_step``: a forward-only pass of the pipeline (the schedule's eval mode) gives the
-  last stage's outputs to every rank, and the module's own ``training_step`` runs on them, so
-  its ``self.log`` and metrics see what a single device would.
-- ``backward``: the schedule's ``step()`` (forward + backward of every micro-batch). It runs
-  here, not in ``training_step``, because Lightning's closure is training_step -> zero_grad ->
-  backward: gradients made earlier would be zeroed.
+- ``training_step``: the schedule's ``step()`` (forward + backward of every micro-batch, one
+  forward per step as on a single device); the last stage's outputs of that forward go to every
+  rank, and the module's own ``training_step`` runs on them, so its ``self.log`` and metrics
+  see what a single device would. Lightning's closure is training_step -> zero_grad ->
+  backward, so the gradients the step made are set aside until ``backward``.
+- ``backward``: adds the set-aside gradients into ``.grad`` (accumulating, as a backward
+  does), then averages them over replicas.
 - ``validation_step`` / ``test_step`` / ``predict_step``: the schedule's eval mode.
 - ``block_backward_sync``: micro-steps that only accumulate skip the replicas' averaging.
 - ``optimizer_step``: logs ``pipeline/bubble_fraction`` and ``pipeline/stage_seconds/<k>``.
@@ -37,7 +38,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Any, Literal, cast
 
@@ -63,6 +64,7 @@ from torch.utils.data import BatchSampler, DataLoader
 from typing_extensions import override
 
 from lightning_strategies.checkpoint import ATOMIC_CHECKPOINT_IO_DEFAULT
+from lightning_strategies.faults import PeerFailureMixin
 from lightning_strategies.pipeline_protocol import check_pipeline_module
 from lightning_strategies.strategies._elastic import ElasticRestartMixin
 
@@ -181,32 +183,41 @@ class _TimedStage(PipelineStage):
     """A ``PipelineStage`` that adds up the seconds it computes (forward and backward chunks).
 
     Transfers happen in the schedule, outside these calls, so ``busy_seconds`` is compute only:
-    the rest of a step's wall time is the stage waiting (the bubble) or communicating.
+    the rest of a step's wall time is the stage waiting (the bubble) or communicating. When
+    ``events`` is a list, each chunk also appends ``(stage, "F" or "B", micro-batch, start, end)``
+    (``time.perf_counter()`` seconds, one clock for all processes of a machine), the timeline
+    from which the benchmark separates the schedule's bubble from transfer overhead.
     """
 
     busy_seconds: float = 0.0
+    events: list[tuple[int, str, int, float, float]] | None = None
 
     def _sync(self) -> None:
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    @override
-    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return super().forward_one_chunk(*args, **kwargs)
-        finally:
-            self._sync()
-            self.busy_seconds += time.perf_counter() - t0
+    def _record(self, kind: str, chunk: int, t0: float) -> None:
+        self._sync()
+        t1 = time.perf_counter()
+        self.busy_seconds += t1 - t0
+        if self.events is not None:
+            self.events.append((self.stage_index, kind, chunk, t0, t1))
 
     @override
-    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> None:
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
-            super().backward_one_chunk(*args, **kwargs)
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         finally:
-            self._sync()
-            self.busy_seconds += time.perf_counter() - t0
+            self._record("F", fwd_chunk_id, t0)
+
+    @override
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        finally:
+            self._record("B", bwd_chunk_id, t0)
 
 
 class PipelineRuntime:
@@ -268,6 +279,7 @@ class PipelineRuntime:
         # train and eval mode would redo that inference (a forward pass) at every switch.
         self._eval: dict[int, tuple[Any, list[_TimedStage]]] = {}
         self.last_step_seconds = 0.0
+        self.last_outputs: Tensor | None = None
 
     @property
     def stage_parameters(self) -> list[nn.Parameter]:
@@ -304,9 +316,21 @@ class PipelineRuntime:
         return [s.busy_seconds for s in (stages or self.train_stages)]
 
     def reset_timers(self) -> None:
+        """Zero the compute and step seconds (and empty the timeline, when one is recorded)."""
         for s in self.train_stages:
             s.busy_seconds = 0.0
+            if s.events is not None:
+                s.events = []
         self.last_step_seconds = 0.0
+
+    def record_events(self, on: bool = True) -> None:
+        """Keep (or stop keeping) the timeline of the training chunks, read by :meth:`events`."""
+        for s in self.train_stages:
+            s.events = [] if on else None
+
+    def events(self) -> list[tuple[int, str, int, float, float]]:
+        """This rank's chunks since :meth:`reset_timers`: ``(stage, "F"/"B", micro-batch, start, end)``, by start."""
+        return sorted((e for s in self.train_stages for e in s.events or ()), key=lambda e: e[3])
 
     def step(self, inputs: Tensor | None, targets: Tensor | None, *, loss_scale: float = 1.0) -> Tensor | None:
         """Forward and backward of every micro-batch; gradients accumulate into ``.grad``.
@@ -318,16 +342,19 @@ class PipelineRuntime:
 
         Returns:
             On the rank holding the last stage, the batch's mean loss (detached, unscaled);
-            elsewhere ``None``.
+            elsewhere ``None``. The last stage's outputs of this forward (detached, the
+            micro-batches in order) are kept in :attr:`last_outputs` on that rank.
         """
         self._loss_scale = loss_scale / self.microbatches
         losses: list[Tensor] = []
         args = (inputs,) if self.has_first else ()
+        self.last_outputs = None
         t0 = time.perf_counter()
-        self.train_schedule.step(*args, target=targets if self.has_last else None, losses=losses)
+        out = self.train_schedule.step(*args, target=targets if self.has_last else None, losses=losses)
         self.last_step_seconds += time.perf_counter() - t0
         if not self.has_last:
             return None
+        self.last_outputs = out.detach()
         return torch.stack([loss.detach() for loss in losses]).sum() / loss_scale
 
     def forward(self, inputs: Tensor) -> Tensor | None:
@@ -347,8 +374,8 @@ class PipelineRuntime:
             stages = self._make_stages()
             entry = self._eval[padded] = (self._make_schedule(stages, loss=False), stages)
         schedule, stages = entry
-        # Lightning evaluates under inference_mode; the stages' receive buffers must be ordinary
-        # tensors, as the same schedule also serves training_step's forward (outside of it).
+        # Lightning evaluates under inference_mode; the stages' receive buffers stay ordinary
+        # tensors, so a schedule first used there also serves a later call outside of it.
         with torch.inference_mode(False), torch.no_grad():
             x = inputs.clone() if inputs.is_inference() else inputs
             if padded != size:
@@ -410,7 +437,7 @@ class PipelinePrecision(Precision):
 # -- the strategy --------------------------------------------------------------------------------
 
 
-class PipelineStrategy(ElasticRestartMixin, DDPStrategy):
+class PipelineStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
     """Pipeline model parallelism (GPipe, 1F1B or interleaved 1F1B), optionally x data parallelism.
 
     Registered as ``"pipeline"`` on ``import lightning_strategies``. The module must implement
@@ -419,9 +446,11 @@ class PipelineStrategy(ElasticRestartMixin, DDPStrategy):
     sampler shards over replicas only, ``drop_last`` is enforced for training), and the
     scaling rule sees the replicas (``distributed_sampler_kwargs["num_replicas"]``).
 
-    ``training_step`` runs the module's own step on the last stage's outputs (a forward-only
-    pass of the pipeline), and ``backward`` then runs the schedule's ``step()``: logging sees
-    exactly the single-device values, for one extra forward per step. The pipeline runs on the
+    ``training_step`` runs the schedule's ``step()`` and then the module's own step on the last
+    stage's outputs of that forward: logging sees exactly the single-device values, and dropout
+    and batch-norm statistics see one forward per step, as on a single device. The module's
+    loss has no graph: it reaches ``on_before_backward`` / ``on_after_backward`` only, and
+    ``backward`` adds the gradients the step made. The pipeline runs on the
     batch's inputs as the dataloader delivers them, so ``training_step`` must call ``self(x)``
     on them unchanged (augment in the dataset or ``on_after_batch_transfer``). Batch norm works
     per micro-batch (as under GPipe), so a model with batch norm trains like a model with a
@@ -430,6 +459,12 @@ class PipelineStrategy(ElasticRestartMixin, DDPStrategy):
     Logged every step that Lightning logs: ``pipeline/bubble_fraction`` (mean over stages of
     the share of a step's wall time a stage was not computing) and ``pipeline/stage_seconds/<k>``
     (compute seconds of stage ``k`` per step).
+
+    On a fault: a stage that dies closes its connections, so the stages exchanging micro-batches
+    with it fail at once, and the others at their next transfer or collective; a hung stage
+    fails them after ``timeout``. The survivors' errors name the lost rank(s) from their
+    heartbeats (``"pipeline: lost peer rank 1 of 4: ..."``, :mod:`lightning_strategies.faults`; a
+    :class:`~lightning_strategies.PeerLostError` when a step failed, else a note on the error).
 
     Args:
         accelerator: set by the Trainer.
@@ -448,7 +483,8 @@ class PipelineStrategy(ElasticRestartMixin, DDPStrategy):
             slowest stage made as fast as possible), or the list of block counts per stage.
         stages_per_rank: stages each rank holds under ``"interleaved_1f1b"`` (default 2;
             must be 1 for the other schedules).
-        timeout: how long collectives and transfers wait for a slow or dead peer.
+        timeout: how long collectives and transfers (the mesh's groups too) wait for a slow
+            or hung peer; default 30 minutes, as DDP.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default by device, as for DDP.
         start_method: how ranks start, as for ``DDPStrategy``: ``"popen"`` (re-runs the script;
             torchrun, SLURM), ``"spawn"``, ``"fork"`` (fast on CPU) or ``"forkserver"``.
@@ -520,7 +556,9 @@ class PipelineStrategy(ElasticRestartMixin, DDPStrategy):
         self._dp_group: dist.ProcessGroup | None = None
         self._blocks: nn.Sequential | None = None
         self._runtime: PipelineRuntime | None = None
-        self._pending: tuple[Tensor, Tensor] | None = None
+        self._state_at_fit_end: dict[int, dict[str, Any]] = {}  # id(optimizer) -> full state, after fit
+        self._step_grads: list[Tensor | None] | None = None
+        self._failed = False
         self._sync_replicas = True
         self._window_steps = 0
         self._window_wall = 0.0
@@ -774,25 +812,45 @@ class PipelineStrategy(ElasticRestartMixin, DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """Run the schedule's ``step()`` (forward and backward of every micro-batch), then the module's step.
+
+        The module's ``training_step`` sees the last stage's outputs of this very forward (broadcast
+        to every rank), so its ``self.log`` and metrics get what a single device computes, from one
+        forward per step. Lightning's closure zeroes gradients *after* ``training_step`` (on the
+        first micro-step of an accumulation window), so the gradients this step made are set aside
+        here, the earlier micro-steps' put back, and :meth:`backward` adds this step's in.
+        """
         module = self.lightning_module
         assert module is not None
         batch = args[0] if args else kwargs["batch"]
         inputs, targets = self._split_batch(batch)
         self._check_batch_size(inputs.shape[0])
         runtime = self._ensure_runtime(inputs)
-        # The logging forward must leave no trace: the step's forward in backward() then draws
-        # the same dropout masks (same RNG, same micro-batch order) and updates batch-norm
-        # statistics once, as a single device would.
-        devices = [self.root_device] if self.root_device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), _restored_buffers(runtime.submodules):
-            outputs = self._last_stage_outputs(inputs)
-        self._pending = (inputs, targets)
+        accumulate = module.trainer.accumulate_grad_batches if module._trainer is not None else 1
+        params = runtime.stage_parameters
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        # the transfers run here, also outside optimizer_step (micro-steps that only accumulate)
+        with self._peer_watch():
+            try:
+                runtime.step(inputs, targets, loss_scale=1.0 / accumulate)
+                self._step_grads = [p.grad for p in params]
+            finally:
+                for p, g in zip(params, earlier, strict=True):
+                    p.grad = g
+            outputs = runtime.broadcast_from_last(runtime.last_outputs)
+        self._window_steps += 1
+        self._window_wall += runtime.last_step_seconds
+        busy = runtime.stage_seconds()
+        self._window_busy = [a + b for a, b in zip(self._window_busy, busy, strict=True)] if self._window_busy else busy
+        runtime.reset_timers()
         with self.precision_plugin.train_step_context(), _forward_returns(module, outputs):
             return module.training_step(*args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        """Run the schedule's ``step()``: forward and backward of every micro-batch of the batch.
+        """Add the gradients :meth:`training_step`'s ``step()`` made into ``.grad``, as a backward would.
 
         ``closure_loss`` (the module's loss, from outputs computed without a graph) is only passed
         to the ``on_before_backward`` / ``on_after_backward`` hooks. Replicas' gradients are then
@@ -800,22 +858,22 @@ class PipelineStrategy(ElasticRestartMixin, DDPStrategy):
         """
         module = self.lightning_module
         assert module is not None and self._runtime is not None
-        if self._pending is None:
+        if self._step_grads is None:
             raise RuntimeError(
                 "PipelineStrategy.backward was called without a preceding training_step: manual backward "
                 "calls are not supported; use automatic optimization."
             )
-        inputs, targets = self._pending
-        self._pending = None
+        grads, self._step_grads = self._step_grads, None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        accumulate = module.trainer.accumulate_grad_batches if module._trainer is not None else 1
-        self._runtime.step(inputs, targets, loss_scale=1.0 / accumulate)
+        with torch.no_grad():
+            for p, g in zip(self._runtime.stage_parameters, grads, strict=True):
+                if g is None:
+                    continue
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)  # accumulation across micro-steps, as backward() accumulates
         self._average_replica_gradients()
-        self._window_steps += 1
-        self._window_wall += self._runtime.last_step_seconds
-        busy = self._runtime.stage_seconds()
-        self._window_busy = [a + b for a, b in zip(self._window_busy, busy, strict=True)] if self._window_busy else busy
-        self._runtime.reset_timers()
         return self.precision_plugin.post_backward(closure_loss, module)
 
     @override
@@ -931,6 +989,9 @@ class PipelineStrategy(ElasticRestartMixin, DDPStrategy):
         # The module must hold the trained weights on every rank when fit returns (the fork
         # launcher hands rank 0's module back to the caller; a later test() starts from it).
         self._gather_full_model()
+        # The runtime (which knows the stages) goes at teardown: keep the full optimizer state
+        # for a Trainer.save_checkpoint after fit, which would otherwise save rank 0's stages only.
+        self._state_at_fit_end = {id(o): self.optimizer_state(o) for o in self.optimizers}
         super().on_train_end()
 
     @override
@@ -942,8 +1003,10 @@ class PipelineStrategy(ElasticRestartMixin, DDPStrategy):
         """
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        state = optimizer.state_dict()
         runtime = self._runtime
+        if runtime is None and id(optimizer) in self._state_at_fit_end:
+            return self._state_at_fit_end[id(optimizer)]  # after fit
+        state = optimizer.state_dict()
         if runtime is None or runtime.group_size == 1:
             return state
         if self.global_rank // self.num_stages != 0:
@@ -972,12 +1035,49 @@ class PipelineStrategy(ElasticRestartMixin, DDPStrategy):
     # -- shutdown ---------------------------------------------------------------------------------
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True  # teardown then leaves the process groups alone (see there)
+        super().on_exception(exception)
+
+    @override
     def teardown(self) -> None:
+        """Drop the pipeline and destroy the process groups this strategy made (the mesh's, the stages').
+
+        Lightning leaves gloo groups to interpreter exit, where the mesh's groups outliving the
+        pipeline sometimes aborted a worker that had trained successfully ("terminate called
+        without an active exception"). They are ours, so they go here, after the fit's last
+        transfer; the next ``setup_environment`` (a ``test()`` in the same process) makes new
+        ones. The default group is Lightning's and stays. After an error they are left to the
+        process's exit: destroying a group waits for its pending work, which a hung peer would
+        never complete.
+        """
+        groups = self._own_groups()
         self._runtime = None
-        self._pending = None
+        self._step_grads = None
         self._blocks = None
         self._window_steps, self._window_wall, self._window_busy = 0, 0.0, []
+        if not self._failed and dist.is_available() and dist.is_initialized():
+            for group in groups:
+                with suppress(ValueError):  # destroyed already (the caller tore everything down)
+                    dist.destroy_process_group(group)
+        self._mesh, self._pp_group, self._dp_group = None, None, None
+        self._failed = False
         super().teardown()
+
+    def _own_groups(self) -> list[dist.ProcessGroup]:
+        """The mesh's groups of this rank, and any per-direction P2P groups the stages made."""
+        candidates: list[Any] = [self._pp_group, self._dp_group]
+        runtime = self._runtime
+        if runtime is not None:
+            stages = [*runtime.train_stages, *(s for _, eval_stages in runtime._eval.values() for s in eval_stages)]
+            for stage in stages:
+                candidates += [getattr(stage, "_downstream_group", None), getattr(stage, "_upstream_group", None)]
+        default = dist.GroupMember.WORLD if dist.is_available() and dist.is_initialized() else None
+        groups: list[dist.ProcessGroup] = []
+        for group in candidates:
+            if isinstance(group, dist.ProcessGroup) and group is not default and group not in groups:
+                groups.append(group)
+        return groups
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -1039,19 +1139,6 @@ def _forward_returns(module: nn.Module, outputs: Tensor) -> Iterator[None]:
             module.__dict__["forward"] = previous
         else:
             del module.__dict__["forward"]
-
-
-@contextmanager
-def _restored_buffers(modules: Sequence[nn.Module]) -> Iterator[None]:
-    """Restore the modules' buffers (batch-norm statistics) on exit."""
-    buffers = [b for m in modules for b in m.buffers()]
-    saved = [b.detach().clone() for b in buffers]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for b, s in zip(buffers, saved, strict=True):
-                b.copy_(s)
 
 
 def _should_update_logs(module: pl.LightningModule) -> bool:

@@ -10,6 +10,8 @@ missing, moves them by >1e-2).
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_workers
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from lightning_utils import regression_data
 from torch import nn
@@ -35,9 +37,7 @@ ATOL, RTOL = 1e-5, 1e-4
 def deep_net() -> nn.Sequential:
     """Six blocks, no batch norm (so micro-batching changes nothing)."""
     torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 4)
-    )
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 4))
 
 
 class PipeRegressor(pl.LightningModule):
@@ -234,17 +234,127 @@ def test_validation_uses_every_sample(schedule: str) -> None:
     """Eval batches that do not split into micro-batches are padded, not dropped: val_loss as on one device."""
     model = PipeRegressor()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False,
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
     )
     val = DataLoader(regression_data(n=30, seed=1), batch_size=7)
     ref = trainer.validate(model, val, verbose=False)[0]["val_loss"]
     pipe = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=PipelineStrategy(schedule=schedule, start_method="fork"), logger=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=2,
+        strategy=PipelineStrategy(schedule=schedule, start_method="fork"),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     out = pipe.validate(PipeRegressor(), val, verbose=False)[0]["val_loss"]
     assert out == pytest.approx(ref, rel=1e-5)
+
+
+class _CountForwards(Callback):
+    """Counts every block's forward calls per training step on its rank; writes ``rank<r>.json`` at the end."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.current: list[int] = []
+        self.steps: list[list[int]] = []
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        blocks = pl_module.pipeline_layers()  # type: ignore[operator]
+        self.current = [0] * len(blocks)
+        for i, block in enumerate(blocks):
+            block.register_forward_pre_hook(lambda module, args, i=i: self._count(i))
+
+    def _count(self, i: int) -> None:
+        self.current[i] += 1
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.current = [0] * len(self.current)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.steps.append(list(self.current))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.steps))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_one_forward_of_every_block_per_micro_batch(schedule: str, tmp_path: Path) -> None:
+    """A training step runs each block's forward once per micro-batch, on the one rank that holds it.
+
+    The first step adds one forward per block: torch.distributed.pipelining infers each stage's
+    shapes from the first micro-batch (``_initialize_pp_stages``: forked RNG, buffers restored
+    after). A logging forward besides the step's would make these counts 2M (2M + 2 at first).
+    """
+    m, steps = 4, 3
+    fit(
+        PipelineStrategy(schedule=schedule, microbatches=m, start_method="fork"),
+        2,
+        max_steps=steps,
+        callbacks=[_CountForwards(tmp_path)],
+    )
+    per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    n_blocks = len(deep_net())
+    for step in range(steps):
+        expected = m + 1 if step == 0 else m
+        for block in range(n_blocks):
+            counts = sorted(rank[step][block] for rank in per_rank)
+            assert counts == [0, expected], f"step {step}, block {block}: {per_rank}"
+
+
+class DropoutBatchNormRegressor(PipeRegressor):
+    """Batch norm on stage 0, dropout on stage 1 (with balance=[3, 3])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16), nn.Dropout(0.3), nn.Linear(16, 4)
+        )
+
+
+def test_dropout_and_batch_norm_as_on_one_device() -> None:
+    """With one micro-batch, one forward per step: the same dropout masks and batch-norm statistics.
+
+    Each rank draws from the RNG state the fit starts with, and the only random draw of a step is
+    stage 1's dropout, as on one device; the batch-norm running statistics must be updated once
+    per step. A second, logging forward that drew its own masks, or updated the statistics, would
+    move the weights or the buffers (``num_batches_tracked`` would count 8 instead of 4).
+    """
+    ref, ref_trainer = fit("auto", 1, model=DropoutBatchNormRegressor())
+    strategy = PipelineStrategy(schedule="gpipe", microbatches=1, balance=[3, 3], start_method="fork")
+    weights, trainer = fit(strategy, 2, model=DropoutBatchNormRegressor())
+    assert int(weights["net.1.num_batches_tracked"]) == 4
+    assert_weights_close(weights, ref)
+    assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(
+        float(ref_trainer.callback_metrics["train_loss"]), rel=1e-5
+    )
+
+
+def _two_fits_in_one_process(rank: int, world: int) -> dict[str, Any]:
+    os.environ["LOCAL_RANK"] = str(rank)  # the processes exist already: Lightning starts none
+    before = len(dist.distributed_c10d._world.pg_map)
+    after = []
+    for _ in range(2):
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=world, strategy=PipelineStrategy(), max_steps=2, logger=False,
+            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        )  # fmt: skip
+        trainer.fit(PipeRegressor(), DataLoader(regression_data(), batch_size=16))
+        after.append(len(dist.distributed_c10d._world.pg_map))
+    return {"before": before, "after": after, "initialized": dist.is_initialized()}
+
+
+def test_teardown_destroys_the_groups_it_made_and_keeps_the_default() -> None:
+    """After a fit only the default group is left (the mesh's groups, 2 per rank, are gone), and a
+    second fit in the same process (as under torchrun) builds its mesh again and trains."""
+    for result in run_workers(_two_fits_in_one_process, 2, timeout=120):
+        assert result == {"before": 1, "after": [1, 1], "initialized": True}
 
 
 # -- checkpoints -----------------------------------------------------------------------------------
@@ -330,9 +440,7 @@ def test_app_strategy_pipeline_two_stages(tmp_path: Path) -> None:
 
     from recipes.train import run
 
-    cfg = compose_cfg(
-        ["strategy=pipeline", "trainer=ddp_sim", "strategy.start_method=fork", *FEW_BATCHES], tmp_path
-    )
+    cfg = compose_cfg(["strategy=pipeline", "trainer=ddp_sim", "strategy.start_method=fork", *FEW_BATCHES], tmp_path)
     run(cfg)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     # 2 processes but one replica: the scaling rule sees 1 replica (global batch 64, lr unscaled)
