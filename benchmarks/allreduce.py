@@ -2,11 +2,11 @@
 
 P fork-started CPU processes on one machine, joined by a gloo process group on 127.0.0.1,
 one torch thread each. In every repetition the methods run *interleaved* in the same
-processes (gloo, ring, ring with a bfloat16 wire, reduce-to-one-then-broadcast), each after
-a barrier, timed as the slowest rank's wall time, in an order that rotates every
-repetition; a ratio is the median over repetitions of (method / gloo in the same
-repetition). Prints a header (machine, versions, date), then ``name value unit`` lines per
-P and N:
+processes (gloo, ring, ring with a bfloat16 wire, reduce-to-one-then-broadcast, and the
+three diagnostics below), each after a barrier, timed as the slowest rank's wall time, in
+an order that rotates every repetition; a ratio is the median over repetitions of
+(method / gloo in the same repetition). Prints a header (machine, versions, date), then
+``name value unit`` lines per P and N:
 
     ring_over_gloo_P{P}_N{N}        ring time / gloo all_reduce time    goal <= 1.05 at 25.6M, P=2,3
     ring_bf16_over_gloo_P{P}_N{N}   bf16-wire ring / gloo all_reduce     goal <= 0.7
@@ -18,17 +18,30 @@ read the ratios, which are measured side by side, rather than the milliseconds. 
 runs with ``check_peers=False``, as the ``"ring"`` strategy's DDP hook calls it (the check
 is one small all-gather, ~0.3 ms here).
 
+Where the bf16 wire's time goes, measured in the same repetitions:
+
+    xfer_over_gloo_P{P}_N{N}        the ring's float32 messages alone (same segments, no arithmetic)
+    xfer_bf16_over_gloo_P{P}_N{N}   its bfloat16 messages alone
+    bf16_casts_over_gloo_P{P}_N{N}  the bf16 ring's dtype conversions alone (no messages)
+
+so ``xfer - xfer_bf16`` is the most a 2-byte wire can save here, and ``bf16_casts`` what it
+costs back: ``ring_bf16 ~ ring - (xfer - xfer_bf16) + bf16_casts``. On loopback the wire is
+itself a pair of memory copies (sender into the socket, socket into the receiver), so halving
+the bytes saves about as much memory traffic as converting them costs; across machines the
+saving is the network time of half the bytes.
+
 On one machine every byte costs the same two memory copies whichever rank sends it, so the
 naive reduce moves as many bytes in total as the ring (2(P-1) x N) and is not slower here;
 the ring's advantage is per-link bandwidth, which appears across machines (or NICs).
 
-    python benchmarks/allreduce.py            # P = 2, 3, 4; N = 1M, 25.6M float32 (~1-2 min)
+    python benchmarks/allreduce.py            # P = 2, 3, 4; N = 1M, 25.6M float32 (~2-3 min)
     python benchmarks/allreduce.py --quick    # P = 2, N = 64K, 3 repetitions (seconds, for CI)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -43,8 +56,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import header, line, median
 from benchmarks._workers import run_workers
 from lightning_strategies.comm import ring_all_reduce
+from lightning_strategies.comm.ring import _SEGMENT_BYTES, _WINDOW, _WIRE_SEGMENT_BYTES
 
-METHODS = ("gloo", "ring", "ring_bf16", "ps")
+METHODS = ("gloo", "ring", "ring_bf16", "ps", "xfer", "xfer_bf16", "bf16_casts")
 
 
 def _ps_all_reduce(t: torch.Tensor, scratch: list[torch.Tensor]) -> None:
@@ -68,6 +82,60 @@ def _ps_all_reduce(t: torch.Tensor, scratch: list[torch.Tensor]) -> None:
         dist.recv(t, 0)
 
 
+def _transfer(buf: torch.Tensor, slots: list[torch.Tensor], seg: int, steps: int) -> None:
+    """The ring's messages without its arithmetic: ``steps`` times ``buf``, in segments, to the
+    successor, while the predecessor's land in ``slots``; receives posted ``_WINDOW`` ahead, on
+    the same process-group calls the ring makes.
+    """
+    pg, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    assert pg is not None
+    nxt, prev = (rank + 1) % world, (rank - 1) % world
+    bounds = [(a, min(a + seg, buf.numel())) for a in range(0, buf.numel(), seg)]
+    units = [(a, b) for _ in range(steps) for a, b in bounds]
+
+    def post(u: int) -> Any:
+        a, b = units[u]
+        return pg.recv([slots[u % len(slots)][: b - a]], prev, u)
+
+    posted = [post(u) for u in range(min(_WINDOW, len(units)))]
+    sends = []
+    for u, (a, b) in enumerate(units):
+        sends.append(pg.send([buf[a:b]], nxt, u))
+        posted[u].wait()
+        if u + _WINDOW < len(units):
+            posted.append(post(u + _WINDOW))
+    for w in sends:
+        w.wait()
+
+
+def _bf16_casts(y: torch.Tensor, world: int, shadow: torch.Tensor, slot: torch.Tensor, up: torch.Tensor) -> None:
+    """The dtype conversions one rank of the bf16-wire ring makes, without its messages or adds.
+
+    Per chunk of N/P elements: its own chunk down-cast once; each of the P-1 reduce-scatter steps
+    a received segment up-cast and the partial sum rounded back down; the owned chunk's final
+    value up-cast into the tensor; each of the P-1 all-gather steps a segment up-cast into the
+    tensor. The tensor ranges are the ones the ring touches (cold memory, like the ring's).
+    """
+    rank, seg, chunk = dist.get_rank(), slot.numel(), y.numel() // world
+
+    def ranges(c: int) -> list[tuple[int, int]]:
+        start = (c % world) * chunk
+        return [(a, min(a + seg, start + chunk)) for a in range(start, start + chunk, seg)]
+
+    for a, b in ranges(rank):
+        shadow[a:b].copy_(y[a:b])
+    for t in range(world - 1):
+        for a, b in ranges(rank - t - 1):
+            part = up[: b - a]
+            part.copy_(slot[: b - a])
+            shadow[a:b].copy_(part)
+    for a, b in ranges(rank + 1):
+        y[a:b].copy_(shadow[a:b])
+    for t in range(world - 1):
+        for a, b in ranges(rank - t):
+            y[a:b].copy_(slot[: b - a])
+
+
 def _measure(n: int, reps: int, warmup: int) -> dict[str, Any]:
     """Median wall time of each method on N float32 elements, interleaved, on this rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -75,6 +143,12 @@ def _measure(n: int, reps: int, warmup: int) -> dict[str, Any]:
     y = torch.empty_like(x)
     scratch = [torch.empty_like(x) for _ in range(world - 1)] if rank == 0 else []
     bytes_sent: list[int] = []
+    chunk = -(-n // world)
+    fp32_seg, wire_seg = _SEGMENT_BYTES // 4, _WIRE_SEGMENT_BYTES // 2
+    fp32_buf, wire_buf = torch.randn(chunk), torch.randn(chunk).bfloat16()
+    fp32_slots = list(torch.empty((_WINDOW + 1) * fp32_seg).split(fp32_seg))
+    wire_slots = list(torch.empty((_WINDOW + 1) * wire_seg, dtype=torch.bfloat16).split(wire_seg))
+    shadow, up = torch.empty(n, dtype=torch.bfloat16), torch.empty(wire_seg)
 
     def ring() -> None:
         bytes_sent.append(ring_all_reduce(y, check_peers=False).bytes_sent)
@@ -87,6 +161,9 @@ def _measure(n: int, reps: int, warmup: int) -> dict[str, Any]:
         "ring": ring,
         "ring_bf16": ring_bf16,
         "ps": lambda: _ps_all_reduce(y, scratch),
+        "xfer": lambda: _transfer(fp32_buf, fp32_slots, fp32_seg, 2 * (world - 1)),
+        "xfer_bf16": lambda: _transfer(wire_buf, wire_slots, wire_seg, 2 * (world - 1)),
+        "bf16_casts": lambda: _bf16_casts(y, world, shadow, wire_slots[0], up),
     }
     times: dict[str, list[float]] = {m: [] for m in METHODS}
     for rep in range(warmup + reps):
@@ -122,6 +199,12 @@ def _label(n: int) -> str:
     return f"{n / 1e6:g}M" if n >= 1_000_000 else f"{n / 1e3:g}K"
 
 
+def _load(when: str) -> str:
+    """A comment line with the machine's load average: ratios measured on a busy machine are noisy."""
+    one, five, fifteen = os.getloadavg()
+    return f"# load average at {when}: {one:.2f} {five:.2f} {fifteen:.2f} (1/5/15 min)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="P=2, N=64K, 3 repetitions (CI smoke run)")
@@ -135,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.procs, args.sizes, args.reps, args.warmup = [2], [65536], 3, 1
     sizes = [int(s) for s in args.sizes]
     print(header("ring all-reduce vs gloo all_reduce vs naive PS (CPU, gloo, 1 thread/process)"), flush=True)
+    print(_load("start"), flush=True)
     for world in args.procs:
         results = run_world(world, sizes, args.reps, args.warmup, args.timeout)
         for n in sizes:
@@ -144,9 +228,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             line(f"ring_over_gloo_{tag}", ratio["ring"], "x")
             line(f"ring_bf16_over_gloo_{tag}", ratio["ring_bf16"], "x")
             line(f"ps_over_gloo_{tag}", ratio["ps"], "x")
+            line(f"xfer_over_gloo_{tag}", ratio["xfer"], "x")
+            line(f"xfer_bf16_over_gloo_{tag}", ratio["xfer_bf16"], "x")
+            line(f"bf16_casts_over_gloo_{tag}", ratio["bf16_casts"], "x")
             line(f"bytes_over_formula_{tag}", results[n]["bytes_sent"] / formula, "x")
             for m in METHODS:
                 line(f"{m}_ms_{tag}", ms[m], "ms")
+    print(_load("end"), flush=True)
     return 0
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 import time
 from pathlib import Path
@@ -82,6 +83,12 @@ def _throughput() -> Any:
     return ThroughputMonitor()
 
 
+def _load(when: str) -> str:
+    """A comment line with the machine's load average: ratios measured on a busy machine are noisy."""
+    one, five, fifteen = os.getloadavg()
+    return f"# load average at {when}: {one:.2f} {five:.2f} {fifteen:.2f} (1/5/15 min)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--strategy", default="ring", help="registered strategy name (ring, ps, ...)")
@@ -97,18 +104,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.epochs, limit = 1, 2, 4
     print(header(f"throughput: {args.strategy} vs {args.vs}, {args.devices} CPU processes, {args.data}"))
+    print(_load("start"), flush=True)
     rates: dict[str, list[float]] = {args.strategy: [], args.vs: []}
     for r in range(args.rounds):
         order = (args.strategy, args.vs) if r % 2 == 0 else (args.vs, args.strategy)
         for name in order:
             t = time.perf_counter()
-            rates[name].append(fit_once(name, devices=args.devices, epochs=args.epochs, limit_batches=limit,
-                                        data=args.data))
+            rates[name].append(
+                fit_once(name, devices=args.devices, epochs=args.epochs, limit_batches=limit, data=args.data)
+            )
             print(f"# round {r} {name}: {rates[name][-1]:.1f} samples/s ({time.perf_counter() - t:.0f} s)", flush=True)
     a, b = median(rates[args.strategy]), median(rates[args.vs])
     line(f"{args.strategy}_samples_per_s", a, "samples/s")
     line(f"{args.vs}_samples_per_s", b, "samples/s")
     line(f"{args.strategy}_over_{args.vs}", a / b, "x")
+    print(_load("end"), flush=True)
     return 0
 
 

@@ -13,9 +13,11 @@ element) instead of being padded, so no padded copy of the tensor is ever made a
 summed over ranks are exactly ``2 (P-1) x numel x itemsize``; a single rank is off the
 formula by at most two elements.
 
-On gloo the chunks travel in segments (4 MiB, or 1 MiB with a wire dtype; gloo's own ring
+On gloo the chunks travel in segments (4 MiB, or 2 MiB with a wire dtype; gloo's own ring
 uses 1 MiB): a few receives are always posted ahead, and as soon as one segment has arrived
 and been added it is forwarded to the successor, so receiving, adding and sending overlap.
+With a wire dtype what is forwarded lives in a wire-dtype shadow of the tensor, so a
+segment is converted once per hop and an all-gather segment is forwarded as it arrived.
 On NCCL each step is one ``batch_isend_irecv`` of a whole chunk (NCCL p2p needs grouped calls
 to avoid deadlock; the point of the NCCL path is correctness, NCCL's own all-reduce is the
 fast one).
@@ -72,11 +74,13 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
 }
 
 _OPS = ("sum", "avg")
-# Segment sizes measured with benchmarks/allreduce.py (2 vCPUs, loopback): same-dtype segments
-# of 4 MiB beat 1 MiB (fewer Python-level messages); with a wire dtype 1 MiB wins, because the
-# fp32 scratch a segment is upcast into (2 MiB) then stays in cache.
+# Segment sizes measured side by side (2 vCPUs, loopback, benchmarks/allreduce.py and CPU time
+# per call): every message costs kernel and wake-up work of its own, so same-dtype segments of
+# 4 MiB take less CPU than gloo's 1 MiB, and bigger ones (16 MiB) pipeline too coarsely when
+# ranks share cores; with a wire dtype 2 MiB (1M elements, a 4 MiB float32 scratch) took ~5%
+# less CPU than 1 MiB.
 _SEGMENT_BYTES = 4 << 20
-_WIRE_SEGMENT_BYTES = 1 << 20
+_WIRE_SEGMENT_BYTES = 2 << 20
 _WINDOW = 4
 # Codes exchanged by the peer check; -1 stands for "not in the list" (an unsupported dtype).
 _DTYPE_CODES: tuple[torch.dtype, ...] = (*SUPPORTED_DTYPES, torch.bool, torch.complex64, torch.complex128)
@@ -227,8 +231,8 @@ class _Workspace(threading.local):
 
     Freshly allocated large CPU buffers are fresh pages from the kernel: first-touch page faults
     made the wire-dtype path ~10x slower per byte than a warm copy. The buffers grow to the
-    largest call seen (with a wire dtype about ``numel / P x 2`` wire elements, plus a few
-    segments) and are kept until :func:`release_workspace`.
+    largest call seen (on gloo a few segments, plus with a wire dtype a shadow of ``numel``
+    wire elements; on NCCL two chunks) and are kept until :func:`release_workspace`.
     """
 
     def __init__(self) -> None:
@@ -300,16 +304,15 @@ class _Ring:
 
         Without a wire dtype the segment to forward at step ``t + 1`` is then ``mine``. With one,
         reduce-scatter writes the wire-dtype value to forward into ``out`` (default ``got``), and
-        all-gather forwards ``got`` itself, never cast twice. ``scratch`` (tensor dtype, at least
-        ``got.numel()``) holds the upcast segment: a mixed-dtype ``add_`` takes torch's
-        unvectorised casting path, ~8x slower than cast-then-add.
+        all-gather only upcasts ``got`` into ``mine``: ``got`` itself is forwarded, never cast
+        twice. ``scratch`` (tensor dtype, at least ``got.numel()``) holds the upcast segment:
+        cast-then-add into it took 3.6 ms per 12.8M elements against 5.0 ms for a mixed-dtype
+        ``torch.add(mine, got, out=scratch)`` (torch 2.14, 1M-element segments, 2 vCPUs).
         """
         world, wire = self.world, self.wire
         if t >= world - 1:  # all-gather: the segment is final
             if wire is not None:
                 mine.copy_(got)
-                if out is not None:
-                    out.copy_(got)
             return
         if wire is None:
             _reduce_segment(mine, got)
@@ -384,8 +387,12 @@ def _ring_pipelined(ring: _Ring, seg_elems: int, window: int = _WINDOW) -> None:
     segment-sized slots that are still in cache for the add.
 
     A forwarded segment can wait a whole step in gloo's send queue (the link to the successor
-    is FIFO and still carries the current step), so what is forwarded must live in chunk-sized
-    storage: the tensor itself, or with a wire dtype two alternating chunk buffers.
+    is FIFO and still carries the current step), so what is forwarded lives in tensor-sized
+    storage in which every range is written once per phase: the tensor itself, or with a wire
+    dtype a wire-dtype *shadow* of it. All-gather segments that are forwarded land there
+    directly and leave from there (no copy), and the only wait on a send, before an
+    all-gather segment lands on a range, is for that range's reduce-scatter send a whole phase
+    earlier: no step waits for the previous one to drain.
     """
     flat, pg, wire, world = ring.flat, ring.pg, ring.wire, ring.world
     segs = [_segments(c, seg_elems) for c in ring.chunks]
@@ -398,38 +405,32 @@ def _ring_pipelined(ring: _Ring, seg_elems: int, window: int = _WINDOW) -> None:
     itemsize = buf_dtype.itemsize
     dev = flat.device
     slot_size = min(seg_elems, max(e - s for s, e in ring.chunks))
-    slot_mem = _WORKSPACE.get("slots", slot_size * (window + 1), buf_dtype, dev)
-    slots = list(slot_mem.split(slot_size))
-    scratch, fwd = None, []
+    slots = list(_WORKSPACE.get("slots", slot_size * (window + 1), buf_dtype, dev).split(slot_size))
+    scratch: torch.Tensor | None = None
+    forward = flat  # where the value forwarded for each range lives
     if wire is not None:
         scratch = _WORKSPACE.get("scratch", slot_size, flat.dtype, dev)
-        max_chunk = max(e - s for s, e in ring.chunks)
-        fwd = list(_WORKSPACE.get("forward", 2 * max_chunk, wire, dev).split(max_chunk))
+        forward = _WORKSPACE.get("shadow", flat.numel(), wire, dev)
     pending: dict[int, list[Any]] = {}  # send step -> sends not yet known to be complete
 
     def drain(step: int, t: int) -> None:
         for w in pending.pop(step, []):
             _wait(ring, w, ring.nxt, "sending to", t)
 
-    def forward_region(t: int, a: int, b: int) -> torch.Tensor:
-        """Where the wire-dtype copy of range [a, b) is kept while it is sent at step ``t``."""
-        c0 = ring.chunks[ring.send_chunk(t)][0]
-        return fwd[t % 2][a - c0 : b - c0]
+    def lands_in_place(t: int) -> bool:
+        # All-gather segments that are forwarded land where they leave from. With a wire dtype
+        # the last step's are not forwarded: they land in a slot (cache) and are only upcast.
+        return t >= world - 1 and (wire is None or t + 1 < steps)
 
     def landing(u: int) -> torch.Tensor:
         t, _, a, b = recv_units[u]
-        if t >= world - 1 and wire is None:  # all-gather, same dtype: straight in place
-            return flat[a:b]
-        # Not straight into a forward buffer even with a wire dtype: that buffer is only free
-        # once the successor has taken the previous step, and waiting for that a window early
-        # can close a cycle of waits around the ring.
-        return slots[u % len(slots)][: b - a]
+        return forward[a:b] if lands_in_place(t) else slots[u % len(slots)][: b - a]
 
     def post_recv(u: int) -> Any:
         t = recv_units[u][0]
-        if t >= world - 1 and wire is None:
-            # This range of the tensor was sent once before, at reduce-scatter step t-(P-1);
-            # those sends were issued a whole phase ago, so the wait is normally free.
+        if lands_in_place(t):
+            # This range was sent once before, at reduce-scatter step t-(P-1); those sends
+            # were issued a whole phase ago, so the wait is normally free.
             drain(t - (world - 1), t)
         dst = landing(u)
         ring.stats.bytes_received += dst.numel() * itemsize
@@ -442,31 +443,19 @@ def _ring_pipelined(ring: _Ring, seg_elems: int, window: int = _WINDOW) -> None:
 
     posted = [post_recv(u) for u in range(min(window, len(recv_units)))]
     for k, (a, b) in enumerate(segs[ring.send_chunk(0)]):
-        if wire is None:
-            send(0, k, flat[a:b])
-        else:
-            out = forward_region(0, a, b)
-            out.copy_(flat[a:b])
-            send(0, k, out)
+        if wire is not None:
+            forward[a:b].copy_(flat[a:b])
+        send(0, k, forward[a:b])
     for u, (t, k, a, b) in enumerate(recv_units):
         _wait(ring, posted[u], ring.prev, "receiving from", t)
         if u + window < len(recv_units):
             posted.append(post_recv(u + window))
-        got = landing(u)
-        mine = flat[a:b]
-        if wire is None:
-            ring.absorb(t, mine, got)
-            if t + 1 < steps:
-                send(t + 1, k, mine)
-            continue
-        if t + 1 >= steps:
-            ring.absorb(t, mine, got, scratch)
-            continue
-        if k == 0:
-            drain(t - 1, t)  # step t-1 sent from the buffer step t+1 is about to fill
-        out = forward_region(t + 1, a, b)
-        ring.absorb(t, mine, got, scratch, out)
-        send(t + 1, k, out)
+        # Reduce-scatter with a wire dtype writes the value to forward into the shadow;
+        # otherwise it is left in the tensor, or (all-gather) arrived where it leaves from.
+        out = forward[a:b] if wire is not None and t < world - 1 else None
+        ring.absorb(t, flat[a:b], landing(u), scratch, out)
+        if t + 1 < steps:
+            send(t + 1, k, forward[a:b])
     for step in sorted(pending):
         drain(step, steps - 1)
 
@@ -535,7 +524,7 @@ def ring_all_reduce(
             DDP hook: DDP verifies parameter shapes across ranks and builds identical buckets);
             all ranks must pass the same value.
         segment_bytes: wire bytes per piece a chunk is sent in on gloo (the pipelining
-            granularity); default 4 MiB, or 1 MiB with a wire dtype.
+            granularity); default 4 MiB, or 2 MiB with a wire dtype.
 
     Returns:
         What this rank sent, received and how long the call took. ``bytes_sent`` is

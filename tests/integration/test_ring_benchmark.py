@@ -25,7 +25,12 @@ def test_allreduce_benchmark_quick_mode(capsys: pytest.CaptureFixture[str]) -> N
         sys.path.remove(str(ROOT))
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("# ring all-reduce") and "torch" in lines[0]
-    values = dict((name, float(value)) for name, value, _ in (line.split() for line in lines[1:]))
-    for name in ("ring_over_gloo", "ring_bf16_over_gloo", "ps_over_gloo", "bytes_over_formula"):
+    rows = [line.split() for line in lines[1:] if not line.startswith("#")]  # "#": comments (load average)
+    values = {name: float(value) for name, value, _ in rows}
+    names = ("ring_over_gloo", "ring_bf16_over_gloo", "ps_over_gloo", "bytes_over_formula")
+    diagnostics = ("xfer_over_gloo", "xfer_bf16_over_gloo", "bf16_casts_over_gloo")
+    for name in names + diagnostics:
         assert f"{name}_P2_N65.536K" in values, lines
     assert values["bytes_over_formula_P2_N65.536K"] == 1.0
+    # Each diagnostic ran (a positive time, so a positive ratio).
+    assert all(values[f"{name}_P2_N65.536K"] > 0 for name in diagnostics), lines
