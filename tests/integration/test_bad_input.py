@@ -101,7 +101,8 @@ def _rank_main(
         value = fn(rank, *args, **kwargs)
         out.put((rank, None, "", value, time.monotonic() - start))
     except BaseException as err:
-        out.put((rank, type(err).__name__, str(err), None, time.monotonic() - start))
+        notes = "\n".join(getattr(err, "__notes__", ()))  # the peer diagnosis lives in a note
+        out.put((rank, type(err).__name__, f"{err}\n{notes}" if notes else str(err), None, time.monotonic() - start))
 
 
 def in_ranks(fn: Callable[..., Any], *args: Any, world: int = 2, **kwargs: Any) -> list[Ended]:
@@ -603,6 +604,9 @@ class Row:
         fragments: regular expressions the message must contain (found, expected, fix).
         check: further assertions on a row that ends without an error.
         slow: multi-process or subprocess (marked ``slow``).
+        races: for rows whose ranks race (async: a rank may hear of its peer's error before it
+            pulls the broken weights itself), the fragments a rank's message must contain when
+            it ends with another error than ``error``; None: every rank must end with ``error``.
     """
 
     id: str
@@ -613,6 +617,7 @@ class Row:
     fragments: tuple[str, ...] = ()
     check: Callable[[list[Ended], Path], None] | None = None
     slow: bool = False
+    races: tuple[str, ...] | None = None
 
 
 FIX = r"Fix: "
@@ -838,6 +843,9 @@ ROWS: list[Row] = [
         "FloatingPointError",
         (r"not finite after optimizer step \d+", FIX),
         slow=True,
+        # rank 0 may fail on a collective or RPC with rank 1 first (rank 1 raised and left): then
+        # its error carries the diagnosis naming rank 1 (lost, or stopped on its error)
+        races=(r"async: (lost )?peer rank 1 of 2",),
     ),
     *[
         Row(
@@ -899,8 +907,9 @@ def test_bad_input(row: Row, tmp_path: Path) -> None:
     ended = row.act(tmp_path)
     for e in ended:
         described = f"rank {e.rank} ended with {e.error}: {e.message[-3000:]}"
-        assert e.error == row.error, described
-        for fragment in row.fragments:
+        raced = row.races is not None and e.error is not None and e.error != row.error
+        assert e.error == row.error or raced, described
+        for fragment in row.races if raced and row.races is not None else row.fragments:
             assert re.search(fragment, e.message), f"{fragment!r} not in: {described}"
     if row.check is not None:
         row.check(ended, tmp_path)
