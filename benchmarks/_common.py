@@ -1,4 +1,4 @@
-"""Shared by the benchmark scripts: the header line and ``name value unit`` output."""
+"""Shared by the benchmark scripts: the header line, ``name value unit`` output and the load average."""
 
 from __future__ import annotations
 
@@ -53,3 +53,17 @@ def save_figure(fig: Any, path: Path) -> None:
     fig.savefig(path, dpi=110)
     pyplot().close(fig)
     print(f"# plot: {path}", flush=True)
+
+
+def load_average(digits: int = 2) -> str:
+    """The machine's 1/5/15-minute load averages ("n/a" where the OS has none): ratios measured on a
+    busy machine are noisy, so the benchmarks print the load beside them."""
+    try:
+        return " ".join(f"{x:.{digits}f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def load_line(when: str) -> str:
+    """A comment line with the load average at ``when`` (``"start"``, ``"end"``)."""
+    return f"# load average at {when}: {load_average()} (1/5/15 min)"

@@ -41,7 +41,6 @@ the ring's advantage is per-link bandwidth, which appears across machines (or NI
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -53,7 +52,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import header, line, median
+from benchmarks._common import header, line, load_line, median
 from benchmarks._workers import run_workers
 from lightning_strategies.comm import ring_all_reduce
 from lightning_strategies.comm.ring import _SEGMENT_BYTES, _WINDOW, _WIRE_SEGMENT_BYTES
@@ -199,12 +198,6 @@ def _label(n: int) -> str:
     return f"{n / 1e6:g}M" if n >= 1_000_000 else f"{n / 1e3:g}K"
 
 
-def _load(when: str) -> str:
-    """A comment line with the machine's load average: ratios measured on a busy machine are noisy."""
-    one, five, fifteen = os.getloadavg()
-    return f"# load average at {when}: {one:.2f} {five:.2f} {fifteen:.2f} (1/5/15 min)"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="P=2, N=64K, 3 repetitions (CI smoke run)")
@@ -218,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.procs, args.sizes, args.reps, args.warmup = [2], [65536], 3, 1
     sizes = [int(s) for s in args.sizes]
     print(header("ring all-reduce vs gloo all_reduce vs naive PS (CPU, gloo, 1 thread/process)"), flush=True)
-    print(_load("start"), flush=True)
+    print(load_line("start"), flush=True)
     for world in args.procs:
         results = run_world(world, sizes, args.reps, args.warmup, args.timeout)
         for n in sizes:
@@ -234,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             line(f"bytes_over_formula_{tag}", results[n]["bytes_sent"] / formula, "x")
             for m in METHODS:
                 line(f"{m}_ms_{tag}", ms[m], "ms")
-    print(_load("end"), flush=True)
+    print(load_line("end"), flush=True)
     return 0
 
 

@@ -58,7 +58,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import header, line, median
+from benchmarks._common import header, line, load_average, median
 
 STRATEGIES = ("ddp", "ring", "ps", "async", "pipeline")
 RSS_GOAL_PCT = 5.0
@@ -75,13 +75,6 @@ def rss_bytes() -> int:
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return int(peak) * (1 if sys.platform == "darwin" else 1024)
-
-
-def load_average() -> str:
-    try:
-        return " ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
 
 
 def _make_strategy(name: str) -> Any:
@@ -142,7 +135,7 @@ def _monitor(name: str, out_dir: Path, budget_s: float | None, epochs: int, warm
                 print(
                     f"# {name} epoch {epoch}{'' if budget_s else f'/{epochs}'}: {len(self.steps[-1])} steps, "
                     f"median {step_ms:.2f} ms, RSS {self.rss[-1] / 2**20:.1f} MiB, {elapsed:.0f} s, "
-                    f"load {load_average()}",
+                    f"load {load_average(1)}",
                     flush=True,
                 )
             if budget_s is not None and epoch >= warmup + 2:
@@ -259,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         for name in args.strategies:
-            print(f"# {name}: start, load {load_average()}", flush=True)
+            print(f"# {name}: start, load {load_average(1)}", flush=True)
             t = time.perf_counter()
             records = soak_one(
                 name,
@@ -271,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                 out_dir=Path(tmp),
             )
             results[name] = summarise(records, args.warmup)
-            print(f"# {name}: done in {time.perf_counter() - t:.0f} s, load {load_average()}", flush=True)
+            print(f"# {name}: done in {time.perf_counter() - t:.0f} s, load {load_average(1)}", flush=True)
     for name, r in results.items():
         line(f"soak_rss_growth_{name}", r["rss_growth"], "%")
         line(f"soak_step_drift_{name}", r["step_drift"], "x")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning_strategies  # noqa: F401  (registers the names)
-from benchmarks._common import header, line, median
+from benchmarks._common import header, line, load_line, median
 
 
 def make_strategy(name: str, **overrides: Any) -> Any:
@@ -83,12 +82,6 @@ def _throughput() -> Any:
     return ThroughputMonitor()
 
 
-def _load(when: str) -> str:
-    """A comment line with the machine's load average: ratios measured on a busy machine are noisy."""
-    one, five, fifteen = os.getloadavg()
-    return f"# load average at {when}: {one:.2f} {five:.2f} {fifteen:.2f} (1/5/15 min)"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--strategy", default="ring", help="registered strategy name (ring, ps, ...)")
@@ -104,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.epochs, limit = 1, 2, 4
     print(header(f"throughput: {args.strategy} vs {args.vs}, {args.devices} CPU processes, {args.data}"))
-    print(_load("start"), flush=True)
+    print(load_line("start"), flush=True)
     rates: dict[str, list[float]] = {args.strategy: [], args.vs: []}
     for r in range(args.rounds):
         order = (args.strategy, args.vs) if r % 2 == 0 else (args.vs, args.strategy)
@@ -118,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     line(f"{args.strategy}_samples_per_s", a, "samples/s")
     line(f"{args.vs}_samples_per_s", b, "samples/s")
     line(f"{args.strategy}_over_{args.vs}", a / b, "x")
-    print(_load("end"), flush=True)
+    print(load_line("end"), flush=True)
     return 0
 
 
