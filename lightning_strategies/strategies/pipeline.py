@@ -180,17 +180,30 @@ def profile_blocks(blocks: nn.Sequential, sample: Tensor, *, repeats: int = 3) -
 
 
 class _TimedStage(PipelineStage):
-    """A ``PipelineStage`` that adds up the seconds it computes (forward and backward chunks).
+    """A ``PipelineStage`` that adds up the seconds it computes (forward and backward chunks, loss).
 
     Transfers happen in the schedule, outside these calls, so ``busy_seconds`` is compute only:
-    the rest of a step's wall time is the stage waiting (the bubble) or communicating. When
-    ``events`` is a list, each chunk also appends ``(stage, "F" or "B", micro-batch, start, end)``
+    the rest of a step's wall time is the stage waiting (the bubble) or communicating. The last
+    stage's loss, which the schedule computes between chunks, is compute too: the runtime
+    records it with :meth:`record_loss`. When ``events`` is a list, each chunk also appends
+    ``(stage, kind, micro-batch, start, end)`` with kind ``"F"``, ``"B"`` or ``"L"`` (the loss)
     (``time.perf_counter()`` seconds, one clock for all processes of a machine), the timeline
     from which the benchmark separates the schedule's bubble from transfer overhead.
     """
 
     busy_seconds: float = 0.0
     events: list[tuple[int, str, int, float, float]] | None = None
+    _awaiting_loss: int | None = None  # the micro-batch forwarded last, until its loss
+
+    def record_loss(self, t0: float) -> None:
+        """Count the loss of the micro-batch forwarded last, computed since ``t0``, as compute.
+
+        A loss with no forward chunk before it (the schedule's shape inference on the first
+        step, whose forward is not a chunk either) is not counted.
+        """
+        if self._awaiting_loss is not None:
+            self._record("L", self._awaiting_loss, t0)
+            self._awaiting_loss = None
 
     def _sync(self) -> None:
         if torch.device(self.device).type == "cuda":
@@ -210,6 +223,7 @@ class _TimedStage(PipelineStage):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         finally:
             self._record("F", fwd_chunk_id, t0)
+            self._awaiting_loss = fwd_chunk_id
 
     @override
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
@@ -300,7 +314,11 @@ class PipelineRuntime:
         ]
 
     def _scaled_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
-        return self._loss_fn(outputs, targets) * self._loss_scale
+        t0 = time.perf_counter()
+        loss = self._loss_fn(outputs, targets) * self._loss_scale
+        # only the training schedule has a loss, on the rank that holds the last stage
+        self.train_stages[-1].record_loss(t0)
+        return loss
 
     def _make_schedule(self, stages: list[_TimedStage], *, loss: bool) -> Any:
         cls = SCHEDULES[self.schedule_name]
@@ -329,7 +347,10 @@ class PipelineRuntime:
             s.events = [] if on else None
 
     def events(self) -> list[tuple[int, str, int, float, float]]:
-        """This rank's chunks since :meth:`reset_timers`: ``(stage, "F"/"B", micro-batch, start, end)``, by start."""
+        """This rank's chunks since :meth:`reset_timers`, by start.
+
+        Each is ``(stage, kind, micro-batch, start, end)``, kind ``"F"``, ``"B"`` or ``"L"`` (the loss).
+        """
         return sorted((e for s in self.train_stages for e in s.events or ()), key=lambda e: e[3])
 
     def step(self, inputs: Tensor | None, targets: Tensor | None, *, loss_scale: float = 1.0) -> Tensor | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,42 @@ def test_loss_and_gradients_equal_the_unsplit_model(schedule: str, world: int) -
             torch.testing.assert_close(torch.tensor(grad), ref_grad, atol=1e-6, rtol=1e-5)
             seen.add(name)
     assert seen == {n for n, _ in net.named_parameters()}  # every stage's gradients, each on one rank
+
+
+LOSS_SLEEP_S = 0.02
+
+
+def _timed_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    time.sleep(LOSS_SLEEP_S)  # the last stage's loss, made long enough to see
+    return nn.functional.mse_loss(outputs, targets)
+
+
+def _timeline(rank: int, world: int, schedule: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    runtime = PipelineRuntime(
+        deep_net(), counts=[3, 3], schedule=schedule, microbatches=4, loss_fn=_timed_loss,
+        group=dist.group.WORLD, device=torch.device("cpu"),
+    )  # fmt: skip
+    runtime.record_events(True)
+    data = regression_data()
+    runtime.step(data.tensors[0][:16], data.tensors[1][:16])
+    return {"events": runtime.events(), "busy": runtime.stage_seconds(), "wall": runtime.last_step_seconds}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_last_stage_loss_counts_as_compute(schedule: str) -> None:
+    """The loss the schedule computes between chunks is the last stage's work, not its idle time."""
+    first, last = run_workers(_timeline, 2, schedule, timeout=60)
+    assert [e[1] for e in first["events"]].count("L") == 0
+    kinds = [(e[1], e[2]) for e in last["events"]]
+    assert sorted(mb for kind, mb in kinds if kind == "L") == [0, 1, 2, 3]
+    for mb in range(4):  # each micro-batch's loss after its forward, before its backward
+        assert kinds.index(("F", mb)) < kinds.index(("L", mb)) < kinds.index(("B", mb))
+    loss_seconds = [e[4] - e[3] for e in last["events"] if e[1] == "L"]
+    assert min(loss_seconds) >= LOSS_SLEEP_S
+    # busy seconds are the recorded chunks, losses included, and fit in the step
+    assert last["busy"][0] == pytest.approx(sum(e[4] - e[3] for e in last["events"]))
+    assert 4 * LOSS_SLEEP_S <= last["busy"][0] <= last["wall"]
 
 
 # -- Lightning fits ------------------------------------------------------------------------------
