@@ -15,6 +15,8 @@ comment; the ``real_`` lines repeat the measurements with compute-bound blocks (
 ``--dim`` wide) as context.
 
     bubble_over_theory_{gpipe,1f1b}_M{M}   measured idle share / (K-1)/(M+K-1)      goal <= 1.15
+    floor_bubble_over_theory_...            the same for a bare gloo loop of equal stages (below)
+    bubble_over_floor_...                   measured idle share / the bare loop's
     idle_{gpipe,1f1b}_M{M}                  1 - compute / step span, measured (what the strategy logs)
     schedule_bubble_over_theory_...         the schedule's fill/drain alone (replay) / theory
     schedule_bubble_{gpipe,1f1b}_M{M}       the schedule's bubble fraction (replay of the recorded order)
@@ -29,14 +31,15 @@ comment; the ``real_`` lines repeat the measurements with compute-bound blocks (
     pipeline_step_theory_over_unsplit       (M+K-1) / (M K)
 
 **How the bubble is measured.** Each rank records the start and end of every forward and
-backward chunk (one ``time.perf_counter`` clock for all processes of the machine); a barrier
+backward chunk, and of the last stage's loss (one ``time.perf_counter`` clock for all processes
+of the machine); a barrier
 starts every step and the step's span runs from the first rank's start to the last rank's end.
 ``idle`` is the share of the span a stage does not compute, averaged over stages: what the
 strategy logs as ``pipeline/bubble_fraction``, and the measured bubble the goal line divides by
 the theory. It holds three things, each measured apart:
 
 - the schedule's fill and drain, the theory's bubble: the chunks are replayed in their recorded
-  order, each lasting its stage's median forward or backward over the setting's timed steps,
+  order, each lasting its stage's median forward, backward or loss over the setting's timed steps,
   with no time between them (a chunk starts when its stage is free and its input, the previous
   stage's forward or the next stage's backward of the same micro-batch, is done).
   ``schedule_bubble`` = 1 - compute / span of that timeline (a check of the schedule's order and
@@ -48,6 +51,15 @@ the theory. It holds three things, each measured apart:
   (the host's other load stalling a process inside a chunk, time ``idle`` counts as compute)
   cost the pipeline.
 - ``overhead``: the rest of the real span: transfers and Python between chunks.
+
+**The transport's floor.** After each timed step every rank runs the order of chunks that step
+recorded once more, bare: a gloo ``irecv`` posted when the chunk is due, a sleep of the typical
+forward or backward chunk (the median over all stages, so the stages are equal), an ``isend``
+not waited for; no schedule object, no autograd, no loss. Its idle share over the theory is
+what the transfers, posted as the schedules post them, and a Python loop cost on this machine (a
+gloo send or receive costs its caller 0.1-0.2 ms on loopback, whatever the size); a runtime
+issuing the same transfers does not get below it, and ``bubble_over_floor`` is what the
+strategy's runtime adds (stage bookkeeping, the last stage's loss, unequal stages).
 
 Activations are counted by ``torch.autograd.graph.saved_tensors_hooks`` on stage 0: the bytes of
 distinct non-parameter tensors saved for backward and still alive, peak over the step.
@@ -93,7 +105,7 @@ from lightning_strategies.strategies.pipeline import PipelineRuntime, partition_
 K = 2
 MICROBATCHES = (1, 2, 4, 8, 16)
 HEAVY, LIGHT = 8, 1  # costs of the unbalanced model's blocks
-Event = tuple[int, str, int, float, float]  # (stage, "F"/"B", micro-batch, start, end)
+Event = tuple[int, str, int, float, float]  # (stage, "F"/"B"/"L" (the loss), micro-batch, start, end)
 
 
 # -- blocks ---------------------------------------------------------------------------------------
@@ -219,8 +231,10 @@ def replay(events: Sequence[Sequence[Event]], duration: Callable[[Event], float]
                 stage, kind, mb, t0, t1 = rank[pos[r]]
                 if kind == "F":
                     dep = ("F", stage - 1, mb) if stage > 0 else None
-                else:
+                elif kind == "B":
                     dep = ("B", stage + 1, mb) if stage < last_stage else None
+                else:  # the loss follows its forward on the same rank
+                    dep = None
                 if dep is not None and dep not in ends:
                     break
                 start = max(free[r], ends[dep] if dep is not None else 0.0)
@@ -317,25 +331,88 @@ class _Handle:
         self.owner.release(self.key)
 
 
-def _steps(runtime: PipelineRuntime, x: Tensor, y: Tensor, reps: int) -> dict[str, list[Any]]:
-    """Per step (``reps`` after one warm-up), :func:`analyse`'s figures and every rank's timeline."""
+def _floor_step(
+    order: Sequence[Event], seconds: dict[str, float], buffers: dict[tuple[str, int], Tensor], last_stage: int
+) -> tuple[float, float, float]:
+    """One step of this rank's recorded chunk order, run bare: the transport's floor.
+
+    Each chunk receives its input with a gloo ``irecv`` posted when it is due (as the schedules
+    do), sleeps ``seconds[kind]`` (the same for every stage: equal stages) and sends its result
+    with ``isend`` without waiting for it. No schedule object, no autograd, no stage
+    bookkeeping: what is left of the bubble beyond the theory is the cost of the transfers and
+    of a Python loop on this machine, which no runtime can go below. One stage per rank
+    (stage ``s`` on rank ``s``).
+
+    Returns:
+        ``(start, end, compute seconds)`` of this rank.
+    """
+    sends = []
+    busy = 0.0
+    dist.barrier()
+    t0 = time.perf_counter()
+    for stage, kind, mb, _, _ in order:
+        if kind == "L":  # the last stage's loss: runtime work, not the transport's
+            continue
+        src, dst = (stage - 1, stage + 1) if kind == "F" else (stage + 1, stage - 1)
+        if 0 <= src <= last_stage:
+            received = dist.irecv(buffers[("in" + kind, mb)], src)
+            assert received is not None  # this rank is in the group
+            received.wait()
+        start = time.perf_counter()
+        time.sleep(seconds[kind])
+        busy += time.perf_counter() - start
+        if 0 <= dst <= last_stage:
+            sends.append(dist.isend(buffers[("out" + kind, mb)], dst))
+    for work in sends:
+        assert work is not None
+        work.wait()
+    return t0, time.perf_counter(), busy
+
+
+def _steps(runtime: PipelineRuntime, x: Tensor, y: Tensor, reps: int, *, floor: bool = False) -> dict[str, list[Any]]:
+    """Per step (``reps`` after one warm-up), :func:`analyse`'s figures and every rank's timeline.
+
+    With ``floor``, each timed step is followed by a :func:`_floor_step` of the order that
+    step recorded, its chunks lasting the typical forward and backward measured so far
+    (the median over all stages' chunks): ``floor_idle`` per step, interleaved with the runtime's.
+    """
     out: dict[str, list[Any]] = {
-        key: [] for key in ("span", "idle", "bubble", "jitter", "overhead", "max_busy", "events")
+        key: [] for key in ("span", "idle", "bubble", "jitter", "overhead", "max_busy", "events", "floor_idle")
     }
     runtime.record_events(True)
     steps = []
+    world = dist.get_world_size()
+    chunk = x[: x.shape[0] // runtime.microbatches]
+    buffers = {
+        (f"{d}{kind}", mb): torch.zeros_like(chunk)
+        for d in ("in", "out")
+        for kind in "FB"
+        for mb in range(runtime.microbatches)
+    }
+    seen: dict[str, list[float]] = {"F": [], "B": [], "L": []}
     for rep in range(reps + 1):
         runtime.reset_timers()
         dist.barrier()
         t0 = time.perf_counter()
         runtime.step(x, y)
         t1 = time.perf_counter()
-        rows: list[Any] = [None] * dist.get_world_size()
+        rows: list[Any] = [None] * world
         dist.all_gather_object(rows, (t0, t1, runtime.events()))
+        for rank_events in (r[2] for r in rows):
+            for e in rank_events:
+                seen[e[1]].append(e[4] - e[3])
         if rep:
             steps.append(([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]))
         for p in runtime.stage_parameters:
             p.grad = None
+        if floor and rep:
+            assert runtime.group_size == world and runtime.num_stages == world, "the floor needs one stage per rank"
+            seconds = {kind: statistics.median(values) for kind, values in seen.items() if values}
+            mine = rows[dist.get_rank()][2]
+            floor_rows: list[Any] = [None] * world
+            dist.all_gather_object(floor_rows, _floor_step(mine, seconds, buffers, world - 1))
+            span = max(r[1] for r in floor_rows) - min(r[0] for r in floor_rows)
+            out["floor_idle"].append(statistics.fmean(1.0 - r[2] / span for r in floor_rows))
     runtime.record_events(False)
     # a stage's typical chunk over all timed steps: a step where the host stalled most chunks
     # of one stage does not make that stage look slower
@@ -387,9 +464,10 @@ def _parallel_efficiency(rank: int, stage: nn.Module, sample: Tensor, reps: int 
 
 
 def _bubbles(
-    rank: int, blocks: nn.Sequential, mb: int, dim: int, reps: int, peaks: bool, out: dict[str, Any], prefix: str
+    rank: int, blocks: nn.Sequential, mb: int, dim: int, reps: int, sim: bool, out: dict[str, Any], prefix: str
 ) -> None:
-    """Bubble, idle, overhead and span per schedule and M (and stage 0's peak activations)."""
+    """Bubble, idle, overhead and span per schedule and M; for the simulated blocks (``sim``)
+    also stage 0's peak activations and the transport's floor (:func:`_floor_step`)."""
     group = dist.group.WORLD
     assert isinstance(group, dist.ProcessGroup)
     for m in MICROBATCHES:
@@ -402,10 +480,10 @@ def _bubbles(
                 blocks, counts=[len(blocks) // K] * K, schedule=schedule, microbatches=m, loss_fn=_loss,
                 group=group, device=torch.device("cpu"),
             )  # fmt: skip
-            result = _steps(runtime, x, y, reps)
-            for key in ("span", "idle", "bubble", "jitter", "overhead"):
+            result = _steps(runtime, x, y, reps, floor=sim)
+            for key in ("span", "idle", "bubble", "jitter", "overhead", *(("floor_idle",) if sim else ())):
                 out[f"{prefix}{key}_{schedule}_M{m}"] = median(result[key])
-            if not peaks:
+            if not sim:
                 continue
             if rank == 0:
                 saved = _SavedBytes([*blocks.parameters(), x])
@@ -457,7 +535,7 @@ def _balance(blocks: nn.Sequential, mb: int, dim: int, reps: int, world: int, co
         stage_cost = [sum(nominal[bounds[s] : bounds[s + 1]]) for s in range(K)]
 
         def nominal_duration(e: Event, cost: list[float] = stage_cost) -> float:
-            return cost[e[0]] * (1 if e[1] == "F" else 2) / 3
+            return cost[e[0]] * {"F": 1, "B": 2}.get(e[1], 0) / 3  # the loss: not in the block costs
 
         predicted[name] = replay(events[name], nominal_duration)
     return {
@@ -619,6 +697,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if idle is not None and bubble is not None:
                     line(f"{prefix}bubble_over_theory_{schedule}_M{mm}", idle / theory, "x")
                     line(f"{prefix}schedule_bubble_over_theory_{schedule}_M{mm}", bubble / theory, "x")
+                floor = r.get(f"{prefix}floor_idle_{schedule}_M{mm}")
+                if idle is not None and floor is not None:
+                    line(f"{prefix}floor_bubble_over_theory_{schedule}_M{mm}", floor / theory, "x")
+                    line(f"{prefix}bubble_over_floor_{schedule}_M{mm}", idle / floor, "x")
         units = {"idle": "fraction", "bubble": "fraction", "jitter": "fraction", "overhead": "fraction", "span": "ms"}
         for key, unit in units.items():
             for schedule in ("gpipe", "1f1b"):
@@ -657,33 +739,44 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def plot_bubble(r: dict[str, Any], path: Path, *, stage_ms: float) -> None:
-    """The seed's claim 5: bubble and step time against M, beside (K-1)/(M+K-1) and (M+K-1) slots."""
+    """The seed's claim 5: bubble, bubble / theory and step time against M."""
     plt = pyplot()
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
-    fig, (ax, ax_t) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (ax, ax_r, ax_t) = plt.subplots(1, 3, figsize=(15, 3.8))
     spans: list[float] = []
     for schedule, marker, color in (("gpipe", "o", "tab:blue"), ("1f1b", "s", "tab:orange")):
         ms = [m for m in MICROBATCHES if f"bubble_{schedule}_M{m}" in r]
-        series = (
-            ("idle", "-", 1.0, "bubble measured (sim)"),
-            ("bubble", ":", 0.7, "schedule fill/drain, replay (sim)"),
-            ("real_idle", "--", 0.5, "bubble measured (real compute)"),
-        )
-        for key, style, alpha, label in series:
+        theory = [(K - 1) / (m + K - 1) for m in ms]
+        for key, style, alpha, label in (
+            ("idle", "-", 1.0, "measured (sim)"),
+            ("real_idle", "--", 0.5, "measured (real compute)"),
+        ):
             ax.plot(ms, [r[f"{key}_{schedule}_M{m}"] for m in ms], marker + style, color=color, alpha=alpha,
                     label=f"{schedule} {label}")  # fmt: skip
+        for key, style, alpha, label in (
+            ("idle", "-", 1.0, "measured (sim)"),
+            ("floor_idle", "-.", 0.7, "bare gloo loop, equal stages (floor)"),
+            ("bubble", ":", 0.7, "schedule fill/drain alone (replay)"),
+        ):
+            if all(f"{key}_{schedule}_M{m}" in r for m in ms):
+                ratios = [r[f"{key}_{schedule}_M{m}"] / t for m, t in zip(ms, theory, strict=True)]
+                ax_r.plot(ms, ratios, marker + style, color=color, alpha=alpha, label=f"{schedule} {label}")
         spans = [*spans, *(1e3 * r[f"span_{schedule}_M{m}"] for m in ms)]
         ax_t.plot(ms, spans[-len(ms) :], marker + "-", color=color, label=f"{schedule} (sim)")
     ax.plot(MICROBATCHES, [(K - 1) / (m + K - 1) for m in MICROBATCHES], "k--", label="(K-1)/(M+K-1)")
+    ax_r.axhline(1.15, color="k", linestyle="--", linewidth=1, label="goal 1.15")
+    ax_r.axhline(1.0, color="grey", linewidth=0.8)
     ax_t.plot(MICROBATCHES, [(m + K - 1) * stage_ms for m in MICROBATCHES], "k--", label="(M+K-1) x nominal (F+B)")
-    for a in (ax, ax_t):
+    for a in (ax, ax_r, ax_t):
         a.set_xscale("log", base=2)
         a.set_xticks(MICROBATCHES, [str(m) for m in MICROBATCHES])
         a.set_xlabel("micro-batches M")
         a.legend(fontsize=7)
-    ax.set_ylabel("share of a step")
+    ax.set_ylabel("idle share of a step")
     ax.set_title(f"pipeline bubble, K={K}", fontsize=9)
+    ax_r.set_ylabel("bubble / (K-1)/(M+K-1)")
+    ax_r.set_title("bubble over theory: runtime, transport floor, schedule alone", fontsize=9)
     ax_t.set_ylabel("step time (ms)")
     ax_t.set_yscale("log")
     ax_t.set_yticks([t for t in (50, 100, 200, 500, 1000, 2000, 5000, 10000) if t <= 2 * max(spans)])
