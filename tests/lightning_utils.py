@@ -9,6 +9,7 @@ Processes are fork-started (``start_method="fork"``), ~0.2 s to the first step i
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -46,6 +47,28 @@ class TinyRegressor(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return self.optimizer_factory(self.parameters())
+
+
+class StopAfter(pl.Callback):
+    """Save ``path`` and stop after global step ``step`` (or, with ``epoch``, after that epoch),
+    at a batch end (``where="batch"``) or at the epoch end (``where="epoch"``)."""
+
+    def __init__(self, where: str, path: Path, *, step: int | None = None, epoch: int | None = None) -> None:
+        self.where, self.path, self.step, self.epoch = where, path, step, epoch
+
+    def _maybe_stop(self, trainer: pl.Trainer) -> None:
+        due = trainer.global_step == self.step if self.epoch is None else trainer.current_epoch == self.epoch
+        if due and not trainer.should_stop:
+            trainer.save_checkpoint(self.path)  # every rank calls it: ps and pipeline gather
+            trainer.should_stop = True
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        if self.where == "batch":
+            self._maybe_stop(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.where == "epoch":
+            self._maybe_stop(trainer)
 
 
 def regression_data(n: int = 64, in_dim: int = 8, seed: int = 0) -> TensorDataset:

@@ -46,7 +46,7 @@ import torch
 from _torchrun_fit import PipeTinyRegressor
 from app_utils import FEW_BATCHES, compose_cfg
 from lightning.pytorch.strategies import DDPStrategy
-from lightning_utils import TinyRegressor, regression_data
+from lightning_utils import StopAfter, TinyRegressor, regression_data
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -115,28 +115,6 @@ class _Record(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         Path(f"{self.prefix}.rank{trainer.global_rank}.json").write_text(json.dumps(self.steps))
-
-
-class _StopAfter(pl.Callback):
-    """Save ``path`` and stop after global step ``step`` (or, with ``epoch``, after that epoch),
-    at a batch end (``where="batch"``) or at the epoch end (``where="epoch"``)."""
-
-    def __init__(self, where: str, path: Path, *, step: int | None = None, epoch: int | None = None) -> None:
-        self.where, self.path, self.step, self.epoch = where, path, step, epoch
-
-    def _maybe_stop(self, trainer: pl.Trainer) -> None:
-        due = trainer.global_step == self.step if self.epoch is None else trainer.current_epoch == self.epoch
-        if due and not trainer.should_stop:
-            trainer.save_checkpoint(self.path)  # every rank calls it: ps and pipeline gather
-            trainer.should_stop = True
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
-        if self.where == "batch":
-            self._maybe_stop(trainer)
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.where == "epoch":
-            self._maybe_stop(trainer)
 
 
 class _SaveAtEnd(pl.Callback):
@@ -212,7 +190,7 @@ def test_resume_equals_the_uninterrupted_run(name: str, stop: str, reference_dir
     ref_prefix, ref_final = _reference(name, reference_dir)
     where, k = STOPS[stop]
     ckpt, final = tmp_path / "stop.ckpt", tmp_path / "final.ckpt"
-    _fit(name, tmp_path / "first", _StopAfter(where, ckpt, step=k))
+    _fit(name, tmp_path / "first", StopAfter(where, ckpt, step=k))
     _fit(name, tmp_path / "resumed", _SaveAtEnd(final), ckpt_path=ckpt)
 
     first, resumed, want = _records(tmp_path / "first"), _records(tmp_path / "resumed"), _records(ref_prefix)
@@ -297,7 +275,7 @@ def _async_fit(epochs: int, callbacks: list[pl.Callback], ckpt_path: Path | None
 def test_async_resumes_from_the_saved_shard_state_and_reaches_the_same_accuracy(tmp_path: Path) -> None:
     ckpt = tmp_path / "epoch1.ckpt"
     # epoch ends only: the ranks take different numbers of the epoch's 32 batches
-    _async_fit(3, [_StopAfter("epoch", ckpt, epoch=0)])
+    _async_fit(3, [StopAfter("epoch", ckpt, epoch=0)])
     saved = torch.load(ckpt, weights_only=False)
     assert saved["epoch"] == 0 and 0 < saved["global_step"] < 32
     resumed, accuracy = _async_fit(3, [_ShardStateAtStart()], ckpt_path=ckpt)

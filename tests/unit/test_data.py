@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning_utils import TinyRegressor, regression_data
+from lightning_utils import StopAfter, TinyRegressor, regression_data
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
 
 from lightning_strategies.data import DevicePrefetcher, EpochRandomSampler, PrefetchConfig, ResumableDataLoader
@@ -271,24 +271,6 @@ class _IndexedRegressor(TinyRegressor):
         return super().training_step(batch, batch_idx)
 
 
-class _StopAfter(pl.Callback):
-    def __init__(self, where: str, step: int, path: Path) -> None:
-        self.where, self.step, self.path = where, step, path
-
-    def _maybe_stop(self, trainer: pl.Trainer) -> None:
-        if trainer.global_step == self.step and not trainer.should_stop:
-            trainer.save_checkpoint(self.path)
-            trainer.should_stop = True
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
-        if self.where == "batch":
-            self._maybe_stop(trainer)
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.where == "epoch":
-            self._maybe_stop(trainer)
-
-
 def _fit_one_device(
     model: _IndexedRegressor, *, workers: int, limit: dict[str, int], callbacks: list[pl.Callback], ckpt: Path | None
 ) -> list[list[int]]:
@@ -322,7 +304,7 @@ def test_lightning_resume_on_one_device_sees_the_uninterrupted_order(case: str, 
     want = _fit_one_device(_IndexedRegressor(), workers=workers, limit=limit, callbacks=[], ckpt=None)
     ckpt = tmp_path / "stop.ckpt"
     first = _fit_one_device(
-        _IndexedRegressor(), workers=workers, limit=limit, callbacks=[_StopAfter(where, step, ckpt)], ckpt=None
+        _IndexedRegressor(), workers=workers, limit=limit, callbacks=[StopAfter(where, ckpt, step=step)], ckpt=None
     )
     rest = _fit_one_device(_IndexedRegressor(), workers=workers, limit=limit, callbacks=[], ckpt=ckpt)
     assert len(first) == step and len(want) == len(first) + len(rest)
