@@ -340,8 +340,8 @@ def _floor_step(
     do), sleeps ``seconds[kind]`` (the same for every stage: equal stages) and sends its result
     with ``isend`` without waiting for it. No schedule object, no autograd, no stage
     bookkeeping: what is left of the bubble beyond the theory is the cost of the transfers and
-    of a Python loop on this machine, which no runtime can go below. One stage per rank
-    (stage ``s`` on rank ``s``).
+    of a Python loop on this machine, which a runtime posting the same transfers does not go
+    below. One stage per rank (stage ``s`` on rank ``s``).
 
     Returns:
         ``(start, end, compute seconds)`` of this rank.
@@ -389,7 +389,7 @@ def _steps(runtime: PipelineRuntime, x: Tensor, y: Tensor, reps: int, *, floor: 
         for kind in "FB"
         for mb in range(runtime.microbatches)
     }
-    seen: dict[str, list[float]] = {"F": [], "B": [], "L": []}
+    seen: dict[str, list[float]] = {"F": [], "B": []}  # the floor's chunks (it has no loss)
     for rep in range(reps + 1):
         runtime.reset_timers()
         dist.barrier()
@@ -400,14 +400,15 @@ def _steps(runtime: PipelineRuntime, x: Tensor, y: Tensor, reps: int, *, floor: 
         dist.all_gather_object(rows, (t0, t1, runtime.events()))
         for rank_events in (r[2] for r in rows):
             for e in rank_events:
-                seen[e[1]].append(e[4] - e[3])
+                if e[1] in seen:
+                    seen[e[1]].append(e[4] - e[3])
         if rep:
             steps.append(([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]))
         for p in runtime.stage_parameters:
             p.grad = None
         if floor and rep:
             assert runtime.group_size == world and runtime.num_stages == world, "the floor needs one stage per rank"
-            seconds = {kind: statistics.median(values) for kind, values in seen.items() if values}
+            seconds = {kind: statistics.median(values) for kind, values in seen.items()}
             mine = rows[dist.get_rank()][2]
             floor_rows: list[Any] = [None] * world
             dist.all_gather_object(floor_rows, _floor_step(mine, seconds, buffers, world - 1))
