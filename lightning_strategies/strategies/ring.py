@@ -20,35 +20,33 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.strategies import DDPStrategy
 from torch.nn import Module
 from torch.nn.parallel.distributed import DistributedDataParallel
 from torch.optim.optimizer import Optimizer
 from typing_extensions import override
 
-from lightning_strategies.checkpoint import ATOMIC_CHECKPOINT_IO_DEFAULT
 from lightning_strategies.comm.ring import WIRE_DTYPES, RingBucketReducer, resolve_wire_dtype
-from lightning_strategies.faults import PeerFailureMixin
-from lightning_strategies.strategies._elastic import ElasticRestartMixin
+from lightning_strategies.strategies._base import StrategyBase
 
 __all__ = ["RingAllReduceStrategy"]
 
 log = logging.getLogger(__name__)
 
-_NOT_OURS = ("ddp_comm_hook", "ddp_comm_wrapper", "ddp_comm_state", "model_averaging_period")
+_DDP_HOOK_OPTIONS = ("ddp_comm_hook", "ddp_comm_wrapper", "ddp_comm_state", "model_averaging_period")
 
 
-class RingAllReduceStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
+class RingAllReduceStrategy(StrategyBase):
     """Data-parallel training whose gradients are averaged by a ring all-reduce.
 
     Registered as ``"ring"`` (and ``"ring_bf16"`` = ``wire_dtype="bf16"``) on
     ``import lightning_strategies``. Launching, multi-node cluster environments
     (torchrun, SLURM, ...), ``no_sync`` gradient accumulation and checkpointing are DDP's.
 
-    Every optimizer step logs this rank's ``comm/bytes_sent``, ``comm/bytes_received``,
-    ``comm/calls`` and ``comm/seconds`` (time inside the ring, on the reducer thread) through
-    ``LightningModule.log``, so they reach ``trainer.callback_metrics`` and the logger (which
-    writes rank 0's).
+    Logged at Lightning's step-logging cadence (``Trainer(log_every_n_steps=...)``), as per-step
+    means over the optimizer steps since the last log: this rank's ``comm/bytes_sent``,
+    ``comm/bytes_received``, ``comm/calls`` and ``comm/seconds`` (time inside the ring, on the
+    reducer thread), through ``LightningModule.log``, so they reach ``trainer.callback_metrics``
+    and the logger (which writes rank 0's).
 
     On a fault: a peer that dies closes its connections, so its ring neighbours fail at once
     (:class:`~lightning_strategies.comm.ring.RingPeerError`, naming the neighbour); a peer that
@@ -74,7 +72,6 @@ class RingAllReduceStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
     """
 
     strategy_name = "ring"
-    checkpoint_io = ATOMIC_CHECKPOINT_IO_DEFAULT  # atomic checkpoint writes unless the user gives an IO
 
     def __init__(
         self,
@@ -89,7 +86,7 @@ class RingAllReduceStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
         if wire_dtype is not None and not isinstance(wire_dtype, str):
             raise ValueError(f"Invalid wire_dtype {wire_dtype!r}: expected None or one of {sorted(WIRE_DTYPES)}.")
         resolve_wire_dtype(wire_dtype)  # raises with the valid names listed
-        clash = sorted(k for k in _NOT_OURS if kwargs.get(k) is not None)
+        clash = sorted(k for k in _DDP_HOOK_OPTIONS if kwargs.get(k) is not None)
         if clash:
             raise ValueError(
                 f"RingAllReduceStrategy got {clash}, but the ring is itself the DDP communication hook. "
@@ -144,14 +141,11 @@ class RingAllReduceStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
     def _log_comm_stats(self) -> None:
         # After the closure (forward + backward, so every bucket of this step has been reduced:
         # DDP waited for the futures). Steps that only accumulate gradients under no_sync reduce
-        # nothing and are summed into the next optimizer step. Logging is allowed here because
-        # Lightning runs this inside the ``optimizer_step`` hook (or ``training_step`` for
-        # manual optimization).
-        module = self.lightning_module
-        if self._reducer is None or module is None or module._trainer is None:
+        # nothing and are summed into the next optimizer step.
+        if self._reducer is None:
             return
-        stats = self._reducer.pop_stats()
-        module.log_dict(stats.as_dict("comm/"), on_step=True, on_epoch=False, batch_size=1)
+        self.metrics.add(**self._reducer.pop_stats().as_dict("comm/"))
+        self.metrics.flush_if_due(self.lightning_module)
 
     def _close_reducer(self) -> None:
         stopped = self._reducer.close() if self._reducer is not None else True
