@@ -12,12 +12,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -111,7 +113,8 @@ class StrategyBase(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
       (a graceful shutdown or a group's destruction would wait for a dead peer). Reset once the
       teardown is done.
     - :attr:`trainer`: the trainer of the attached module, or ``None``.
-    - :attr:`metrics`: a :class:`MetricsWindow`, emptied at teardown.
+    - :attr:`metrics`: a :class:`MetricsWindow`, emptied at teardown, and
+      :meth:`_after_optimizer_step`, where a strategy collects and logs its per-step metrics.
     - :meth:`_keep_state_at_fit_end` / :meth:`_state_after_fit`: strategies whose optimizer state
       lives in their runtime (servers, stages) keep the gathered state when fit ends, for a
       ``Trainer.save_checkpoint`` after fit, when the runtime is gone.
@@ -153,6 +156,22 @@ class StrategyBase(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
     def _state_after_fit(self, optimizer: Optimizer) -> dict[str, Any] | None:
         """The state kept by :meth:`_keep_state_at_fit_end` for ``optimizer``, if any."""
         return self._state_at_fit_end.get(id(_unwrap(optimizer)))
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._after_optimizer_step()
+        return output
+
+    def _after_optimizer_step(self) -> None:
+        """Runs after each optimizer step, inside Lightning's ``optimizer_step`` hook (``self.log``
+        is allowed there): collect this step's metrics into :attr:`metrics` and flush when due."""
 
     @override
     def on_exception(self, exception: BaseException) -> None:

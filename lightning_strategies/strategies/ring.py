@@ -12,17 +12,13 @@ a process group of its own.
 # ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` as objects, not strings.
 
 import logging
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from torch.nn import Module
 from torch.nn.parallel.distributed import DistributedDataParallel
-from torch.optim.optimizer import Optimizer
 from typing_extensions import override
 
 from lightning_strategies.comm.ring import WIRE_DTYPES, RingBucketReducer, resolve_wire_dtype
@@ -127,18 +123,7 @@ class RingAllReduceStrategy(StrategyBase):
         return self._reducer.submit(bucket.buffer())
 
     @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._log_comm_stats()
-        return output
-
-    def _log_comm_stats(self) -> None:
+    def _after_optimizer_step(self) -> None:
         # After the closure (forward + backward, so every bucket of this step has been reduced:
         # DDP waited for the futures). Steps that only accumulate gradients under no_sync reduce
         # nothing and are summed into the next optimizer step.
