@@ -5,10 +5,11 @@ Importing the package registers its strategy names (``"ring"``, ...) with Lightn
 """
 
 from lightning_strategies.checkpoint import AtomicCheckpointIO, CorruptCheckpointError
+from lightning_strategies.comm.heartbeat import PeerLostError
 from lightning_strategies.comm.ring import ring_all_reduce
 from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.data import DevicePrefetcher, EpochRandomSampler, PrefetchConfig, ResumableDataLoader
-from lightning_strategies.faults import PeerFailureReport, PeerLostError
+from lightning_strategies.faults import PeerFailureReport
 from lightning_strategies.pipeline_protocol import PipelineModule
 from lightning_strategies.scaling import (
     LinearWarmup,

@@ -4,6 +4,7 @@ Each algorithm is a plain function or class over tensors and a process group and
 accumulates :class:`CommStats`, so it can be tested against ``torch.distributed`` directly.
 """
 
+from lightning_strategies.comm.heartbeat import Heartbeat, PeerDiagnosis, PeerLostError, start_heartbeat
 from lightning_strategies.comm.ps import (
     OptimizerSpec,
     ParameterServerClient,
@@ -15,11 +16,15 @@ from lightning_strategies.comm.stats import CommStats
 
 __all__ = [
     "CommStats",
+    "Heartbeat",
     "OptimizerSpec",
     "ParameterServerClient",
     "ParameterShard",
+    "PeerDiagnosis",
+    "PeerLostError",
     "RingBucketReducer",
     "RingPeerError",
     "ring_all_reduce",
     "shard_parameters",
+    "start_heartbeat",
 ]

@@ -74,13 +74,13 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
 }
 
 _OPS = ("sum", "avg")
-# Segment sizes measured side by side (2 vCPUs, loopback, benchmarks/allreduce.py and CPU time
-# per call): every message costs kernel and wake-up work of its own, so same-dtype segments of
-# 4 MiB take less CPU than gloo's 1 MiB, and bigger ones (16 MiB) pipeline too coarsely when
-# ranks share cores; with a wire dtype 2 MiB (1M elements, a 4 MiB float32 scratch) took ~5%
-# less CPU than 1 MiB.
+# Every message costs kernel and wake-up work of its own, so segments are larger than gloo's
+# 1 MiB; much larger ones pipeline too coarsely when ranks share cores. A 2 MiB wire segment
+# carries the same 1M elements as a 4 MiB float32 one (and upcasts into a 4 MiB scratch).
 _SEGMENT_BYTES = 4 << 20
 _WIRE_SEGMENT_BYTES = 2 << 20
+# Receives posted ahead: gloo writes a send straight into the socket only once the peer has posted
+# the matching receive, and hands it to its event-loop thread otherwise.
 _WINDOW = 4
 # Codes exchanged by the peer check; -1 stands for "not in the list" (an unsupported dtype).
 _DTYPE_CODES: tuple[torch.dtype, ...] = (*SUPPORTED_DTYPES, torch.bool, torch.complex64, torch.complex128)
@@ -156,13 +156,13 @@ def _problem_message(tensor: Any, op: str, wire: torch.dtype | None) -> str | No
     return None
 
 
-def _code(dtype: torch.dtype | None) -> int:
+def _dtype_code(dtype: torch.dtype | None) -> int:
     if dtype is None:
         return -2
     return _DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1
 
 
-def _name(code: int) -> str:
+def _dtype_name(code: int) -> str:
     return {-2: "None", -1: "unsupported"}.get(code) or str(_DTYPE_CODES[code]).removeprefix("torch.")
 
 
@@ -176,11 +176,11 @@ def _check_peers(
     its peers waiting. The cost is one collective of a few integers per call.
     """
     ok = isinstance(tensor, torch.Tensor)
-    mine = [
+    mine = [  # numel, dtype, op and wire dtype must agree across ranks; then whether the input is ok
         tensor.numel() if ok else -1,
-        _code(tensor.dtype) if ok else -1,
+        _dtype_code(tensor.dtype) if ok else -1,
         _OPS.index(op) if op in _OPS else -1,
-        _code(wire),
+        _dtype_code(wire),
         int(problem is None),
     ]
     device = tensor.device if ok and tensor.device.type != "meta" else torch.device("cpu")
@@ -201,7 +201,7 @@ def _check_peers(
         )
     if any(row[:4] != table[0][:4] for row in table):
         desc = "; ".join(
-            f"rank {r}: numel={row[0]} dtype={_name(row[1])} op={_OPS[row[2]]} wire_dtype={_name(row[3])}"
+            f"rank {r}: numel={row[0]} dtype={_dtype_name(row[1])} op={_OPS[row[2]]} wire_dtype={_dtype_name(row[3])}"
             for r, row in enumerate(table)
         )
         raise ValueError(
@@ -221,18 +221,18 @@ def _chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _segments(bounds: tuple[int, int], seg: int) -> list[tuple[int, int]]:
+def _segments(bounds: tuple[int, int], seg_elems: int) -> list[tuple[int, int]]:
     start, end = bounds
-    return [(a, min(a + seg, end)) for a in range(start, end, seg)]
+    return [(a, min(a + seg_elems, end)) for a in range(start, end, seg_elems)]
 
 
 class _Workspace(threading.local):
     """Scratch buffers reused across calls, one set per thread.
 
-    Freshly allocated large CPU buffers are fresh pages from the kernel: first-touch page faults
-    made the wire-dtype path ~10x slower per byte than a warm copy. The buffers grow to the
-    largest call seen (on gloo a few segments, plus with a wire dtype a shadow of ``numel``
-    wire elements; on NCCL two chunks) and are kept until :func:`release_workspace`.
+    Freshly allocated large CPU buffers are fresh pages from the kernel, whose first-touch page
+    faults cost far more than the copy into them. The buffers grow to the largest call seen (on
+    gloo a few segments, plus with a wire dtype a shadow of ``numel`` wire elements; on NCCL two
+    chunks) and are kept until :func:`release_workspace`.
     """
 
     def __init__(self) -> None:
@@ -306,8 +306,8 @@ class _Ring:
         reduce-scatter writes the wire-dtype value to forward into ``out`` (default ``got``), and
         all-gather only upcasts ``got`` into ``mine``: ``got`` itself is forwarded, never cast
         twice. ``scratch`` (tensor dtype, at least ``got.numel()``) holds the upcast segment:
-        cast-then-add into it took 3.6 ms per 12.8M elements against 5.0 ms for a mixed-dtype
-        ``torch.add(mine, got, out=scratch)`` (torch 2.14, 1M-element segments, 2 vCPUs).
+        a cast followed by a same-dtype add is cheaper than one mixed-dtype
+        ``torch.add(mine, got, out=scratch)``.
         """
         world, wire = self.world, self.wire
         if t >= world - 1:  # all-gather: the segment is final

@@ -80,7 +80,7 @@ def _die(out_dir: Path, rank: int, step: int, where: str, sig: signal.Signals = 
 
 class _Timeline(Callback):
     """Appends ``{"event", "time"}`` lines to ``rank<r>.events``: ``diagnose`` (the failure reached
-    :mod:`lightning_strategies.faults`, which starts watching the heartbeats), ``diagnosed`` (the
+    :mod:`lightning_strategies.comm.heartbeat`, which starts watching the heartbeats), ``diagnosed`` (the
     diagnosis is done), ``exception`` (Lightning's ``on_exception``) and ``exit`` (an atexit handler,
     after teardown: the interpreter is exiting)."""
 

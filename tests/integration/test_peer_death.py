@@ -32,7 +32,7 @@ the interpreter began to exit):
   (half the SIGKILL cases' ``timeout``: no wait for the dead peer); and its process was gone
   within ``EXIT_MARGIN_S`` more (interpreter exit is slow on a loaded machine, never a hang);
 - every survivor's output names the loss as ``"<strategy>: lost peer rank <victim> of <world>:"``
-  (the diagnosis of :mod:`lightning_strategies.faults`) and names no survivor as lost;
+  (the diagnosis of :mod:`lightning_strategies.comm.heartbeat`) and names no survivor as lost;
 - no process is left in the zygote's session, and the zygote had to kill no rank (a hang at
   teardown or at interpreter exit would show as a timeout there).
 

@@ -1,26 +1,13 @@
-"""The heartbeat diagnosis of :mod:`lightning_strategies.faults` against real stores.
+"""The Lightning side of the lost-peer diagnosis (:mod:`lightning_strategies.faults`).
 
-Ranks are :class:`Heartbeat` objects of one process sharing a ``HashStore`` (or a ``TCPStore``);
-a *frozen* peer is a heartbeat whose interval is an hour: it beats once when it starts and never
-again, as a SIGKILLed or SIGSTOPped process would. Live peers beat every 20 ms, so the
-diagnosis (a grace of 1 s: 50 live intervals) tells them apart with a wide margin even on a
-loaded machine; it returns as soon as every live peer has beaten, and waits the full grace
-only for a frozen one.
+The heartbeats and the diagnosis themselves are tested in ``test_heartbeat.py``.
 """
 
 from __future__ import annotations
 
-import datetime
-import os
-import signal
-import time
-from collections.abc import Iterator
-
-import pytest
-import torch.distributed as dist
-from dist_utils import free_port
 from lightning.pytorch.strategies import DDPStrategy
 
+import lightning_strategies.comm.heartbeat as heartbeat
 import lightning_strategies.faults as faults
 from lightning_strategies import (
     AsyncParameterServerStrategy,
@@ -29,150 +16,7 @@ from lightning_strategies import (
     PipelineStrategy,
     RingAllReduceStrategy,
 )
-from lightning_strategies.faults import Heartbeat, annotate_peer_failure, start_heartbeat, strategy_label
-
-LIVE_S = 0.02
-FROZEN_S = 3600.0
-GRACE_S = 1.0
-
-
-@pytest.fixture
-def beats() -> Iterator[list[Heartbeat]]:
-    started: list[Heartbeat] = []
-    yield started
-    for beat in started:
-        beat.stop(finished=False)
-
-
-def _ranks(store: dist.Store, intervals: list[float], beats: list[Heartbeat]) -> list[Heartbeat]:
-    world = len(intervals)
-    for rank, interval in enumerate(intervals):
-        beats.append(Heartbeat(store, rank, world, interval=interval, grace=GRACE_S, store_host="h:1").start())
-    return beats
-
-
-def test_a_frozen_peer_is_lost_and_named(beats: list[Heartbeat]) -> None:
-    ranks = _ranks(dist.HashStore(), [LIVE_S, FROZEN_S, LIVE_S], beats)
-    start = time.monotonic()
-    found = ranks[0].diagnose()
-    waited = time.monotonic() - start
-    assert found.lost == (1,) and found.failed == {} and found.finished == () and found.gone == (1,)
-    assert GRACE_S <= waited < GRACE_S + 2.0  # the frozen peer is watched for the whole grace
-    text = found.describe("ring")
-    assert text is not None and text.startswith("ring: lost peer rank 1 of 3: no heartbeat for 1.0 s")
-    assert "how rank 0 noticed" in text
-
-
-def test_live_peers_are_not_named_and_the_diagnosis_returns_early(beats: list[Heartbeat]) -> None:
-    ranks = _ranks(dist.HashStore(), [LIVE_S, LIVE_S, LIVE_S], beats)
-    start = time.monotonic()
-    found = ranks[2].diagnose()
-    assert time.monotonic() - start < GRACE_S / 2  # both peers beat within a few intervals
-    assert found.gone == () and found.describe("ddp") is None
-
-
-def test_a_peer_that_reported_its_error_is_named_with_it_not_lost(beats: list[Heartbeat]) -> None:
-    ranks = _ranks(dist.HashStore(), [LIVE_S, LIVE_S, FROZEN_S], beats)
-    ranks[1].report_failure("ValueError: bad batch")
-    ranks[1].stop(finished=False)  # stops beating, as a failed rank does at teardown
-    ranks[1].report_failure("RuntimeError: later")  # only the first report counts
-    found = ranks[0].diagnose()
-    assert found.failed == {1: "ValueError: bad batch"} and found.lost == (2,) and found.gone == (1, 2)
-    text = found.describe("pipeline")
-    assert text is not None
-    assert "pipeline: lost peer rank 2 of 3:" in text
-    assert "pipeline: peer rank 1 of 3 stopped on an error: ValueError: bad batch" in text
-    assert "lost peer rank 1" not in text
-
-
-def test_a_finished_peer_is_not_lost(beats: list[Heartbeat]) -> None:
-    ranks = _ranks(dist.HashStore(), [LIVE_S, LIVE_S], beats)
-    ranks[1].stop()
-    found = ranks[0].diagnose()
-    assert found.finished == (1,) and found.lost == () and found.failed == {}
-    assert "peer rank(s) 1 of 2 had already finished" in (found.describe("ps") or "")
-
-
-def test_a_restarted_run_forgets_the_marks_of_the_previous_one(beats: list[Heartbeat]) -> None:
-    store = dist.HashStore()
-    first = _ranks(store, [LIVE_S, LIVE_S], [])
-    first[1].stop()  # finished the previous fit
-    first[0].stop()
-    ranks = _ranks(store, [LIVE_S, FROZEN_S], beats)  # the same ranks, a new fit: rank 1 freezes
-    assert ranks[0].diagnose().lost == (1,)
-
-
-def _serve_store(write_fd: int) -> None:
-    """In a forked child: host a TCPStore, tell its port, wait to be killed."""
-    try:
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        os.write(write_fd, str(store.port).encode())
-        time.sleep(60)
-    finally:
-        os._exit(0)
-
-
-@pytest.mark.parametrize("agent", [False, True], ids=["store-on-rank0", "store-on-torchrun-agent"])
-def test_an_unreachable_store_names_its_host_rank(agent: bool, beats: list[Heartbeat]) -> None:
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        _serve_store(write_fd)
-    try:
-        port = int(os.read(read_fd, 16))
-        timeout = datetime.timedelta(seconds=5)
-        clients = [dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout) for _ in range(2)]
-        for rank, client in enumerate(clients):
-            host = f"127.0.0.1:{port}"
-            beat = Heartbeat(client, rank, 2, interval=LIVE_S, grace=GRACE_S, store_host=host,
-                             store_rank=None if agent else 0)  # fmt: skip
-            beats.append(beat.start())
-    finally:
-        os.kill(pid, signal.SIGKILL)  # the store's host dies
-        os.waitpid(pid, 0)
-        os.close(read_fd)
-        os.close(write_fd)
-    found = beats[1].diagnose()
-    assert found.store_error is not None and found.lost == ()
-    text = found.describe("async") or ""
-    if agent:
-        assert found.gone == () and "hosted by torchrun's agent on node 0" in text and "lost peer" not in text
-    else:
-        assert found.gone == (0,)
-        assert text.startswith(f"async: lost peer rank 0 of 2: it hosts the store at 127.0.0.1:{port}")
-
-
-def test_annotate_adds_the_diagnosis_once_and_reports_this_rank(beats: list[Heartbeat]) -> None:
-    ranks = _ranks(dist.HashStore(), [LIVE_S, FROZEN_S], beats)
-    err = RuntimeError("Connection closed by peer [127.0.0.1]:4242")
-    annotate_peer_failure(err, ranks[0], "ddp")
-    annotate_peer_failure(err, ranks[0], "ddp")  # a second hook on the same exception adds nothing
-    assert len(err.__notes__) == 1 and err.__notes__[0].startswith("ddp: lost peer rank 1 of 2:")
-    # rank 0 told the others why it stops
-    assert ranks[1].diagnose(grace=0.0).failed == {0: "RuntimeError: Connection closed by peer [127.0.0.1]:4242"}
-    plain = ValueError("no heartbeat, no note")
-    annotate_peer_failure(plain, None, "ddp")
-    annotate_peer_failure(KeyboardInterrupt(), ranks[0], "ddp")  # not an Exception: left alone
-    assert not hasattr(plain, "__notes__")
-
-
-def test_a_failed_step_raises_peer_lost_error_only_when_a_peer_is_gone(beats: list[Heartbeat]) -> None:
-    lost_ranks = _ranks(dist.HashStore(), [LIVE_S, FROZEN_S], beats)
-    cause = RuntimeError("gloo: Connection reset by peer")
-    with pytest.raises(PeerLostError) as info, faults._raise_peer_lost(lambda: lost_ranks[0], lambda: "ring"):
-        raise cause
-    err = info.value
-    assert err.ranks == (1,) and err.strategy == "ring" and err.__cause__ is cause
-    assert str(err).startswith("ring: lost peer rank 1 of 2:") and err.diagnosis.lost == (1,)
-    annotate_peer_failure(err, lost_ranks[0], "ring")  # Lightning's on_exception: already diagnosed
-    assert not hasattr(err, "__notes__")
-
-    alive = _ranks(dist.HashStore(), [LIVE_S, LIVE_S], [])
-    beats.extend(alive)
-    local = ValueError("a bug in training_step")
-    with pytest.raises(ValueError) as plain, faults._raise_peer_lost(lambda: alive[0], lambda: "ring"):
-        raise local
-    assert plain.value is local  # every peer alive: the original error, unchanged
+from lightning_strategies.faults import strategy_label
 
 
 def test_strategy_labels() -> None:
@@ -183,23 +27,8 @@ def test_strategy_labels() -> None:
     assert strategy_label(DDPStrategy()) == "ddp"
 
 
-def test_start_heartbeat_uses_the_process_groups_store_under_its_prefixes() -> None:
-    assert start_heartbeat(0, 2) is None  # no process group
-    port = free_port()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        assert start_heartbeat(0, 1) is None  # nobody to watch
-        beat = start_heartbeat(0, 2, interval=LIVE_S)  # as rank 0 of 2 (no rank 1 ever starts)
-        assert beat is not None
-        try:
-            assert beat.store_host == f"127.0.0.1:{port}" and beat.store_rank == 0
-            store = dist.distributed_c10d._get_default_store()  # the group's own connection
-            key = "lightning_strategies/peers/beat/0"
-            first = store.add(key, 0)
-            time.sleep(20 * LIVE_S)
-            assert store.add(key, 0) > first >= 1  # the clone beats into the group's namespace
-            assert beat.diagnose(grace=0.2).lost == (1,)
-        finally:
-            beat.stop()
-    finally:
-        dist.destroy_process_group()
+def test_the_heartbeat_names_stay_importable_from_faults_and_the_package() -> None:
+    for name in ("Heartbeat", "PeerDiagnosis", "PeerLostError", "annotate_peer_failure", "start_heartbeat"):
+        assert getattr(faults, name) is getattr(heartbeat, name), name
+    assert faults.GRACE_INTERVALS == heartbeat.GRACE_INTERVALS and faults.DEFAULT_INTERVAL == heartbeat.DEFAULT_INTERVAL
+    assert PeerLostError is heartbeat.PeerLostError and issubclass(PeerLostError, RuntimeError)
