@@ -2,7 +2,8 @@
 
 You, Gitman and Ginsburg, "Large Batch Training of Convolutional Networks", 2017
 (arXiv:1708.03888), Algorithm 1, with torch's SGD momentum convention on top (as in
-NVIDIA's LARC and timm's ``optim/lars.py``).
+NVIDIA's LARC and timm's ``optim/lars.py``). The machinery shared with
+:mod:`lightning_strategies.optim.lamb` is in :mod:`lightning_strategies.optim._foreach`.
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
-from lightning_strategies.optim.lamb import (
-    _block_elements,
-    _check,
-    _is_real,
+from lightning_strategies.optim._foreach import (
+    _cache_block_elements,
+    _is_real_number,
     _LayerwiseOptimizer,
     _norm_dtype,
-    _refuse_sparse,
-    _unit_norms,
-    _units,
+    _refuse_sparse_grads,
+    _require_flags,
+    _require_foreach_option,
+    _require_nonnegative,
+    _require_valid,
+    _split_into_cache_units,
     _use_foreach,
 )
 
@@ -136,7 +139,7 @@ class Lars(_LayerwiseOptimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            _refuse_sparse("Lars", params)
+            _refuse_sparse_grads("Lars", params)
             grads = [cast(Tensor, p.grad) for p in params]
             momentum = float(group["momentum"])
             bufs: list[Tensor | None] = [self.state[p].get("momentum_buffer") for p in params]
@@ -268,22 +271,22 @@ def _multi_tensor_lars(
                 bufs[j] = sub_buf
             continue
         lists = [xs, gs] if momentum == 0 else [xs, gs, cast(list[Tensor], dev_bufs)]
-        for unit in _units(lists, _block_elements(xs[0].device)):
+        for unit in _split_into_cache_units(lists, _cache_block_elements(xs[0].device)):
             # A unit is a run of whole tensors, or one large tensor cut into chunks; each op
             # below runs on one run / chunk, which stays in cache from the first op to the last.
-            ux, ug = unit.lists[0], unit.lists[1]
+            ux, ug = unit.tensor_lists[0], unit.tensor_lists[1]
             locals_: list[Tensor] | None = None
             if layer_adaptation:
                 local = _local_lrs(
-                    _unit_norms(unit, list(torch._foreach_norm(ux, 2, dtype=_norm_dtype(ux[0])))),
-                    _unit_norms(unit, list(torch._foreach_norm(ug, 2, dtype=_norm_dtype(ug[0])))),
+                    unit.tensor_norms(list(torch._foreach_norm(ux, 2, dtype=_norm_dtype(ux[0])))),
+                    unit.tensor_norms(list(torch._foreach_norm(ug, 2, dtype=_norm_dtype(ug[0])))),
                     trust_coefficient=trust_coefficient,
                     weight_decay=weight_decay,
                     eps=eps,
                     trust_clip=trust_clip,
                 )
-                locals_ = unit.spread(local.unbind(0))
-            for b in unit.blocks:
+                locals_ = unit.expand_to_views(local.unbind(0))
+            for b in unit.op_slices:
                 ds = (
                     torch._foreach_add(ug[b], ux[b], alpha=weight_decay) if weight_decay != 0 else ug[b]
                 )  # d = g + wd x
@@ -294,7 +297,7 @@ def _multi_tensor_lars(
                     else:
                         torch._foreach_addcmul_(ux[b], ds, loc, value=-lr)  # x = x - lr local d
                     continue
-                ub = unit.lists[2][b]
+                ub = unit.tensor_lists[2][b]
                 torch._foreach_mul_(ub, momentum)
                 if loc is not None:
                     torch._foreach_addcmul_(ub, ds, loc)  # b = mu b + local d
@@ -309,30 +312,24 @@ def _multi_tensor_lars(
 
 
 def _validate_lars(group: dict[str, Any], *, where: str) -> None:
-    lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]
-    tc, eps = group["trust_coefficient"], group["eps"]
-    _check(_is_real(lr) and lr >= 0.0, "learning rate", lr, "a float >= 0 (lr=...)", where)
-    _check(_is_real(momentum) and 0.0 <= momentum < 1.0, "momentum value", momentum, "0 <= momentum < 1", where)
-    _check(_is_real(wd) and wd >= 0.0, "weight_decay value", wd, "a float >= 0 (weight_decay=...)", where)
-    _check(
-        _is_real(tc) and tc > 0.0,
+    """Raise ``ValueError`` for an invalid Lars hyperparameter of ``group`` (message prefixed by ``where``)."""
+    momentum, tc = group["momentum"], group["trust_coefficient"]
+    _require_nonnegative(group, "lr", "learning rate", where)
+    ok = _is_real_number(momentum) and 0.0 <= momentum < 1.0
+    _require_valid(ok, "momentum value", momentum, "0 <= momentum < 1", where)
+    _require_nonnegative(group, "weight_decay", "weight_decay value", where)
+    _require_valid(
+        _is_real_number(tc) and tc > 0.0,
         "trust_coefficient value",
         tc,
         "a float > 0 (the paper uses 0.001)",
         where,
     )
-    _check(_is_real(eps) and eps >= 0.0, "epsilon value", eps, "a float >= 0 (eps=...)", where)
-    for flag in ("nesterov", "trust_clip", "layer_adaptation"):
-        _check(isinstance(group[flag], bool), f"{flag} value", group[flag], "True or False", where)
+    _require_nonnegative(group, "eps", "epsilon value", where)
+    _require_flags(group, ("nesterov", "trust_clip", "layer_adaptation"), where)
     if group["nesterov"] and momentum <= 0.0:
         raise ValueError(
             f"{where}Invalid nesterov value: True with momentum={momentum!r}; Nesterov momentum needs "
             "momentum > 0. Set momentum (e.g. 0.9) or nesterov=False."
         )
-    _check(
-        group["foreach"] in (None, True, False),
-        "foreach value",
-        group["foreach"],
-        "None, True or False",
-        where,
-    )
+    _require_foreach_option(group, where)
