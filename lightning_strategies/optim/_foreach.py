@@ -2,20 +2,20 @@
 :class:`~lightning_strategies.optim.Lars` share.
 
 Each optimizer module holds only its own algorithm; here are the parts both run the same way:
-the torch optimizer conventions (groups validated when added, old checkpoints filled with
-new options), the ``foreach`` decision, the CPU cache blocking of the
+the torch optimizer conventions (``step`` with a closure, groups validated when added, old
+checkpoints filled with new options), the ``foreach`` decision, the CPU cache blocking of the
 multi-tensor paths, norms and NVIDIA's global gradient clip factor, and the validation helpers
 that keep both optimizers' error messages alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor
-from torch.optim.optimizer import Optimizer
+from torch.optim.optimizer import Optimizer, ParamsT
 
 __all__: list[str] = []
 
@@ -28,15 +28,25 @@ _FOREACH_TYPES = (Tensor, torch.nn.Parameter)
 class _LayerwiseOptimizer(Optimizer):
     """The torch conventions Lamb and Lars share.
 
-    Every param group is validated when added (``_validate_group``), complex parameters
-    refused, and options added after a checkpoint was written filled with their defaults
-    (``_GROUP_DEFAULTS``) so old optimizer states load.
+    The constructor's values and every param group are validated when given
+    (``_validate_group``), complex parameters refused, options added after a checkpoint was
+    written filled with their defaults (``_GROUP_DEFAULTS``) so old optimizer states load, and
+    ``step`` evaluates the closure and hands the update to ``_update``.
     """
 
     _GROUP_DEFAULTS: ClassVar[dict[str, Any]] = {}
 
+    def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
+        # the constructor's values are checked first, so their errors name no param group
+        self._validate_group(defaults, where="")
+        super().__init__(params, defaults)
+
     def _validate_group(self, group: dict[str, Any], *, where: str) -> None:
         """Raise ``ValueError`` for an invalid hyperparameter of ``group`` (message prefixed by ``where``)."""
+        raise NotImplementedError
+
+    def _update(self) -> None:
+        """Update every param group's parameters from their gradients (called under ``no_grad``)."""
         raise NotImplementedError
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -59,6 +69,26 @@ class _LayerwiseOptimizer(Optimizer):
         except ValueError:
             self.param_groups.pop()
             raise
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Perform one optimisation step.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (called with grad enabled).
+
+        Returns:
+            The closure's loss, or None without a closure.
+
+        Raises:
+            RuntimeError: a parameter has a sparse gradient.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._update()
+        return loss
 
 
 # ---- the foreach decision, norms, the global clip factor ----------------------------------

@@ -13,7 +13,8 @@ decision, the CPU cache blocking of the multi-tensor path) is in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
 import torch
@@ -123,7 +124,6 @@ class Lamb(_LayerwiseOptimizer):
             "max_grad_norm": max_grad_norm,
             "foreach": foreach,
         }
-        _validate_lamb(defaults, where="")
         super().__init__(params, defaults)
 
     _GROUP_DEFAULTS: ClassVar[dict[str, Any]] = {
@@ -142,6 +142,7 @@ class Lamb(_LayerwiseOptimizer):
         _validate_lamb(group, where=where)
 
     def _init_group(self, group: dict[str, Any]) -> _LambGroup:
+        """The group's tensors that have a gradient, their state created at their first step."""
         out = _LambGroup()
         for p in group["params"]:
             grad = p.grad
@@ -161,24 +162,8 @@ class Lamb(_LayerwiseOptimizer):
             out.steps.append(state["step"])
         return out
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Perform one optimisation step.
-
-        Args:
-            closure: re-evaluates the model and returns the loss (called with grad enabled).
-
-        Returns:
-            The closure's loss, or None without a closure.
-
-        Raises:
-            RuntimeError: a parameter has a sparse gradient.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-
+    def _update(self) -> None:
+        """The global clip factor (with ``max_grad_norm``), then each group's Algorithm 2 update."""
         params_with_grad = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         _refuse_sparse_grads("Lamb", params_with_grad)
         max_grad_norm = self.defaults["max_grad_norm"]
@@ -194,23 +179,11 @@ class Lamb(_LayerwiseOptimizer):
             tensors = self._init_group(group)
             if not tensors.params:
                 continue
-            beta1, beta2 = group["betas"]
-            kwargs: dict[str, Any] = {
-                "lr": float(group["lr"]),
-                "beta1": float(beta1),
-                "beta2": float(beta2),
-                "eps": float(group["eps"]),
-                "weight_decay": float(group["weight_decay"]),
-                "bias_correction": bool(group["bias_correction"]),
-                "trust_clip": bool(group["trust_clip"]),
-                "layer_adaptation": bool(group["layer_adaptation"]),
-                "grad_scale": grad_scale,
-            }
+            options = _LambOptions.from_group(group)
             if _use_foreach(group["foreach"], tensors.params):
-                _multi_tensor_lamb(tensors, **kwargs)
+                _multi_tensor_lamb(tensors, options, grad_scale)
             else:
-                _single_tensor_lamb(tensors, **kwargs)
-        return loss
+                _single_tensor_lamb(tensors, options, grad_scale)
 
 
 class _LambGroup:
@@ -224,111 +197,117 @@ class _LambGroup:
         self.steps: list[Tensor] = []
 
 
-def _bias_terms(
-    steps: Sequence[Tensor], *, beta1: float, beta2: float, eps: float, bias_correction: bool
-) -> tuple[list[float], list[float]]:
+@dataclass(frozen=True)
+class _LambOptions:
+    """One param group's hyperparameters as plain Python scalars, read once per step."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    bias_correction: bool
+    trust_clip: bool
+    layer_adaptation: bool
+
+    @classmethod
+    def from_group(cls, group: dict[str, Any]) -> _LambOptions:
+        """The options of ``group`` (a validated Lamb param group)."""
+        beta1, beta2 = group["betas"]
+        return cls(
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            bias_correction=bool(group["bias_correction"]),
+            trust_clip=bool(group["trust_clip"]),
+            layer_adaptation=bool(group["layer_adaptation"]),
+        )
+
+
+def _bias_terms(steps: Sequence[Tensor], o: _LambOptions) -> tuple[list[float], list[float]]:
     """Per tensor ``c = sqrt(1-b2^t)/(1-b1^t)`` and ``eps * sqrt(1-b2^t)`` (1 and eps without correction).
 
     One vectorised float64 computation on the host step counters for the whole list (the
     per-tensor path calls it with one-element lists, so both paths get the same numbers).
     """
-    if not bias_correction:
-        return [1.0] * len(steps), [eps] * len(steps)
+    if not o.bias_correction:
+        return [1.0] * len(steps), [o.eps] * len(steps)
     t = torch.stack(list(steps)).to(torch.float64)
-    bc2_sqrt = (1.0 - torch.pow(beta2, t)).sqrt()
-    c = bc2_sqrt / (1.0 - torch.pow(beta1, t))
-    return c.tolist(), (bc2_sqrt * eps).tolist()
+    bc2_sqrt = (1.0 - torch.pow(o.beta2, t)).sqrt()
+    c = bc2_sqrt / (1.0 - torch.pow(o.beta1, t))
+    return c.tolist(), (bc2_sqrt * o.eps).tolist()
 
 
-def _lamb_scales(w_norms: Tensor, r_norms: Tensor, *, lr: float, trust_clip: bool) -> Tensor:
+def _trust_step_sizes(w_norms: Tensor, r_norms: Tensor, o: _LambOptions) -> Tensor:
     """``-lr * trust`` per tensor, trust = ||x|| / ||r|| (1 when either is 0; clipped at 1 for LAMBC)."""
     # norms are >= 0, so min > 0 means both are non-zero
     trust = torch.where(torch.minimum(w_norms, r_norms) > 0, w_norms / r_norms, 1.0)
-    if trust_clip:
+    if o.trust_clip:
         trust = trust.clamp(max=1.0)
-    return trust * -lr
+    return trust * -o.lr
 
 
-def _single_tensor_lamb(
-    g: _LambGroup,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    bias_correction: bool,
-    trust_clip: bool,
-    layer_adaptation: bool,
-    grad_scale: Tensor | None,
-) -> None:
+def _single_tensor_lamb(g: _LambGroup, o: _LambOptions, grad_scale: Tensor | None) -> None:
+    """The per-tensor path: every operation on one tensor, then the next tensor."""
     for x, grad, m, v, step in zip(g.params, g.grads, g.exp_avgs, g.exp_avg_sqs, g.steps, strict=True):
         if grad_scale is not None:
             grad = grad.mul(grad_scale)  # g = g min(1, max_grad_norm / ||all g||)
         step += 1
-        (c,), (eps_t,) = _bias_terms([step], beta1=beta1, beta2=beta2, eps=eps, bias_correction=bias_correction)
-        m.lerp_(grad, 1 - beta1)  # m = b1 m + (1-b1) g
-        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)  # v = b2 v + (1-b2) g^2
+        (c,), (eps_t,) = _bias_terms([step], o)
+        m.lerp_(grad, 1 - o.beta1)  # m = b1 m + (1-b1) g
+        v.mul_(o.beta2).addcmul_(grad, grad, value=1 - o.beta2)  # v = b2 v + (1-b2) g^2
         denom = v.sqrt().add_(eps_t)  # sqrt(v) + eps sqrt(1-b2^t) = sqrt(1-b2^t) (sqrt(v^) + eps)
         # r = m^/(sqrt(v^)+eps) + wd x
-        r = x.mul(weight_decay).addcdiv_(m, denom, value=c) if weight_decay != 0 else m.div(denom).mul_(c)
-        if layer_adaptation:
+        r = x.mul(o.weight_decay).addcdiv_(m, denom, value=c) if o.weight_decay != 0 else m.div(denom).mul_(c)
+        if o.layer_adaptation:
             w_norm = torch.linalg.vector_norm(x, dtype=_norm_dtype(x)).reshape(1)
             r_norm = torch.linalg.vector_norm(r, dtype=_norm_dtype(r)).reshape(1)
-            scale = _lamb_scales(w_norm, r_norm, lr=lr, trust_clip=trust_clip)[0]
-            x.addcmul_(r, scale)  # x = x - lr trust r
+            x.addcmul_(r, _trust_step_sizes(w_norm, r_norm, o)[0])  # x = x - lr trust r
         else:
-            x.add_(r, alpha=-lr)  # x = x - lr r  (trust = 1)
+            x.add_(r, alpha=-o.lr)  # x = x - lr r  (trust = 1)
 
 
-def _multi_tensor_lamb(
-    g: _LambGroup,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    bias_correction: bool,
-    trust_clip: bool,
-    layer_adaptation: bool,
-    grad_scale: Tensor | None,
-) -> None:
+def _multi_tensor_lamb(g: _LambGroup, o: _LambOptions, grad_scale: Tensor | None) -> None:
+    """The multi-tensor path: ``torch._foreach_*`` ops per device and dtype, cache blocked on CPU."""
     grouped = Optimizer._group_tensors_by_device_and_dtype(
         [g.params, g.grads, g.exp_avgs, g.exp_avg_sqs, g.steps]  # type: ignore[list-item]
     )
     for (params_, grads_, exp_avgs_, exp_avg_sqs_, steps_), _ in grouped.values():
         xs, grads, ms, vs, steps = (cast(list[Tensor], t) for t in (params_, grads_, exp_avgs_, exp_avg_sqs_, steps_))
         torch._foreach_add_(steps, 1.0)
-        c, eps_t = _bias_terms(steps, beta1=beta1, beta2=beta2, eps=eps, bias_correction=bias_correction)
+        c, eps_t = _bias_terms(steps, o)
         norm_dtype = _norm_dtype(xs[0])
         for unit in _split_into_cache_units([xs, grads, ms, vs], _cache_block_elements(xs[0].device)):
             # A unit is a run of whole tensors, or one large tensor cut into chunks; each op
             # below runs on one run / chunk, which stays in cache from the first op to the last.
             # A chunked tensor's step waits for its norm, so its chunks of r are kept until then.
-            ux, ug, um, uv = unit.tensor_lists
-            uc, ue = unit.select_for_views(c), unit.select_for_views(eps_t)
+            x_views, g_views, m_views, v_views = unit.tensor_lists
+            c_views, eps_views = unit.select_for_views(c), unit.select_for_views(eps_t)
             w_norms: list[Tensor] = []
             r_norms: list[Tensor] = []
             rs: list[Tensor] = []
-            for b in unit.op_slices:
-                gb = ug[b]
+            for part in unit.op_slices:
+                g_part = g_views[part]
                 if grad_scale is not None:
-                    gb = list(torch._foreach_mul(gb, grad_scale))  # g = g min(1, max_grad_norm / ||all g||)
-                torch._foreach_lerp_(um[b], gb, 1 - beta1)  # m = b1 m + (1-b1) g
-                torch._foreach_mul_(uv[b], beta2)
-                torch._foreach_addcmul_(uv[b], gb, gb, 1 - beta2)  # v = b2 v + (1-b2) g^2
-                r = _lamb_direction(ux[b], um[b], uv[b], ue[b], uc[b], weight_decay)
-                if not layer_adaptation:
-                    torch._foreach_add_(ux[b], r, alpha=-lr)  # x = x - lr r  (trust = 1)
+                    g_part = list(torch._foreach_mul(g_part, grad_scale))  # g = g min(1, max_grad_norm / ||all g||)
+                torch._foreach_lerp_(m_views[part], g_part, 1 - o.beta1)  # m = b1 m + (1-b1) g
+                torch._foreach_mul_(v_views[part], o.beta2)
+                torch._foreach_addcmul_(v_views[part], g_part, g_part, 1 - o.beta2)  # v = b2 v + (1-b2) g^2
+                r = _lamb_direction(
+                    x_views[part], m_views[part], v_views[part], eps_views[part], c_views[part], o.weight_decay
+                )
+                if not o.layer_adaptation:
+                    torch._foreach_add_(x_views[part], r, alpha=-o.lr)  # x = x - lr r  (trust = 1)
                     continue
-                w_norms.extend(torch._foreach_norm(ux[b], 2, dtype=norm_dtype))
+                w_norms.extend(torch._foreach_norm(x_views[part], 2, dtype=norm_dtype))
                 r_norms.extend(torch._foreach_norm(r, 2, dtype=norm_dtype))
                 rs.extend(r)
-            if not layer_adaptation:
+            if not o.layer_adaptation:
                 continue
-            scales = _lamb_scales(unit.tensor_norms(w_norms), unit.tensor_norms(r_norms), lr=lr, trust_clip=trust_clip)
-            torch._foreach_addcmul_(ux, rs, unit.expand_to_views(scales.unbind(0)))  # x = x - lr trust r
+            sizes = _trust_step_sizes(unit.tensor_norms(w_norms), unit.tensor_norms(r_norms), o)
+            torch._foreach_addcmul_(x_views, rs, unit.expand_to_views(sizes.unbind(0)))  # x = x - lr trust r
 
 
 def _lamb_direction(
