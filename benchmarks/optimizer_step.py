@@ -11,7 +11,7 @@ warm-up. Prints a header (machine, torch, date), then ``name value unit`` lines:
     lars_loop_over_foreach   Lars(foreach=False) / Lars(foreach=True)  goal >= 1.5
 
 On CPU the per-tensor loops are memory-bound and keep each tensor in cache across its ops,
-so the multi-tensor paths (cache blocked, see ``lightning_strategies/optim/lamb.py``) win by
+so the multi-tensor paths (cache blocked, see ``lightning_strategies/optim/_foreach.py``) win by
 saving Python overhead and memory passes only; LARS has too little work per element for 1.5x.
 
 and the raw medians (``lamb_foreach_step_ms``...). ``--quick`` uses ResNet-18 shapes and a

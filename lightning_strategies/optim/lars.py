@@ -2,27 +2,30 @@
 
 You, Gitman and Ginsburg, "Large Batch Training of Convolutional Networks", 2017
 (arXiv:1708.03888), Algorithm 1, with torch's SGD momentum convention on top (as in
-NVIDIA's LARC and timm's ``optim/lars.py``).
+NVIDIA's LARC and timm's ``optim/lars.py``). The machinery shared with
+:mod:`lightning_strategies.optim.lamb` is in :mod:`lightning_strategies.optim._foreach`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
-from lightning_strategies.optim.lamb import (
-    _block_elements,
-    _check,
-    _is_real,
+from lightning_strategies.optim._foreach import (
+    _cache_block_elements,
+    _is_real_number,
     _LayerwiseOptimizer,
     _norm_dtype,
-    _refuse_sparse,
-    _unit_norms,
-    _units,
+    _refuse_sparse_grads,
+    _require_flags,
+    _require_foreach_option,
+    _require_nonnegative,
+    _require_valid,
+    _split_into_cache_units,
     _use_foreach,
 )
 
@@ -99,7 +102,6 @@ class Lars(_LayerwiseOptimizer):
             "layer_adaptation": True,
             "foreach": foreach,
         }
-        _validate_lars(defaults, where="")
         super().__init__(params, defaults)
 
     _GROUP_DEFAULTS: ClassVar[dict[str, Any]] = {
@@ -114,133 +116,95 @@ class Lars(_LayerwiseOptimizer):
     def _validate_group(self, group: dict[str, Any], *, where: str) -> None:
         _validate_lars(group, where=where)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Perform one optimisation step.
-
-        Args:
-            closure: re-evaluates the model and returns the loss (called with grad enabled).
-
-        Returns:
-            The closure's loss, or None without a closure.
-
-        Raises:
-            RuntimeError: a parameter has a sparse gradient.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-
+    def _update(self) -> None:
+        """Each group's update; momentum buffers are read from and written back to the state."""
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            _refuse_sparse("Lars", params)
+            _refuse_sparse_grads("Lars", params)
             grads = [cast(Tensor, p.grad) for p in params]
-            momentum = float(group["momentum"])
             bufs: list[Tensor | None] = [self.state[p].get("momentum_buffer") for p in params]
-            kwargs: dict[str, Any] = {
-                "lr": float(group["lr"]),
-                "momentum": momentum,
-                "weight_decay": float(group["weight_decay"]),
-                "trust_coefficient": float(group["trust_coefficient"]),
-                "eps": float(group["eps"]),
-                "nesterov": bool(group["nesterov"]),
-                "trust_clip": bool(group["trust_clip"]),
-                "layer_adaptation": bool(group["layer_adaptation"]),
-            }
+            options = _LarsOptions.from_group(group)
             if _use_foreach(group["foreach"], params):
-                _multi_tensor_lars(params, grads, bufs, **kwargs)
+                _multi_tensor_lars(params, grads, bufs, options)
             else:
-                _single_tensor_lars(params, grads, bufs, **kwargs)
-            if momentum != 0:
+                _single_tensor_lars(params, grads, bufs, options)
+            if options.momentum != 0:
                 for p, buf in zip(params, bufs, strict=True):
                     self.state[p]["momentum_buffer"] = buf
-        return loss
 
 
-def _local_lrs(
-    w_norms: Tensor,
-    g_norms: Tensor,
-    *,
-    trust_coefficient: float,
-    weight_decay: float,
-    eps: float,
-    trust_clip: bool,
-) -> Tensor:
+@dataclass(frozen=True)
+class _LarsOptions:
+    """One param group's hyperparameters as plain Python scalars, read once per step."""
+
+    lr: float
+    momentum: float
+    weight_decay: float
+    trust_coefficient: float
+    eps: float
+    nesterov: bool
+    trust_clip: bool
+    layer_adaptation: bool
+
+    @classmethod
+    def from_group(cls, group: dict[str, Any]) -> _LarsOptions:
+        """The options of ``group`` (a validated Lars param group)."""
+        return cls(
+            lr=float(group["lr"]),
+            momentum=float(group["momentum"]),
+            weight_decay=float(group["weight_decay"]),
+            trust_coefficient=float(group["trust_coefficient"]),
+            eps=float(group["eps"]),
+            nesterov=bool(group["nesterov"]),
+            trust_clip=bool(group["trust_clip"]),
+            layer_adaptation=bool(group["layer_adaptation"]),
+        )
+
+
+def _local_lrs(w_norms: Tensor, g_norms: Tensor, o: _LarsOptions) -> Tensor:
     """tc ||x|| / (||g|| + wd ||x|| + eps) per tensor; 1 when a norm is 0; clipped at 1 with trust_clip."""
-    local = trust_coefficient * w_norms / (g_norms + weight_decay * w_norms + eps)
+    local = o.trust_coefficient * w_norms / (g_norms + o.weight_decay * w_norms + o.eps)
     local = torch.where(torch.minimum(w_norms, g_norms) > 0, local, 1.0)  # norms >= 0: both non-zero
-    if trust_clip:
+    if o.trust_clip:
         local = local.clamp(max=1.0)
     return local
 
 
-def _single_tensor_lars(
-    params: list[Tensor],
-    grads: list[Tensor],
-    bufs: list[Tensor | None],
-    *,
-    lr: float,
-    momentum: float,
-    weight_decay: float,
-    trust_coefficient: float,
-    eps: float,
-    nesterov: bool,
-    trust_clip: bool,
-    layer_adaptation: bool,
-) -> None:
+def _single_tensor_lars(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor | None], o: _LarsOptions) -> None:
+    """The per-tensor path; creates the momentum buffers it finds missing in ``bufs``, in place."""
     for i, (x, grad) in enumerate(zip(params, grads, strict=True)):
         local: Tensor | None = None
-        if layer_adaptation:
+        if o.layer_adaptation:
             w_norm = torch.linalg.vector_norm(x, dtype=_norm_dtype(x)).reshape(1)
             g_norm = torch.linalg.vector_norm(grad, dtype=_norm_dtype(grad)).reshape(1)
-            local = _local_lrs(
-                w_norm,
-                g_norm,
-                trust_coefficient=trust_coefficient,
-                weight_decay=weight_decay,
-                eps=eps,
-                trust_clip=trust_clip,
-            )[0]
-        d = grad.add(x, alpha=weight_decay) if weight_decay != 0 else grad  # d = g + wd x
-        if momentum == 0:
+            local = _local_lrs(w_norm, g_norm, o)[0]
+        d = grad.add(x, alpha=o.weight_decay) if o.weight_decay != 0 else grad  # d = g + wd x
+        if o.momentum == 0:
             if local is None:
-                x.add_(d, alpha=-lr)  # x = x - lr d
+                x.add_(d, alpha=-o.lr)  # x = x - lr d
             else:
-                x.addcmul_(d, local, value=-lr)  # x = x - lr local d
+                x.addcmul_(d, local, value=-o.lr)  # x = x - lr local d
             continue
         buf = bufs[i]
         if buf is None:
             # b = local d at the first step (torch SGD initialises the buffer to the step)
             buf = bufs[i] = d.mul(local) if local is not None else d.clone()
         elif local is not None:
-            buf.mul_(momentum).addcmul_(d, local)  # b = mu b + local d
+            buf.mul_(o.momentum).addcmul_(d, local)  # b = mu b + local d
         else:
-            buf.mul_(momentum).add_(d)  # b = mu b + d
-        if nesterov:
+            buf.mul_(o.momentum).add_(d)  # b = mu b + d
+        if o.nesterov:
             step = d.mul(local) if local is not None else d.clone()
-            step.add_(buf, alpha=momentum)  # d = local d + mu b
-            x.add_(step, alpha=-lr)  # x = x - lr d
+            step.add_(buf, alpha=o.momentum)  # d = local d + mu b
+            x.add_(step, alpha=-o.lr)  # x = x - lr d
         else:
-            x.add_(buf, alpha=-lr)  # x = x - lr b
+            x.add_(buf, alpha=-o.lr)  # x = x - lr b
 
 
-def _multi_tensor_lars(
-    params: list[Tensor],
-    grads: list[Tensor],
-    bufs: list[Tensor | None],
-    *,
-    lr: float,
-    momentum: float,
-    weight_decay: float,
-    trust_coefficient: float,
-    eps: float,
-    nesterov: bool,
-    trust_clip: bool,
-    layer_adaptation: bool,
-) -> None:
+def _multi_tensor_lars(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor | None], o: _LarsOptions) -> None:
+    """The multi-tensor path: ``torch._foreach_*`` ops per device and dtype, cache blocked on CPU."""
     grouped = Optimizer._group_tensors_by_device_and_dtype(
         [params, grads, bufs],  # type: ignore[list-item]
         with_indices=True,
@@ -248,91 +212,67 @@ def _multi_tensor_lars(
     for (params_, grads_, bufs_), indices in grouped.values():
         xs, gs = cast(list[Tensor], params_), cast(list[Tensor], grads_)
         dev_bufs: list[Tensor | None] = bufs_
-        if momentum != 0 and not all(b is not None for b in dev_bufs):
+        if o.momentum != 0 and not all(b is not None for b in dev_bufs):
             # First step (or tensors new to the group): buffers are created whole, per tensor.
             sub_bufs = list(dev_bufs)
-            _single_tensor_lars(
-                xs,
-                gs,
-                sub_bufs,
-                lr=lr,
-                momentum=momentum,
-                weight_decay=weight_decay,
-                trust_coefficient=trust_coefficient,
-                eps=eps,
-                nesterov=nesterov,
-                trust_clip=trust_clip,
-                layer_adaptation=layer_adaptation,
-            )
+            _single_tensor_lars(xs, gs, sub_bufs, o)
             for j, sub_buf in zip(indices, sub_bufs, strict=True):
                 bufs[j] = sub_buf
             continue
-        lists = [xs, gs] if momentum == 0 else [xs, gs, cast(list[Tensor], dev_bufs)]
-        for unit in _units(lists, _block_elements(xs[0].device)):
+        lists = [xs, gs] if o.momentum == 0 else [xs, gs, cast(list[Tensor], dev_bufs)]
+        for unit in _split_into_cache_units(lists, _cache_block_elements(xs[0].device)):
             # A unit is a run of whole tensors, or one large tensor cut into chunks; each op
             # below runs on one run / chunk, which stays in cache from the first op to the last.
-            ux, ug = unit.lists[0], unit.lists[1]
-            locals_: list[Tensor] | None = None
-            if layer_adaptation:
-                local = _local_lrs(
-                    _unit_norms(unit, list(torch._foreach_norm(ux, 2, dtype=_norm_dtype(ux[0])))),
-                    _unit_norms(unit, list(torch._foreach_norm(ug, 2, dtype=_norm_dtype(ug[0])))),
-                    trust_coefficient=trust_coefficient,
-                    weight_decay=weight_decay,
-                    eps=eps,
-                    trust_clip=trust_clip,
-                )
-                locals_ = unit.spread(local.unbind(0))
-            for b in unit.blocks:
-                ds = (
-                    torch._foreach_add(ug[b], ux[b], alpha=weight_decay) if weight_decay != 0 else ug[b]
-                )  # d = g + wd x
-                loc = locals_[b] if locals_ is not None else None
-                if momentum == 0:
+            x_views, g_views = unit.tensor_lists[0], unit.tensor_lists[1]
+            local_views: list[Tensor] | None = None
+            if o.layer_adaptation:
+                w_norms = unit.tensor_norms(list(torch._foreach_norm(x_views, 2, dtype=_norm_dtype(x_views[0]))))
+                g_norms = unit.tensor_norms(list(torch._foreach_norm(g_views, 2, dtype=_norm_dtype(g_views[0]))))
+                local_views = unit.expand_to_views(_local_lrs(w_norms, g_norms, o).unbind(0))
+            for part in unit.op_slices:
+                ds = g_views[part]
+                if o.weight_decay != 0:
+                    ds = list(torch._foreach_add(ds, x_views[part], alpha=o.weight_decay))  # d = g + wd x
+                loc = local_views[part] if local_views is not None else None
+                if o.momentum == 0:
                     if loc is None:
-                        torch._foreach_add_(ux[b], ds, alpha=-lr)  # x = x - lr d
+                        torch._foreach_add_(x_views[part], ds, alpha=-o.lr)  # x = x - lr d
                     else:
-                        torch._foreach_addcmul_(ux[b], ds, loc, value=-lr)  # x = x - lr local d
+                        torch._foreach_addcmul_(x_views[part], ds, loc, value=-o.lr)  # x = x - lr local d
                     continue
-                ub = unit.lists[2][b]
-                torch._foreach_mul_(ub, momentum)
+                b_views = unit.tensor_lists[2][part]
+                torch._foreach_mul_(b_views, o.momentum)
                 if loc is not None:
-                    torch._foreach_addcmul_(ub, ds, loc)  # b = mu b + local d
+                    torch._foreach_addcmul_(b_views, ds, loc)  # b = mu b + local d
                 else:
-                    torch._foreach_add_(ub, ds)  # b = mu b + d
-                if nesterov:
+                    torch._foreach_add_(b_views, ds)  # b = mu b + d
+                if o.nesterov:
                     steps = list(torch._foreach_mul(ds, loc) if loc is not None else torch._foreach_mul(ds, 1.0))
-                    torch._foreach_add_(steps, ub, alpha=momentum)  # d = local d + mu b
-                    torch._foreach_add_(ux[b], steps, alpha=-lr)  # x = x - lr d
+                    torch._foreach_add_(steps, b_views, alpha=o.momentum)  # d = local d + mu b
+                    torch._foreach_add_(x_views[part], steps, alpha=-o.lr)  # x = x - lr d
                 else:
-                    torch._foreach_add_(ux[b], ub, alpha=-lr)  # x = x - lr b
+                    torch._foreach_add_(x_views[part], b_views, alpha=-o.lr)  # x = x - lr b
 
 
 def _validate_lars(group: dict[str, Any], *, where: str) -> None:
-    lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]
-    tc, eps = group["trust_coefficient"], group["eps"]
-    _check(_is_real(lr) and lr >= 0.0, "learning rate", lr, "a float >= 0 (lr=...)", where)
-    _check(_is_real(momentum) and 0.0 <= momentum < 1.0, "momentum value", momentum, "0 <= momentum < 1", where)
-    _check(_is_real(wd) and wd >= 0.0, "weight_decay value", wd, "a float >= 0 (weight_decay=...)", where)
-    _check(
-        _is_real(tc) and tc > 0.0,
+    """Raise ``ValueError`` for an invalid Lars hyperparameter of ``group`` (message prefixed by ``where``)."""
+    momentum, tc = group["momentum"], group["trust_coefficient"]
+    _require_nonnegative(group, "lr", "learning rate", where)
+    ok = _is_real_number(momentum) and 0.0 <= momentum < 1.0
+    _require_valid(ok, "momentum value", momentum, "0 <= momentum < 1", where)
+    _require_nonnegative(group, "weight_decay", "weight_decay value", where)
+    _require_valid(
+        _is_real_number(tc) and tc > 0.0,
         "trust_coefficient value",
         tc,
         "a float > 0 (the paper uses 0.001)",
         where,
     )
-    _check(_is_real(eps) and eps >= 0.0, "epsilon value", eps, "a float >= 0 (eps=...)", where)
-    for flag in ("nesterov", "trust_clip", "layer_adaptation"):
-        _check(isinstance(group[flag], bool), f"{flag} value", group[flag], "True or False", where)
+    _require_nonnegative(group, "eps", "epsilon value", where)
+    _require_flags(group, ("nesterov", "trust_clip", "layer_adaptation"), where)
     if group["nesterov"] and momentum <= 0.0:
         raise ValueError(
             f"{where}Invalid nesterov value: True with momentum={momentum!r}; Nesterov momentum needs "
             "momentum > 0. Set momentum (e.g. 0.9) or nesterov=False."
         )
-    _check(
-        group["foreach"] in (None, True, False),
-        "foreach value",
-        group["foreach"],
-        "None, True or False",
-        where,
-    )
+    _require_foreach_option(group, where)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import lightning_strategies.optim.lamb as lamb_module
+import lightning_strategies.optim._foreach as foreach_module
 
 # The optimizers' update paths: per tensor; multi-tensor; multi-tensor with CPU cache blocking
 # cut down to 8 elements, so (1,) and (7,) run as one unit of whole tensors and (5, 3) and
@@ -16,5 +16,5 @@ PATHS = ["per_tensor", "foreach", "foreach_blocked"]
 def foreach(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     """True for the multi-tensor paths; the blocked one shrinks the CPU cache block to 8 elements."""
     if request.param == "foreach_blocked":
-        monkeypatch.setattr(lamb_module, "CPU_BLOCK_ELEMENTS", 8)
+        monkeypatch.setattr(foreach_module, "CPU_BLOCK_ELEMENTS", 8)
     return request.param != "per_tensor"

@@ -12,7 +12,7 @@ import torch
 from optim_cases import SHAPES, make_problem
 from torch import nn
 
-import lightning_strategies.optim.lamb as lamb_module
+import lightning_strategies.optim._foreach as foreach_module
 from lightning_strategies.optim import Lamb, param_groups
 
 
@@ -176,7 +176,7 @@ def test_zero_gradient_and_no_decay_leaves_weights() -> None:
 @pytest.mark.parametrize("block", [None, 8], ids=["default_blocks", "blocks_of_8"])
 def test_foreach_equals_per_tensor(options: dict[str, Any], block: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     if block is not None:
-        monkeypatch.setattr(lamb_module, "CPU_BLOCK_ELEMENTS", block)
+        monkeypatch.setattr(foreach_module, "CPU_BLOCK_ELEMENTS", block)
     weights, grads = make_problem(6, dtype=torch.float32, weight_scale=2.0, seed=3)
     groups = [{"idx": [1, 2, 3]}, {"idx": [0], "weight_decay": 0.0, "layer_adaptation": False}]
     a = run_lamb(weights, grads, groups, lr=0.01, foreach=True, **options)
@@ -191,7 +191,7 @@ def test_foreach_equals_per_tensor(options: dict[str, Any], block: int | None, m
 
 
 def test_channels_last_param_runs_whole_on_the_blocked_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(lamb_module, "CPU_BLOCK_ELEMENTS", 8)
+    monkeypatch.setattr(foreach_module, "CPU_BLOCK_ELEMENTS", 8)
     g = torch.Generator().manual_seed(5)
     weight = torch.randn(4, 3, 3, 3, generator=g).to(memory_format=torch.channels_last)
     grads = [torch.randn(4, 3, 3, 3, generator=g).to(memory_format=torch.channels_last) for _ in range(3)]

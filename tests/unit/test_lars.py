@@ -10,7 +10,7 @@ import torch
 from optim_cases import SHAPES, make_problem
 from torch import nn
 
-import lightning_strategies.optim.lamb as lamb_module
+import lightning_strategies.optim._foreach as foreach_module
 from lightning_strategies.optim import Lars, param_groups
 
 
@@ -155,7 +155,7 @@ def test_excluded_group_is_plain_sgd(foreach: bool, nesterov: bool) -> None:
 @pytest.mark.parametrize("block", [None, 8], ids=["default_blocks", "blocks_of_8"])
 def test_foreach_equals_per_tensor(options: dict[str, Any], block: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     if block is not None:
-        monkeypatch.setattr(lamb_module, "CPU_BLOCK_ELEMENTS", block)
+        monkeypatch.setattr(foreach_module, "CPU_BLOCK_ELEMENTS", block)
     weights, grads = make_problem(6, dtype=torch.float32, seed=3)
     groups = [{"idx": [1, 2, 3]}, {"idx": [0], "weight_decay": 0.0, "layer_adaptation": False}]
     a = run_lars(weights, grads, groups, lr=1.0, trust_coefficient=0.01, foreach=True, **options)

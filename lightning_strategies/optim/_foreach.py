@@ -1,0 +1,267 @@
+"""The layer-wise machinery :class:`~lightning_strategies.optim.Lamb` and
+:class:`~lightning_strategies.optim.Lars` share.
+
+Each optimizer module holds only its own algorithm; here are the parts both run the same way:
+the torch optimizer conventions (``step`` with a closure, groups validated when added, old
+checkpoints filled with new options), the ``foreach`` decision, the CPU cache blocking of the
+multi-tensor paths, norms and NVIDIA's global gradient clip factor, and the validation helpers
+that keep both optimizers' error messages alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar, cast
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import Optimizer, ParamsT
+
+__all__: list[str] = []
+
+# Devices whose tensors the ``torch._foreach_*`` ops accept (CPU runs them as a C++ loop
+# over the per-tensor kernels, CUDA/XPU as fused multi-tensor kernels).
+_FOREACH_DEVICES = ("cpu", "cuda", "xpu")
+_FOREACH_TYPES = (Tensor, torch.nn.Parameter)
+
+
+class _LayerwiseOptimizer(Optimizer):
+    """The torch conventions Lamb and Lars share.
+
+    The constructor's values and every param group are validated when given
+    (``_validate_group``), complex parameters refused, options added after a checkpoint was
+    written filled with their defaults (``_GROUP_DEFAULTS``) so old optimizer states load, and
+    ``step`` evaluates the closure and hands the update to ``_update``.
+    """
+
+    _GROUP_DEFAULTS: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
+        # the constructor's values are checked first, so their errors name no param group
+        self._validate_group(defaults, where="")
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group: dict[str, Any], *, where: str) -> None:
+        """Raise ``ValueError`` for an invalid hyperparameter of ``group`` (message prefixed by ``where``)."""
+        raise NotImplementedError
+
+    def _update(self) -> None:
+        """Update every param group's parameters from their gradients (called under ``no_grad``)."""
+        raise NotImplementedError
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self._GROUP_DEFAULTS.items():
+                group.setdefault(key, value)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (as torch does), then check its hyperparameters and parameters.
+
+        Args:
+            param_group: the group; keys it lacks take the constructor's values.
+        """
+        super().add_param_group(param_group)
+        index = len(self.param_groups) - 1
+        try:
+            self._validate_group(self.param_groups[index], where=f"param group {index}: ")
+            _refuse_complex_params(type(self).__name__, self.param_groups[index]["params"], index)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Perform one optimisation step.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (called with grad enabled).
+
+        Returns:
+            The closure's loss, or None without a closure.
+
+        Raises:
+            RuntimeError: a parameter has a sparse gradient.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._update()
+        return loss
+
+
+# ---- the foreach decision, norms, the global clip factor ----------------------------------
+
+
+def _use_foreach(foreach: bool | None, params: Iterable[Tensor]) -> bool:
+    """``foreach`` when given, else True when every tensor is a plain tensor on a foreach device."""
+    if foreach is not None:
+        return bool(foreach)
+    if torch.jit.is_scripting():
+        return False
+    return all(type(p) in _FOREACH_TYPES and p.device.type in _FOREACH_DEVICES for p in params)
+
+
+def _norm_dtype(t: Tensor) -> torch.dtype:
+    """Norms in float32 (float64 for float64 tensors): bf16/fp16 sums of squares lose too much."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _global_clip_factor(grads: list[Tensor], max_norm: float, *, foreach: bool) -> Tensor:
+    """``min(1, max_norm / ||grads||)`` over all tensors, a 0-dim float32 tensor (no host sync)."""
+    if foreach:
+        # grouped by device and dtype, then put back in parameter order (the same sum as below)
+        norms: list[Tensor] = [torch.empty(0)] * len(grads)
+        grouped = Optimizer._group_tensors_by_device_and_dtype([grads], with_indices=True)  # type: ignore[list-item]
+        for (device_grads,), indices in grouped.values():
+            dev = cast(list[Tensor], device_grads)
+            for i, n in zip(indices, torch._foreach_norm(dev, 2, dtype=_norm_dtype(dev[0])), strict=True):
+                norms[i] = n
+    else:
+        norms = [torch.linalg.vector_norm(g, dtype=_norm_dtype(g)) for g in grads]
+    device = norms[0].device
+    dtype = torch.float64 if all(n.dtype == torch.float64 for n in norms) else torch.float32
+    total = torch.linalg.vector_norm(torch.stack([n.to(device=device, dtype=dtype) for n in norms]))
+    return torch.where(total > max_norm, max_norm / total, torch.ones_like(total))
+
+
+# ---- CPU cache blocking of the multi-tensor paths -----------------------------------------
+
+# On CPU the foreach ops are a C++ loop over the per-tensor kernels, so an op over a whole
+# list streams every tensor through memory once per op (ResNet-50: ~100 MB per op), and each
+# op that returns new tensors page-faults in fresh memory of that size. Cutting the list into
+# units of at most this many elements (runs of whole tensors; a larger tensor alone, in
+# chunks) keeps a unit in cache across all of its ops and its temporaries small. GPUs fuse a
+# list into few launches: no blocking.
+CPU_BLOCK_ELEMENTS = 1 << 19
+
+
+def _cache_block_elements(device: torch.device) -> int | None:
+    """The most elements of one cache unit on ``device`` (None: no blocking, off CPU)."""
+    # read at call time, so a test can shrink CPU_BLOCK_ELEMENTS to exercise the chunking
+    return CPU_BLOCK_ELEMENTS if device.type == "cpu" else None
+
+
+class _CacheUnit:
+    """Parallel tensor lists holding either a run of whole tensors or one tensor's flat chunks.
+
+    The lists' entries are the unit's *views*: its whole tensors, or the one tensor's chunks.
+
+    Attributes:
+        tensor_indices: the tensors' positions in the original lists (one position when chunked).
+        chunked: whether the lists hold chunks of the one tensor ``tensor_indices[0]``.
+        tensor_lists: the parallel lists of views, in the order given to :func:`_split_into_cache_units`.
+        op_slices: slices of the lists to run each op on: everything for a run of whole
+            tensors, one chunk at a time for a chunked tensor.
+    """
+
+    def __init__(self, tensor_indices: list[int], tensor_lists: list[list[Tensor]], chunked: bool) -> None:
+        self.tensor_indices = tensor_indices
+        self.chunked = chunked
+        self.tensor_lists = tensor_lists
+        n = len(tensor_lists[0])
+        self.op_slices = [slice(j, j + 1) for j in range(n)] if chunked else [slice(0, n)]
+
+    def select_for_views(self, list_values: Sequence[Any]) -> list[Any]:
+        """One value per view, from ``list_values`` (one per tensor of the original lists)."""
+        return self.expand_to_views([list_values[i] for i in self.tensor_indices])
+
+    def expand_to_views(self, unit_values: Sequence[Any]) -> list[Any]:
+        """One value per view, from ``unit_values`` (one per tensor of this unit): repeated over chunks."""
+        return [unit_values[0]] * len(self.tensor_lists[0]) if self.chunked else list(unit_values)
+
+    def tensor_norms(self, view_norms: list[Tensor]) -> Tensor:
+        """The unit's tensors' norms (1-D) from its views' norms: sqrt(sum of squares) over chunks."""
+        stacked = torch.stack(view_norms)
+        return stacked.square().sum().sqrt().reshape(1) if self.chunked else stacked
+
+
+def _split_into_cache_units(tensor_lists: list[list[Tensor]], block: int | None) -> list[_CacheUnit]:
+    """Split parallel tensor lists into cache-sized units (one unit of everything for ``block=None``).
+
+    A contiguous tensor of more than ``block`` elements is a unit alone, cut into chunks of
+    ``block``; a non-contiguous one (channels_last) cannot be viewed flat and joins a run whole.
+    """
+    n = len(tensor_lists[0])
+    if block is None:
+        return [_CacheUnit(list(range(n)), [list(t) for t in tensor_lists], False)]
+    units: list[_CacheUnit] = []
+    run: list[int] = []
+    size = 0
+
+    def flush() -> None:
+        if run:
+            units.append(_CacheUnit(list(run), [[t[i] for i in run] for t in tensor_lists], False))
+            run.clear()
+
+    for i in range(n):
+        numel = tensor_lists[0][i].numel()
+        parallel = [t[i] for t in tensor_lists]
+        if numel > block and all(t.is_contiguous() for t in parallel):
+            flush()
+            size = 0
+            chunks = [list(t.view(-1).split(block)) for t in parallel]
+            units.append(_CacheUnit([i], chunks, True))
+            continue
+        if run and size + numel > block:
+            flush()
+            size = 0
+        run.append(i)
+        size += numel
+    flush()
+    return units
+
+
+# ---- refusals and validation ----------------------------------------------------------------
+
+
+def _refuse_sparse_grads(name: str, params: Iterable[Tensor]) -> None:
+    """Raise ``RuntimeError`` when a parameter of optimizer ``name`` has a sparse gradient."""
+    for p in params:
+        if p.grad is not None and p.grad.is_sparse:
+            raise RuntimeError(
+                f"{name} does not support sparse gradients: found a sparse gradient for a parameter "
+                f"of shape {tuple(p.shape)}; expected dense gradients. Use nn.Embedding(sparse=False) "
+                "or torch.optim.SparseAdam for that parameter."
+            )
+
+
+def _refuse_complex_params(name: str, params: Iterable[Tensor], group: int) -> None:
+    """Raise ``ValueError`` when param group ``group`` of optimizer ``name`` holds a complex tensor."""
+    for p in params:
+        if torch.is_complex(p):
+            raise ValueError(
+                f"{name} does not support complex parameters: found a {p.dtype} tensor of shape "
+                f"{tuple(p.shape)} in param group {group}; expected real floating-point tensors. "
+                "Optimise torch.view_as_real(p) (a real parameter) instead."
+            )
+
+
+def _require_valid(ok: bool, what: str, value: object, expected: str, where: str) -> None:
+    """Raise torch's ``ValueError("Invalid <what>: <value>; expected <expected>.")`` unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{where}Invalid {what}: {value!r}; expected {expected}.")
+
+
+def _is_real_number(value: object) -> bool:
+    """Whether ``value`` is an int or float (a bool is not, though Python counts it as an int)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _require_nonnegative(group: dict[str, Any], key: str, what: str, where: str) -> None:
+    """Require ``group[key]`` to be a real number >= 0 (``what`` names it in torch's words)."""
+    value = group[key]
+    _require_valid(_is_real_number(value) and value >= 0.0, what, value, f"a float >= 0 ({key}=...)", where)
+
+
+def _require_flags(group: dict[str, Any], keys: Iterable[str], where: str) -> None:
+    """Require each of ``group``'s ``keys`` to be True or False."""
+    for key in keys:
+        _require_valid(isinstance(group[key], bool), f"{key} value", group[key], "True or False", where)
+
+
+def _require_foreach_option(group: dict[str, Any], where: str) -> None:
+    """Require ``group["foreach"]`` to be None (decide), True or False."""
+    foreach = group["foreach"]
+    _require_valid(foreach in (None, True, False), "foreach value", foreach, "None, True or False", where)
