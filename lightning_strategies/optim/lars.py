@@ -118,11 +118,12 @@ class Lars(_LayerwiseOptimizer):
 
     def _update(self) -> None:
         """Each group's update; momentum buffers are read from and written back to the state."""
+        # every group checked before any is updated: an error leaves no half-applied step
+        _refuse_sparse_grads("Lars", [p for g in self.param_groups for p in g["params"] if p.grad is not None])
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            _refuse_sparse_grads("Lars", params)
             grads = [cast(Tensor, p.grad) for p in params]
             bufs: list[Tensor | None] = [self.state[p].get("momentum_buffer") for p in params]
             options = _LarsOptions.from_group(group)

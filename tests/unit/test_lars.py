@@ -264,6 +264,18 @@ def test_sparse_gradient_is_refused() -> None:
         opt.step()
 
 
+def test_sparse_gradient_in_a_later_group_leaves_every_group_untouched() -> None:
+    dense = nn.Parameter(torch.ones(4))
+    emb = nn.Embedding(10, 3, sparse=True)
+    (dense.sum() + emb(torch.tensor([1, 2])).sum()).backward()
+    opt = Lars([{"params": [dense]}, {"params": emb.parameters()}], lr=0.1, momentum=0.9)
+    before = dense.detach().clone()
+    with pytest.raises(RuntimeError, match="Lars does not support sparse gradients"):
+        opt.step()
+    assert torch.equal(dense.detach(), before)  # group 0 was not stepped before the refusal
+    assert not opt.state  # and no momentum buffer was created
+
+
 def test_complex_parameter_is_refused() -> None:
     with pytest.raises(ValueError, match=r"Lars does not support complex parameters: found a torch.complex64"):
         Lars([nn.Parameter(torch.zeros(3, dtype=torch.complex64))], lr=0.1)
