@@ -230,14 +230,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     datamodule = _build(cfg.data)
     model = _build(cfg.model)(num_classes=datamodule.num_classes, in_channels=datamodule.in_channels)
-    module = ClassificationModule(
-        model,
-        num_classes=datamodule.num_classes,
-        optimizer=_build(cfg.optimizer),
-        scaling=_build(cfg.scaling),
-        no_decay_norm_bias=cfg.no_decay_norm_bias,
-        label_smoothing=cfg.label_smoothing,
-    )
+    optimizer, scaling = _build(cfg.optimizer), _build(cfg.scaling)
 
     strategy = _build(cfg.strategy)
     trainer_factory = _build(cfg.trainer)
@@ -267,12 +260,22 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if per_device is not None:
         datamodule.batch_size = per_device
     _check_train_batches(datamodule, replicas_of(trainer.strategy))
-    # Check the scaling arithmetic now, not inside the worker processes.
-    plan = module.scaling.plan(
+    # Derived here, once, so bad scaling arithmetic stops the run before any worker process starts.
+    plan = scaling.plan(
         base_lr=float(cfg.optimizer.lr),
         per_device=datamodule.batch_size,
         replicas=replicas_of(trainer.strategy),
         accumulate=trainer.accumulate_grad_batches,
+    )
+    rank_zero_info(plan.describe())
+    module = ClassificationModule(
+        model,
+        num_classes=datamodule.num_classes,
+        optimizer=optimizer,
+        scaling=scaling,
+        plan=plan,
+        no_decay_norm_bias=cfg.no_decay_norm_bias,
+        label_smoothing=cfg.label_smoothing,
     )
 
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
@@ -299,7 +302,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "epochs": trainer.current_epoch,
         "steps": trainer.global_step,
         "wall_s": time.perf_counter() - start,
-        **(module.plan or plan).as_dict(),
+        **plan.as_dict(),
         **{k: v for k, v in fit_metrics.items() if "/" in k},  # comm/*, ps/*, async/*, pipeline/*
     }
     if HydraConfig.initialized():
