@@ -21,19 +21,17 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
-from hydra.utils import instantiate
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from hydra.utils import get_object, instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_strategies  # noqa: F401  (registers the strategy names)
-from lightning_strategies.checkpoint import AtomicCheckpointIO
-from lightning_strategies.faults import PeerFailureReport
 from lightning_strategies.scaling import replicas_of
 from recipes.classification import ClassificationModule, ThroughputMonitor
 
-__all__ = ["ConfigError", "run"]
+__all__ = ["ConfigError", "build_callbacks", "run"]
 
 METRICS_FILE = "metrics.json"
 
@@ -54,11 +52,11 @@ if not OmegaConf.has_resolver("torch_device"):
     OmegaConf.register_new_resolver("torch_device", _torch_device)
 
 
-def _build(node: Any) -> Any:
+def _build(node: Any, **kwargs: Any) -> Any:
     """``hydra.utils.instantiate``, but raising the object's own error (not Hydra's wrapper),
     so a bad value reads as "data.batch_size ... found 0" rather than a stack of frames."""
     try:
-        return instantiate(node)
+        return instantiate(node, **kwargs)
     except InstantiationException as err:
         if isinstance(err.__cause__, Exception):
             raise err.__cause__ from None
@@ -175,6 +173,42 @@ def _check_train_batches(datamodule: pl.LightningDataModule, replicas: int) -> N
         )
 
 
+def build_callbacks(cfg: DictConfig, out_dir: Path) -> list[pl.Callback]:
+    """The Trainer's callbacks, one per entry of ``cfg.callbacks`` (``conf/callbacks/``), in order.
+
+    An entry set to null is dropped; with ``checkpoint=false`` so is every ``ModelCheckpoint``, and
+    one whose ``dirpath`` is null writes into ``<run dir>/checkpoints``.
+
+    Raises:
+        ConfigError: for an entry without a ``_target_``, or one that builds something else than a callback.
+    """
+    callbacks: list[pl.Callback] = []
+    for name, node in (cfg.get("callbacks") or {}).items():
+        if node is None:
+            continue
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            found = OmegaConf.to_container(node) if isinstance(node, DictConfig) else node
+            raise ConfigError(
+                f"callbacks.{name} is {found!r}: expected a mapping with a _target_ (a Callback class) and its "
+                f"arguments. Fix: set callbacks.{name}._target_=<module.Class>, or drop it with ~callbacks.{name}"
+            )
+        kwargs: dict[str, Any] = {}
+        target = get_object(node._target_)
+        if isinstance(target, type) and issubclass(target, ModelCheckpoint):
+            if not cfg.checkpoint:
+                continue
+            if node.get("dirpath") is None:
+                kwargs["dirpath"] = str(out_dir / "checkpoints")
+        callback = _build(node, **kwargs)
+        if not isinstance(callback, pl.Callback):
+            raise ConfigError(
+                f"callbacks.{name} built a {type(callback).__name__} ({node._target_}): expected a "
+                f"lightning.pytorch.Callback. Fix: point callbacks.{name}._target_ at a Callback class"
+            )
+        callbacks.append(callback)
+    return callbacks
+
+
 def _is_multirun_parent() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
@@ -241,19 +275,21 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     accelerator = str(trainer_factory.keywords.get("accelerator", "cpu"))
     _check_devices(accelerator, trainer_overrides.get("devices", trainer_factory.keywords.get("devices", 1)))
 
-    throughput = ThroughputMonitor()
-    # PeerFailureReport: a survivor's error names the lost rank under any strategy (ddp too)
-    callbacks: list[pl.Callback] = [throughput, LearningRateMonitor(logging_interval="epoch"), PeerFailureReport()]
-    if cfg.checkpoint:
-        callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=True, save_top_k=0))
+    callbacks = build_callbacks(cfg, out_dir)
+    throughput = next((c for c in callbacks if isinstance(c, ThroughputMonitor)), None)
+    if throughput is None:
+        rank_zero_info(
+            "no ThroughputMonitor among the callbacks: samples_per_s, val_acc_by_epoch and "
+            "seconds_to_val_acc_95 will be null in metrics.json (n/a in the summary)"
+        )
     logger = _build(cfg.logger)(save_dir=str(out_dir))
     trainer: pl.Trainer = trainer_factory(
         strategy=strategy,
         logger=logger,
         callbacks=callbacks,
         default_root_dir=str(out_dir),
-        enable_checkpointing=bool(cfg.checkpoint),
-        plugins=[AtomicCheckpointIO()],  # a crash mid-save never replaces the last good checkpoint
+        # Lightning adds a ModelCheckpoint of its own when this is true and none is given
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         **trainer_overrides,
     )
     per_device = _per_device_batch(cfg, trainer)
@@ -295,10 +331,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "val_acc": fit_metrics.get("val_acc"),
         "val_loss": fit_metrics.get("val_loss"),
         "train_loss": fit_metrics.get("train_loss_epoch"),
-        "samples_per_s": throughput.samples_per_s(),
-        "samples_per_s_by_epoch": throughput.epoch_rates,
-        "val_acc_by_epoch": [acc for _, acc in throughput.val_curve],
-        "seconds_to_val_acc_95": throughput.time_to_val_acc(0.95),
+        "samples_per_s": throughput.samples_per_s() if throughput else None,
+        "samples_per_s_by_epoch": throughput.epoch_rates if throughput else None,
+        "val_acc_by_epoch": [acc for _, acc in throughput.val_curve] if throughput else None,
+        "seconds_to_val_acc_95": throughput.time_to_val_acc(0.95) if throughput else None,
         "epochs": trainer.current_epoch,
         "steps": trainer.global_step,
         "wall_s": time.perf_counter() - start,
