@@ -223,14 +223,16 @@ class ClassificationModule(pl.LightningModule):
             rank_zero_info(self.plan.describe())
         weight_decay = float(self.optimizer_factory.keywords.get("weight_decay", 0.0))  # type: ignore[attr-defined]
         optimizer = self.optimizer_factory(self._parameter_groups(weight_decay), lr=self.plan.lr)
-        estimated = trainer.estimated_stepping_batches
-        if math.isinf(estimated):
-            total, steps_per_epoch = self._endless_run_steps(trainer)
+        estimated_steps = trainer.estimated_stepping_batches
+        if math.isinf(estimated_steps):
+            total_steps, steps_per_epoch = self._endless_run_steps(trainer)
         else:
-            total = int(estimated)
+            total_steps = int(estimated_steps)
             epochs = max(1, trainer.max_epochs or 1)
-            steps_per_epoch = max(1, total // epochs)
-        scheduler = self.scaling.scheduler(optimizer, self.plan, steps_per_epoch=steps_per_epoch, total_steps=total)
+            steps_per_epoch = max(1, total_steps // epochs)
+        scheduler = self.scaling.scheduler(
+            optimizer, self.plan, steps_per_epoch=steps_per_epoch, total_steps=total_steps
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def _endless_run_steps(self, trainer: pl.Trainer) -> tuple[int, int]:
@@ -279,9 +281,9 @@ class ThroughputMonitor(pl.Callback):
         self.epoch_rates: list[float] = []
         self.val_curve: list[tuple[float, float]] = []  # (seconds since fit start, val_acc)
         self._fit_start = 0.0
-        self._start: float | None = None
-        self._last: float = 0.0
-        self._samples = 0
+        self._epoch_start: float | None = None  # the epoch's first batch
+        self._last_batch_end: float = 0.0
+        self._epoch_samples = 0  # this rank's
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fit_start = time.perf_counter()
@@ -296,24 +298,25 @@ class ThroughputMonitor(pl.Callback):
         return next((t for t, acc in self.val_curve if acc >= target), None)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start, self._samples = None, 0
+        self._epoch_start, self._epoch_samples = None, 0
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._start is None:
-            self._start = time.perf_counter()
+        if self._epoch_start is None:
+            self._epoch_start = time.perf_counter()
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._samples += len(batch[0]) if isinstance(batch, list | tuple) else len(batch)
-        self._last = time.perf_counter()
+        self._epoch_samples += len(batch[0]) if isinstance(batch, list | tuple) else len(batch)
+        self._last_batch_end = time.perf_counter()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._start is None or self._last <= self._start:
+        if self._epoch_start is None or self._last_batch_end <= self._epoch_start:
             return
-        rate = self._samples * replicas_of(trainer.strategy) / (self._last - self._start)
+        seconds = self._last_batch_end - self._epoch_start
+        rate = self._epoch_samples * replicas_of(trainer.strategy) / seconds
         self.epoch_rates.append(rate)
         pl_module.log("throughput/samples_per_s", rate, rank_zero_only=True)
 

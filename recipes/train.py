@@ -108,7 +108,7 @@ def _check_devices(accelerator: str, devices: Any) -> None:
         )
 
 
-def _check_positive(cfg: DictConfig) -> None:
+def _check_lr_and_epochs(cfg: DictConfig) -> None:
     lr = cfg.optimizer.get("lr")
     if lr is None or not isinstance(lr, int | float) or lr <= 0:
         raise ConfigError(f"optimizer.lr must be a positive number, found {lr!r}; e.g. optimizer.lr=0.1")
@@ -136,24 +136,25 @@ def _resume_path(cfg: DictConfig) -> str | None:
 
 
 def _per_device_batch(cfg: DictConfig, trainer: pl.Trainer) -> int | None:
-    glob = cfg.get("global_batch_size")
-    if glob is None:
+    global_batch = cfg.get("global_batch_size")
+    if global_batch is None:
         return None
     replicas, accumulate = replicas_of(trainer.strategy), trainer.accumulate_grad_batches
-    if not isinstance(glob, int) or glob < 1:
-        raise ConfigError(f"global_batch_size must be a positive integer, found {glob!r}")
-    if glob < replicas * accumulate:
+    shares = replicas * accumulate  # the global batch is split into this many equal per-device batches
+    if not isinstance(global_batch, int) or global_batch < 1:
+        raise ConfigError(f"global_batch_size must be a positive integer, found {global_batch!r}")
+    if global_batch < shares:
         raise ConfigError(
-            f"global batch {glob} is smaller than {replicas} replicas x {accumulate} accumulation steps: each device "
-            f"would get a batch of 0 samples; set global_batch_size to a multiple of {replicas * accumulate} "
+            f"global batch {global_batch} is smaller than {replicas} replicas x {accumulate} accumulation steps: "
+            f"each device would get a batch of 0 samples; set global_batch_size to a multiple of {shares} "
             "(or run fewer processes)"
         )
-    if glob % (replicas * accumulate):
+    if global_batch % shares:
         raise ConfigError(
-            f"global batch {glob} is not divisible by {replicas} replicas x {accumulate} accumulation steps; "
-            f"choose a global_batch_size that is a multiple of {replicas * accumulate}"
+            f"global batch {global_batch} is not divisible by {replicas} replicas x {accumulate} accumulation steps; "
+            f"choose a global_batch_size that is a multiple of {shares}"
         )
-    return glob // (replicas * accumulate)
+    return global_batch // shares
 
 
 def _check_train_batches(datamodule: pl.LightningDataModule, replicas: int) -> None:
@@ -163,12 +164,12 @@ def _check_train_batches(datamodule: pl.LightningDataModule, replicas: int) -> N
     train = getattr(datamodule, "train_set", None)
     if train is None:
         return
-    n, batch = len(train), int(datamodule.batch_size)  # type: ignore[attr-defined]
-    per_replica = -(-n // replicas)  # the distributed sampler pads the shares to equal length
+    samples, batch = len(train), int(datamodule.batch_size)  # type: ignore[attr-defined]
+    per_replica = -(-samples // replicas)  # the distributed sampler pads the shares to equal length
     if per_replica // batch == 0:  # the train loader drops a last, partial batch
         raise ConfigError(
-            f"the train split has {n} samples ({per_replica} per replica over {replicas} replicas), fewer than one "
-            f"per-device batch of {batch}: no training step would run; expected at least {batch * replicas} "
+            f"the train split has {samples} samples ({per_replica} per replica over {replicas} replicas), fewer than "
+            f"one per-device batch of {batch}: no training step would run; expected at least {batch * replicas} "
             "samples. Fix: use more data, or a smaller data.batch_size (or global_batch_size)"
         )
 
@@ -215,33 +216,34 @@ def _is_multirun_parent() -> bool:
 
 def _run_job_in_subprocess(cfg: DictConfig) -> dict[str, Any]:
     """Run this multirun job as a fresh single run of the same script, and collect its metrics."""
-    hc = HydraConfig.get()
-    out_dir = Path(hc.runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    out_dir = Path(hydra_cfg.runtime.output_dir)
+    job_overrides = list(hydra_cfg.overrides.task)
     command = [sys.executable, os.path.abspath(sys.argv[0])]
-    for source in hc.runtime.config_sources:
+    for source in hydra_cfg.runtime.config_sources:
         if source.provider == "main" and source.schema == "file":
             command += ["--config-path", source.path]
-    command += ["--config-name", str(hc.job.config_name), *hc.overrides.task, f'hydra.run.dir="{out_dir}"']
-    rank_zero_info(f"job {hc.job.num}: {' '.join(hc.overrides.task) or '(defaults)'} -> {out_dir}")
-    tail: deque[str] = deque(maxlen=40)
+    command += ["--config-name", str(hydra_cfg.job.config_name), *job_overrides, f'hydra.run.dir="{out_dir}"']
+    rank_zero_info(f"job {hydra_cfg.job.num}: {' '.join(job_overrides) or '(defaults)'} -> {out_dir}")
+    stderr_tail: deque[str] = deque(maxlen=40)
     with subprocess.Popen(command, stderr=subprocess.PIPE, text=True, bufsize=1) as proc:
         assert proc.stderr is not None
         for line in proc.stderr:  # forward as it comes, keep the end for the report
             sys.stderr.write(line)
-            tail.append(line.rstrip("\n"))
+            stderr_tail.append(line.rstrip("\n"))
         code = proc.wait()
     metrics_path = out_dir / METRICS_FILE
     if code == 0 and metrics_path.exists():
         return dict(json.loads(metrics_path.read_text()))
-    noise = ("Set the environment variable HYDRA_FULL_ERROR", "See https://hydra.cc")
-    errors = [t for t in tail if t.strip() and not t.startswith(noise)]
+    hydra_hints = ("Set the environment variable HYDRA_FULL_ERROR", "See https://hydra.cc")
+    errors = [line for line in stderr_tail if line.strip() and not line.startswith(hydra_hints)]
     reason = errors[-1] if errors else ""
     failed = {
         "status": "failed",
         "exit_code": code,
         "error": reason.strip() or f"exited with code {code}",
-        "stderr_tail": list(tail),
-        "overrides": list(hc.overrides.task),
+        "stderr_tail": list(stderr_tail),
+        "overrides": job_overrides,
     }
     _write_json(metrics_path, failed)
     return failed
@@ -259,7 +261,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     torch.set_float32_matmul_precision("high")
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     out_dir = _output_dir(cfg)
-    _check_positive(cfg)
+    _check_lr_and_epochs(cfg)
     resume = _resume_path(cfg)
 
     datamodule = _build(cfg.data)
@@ -350,7 +352,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return metrics
 
 
-def _fmt(value: Any) -> str:
+def _summary_cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return "-" if value is None else str(value)
@@ -363,6 +365,6 @@ def _print_summary(metrics: dict[str, Any], out_dir: Path) -> None:
     table = Table(title="run summary", show_header=False)
     for key in ("strategy", "world_size", "global_batch_size", "lr", "test_acc", "val_acc", "train_loss",
                 "samples_per_s", "wall_s"):
-        table.add_row(key, _fmt(metrics.get(key)))
+        table.add_row(key, _summary_cell(metrics.get(key)))
     Console(stderr=False).print(table)
     print(f"metrics: {out_dir / METRICS_FILE}", flush=True)
