@@ -15,16 +15,9 @@ saves and restores any training loader with ``state_dict()`` / ``load_state_dict
 epoch of its sampler and the number of batches *handed to the loop* (not those the workers
 have prefetched), and on resume it skips that many batches of indices before loading anything.
 
-Why our own ~100 lines rather than torchdata's ``StatefulDataLoader`` (0.11.0, which installs
-beside torch 2.14 without pulling another torch): that loader re-implements torch's DataLoader
-iterators on torch 2.6-era private internals, adds a dependency for one feature, and still
-needs an epoch-seeded sampler for the order to be reproducible across a restart. The skip here
-works with any sampler whose order is a function of its epoch, which covers the
-``DistributedSampler`` that Lightning injects (for DDP, ring, ps, and the pipeline's
-replicas-only sharding), :class:`EpochRandomSampler` (what ``shuffle=True`` builds here, so
-one-device runs resume exactly too) and deterministic samplers. The async strategy replaces the
-training sampler by its shared dynamic queue, whose position is not checkpointed (it resumes at
-epoch ends only).
+Skipping batches, rather than restoring an iterator's state, keeps torch's own DataLoader and works
+with any sampler whose order is a function of its epoch (Lightning's ``DistributedSampler``,
+:class:`EpochRandomSampler`); the async strategy's shared batch queue resumes at epoch ends only.
 """
 
 from __future__ import annotations

@@ -57,6 +57,9 @@ class ClassificationModule(pl.LightningModule):
         optimizer: a partial optimizer (Hydra ``_partial_: true``), called with the parameter
             groups and the *scaled* lr.
         scaling: the scaling rule and schedule; the lr the optimizer config gives is the base lr.
+        plan: the run's global batch and scaled lr, derived once by the caller (``recipes.train.run``
+            derives and logs it before any process starts); ``None`` derives it from the trainer in
+            ``configure_optimizers`` and logs it there.
         no_decay_norm_bias: put biases and norm weights in a group without weight decay or
             layer adaptation (Goyal et al. §5.1; You et al. 2020).
         label_smoothing: as in ``nn.CrossEntropyLoss``.
@@ -71,6 +74,7 @@ class ClassificationModule(pl.LightningModule):
         num_classes: int,
         optimizer: OptimizerFactory,
         scaling: ScalingConfig | None = None,
+        plan: ScalingPlan | None = None,
         no_decay_norm_bias: bool = False,
         label_smoothing: float = 0.0,
         check_finite: bool = True,
@@ -84,7 +88,8 @@ class ClassificationModule(pl.LightningModule):
         self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
-        self.plan: ScalingPlan | None = None
+        self.given_plan = plan
+        self.plan: ScalingPlan | None = plan  # the plan in use, known after configure_optimizers
         self.check_finite = check_finite
         self._last_loss: torch.Tensor | None = None
 
@@ -200,27 +205,34 @@ class ClassificationModule(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         trainer = self.trainer
         datamodule = getattr(trainer, "datamodule", None)
-        per_device = int(getattr(datamodule, "batch_size", 0)) or 1
-        base_lr = float(self.optimizer_factory.keywords["lr"]) if hasattr(self.optimizer_factory, "keywords") else None
-        if base_lr is None:
-            raise ValueError("the optimizer config must give an lr (the base lr at scaling.base_batch_size)")
-        self.plan = self.scaling.plan(
-            base_lr=base_lr,
-            per_device=per_device,
-            replicas=replicas_of(trainer.strategy),
-            accumulate=trainer.accumulate_grad_batches,
-        )
-        rank_zero_info(self.plan.describe())
+        loader_batch = int(getattr(datamodule, "batch_size", 0))  # 0: fit without a DataModule, unknown
+        per_device = loader_batch or 1
+        replicas, accumulate = replicas_of(trainer.strategy), trainer.accumulate_grad_batches
+        if self.given_plan is not None:
+            _check_plan_fits(self.given_plan, per_device=loader_batch, replicas=replicas, accumulate=accumulate)
+            self.plan = self.given_plan
+        else:
+            base_lr = (
+                float(self.optimizer_factory.keywords["lr"]) if hasattr(self.optimizer_factory, "keywords") else None
+            )
+            if base_lr is None:
+                raise ValueError("the optimizer config must give an lr (the base lr at scaling.base_batch_size)")
+            self.plan = self.scaling.plan(
+                base_lr=base_lr, per_device=per_device, replicas=replicas, accumulate=accumulate
+            )
+            rank_zero_info(self.plan.describe())
         weight_decay = float(self.optimizer_factory.keywords.get("weight_decay", 0.0))  # type: ignore[attr-defined]
         optimizer = self.optimizer_factory(self._parameter_groups(weight_decay), lr=self.plan.lr)
-        estimated = trainer.estimated_stepping_batches
-        if math.isinf(estimated):
-            total, steps_per_epoch = self._endless_run_steps(trainer)
+        estimated_steps = trainer.estimated_stepping_batches
+        if math.isinf(estimated_steps):
+            total_steps, steps_per_epoch = self._endless_run_steps(trainer)
         else:
-            total = int(estimated)
+            total_steps = int(estimated_steps)
             epochs = max(1, trainer.max_epochs or 1)
-            steps_per_epoch = max(1, total // epochs)
-        scheduler = self.scaling.scheduler(optimizer, self.plan, steps_per_epoch=steps_per_epoch, total_steps=total)
+            steps_per_epoch = max(1, total_steps // epochs)
+        scheduler = self.scaling.scheduler(
+            optimizer, self.plan, steps_per_epoch=steps_per_epoch, total_steps=total_steps
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def _endless_run_steps(self, trainer: pl.Trainer) -> tuple[int, int]:
@@ -241,6 +253,22 @@ class ClassificationModule(pl.LightningModule):
         return per_epoch, per_epoch  # total only bounds the cosine decay, which is excluded above
 
 
+def _check_plan_fits(plan: ScalingPlan, *, per_device: int, replicas: int, accumulate: int) -> None:
+    """Refuse a plan derived for another batch, replica or accumulation count: its lr would be wrong.
+
+    ``per_device`` 0 (no DataModule tells the loader's batch) compares replicas and accumulation only.
+    """
+    derived_for = (plan.per_device if per_device else 0, plan.replicas, plan.accumulate)
+    if derived_for != (per_device, replicas, accumulate):
+        raise ValueError(
+            f"the scaling plan was derived for {plan.per_device} per device x {plan.replicas} replicas x "
+            f"{plan.accumulate} accumulation steps, but this fit runs {per_device or '?'} x {replicas} x "
+            f"{accumulate}; "
+            "expected the plan of this trainer and data. Fix: derive the plan from the trainer that fits the "
+            "module (ScalingConfig.plan), or pass plan=None to derive it in configure_optimizers."
+        )
+
+
 class ThroughputMonitor(pl.Callback):
     """Logs ``throughput/samples_per_s`` each training epoch (all replicas together), and
     records the validation accuracy reached against wall time since ``fit`` started.
@@ -253,9 +281,9 @@ class ThroughputMonitor(pl.Callback):
         self.epoch_rates: list[float] = []
         self.val_curve: list[tuple[float, float]] = []  # (seconds since fit start, val_acc)
         self._fit_start = 0.0
-        self._start: float | None = None
-        self._last: float = 0.0
-        self._samples = 0
+        self._epoch_start: float | None = None  # the epoch's first batch
+        self._last_batch_end: float = 0.0
+        self._epoch_samples = 0  # this rank's
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fit_start = time.perf_counter()
@@ -270,24 +298,25 @@ class ThroughputMonitor(pl.Callback):
         return next((t for t, acc in self.val_curve if acc >= target), None)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start, self._samples = None, 0
+        self._epoch_start, self._epoch_samples = None, 0
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._start is None:
-            self._start = time.perf_counter()
+        if self._epoch_start is None:
+            self._epoch_start = time.perf_counter()
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._samples += len(batch[0]) if isinstance(batch, list | tuple) else len(batch)
-        self._last = time.perf_counter()
+        self._epoch_samples += len(batch[0]) if isinstance(batch, list | tuple) else len(batch)
+        self._last_batch_end = time.perf_counter()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._start is None or self._last <= self._start:
+        if self._epoch_start is None or self._last_batch_end <= self._epoch_start:
             return
-        rate = self._samples * replicas_of(trainer.strategy) / (self._last - self._start)
+        seconds = self._last_batch_end - self._epoch_start
+        rate = self._epoch_samples * replicas_of(trainer.strategy) / seconds
         self.epoch_rates.append(rate)
         pl_module.log("throughput/samples_per_s", rate, rank_zero_only=True)
 

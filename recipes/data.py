@@ -117,10 +117,13 @@ class _PrefetchingDataModule(pl.LightningDataModule):
         return self._loader(self.test_set, train=False)
 
 
-def _split(n: int, fractions: tuple[float, float], seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    n_val, n_test = round(n * fractions[0]), round(n * fractions[1])
-    return perm[n_val + n_test :], perm[:n_val], perm[n_val : n_val + n_test]
+def _split_indices(
+    samples: int, fractions: tuple[float, float], seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded (train, val, test) indices; ``fractions`` are val's and test's shares."""
+    order = torch.randperm(samples, generator=torch.Generator().manual_seed(seed))
+    n_val, n_test = round(samples * fractions[0]), round(samples * fractions[1])
+    return order[n_val + n_test :], order[:n_val], order[n_val : n_val + n_test]
 
 
 class DigitsDataModule(_PrefetchingDataModule):
@@ -159,19 +162,23 @@ class DigitsDataModule(_PrefetchingDataModule):
             return
         from sklearn.datasets import load_digits
 
-        x_np, y_np = load_digits(return_X_y=True)
-        x = torch.tensor(x_np, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
+        pixels, labels = load_digits(return_X_y=True)
+        x = torch.tensor(pixels, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0  # pixel values are 0..16
         if self.image_size != 8:
             x = torch.nn.functional.interpolate(
                 x, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False
             )
-        y = torch.tensor(y_np, dtype=torch.long)
-        train, val, test = _split(len(y), self.fractions, self.seed)
+        y = torch.tensor(labels, dtype=torch.long)
+        train, val, test = _split_indices(len(y), self.fractions, self.seed)
         mean, std = x[train].mean(), x[train].std()
         x = (x - mean) / std
         self.train_set = TensorDataset(x[train], y[train])
         self.val_set = TensorDataset(x[val], y[val])
         self.test_set = TensorDataset(x[test], y[test])
+
+
+# Sample seeds are seed x this + index + 1: datasets of different seeds share none below a million samples.
+_SEED_STRIDE = 1_000_003
 
 
 class SyntheticImages(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -202,8 +209,8 @@ class SyntheticImages(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         self.seed = seed
         self.load_ms = load_ms
         # One fixed random pattern per class: the signal a model learns.
-        g = torch.Generator().manual_seed(seed)
-        self.patterns = torch.randn(num_classes, *self.shape, generator=g)
+        generator = torch.Generator().manual_seed(seed)
+        self.patterns = torch.randn(num_classes, *self.shape, generator=generator)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -213,9 +220,10 @@ class SyntheticImages(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             raise IndexError(f"index {index} out of range for {self.num_samples} synthetic samples")
         if self.load_ms:
             time.sleep(self.load_ms / 1000.0)
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index + 1)
-        label = int(torch.randint(self.num_classes, (1,), generator=g))
-        image = 0.5 * self.patterns[label] + torch.randn(self.shape, generator=g)
+        # Seeded by (dataset seed, index): every process and loader worker makes the same sample.
+        generator = torch.Generator().manual_seed(self.seed * _SEED_STRIDE + index + 1)
+        label = int(torch.randint(self.num_classes, (1,), generator=generator))
+        image = 0.5 * self.patterns[label] + torch.randn(self.shape, generator=generator)
         return image, torch.tensor(label)
 
 
@@ -238,21 +246,20 @@ class SyntheticDataModule(_PrefetchingDataModule):
         super().__init__(batch_size=batch_size, **kwargs)
         self.num_classes = num_classes
         self.in_channels = channels
-        common = dict(channels=channels, image_size=image_size, num_classes=num_classes, load_ms=load_ms)
-        self.sizes = (num_samples, val_samples, test_samples)
-        self.common = common
+        self.split_sizes = (num_samples, val_samples, test_samples)
+        self.image_kwargs = dict(channels=channels, image_size=image_size, num_classes=num_classes, load_ms=load_ms)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        sets = [
-            SyntheticImages(n, seed=self.seed + 7919 * i, **self.common)  # type: ignore[arg-type]
-            for i, n in enumerate(self.sizes)
+        splits = [  # a seed apart per split (7919, a prime), so their samples differ
+            SyntheticImages(size, seed=self.seed + 7919 * i, **self.image_kwargs)  # type: ignore[arg-type]
+            for i, size in enumerate(self.split_sizes)
         ]
         # The patterns define the task: validation and test must share the training ones.
-        for s in sets[1:]:
-            s.patterns = sets[0].patterns
-        self.train_set, self.val_set, self.test_set = sets
+        for split in splits[1:]:
+            split.patterns = splits[0].patterns
+        self.train_set, self.val_set, self.test_set = splits
 
 
 class UnreadableImageError(OSError):

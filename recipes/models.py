@@ -21,10 +21,10 @@ Stem = Literal["imagenet", "small"]
 
 def small_cnn(num_classes: int, in_channels: int = 3, width: int = 32) -> nn.Sequential:
     """Four conv blocks with batch norm and a linear head: ~0.2M params at width 32."""
-    def block(cin: int, cout: int, stride: int) -> nn.Sequential:
+    def block(in_ch: int, out_ch: int, stride: int) -> nn.Sequential:
         return nn.Sequential(
-            nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False),
-            nn.BatchNorm2d(cout),
+            nn.Conv2d(in_ch, out_ch, 3, stride=stride, padding=1, bias=False),
+            nn.BatchNorm2d(out_ch),
             nn.ReLU(inplace=True),
         )
 
@@ -39,7 +39,8 @@ def small_cnn(num_classes: int, in_channels: int = 3, width: int = 32) -> nn.Seq
     )
 
 
-_DEPTHS: dict[str, tuple[type[BasicBlock] | type[Bottleneck], list[int]]] = {
+# Residual block type and blocks per stage (He et al. 2016, Table 1).
+_RESNET_LAYOUTS: dict[str, tuple[type[BasicBlock] | type[Bottleneck], list[int]]] = {
     "resnet18": (BasicBlock, [2, 2, 2, 2]),
     "resnet50": (Bottleneck, [3, 4, 6, 3]),
 }
@@ -49,8 +50,8 @@ def _resnet(
     name: str, *, num_classes: int, in_channels: int, stem: str, width: int, zero_init_residual: bool
 ) -> ResNet:
     """A torchvision ``ResNet`` whose stage widths are ``width x (1, 2, 4, 8)`` (64 = torchvision's)."""
-    block, layers = _DEPTHS[name]
-    model = ResNet(block, layers, num_classes=num_classes, zero_init_residual=zero_init_residual)
+    block, blocks_per_stage = _RESNET_LAYOUTS[name]
+    model = ResNet(block, blocks_per_stage, num_classes=num_classes, zero_init_residual=zero_init_residual)
     if stem == "imagenet" and in_channels == 3 and width == 64:
         return model
     # Rebuild the stem and stages with torchvision's own _make_layer, so the result is still a
@@ -64,23 +65,23 @@ def _resnet(
     else:
         model.conv1 = nn.Conv2d(in_channels, width, kernel_size=7, stride=2, padding=3, bias=False)
     model.bn1 = nn.BatchNorm2d(width)
-    model.layer1 = model._make_layer(block, width, layers[0])
-    model.layer2 = model._make_layer(block, width * 2, layers[1], stride=2)
-    model.layer3 = model._make_layer(block, width * 4, layers[2], stride=2)
-    model.layer4 = model._make_layer(block, width * 8, layers[3], stride=2)
+    model.layer1 = model._make_layer(block, width, blocks_per_stage[0])
+    model.layer2 = model._make_layer(block, width * 2, blocks_per_stage[1], stride=2)
+    model.layer3 = model._make_layer(block, width * 4, blocks_per_stage[2], stride=2)
+    model.layer4 = model._make_layer(block, width * 8, blocks_per_stage[3], stride=2)
     model.fc = nn.Linear(width * 8 * block.expansion, num_classes)
-    for m in model.modules():  # torchvision's initialisation, for the rebuilt modules
-        if isinstance(m, nn.Conv2d):
-            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-        elif isinstance(m, nn.BatchNorm2d):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
+    for module in model.modules():  # torchvision's initialisation, for the rebuilt modules
+        if isinstance(module, nn.Conv2d):
+            nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(module, nn.BatchNorm2d):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
     if zero_init_residual:
-        for m in model.modules():
-            if isinstance(m, Bottleneck) and m.bn3.weight is not None:
-                nn.init.zeros_(m.bn3.weight)
-            elif isinstance(m, BasicBlock) and m.bn2.weight is not None:
-                nn.init.zeros_(m.bn2.weight)
+        for module in model.modules():
+            if isinstance(module, Bottleneck) and module.bn3.weight is not None:
+                nn.init.zeros_(module.bn3.weight)
+            elif isinstance(module, BasicBlock) and module.bn2.weight is not None:
+                nn.init.zeros_(module.bn2.weight)
     return model
 
 

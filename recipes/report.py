@@ -112,7 +112,7 @@ def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|")
 
 
-def _absent(row: dict[str, Any], key: str) -> str:
+def _why_missing(row: dict[str, Any], key: str) -> str:
     """Why ``row`` has no ``key``: the job failed, never got there, or does not measure it."""
     if row.get("status") != "ok":
         return "failed"
@@ -129,8 +129,8 @@ def _job_value(row: dict[str, Any], key: str) -> str:
     return "<default>"
 
 
-def _table_absent(row: dict[str, Any], key: str) -> str:
-    why = _absent(row, key)
+def _table_missing(row: dict[str, Any], key: str) -> str:
+    why = _why_missing(row, key)
     return why if why == "not reached" else "-"  # the status column already says "failed"
 
 
@@ -141,7 +141,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cells = [row["job"], *(_job_value(row, k) for k in keys)]
-        cells += [_cell(row[key]) if row.get(key) is not None else _table_absent(row, key) for key, _ in columns]
+        cells += [_cell(row[key]) if row.get(key) is not None else _table_missing(row, key) for key, _ in columns]
         lines.append("| " + " | ".join(cells) + " |")
     failed = [r for r in rows if r.get("status") != "ok"]
     for row in failed:
@@ -163,14 +163,14 @@ def _layout(rows: list[dict[str, Any]], keys: list[str]) -> tuple[list[str], lis
         return [_label(r, keys) for r in rows], [], [(i, 0) for i in range(len(rows))]
     ticks: list[str] = []
     series: list[str] = []
-    where = []
+    positions = []
     for row in rows:
-        tick, hue = _job_value(row, keys[-1]), _label(row, keys[:-1])
-        for values, value in ((ticks, tick), (series, hue)):
+        tick, series_label = _job_value(row, keys[-1]), _label(row, keys[:-1])
+        for values, value in ((ticks, tick), (series, series_label)):
             if value not in values:
                 values.append(value)
-        where.append((ticks.index(tick), series.index(hue)))
-    return ticks, series, where
+        positions.append((ticks.index(tick), series.index(series_label)))
+    return ticks, series, positions
 
 
 PLOTS: tuple[tuple[str, str], ...] = (
@@ -195,25 +195,25 @@ def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     keys = swept_keys(rows)
-    ticks, series, where = _layout(rows, keys)
+    ticks, series, positions = _layout(rows, keys)
     width = 0.8 / max(1, len(series))
     written = []
     for key, title in PLOTS:
         values = [r.get(key) if r.get("status") == "ok" else None for r in rows]
-        if not any(isinstance(v, int | float) for v in values):
+        if not any(isinstance(value, int | float) for value in values):
             continue
         fig, ax = plt.subplots(figsize=(max(4.0, 0.9 * len(rows) + 2), 3.4))
         in_legend: set[int] = set()
-        for (x, hue), v, row in zip(where, values, rows, strict=True):
+        for (x, series_index), value, row in zip(positions, values, rows, strict=True):
             # with series, each bar sits at its group's centre plus its series' offset
-            pos = x + (hue - (len(series) - 1) / 2) * width if series else x
-            height = float(v) if isinstance(v, int | float) else 0.0
-            color = f"C{hue}" if v is not None else "lightgray"
-            label = series[hue] if series and v is not None and hue not in in_legend else None
+            bar_x = x + (series_index - (len(series) - 1) / 2) * width if series else x
+            height = float(value) if isinstance(value, int | float) else 0.0
+            color = f"C{series_index}" if value is not None else "lightgray"
+            label = series[series_index] if series and value is not None and series_index not in in_legend else None
             if label is not None:
-                in_legend.add(hue)
-            bar = ax.bar(pos, height, width=width if series else 0.8, color=color, label=label)[0]
-            text = _absent(row, key) if v is None else f"{float(v):.3g}"
+                in_legend.add(series_index)
+            bar = ax.bar(bar_x, height, width=width if series else 0.8, color=color, label=label)[0]
+            text = _why_missing(row, key) if value is None else f"{float(value):.3g}"
             top = (bar.get_x() + bar.get_width() / 2, bar.get_height())
             ax.annotate(text, top, ha="center", va="bottom", fontsize=7 if series else 8)
         ax.set_xticks(

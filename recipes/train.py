@@ -21,19 +21,17 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
-from hydra.utils import instantiate
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from hydra.utils import get_object, instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_strategies  # noqa: F401  (registers the strategy names)
-from lightning_strategies.checkpoint import AtomicCheckpointIO
-from lightning_strategies.faults import PeerFailureReport
 from lightning_strategies.scaling import replicas_of
 from recipes.classification import ClassificationModule, ThroughputMonitor
 
-__all__ = ["ConfigError", "run"]
+__all__ = ["ConfigError", "build_callbacks", "run"]
 
 METRICS_FILE = "metrics.json"
 
@@ -54,11 +52,11 @@ if not OmegaConf.has_resolver("torch_device"):
     OmegaConf.register_new_resolver("torch_device", _torch_device)
 
 
-def _build(node: Any) -> Any:
+def _build(node: Any, **kwargs: Any) -> Any:
     """``hydra.utils.instantiate``, but raising the object's own error (not Hydra's wrapper),
     so a bad value reads as "data.batch_size ... found 0" rather than a stack of frames."""
     try:
-        return instantiate(node)
+        return instantiate(node, **kwargs)
     except InstantiationException as err:
         if isinstance(err.__cause__, Exception):
             raise err.__cause__ from None
@@ -110,7 +108,7 @@ def _check_devices(accelerator: str, devices: Any) -> None:
         )
 
 
-def _check_positive(cfg: DictConfig) -> None:
+def _check_lr_and_epochs(cfg: DictConfig) -> None:
     lr = cfg.optimizer.get("lr")
     if lr is None or not isinstance(lr, int | float) or lr <= 0:
         raise ConfigError(f"optimizer.lr must be a positive number, found {lr!r}; e.g. optimizer.lr=0.1")
@@ -138,24 +136,25 @@ def _resume_path(cfg: DictConfig) -> str | None:
 
 
 def _per_device_batch(cfg: DictConfig, trainer: pl.Trainer) -> int | None:
-    glob = cfg.get("global_batch_size")
-    if glob is None:
+    global_batch = cfg.get("global_batch_size")
+    if global_batch is None:
         return None
     replicas, accumulate = replicas_of(trainer.strategy), trainer.accumulate_grad_batches
-    if not isinstance(glob, int) or glob < 1:
-        raise ConfigError(f"global_batch_size must be a positive integer, found {glob!r}")
-    if glob < replicas * accumulate:
+    shares = replicas * accumulate  # the global batch is split into this many equal per-device batches
+    if not isinstance(global_batch, int) or global_batch < 1:
+        raise ConfigError(f"global_batch_size must be a positive integer, found {global_batch!r}")
+    if global_batch < shares:
         raise ConfigError(
-            f"global batch {glob} is smaller than {replicas} replicas x {accumulate} accumulation steps: each device "
-            f"would get a batch of 0 samples; set global_batch_size to a multiple of {replicas * accumulate} "
+            f"global batch {global_batch} is smaller than {replicas} replicas x {accumulate} accumulation steps: "
+            f"each device would get a batch of 0 samples; set global_batch_size to a multiple of {shares} "
             "(or run fewer processes)"
         )
-    if glob % (replicas * accumulate):
+    if global_batch % shares:
         raise ConfigError(
-            f"global batch {glob} is not divisible by {replicas} replicas x {accumulate} accumulation steps; "
-            f"choose a global_batch_size that is a multiple of {replicas * accumulate}"
+            f"global batch {global_batch} is not divisible by {replicas} replicas x {accumulate} accumulation steps; "
+            f"choose a global_batch_size that is a multiple of {shares}"
         )
-    return glob // (replicas * accumulate)
+    return global_batch // shares
 
 
 def _check_train_batches(datamodule: pl.LightningDataModule, replicas: int) -> None:
@@ -165,14 +164,50 @@ def _check_train_batches(datamodule: pl.LightningDataModule, replicas: int) -> N
     train = getattr(datamodule, "train_set", None)
     if train is None:
         return
-    n, batch = len(train), int(datamodule.batch_size)  # type: ignore[attr-defined]
-    per_replica = -(-n // replicas)  # the distributed sampler pads the shares to equal length
+    samples, batch = len(train), int(datamodule.batch_size)  # type: ignore[attr-defined]
+    per_replica = -(-samples // replicas)  # the distributed sampler pads the shares to equal length
     if per_replica // batch == 0:  # the train loader drops a last, partial batch
         raise ConfigError(
-            f"the train split has {n} samples ({per_replica} per replica over {replicas} replicas), fewer than one "
-            f"per-device batch of {batch}: no training step would run; expected at least {batch * replicas} "
+            f"the train split has {samples} samples ({per_replica} per replica over {replicas} replicas), fewer than "
+            f"one per-device batch of {batch}: no training step would run; expected at least {batch * replicas} "
             "samples. Fix: use more data, or a smaller data.batch_size (or global_batch_size)"
         )
+
+
+def build_callbacks(cfg: DictConfig, out_dir: Path) -> list[pl.Callback]:
+    """The Trainer's callbacks, one per entry of ``cfg.callbacks`` (``conf/callbacks/``), in order.
+
+    An entry set to null is dropped; with ``checkpoint=false`` so is every ``ModelCheckpoint``, and
+    one whose ``dirpath`` is null writes into ``<run dir>/checkpoints``.
+
+    Raises:
+        ConfigError: for an entry without a ``_target_``, or one that builds something else than a callback.
+    """
+    callbacks: list[pl.Callback] = []
+    for name, node in (cfg.get("callbacks") or {}).items():
+        if node is None:
+            continue
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            found = OmegaConf.to_container(node) if isinstance(node, DictConfig) else node
+            raise ConfigError(
+                f"callbacks.{name} is {found!r}: expected a mapping with a _target_ (a Callback class) and its "
+                f"arguments. Fix: set callbacks.{name}._target_=<module.Class>, or drop it with ~callbacks.{name}"
+            )
+        kwargs: dict[str, Any] = {}
+        target = get_object(node._target_)
+        if isinstance(target, type) and issubclass(target, ModelCheckpoint):
+            if not cfg.checkpoint:
+                continue
+            if node.get("dirpath") is None:
+                kwargs["dirpath"] = str(out_dir / "checkpoints")
+        callback = _build(node, **kwargs)
+        if not isinstance(callback, pl.Callback):
+            raise ConfigError(
+                f"callbacks.{name} built a {type(callback).__name__} ({node._target_}): expected a "
+                f"lightning.pytorch.Callback. Fix: point callbacks.{name}._target_ at a Callback class"
+            )
+        callbacks.append(callback)
+    return callbacks
 
 
 def _is_multirun_parent() -> bool:
@@ -181,33 +216,34 @@ def _is_multirun_parent() -> bool:
 
 def _run_job_in_subprocess(cfg: DictConfig) -> dict[str, Any]:
     """Run this multirun job as a fresh single run of the same script, and collect its metrics."""
-    hc = HydraConfig.get()
-    out_dir = Path(hc.runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    out_dir = Path(hydra_cfg.runtime.output_dir)
+    job_overrides = list(hydra_cfg.overrides.task)
     command = [sys.executable, os.path.abspath(sys.argv[0])]
-    for source in hc.runtime.config_sources:
+    for source in hydra_cfg.runtime.config_sources:
         if source.provider == "main" and source.schema == "file":
             command += ["--config-path", source.path]
-    command += ["--config-name", str(hc.job.config_name), *hc.overrides.task, f'hydra.run.dir="{out_dir}"']
-    rank_zero_info(f"job {hc.job.num}: {' '.join(hc.overrides.task) or '(defaults)'} -> {out_dir}")
-    tail: deque[str] = deque(maxlen=40)
+    command += ["--config-name", str(hydra_cfg.job.config_name), *job_overrides, f'hydra.run.dir="{out_dir}"']
+    rank_zero_info(f"job {hydra_cfg.job.num}: {' '.join(job_overrides) or '(defaults)'} -> {out_dir}")
+    stderr_tail: deque[str] = deque(maxlen=40)
     with subprocess.Popen(command, stderr=subprocess.PIPE, text=True, bufsize=1) as proc:
         assert proc.stderr is not None
         for line in proc.stderr:  # forward as it comes, keep the end for the report
             sys.stderr.write(line)
-            tail.append(line.rstrip("\n"))
+            stderr_tail.append(line.rstrip("\n"))
         code = proc.wait()
     metrics_path = out_dir / METRICS_FILE
     if code == 0 and metrics_path.exists():
         return dict(json.loads(metrics_path.read_text()))
-    noise = ("Set the environment variable HYDRA_FULL_ERROR", "See https://hydra.cc")
-    errors = [t for t in tail if t.strip() and not t.startswith(noise)]
+    hydra_hints = ("Set the environment variable HYDRA_FULL_ERROR", "See https://hydra.cc")
+    errors = [line for line in stderr_tail if line.strip() and not line.startswith(hydra_hints)]
     reason = errors[-1] if errors else ""
     failed = {
         "status": "failed",
         "exit_code": code,
         "error": reason.strip() or f"exited with code {code}",
-        "stderr_tail": list(tail),
-        "overrides": list(hc.overrides.task),
+        "stderr_tail": list(stderr_tail),
+        "overrides": job_overrides,
     }
     _write_json(metrics_path, failed)
     return failed
@@ -225,19 +261,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     torch.set_float32_matmul_precision("high")
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     out_dir = _output_dir(cfg)
-    _check_positive(cfg)
+    _check_lr_and_epochs(cfg)
     resume = _resume_path(cfg)
 
     datamodule = _build(cfg.data)
     model = _build(cfg.model)(num_classes=datamodule.num_classes, in_channels=datamodule.in_channels)
-    module = ClassificationModule(
-        model,
-        num_classes=datamodule.num_classes,
-        optimizer=_build(cfg.optimizer),
-        scaling=_build(cfg.scaling),
-        no_decay_norm_bias=cfg.no_decay_norm_bias,
-        label_smoothing=cfg.label_smoothing,
-    )
+    optimizer, scaling = _build(cfg.optimizer), _build(cfg.scaling)
 
     strategy = _build(cfg.strategy)
     trainer_factory = _build(cfg.trainer)
@@ -248,31 +277,43 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     accelerator = str(trainer_factory.keywords.get("accelerator", "cpu"))
     _check_devices(accelerator, trainer_overrides.get("devices", trainer_factory.keywords.get("devices", 1)))
 
-    throughput = ThroughputMonitor()
-    # PeerFailureReport: a survivor's error names the lost rank under any strategy (ddp too)
-    callbacks: list[pl.Callback] = [throughput, LearningRateMonitor(logging_interval="epoch"), PeerFailureReport()]
-    if cfg.checkpoint:
-        callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=True, save_top_k=0))
+    callbacks = build_callbacks(cfg, out_dir)
+    throughput = next((c for c in callbacks if isinstance(c, ThroughputMonitor)), None)
+    if throughput is None:
+        rank_zero_info(
+            "no ThroughputMonitor among the callbacks: samples_per_s, val_acc_by_epoch and "
+            "seconds_to_val_acc_95 will be null in metrics.json (n/a in the summary)"
+        )
     logger = _build(cfg.logger)(save_dir=str(out_dir))
     trainer: pl.Trainer = trainer_factory(
         strategy=strategy,
         logger=logger,
         callbacks=callbacks,
         default_root_dir=str(out_dir),
-        enable_checkpointing=bool(cfg.checkpoint),
-        plugins=[AtomicCheckpointIO()],  # a crash mid-save never replaces the last good checkpoint
+        # Lightning adds a ModelCheckpoint of its own when this is true and none is given
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         **trainer_overrides,
     )
     per_device = _per_device_batch(cfg, trainer)
     if per_device is not None:
         datamodule.batch_size = per_device
     _check_train_batches(datamodule, replicas_of(trainer.strategy))
-    # Check the scaling arithmetic now, not inside the worker processes.
-    plan = module.scaling.plan(
+    # Derived here, once, so bad scaling arithmetic stops the run before any worker process starts.
+    plan = scaling.plan(
         base_lr=float(cfg.optimizer.lr),
         per_device=datamodule.batch_size,
         replicas=replicas_of(trainer.strategy),
         accumulate=trainer.accumulate_grad_batches,
+    )
+    rank_zero_info(plan.describe())
+    module = ClassificationModule(
+        model,
+        num_classes=datamodule.num_classes,
+        optimizer=optimizer,
+        scaling=scaling,
+        plan=plan,
+        no_decay_norm_bias=cfg.no_decay_norm_bias,
+        label_smoothing=cfg.label_smoothing,
     )
 
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
@@ -292,14 +333,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "val_acc": fit_metrics.get("val_acc"),
         "val_loss": fit_metrics.get("val_loss"),
         "train_loss": fit_metrics.get("train_loss_epoch"),
-        "samples_per_s": throughput.samples_per_s(),
-        "samples_per_s_by_epoch": throughput.epoch_rates,
-        "val_acc_by_epoch": [acc for _, acc in throughput.val_curve],
-        "seconds_to_val_acc_95": throughput.time_to_val_acc(0.95),
+        "samples_per_s": throughput.samples_per_s() if throughput else None,
+        "samples_per_s_by_epoch": throughput.epoch_rates if throughput else None,
+        "val_acc_by_epoch": [acc for _, acc in throughput.val_curve] if throughput else None,
+        "seconds_to_val_acc_95": throughput.time_to_val_acc(0.95) if throughput else None,
         "epochs": trainer.current_epoch,
         "steps": trainer.global_step,
         "wall_s": time.perf_counter() - start,
-        **(module.plan or plan).as_dict(),
+        **plan.as_dict(),
         **{k: v for k, v in fit_metrics.items() if "/" in k},  # comm/*, ps/*, async/*, pipeline/*
     }
     if HydraConfig.initialized():
@@ -311,7 +352,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return metrics
 
 
-def _fmt(value: Any) -> str:
+def _summary_cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return "-" if value is None else str(value)
@@ -324,6 +365,6 @@ def _print_summary(metrics: dict[str, Any], out_dir: Path) -> None:
     table = Table(title="run summary", show_header=False)
     for key in ("strategy", "world_size", "global_batch_size", "lr", "test_acc", "val_acc", "train_loss",
                 "samples_per_s", "wall_s"):
-        table.add_row(key, _fmt(metrics.get(key)))
+        table.add_row(key, _summary_cell(metrics.get(key)))
     Console(stderr=False).print(table)
     print(f"metrics: {out_dir / METRICS_FILE}", flush=True)

@@ -123,3 +123,17 @@ def test_tensorboard_logger(tmp_path: Path) -> None:
     out = tmp_path / "run"
     run(compose_cfg(["logger=tensorboard", "model=small_cnn", *FEW_BATCHES], output_dir=out))
     assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
+
+
+def test_callbacks_removed_from_the_command_line(tmp_path: Path) -> None:
+    # conf/callbacks/default.yaml: without the throughput monitor the run trains and its numbers are
+    # null (n/a), not invented; without the checkpoint callback Lightning must not add its own
+    out = tmp_path / "run"
+    overrides = ["~callbacks.throughput_monitor", "~callbacks.model_checkpoint", "model=small_cnn", *FEW_BATCHES]
+    metrics = run(compose_cfg(overrides, output_dir=out))
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["status"] == "ok" and saved["steps"] == 2 and saved["test_acc"] is not None
+    for key in ("samples_per_s", "samples_per_s_by_epoch", "val_acc_by_epoch", "seconds_to_val_acc_95"):
+        assert key in saved and saved[key] is None and metrics[key] is None, key
+    assert not list(out.rglob("*.ckpt"))
+    assert any(key.startswith("lr-SGD") for key in saved)  # the learning-rate monitor still ran

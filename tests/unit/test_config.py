@@ -5,16 +5,20 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from app_utils import compose_cfg, config_options
 from hydra.errors import MissingConfigException
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
+from lightning_strategies import AtomicCheckpointIO, PeerFailureReport
 from lightning_strategies.scaling import ScalingConfig
-from recipes.train import ConfigError, run
+from recipes.classification import ThroughputMonitor
+from recipes.train import ConfigError, build_callbacks, run
 
-GROUPS = ["data", "model", "optimizer", "scaling", "strategy", "trainer", "logger", "recipe"]
+GROUPS = ["data", "model", "optimizer", "scaling", "strategy", "trainer", "logger", "callbacks", "recipe"]
 
 
 @pytest.mark.parametrize(
@@ -28,6 +32,10 @@ def test_every_option_composes_and_builds(group: str, option: str, tmp_path: Pat
     cfg = compose_cfg(overrides)
     if group == "recipe":
         return  # a recipe only overrides the other groups; composing it is the check
+    if group == "callbacks":
+        callbacks = build_callbacks(cfg, tmp_path)
+        assert len(callbacks) == len(cfg.callbacks) and all(isinstance(c, pl.Callback) for c in callbacks)
+        return
     obj = instantiate(cfg[group])
     if group == "model":
         model = obj(num_classes=10, in_channels=3)
@@ -127,3 +135,52 @@ def test_bad_input_stops_before_training(
 def test_async_sgd_gets_a_lower_momentum(overrides: list[str], momentum: float | None) -> None:
     # asynchrony adds ~1 - 1/P implicit momentum; SGD's 0.9 on top diverges the digits ResNet
     assert compose_cfg(overrides).optimizer.get("momentum") == momentum
+
+
+def _types(callbacks: list[pl.Callback]) -> list[type]:
+    return [type(c) for c in callbacks]
+
+
+def test_default_callbacks_and_checkpoint_io(tmp_path: Path) -> None:
+    cfg = compose_cfg([])
+    callbacks = build_callbacks(cfg, tmp_path)
+    assert _types(callbacks) == [ThroughputMonitor, LearningRateMonitor, PeerFailureReport, ModelCheckpoint]
+    checkpoint = callbacks[-1]
+    assert isinstance(checkpoint, ModelCheckpoint)
+    assert checkpoint.dirpath == str(tmp_path / "checkpoints") and checkpoint.save_last and checkpoint.save_top_k == 0
+    for trainer in config_options("trainer"):
+        plugins = instantiate(compose_cfg([f"trainer={trainer}"]).trainer).keywords["plugins"]
+        assert _types(plugins) == [AtomicCheckpointIO], trainer
+    assert instantiate(compose_cfg(["trainer.plugins=[]"]).trainer).keywords["plugins"] == []
+
+
+def test_callbacks_dropped_and_overridden_from_the_command_line(tmp_path: Path) -> None:
+    cfg = compose_cfg(
+        ["~callbacks.learning_rate_monitor", "callbacks.model_checkpoint.save_top_k=2",
+         "+callbacks.model_checkpoint.monitor=val_acc", "+callbacks.model_checkpoint.mode=max",
+         f"callbacks.model_checkpoint.dirpath={tmp_path / 'mine'}",
+         "+callbacks.early_stopping={_target_: lightning.pytorch.callbacks.EarlyStopping, monitor: val_loss}"]
+    )
+    callbacks = build_callbacks(cfg, tmp_path)
+    assert LearningRateMonitor not in _types(callbacks)
+    checkpoint = next(c for c in callbacks if isinstance(c, ModelCheckpoint))
+    assert checkpoint.save_top_k == 2 and checkpoint.monitor == "val_acc"
+    assert checkpoint.dirpath == str(tmp_path / "mine")  # a dirpath given is kept
+    assert type(callbacks[-1]).__name__ == "EarlyStopping"
+    assert build_callbacks(compose_cfg(["callbacks=none"]), tmp_path) == []
+    # checkpoint=false skips the ModelCheckpoint; a null entry (how a recipe drops one) is skipped too
+    unchecked = build_callbacks(compose_cfg(["checkpoint=false", "callbacks.peer_failure_report=null"]), tmp_path)
+    assert _types(unchecked) == [ThroughputMonitor, LearningRateMonitor]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+callbacks.mine={every: 2}", r"callbacks.mine is \{'every': 2\}: expected a mapping with a _target_"),
+        ("callbacks.throughput_monitor._target_=torch.nn.ReLU",
+         r"callbacks.throughput_monitor built a ReLU \(torch.nn.ReLU\): expected a lightning.pytorch.Callback"),
+    ],
+)
+def test_a_callback_that_is_not_one_is_refused(override: str, message: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build_callbacks(compose_cfg([override]), tmp_path)

@@ -170,3 +170,15 @@ def test_replicas_of_reads_sampler_kwargs() -> None:
 
     assert replicas_of(Pipeline()) == 2
     assert replicas_of(object()) == 1
+
+
+def test_recipe_module_refuses_a_plan_of_another_trainer() -> None:
+    # recipes.train.run derives the plan once and hands it to the module: a plan made for other
+    # replicas would silently train at the wrong lr, so the module compares before using it
+    from recipes.classification import _check_plan_fits
+
+    plan = ScalingConfig(rule="linear", base_batch_size=64).plan(base_lr=0.05, per_device=64, replicas=2)
+    _check_plan_fits(plan, per_device=64, replicas=2, accumulate=1)
+    _check_plan_fits(plan, per_device=0, replicas=2, accumulate=1)  # no DataModule: batch unknown
+    with pytest.raises(ValueError, match=r"derived for 64 per device x 2 replicas x 1 .* runs 64 x 4 x 1"):
+        _check_plan_fits(plan, per_device=64, replicas=4, accumulate=1)
