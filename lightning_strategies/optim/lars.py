@@ -70,7 +70,8 @@ class Lars(_LayerwiseOptimizer):
             its norm.
         eps: added to the local-lr denominator.
         nesterov: Nesterov momentum (needs ``momentum > 0``).
-        trust_clip: clip the local lr to at most 1 (LARC's clipping mode).
+        trust_clip: LARC's clipping: scale each tensor's step by ``min(local / lr, 1)``, so its
+            effective rate is ``min(local, lr)`` (NVIDIA apex ``LARC(clip=True)``, timm ``trust_clip``).
         foreach: use the multi-tensor ``torch._foreach_*`` path (``None``: whenever every
             parameter is a plain tensor on CPU, CUDA or XPU). Both paths give the same result.
 
@@ -165,11 +166,17 @@ class _LarsOptions:
 
 
 def _local_lrs(w_norms: Tensor, g_norms: Tensor, o: _LarsOptions) -> Tensor:
-    """tc ||x|| / (||g|| + wd ||x|| + eps) per tensor; 1 when a norm is 0; clipped at 1 with trust_clip."""
+    """tc ||x|| / (||g|| + wd ||x|| + eps) per tensor; 1 when a norm is 0; LARC-clipped with trust_clip.
+
+    LARC's clipping (NVIDIA apex ``LARC(clip=True)``, timm's ``trust_clip``) scales by
+    ``min(local / lr, 1)``, so the effective rate ``lr x scale`` is ``min(local, lr)``: the layer-wise
+    rate may lower the global one, never raise it.
+    """
     local = o.trust_coefficient * w_norms / (g_norms + o.weight_decay * w_norms + o.eps)
     local = torch.where(torch.minimum(w_norms, g_norms) > 0, local, 1.0)  # norms >= 0: both non-zero
     if o.trust_clip:
-        local = local.clamp(max=1.0)
+        # lr = 0 makes no step whatever the scale; 1 keeps the division finite
+        local = (local / o.lr).clamp(max=1.0) if o.lr > 0 else torch.ones_like(local)
     return local
 
 
