@@ -100,7 +100,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import header, line, median, pyplot, save_figure
 from benchmarks._workers import run_workers
-from lightning_strategies.strategies.pipeline import PipelineRuntime, partition_blocks, profile_blocks
+from lightning_strategies.comm.pipeline import PipelineRuntime, partition_blocks, profile_blocks
 
 K = 2
 MICROBATCHES = (1, 2, 4, 8, 16)
