@@ -496,8 +496,8 @@ class PipelineStrategy(StrategyBase):
                     p.grad = g
             outputs = runtime.broadcast_from_last(runtime.last_outputs)
         # this rank's own timings, per training step; gathered over the pipeline when logged
-        busy = {f"busy/{v}": seconds for v, seconds in enumerate(runtime.stage_seconds())}
-        self.metrics.add(wall=runtime.last_step_seconds, **busy)
+        busy = {f"busy_seconds/{v}": seconds for v, seconds in enumerate(runtime.stage_seconds())}
+        self.metrics.add(step_seconds=runtime.last_step_seconds, **busy)
         runtime.reset_timers()
         with self.precision_plugin.train_step_context(), _forward_returns(module, outputs):
             return module.training_step(*args, **kwargs)
@@ -553,8 +553,8 @@ class PipelineStrategy(StrategyBase):
         if self.trainer is None or runtime is None or not self.metrics or not should_update_logs(self.trainer):
             return
         window = self.metrics.flush()
-        busy = [window[f"busy/{v}"] for v in range(len(runtime.train_stages))]
-        stage_seconds, bubble_fraction = runtime.gather_timings(window["wall"], busy)
+        busy = [window[f"busy_seconds/{v}"] for v in range(len(runtime.train_stages))]
+        stage_seconds, bubble_fraction = runtime.gather_timings(window["step_seconds"], busy)
         metrics = {f"pipeline/stage_seconds/{stage}": seconds for stage, seconds in stage_seconds.items()}
         metrics["pipeline/bubble_fraction"] = bubble_fraction
         module = self.lightning_module
