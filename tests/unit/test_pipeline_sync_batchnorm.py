@@ -75,5 +75,10 @@ def test_sync_batchnorm_on_cpu_is_refused_at_setup_with_the_fix() -> None:
         enable_model_summary=False,
         enable_checkpointing=False,
     )
-    with pytest.raises(ValueError, match=r"found Trainer\(sync_batchnorm=True\) on CPU: expected CUDA.*Fix: drop"):
-        trainer.fit(PipeBatchNormRegressor(), DataLoader(regression_data(), batch_size=8))
+    initialized = dist.is_initialized()
+    try:
+        with pytest.raises(ValueError, match=r"found Trainer\(sync_batchnorm=True\) on CPU: expected CUDA.*Fix: drop"):
+            trainer.fit(PipeBatchNormRegressor(), DataLoader(regression_data(), batch_size=8))
+    finally:
+        if dist.is_initialized() and not initialized:
+            dist.destroy_process_group()  # the fit's one-process group: later tests start without one
