@@ -34,9 +34,9 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-## every benchmark in --quick mode (the full runs are in README)
+## every benchmark in --quick mode (the full runs are in README); _*.py are their helper modules
 bench: install
-	for b in benchmarks/*.py; do $(PY) $$b --quick || exit 1; done
+	for b in benchmarks/[!_]*.py; do $(PY) $$b --quick || exit 1; done
 
 clean:
 	rm -rf $(VENV) outputs multirun lightning_logs .pytest_cache .mypy_cache .ruff_cache

@@ -14,7 +14,10 @@ The hooks changed (everything else, launching included, is ``DDPStrategy``'s):
 - ``connect``: the module must implement :class:`~lightning_strategies.PipelineModule`.
 - ``_configure_launcher``: the options are checked against the world size before any process starts.
 - ``setup_environment``: the process-group mesh.
-- ``setup``: no DDP wrapper; rank 0's weights everywhere; the clipping plugin (global norm).
+- ``setup``: the clipping plugin (global norm); with ``Trainer(sync_batchnorm=True)``, batch norm
+  synced over a stage's replicas; the blocks, for every trainer function.
+- ``configure_ddp``: no DDP wrapper (each stage's replicas average its gradients in ``backward``);
+  rank 0's weights everywhere.
 - ``training_step``: the schedule's ``step()`` (forward + backward of every micro-batch, one
   forward per step as on a single device); the last stage's outputs of that forward go to every
   rank, and the module's own ``training_step`` runs on them, so its ``self.log`` and metrics
@@ -24,20 +27,19 @@ The hooks changed (everything else, launching included, is ``DDPStrategy``'s):
   does), then averages them over replicas.
 - ``validation_step`` / ``test_step`` / ``predict_step``: the schedule's eval mode.
 - ``block_backward_sync``: micro-steps that only accumulate skip the replicas' averaging.
-- ``optimizer_step``: logs ``pipeline/bubble_fraction`` and ``pipeline/stage_seconds/<k>``.
+- ``_after_optimizer_step``: logs ``pipeline/bubble_fraction`` and ``pipeline/stage_seconds/<k>``.
 - ``lightning_module_state_dict`` / ``optimizer_state`` / ``load_optimizer_state_dict``: the
   full model and the full optimizer state gathered from the stages (a single-device model of
   the same class loads them); resuming re-splits them. ``on_train_end`` gathers the model too,
   so every rank (and the caller of a fork-launched fit) ends with the trained weights.
+- ``teardown``: destroys the process groups the strategy made.
 - ``process_dataloader``: ``drop_last`` for training, and the batch checked against the
   micro-batches before the first step.
 """
 
 from __future__ import annotations
 
-import math
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Any, Literal, cast
@@ -47,418 +49,38 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from torch._C._distributed_c10d import Backend
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.optim import Optimizer
 from torch.utils.data import BatchSampler, DataLoader
 from typing_extensions import override
 
-from lightning_strategies.checkpoint import ATOMIC_CHECKPOINT_IO_DEFAULT
-from lightning_strategies.faults import PeerFailureMixin
+from lightning_strategies.comm.pipeline import (
+    SCHEDULES,
+    LossFn,
+    PipelineRuntime,
+    average_gradients,
+    partition_blocks,
+    profile_blocks,
+)
 from lightning_strategies.pipeline_protocol import check_pipeline_module
-from lightning_strategies.strategies._elastic import ElasticRestartMixin
+from lightning_strategies.strategies._base import StrategyBase, should_update_logs
+from lightning_strategies.strategies._pipeline_plugins import PipelinePrecision, StageSyncBatchNorm
 
-__all__ = [
-    "BALANCES",
-    "SCHEDULES",
-    "PipelinePrecision",
-    "PipelineRuntime",
-    "PipelineStrategy",
-    "partition_blocks",
-    "profile_blocks",
-]
+__all__ = ["BALANCES", "PipelineStrategy"]
 
-SCHEDULES: dict[str, type] = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-}
 BALANCES: tuple[str, ...] = ("params", "time")
 
-LossFn = Callable[[Tensor, Tensor], Tensor]
 Balance = str | Sequence[int]
 
 
-# -- partitioning ----------------------------------------------------------------------------
-
-
-def partition_blocks(costs: Sequence[float], parts: int) -> list[int]:
-    """Split blocks into ``parts`` contiguous groups of at least one block, minimising the largest cost.
-
-    The slowest stage sets a pipeline's pace, so the objective is the maximum, not the spread
-    (linear partition, dynamic programming in ``O(parts x n^2)``; n is a few dozen blocks).
-
-    Args:
-        costs: each block's cost (parameters, or seconds of forward + backward).
-        parts: the number of stages.
-
-    Returns:
-        The number of blocks of each stage, in order.
-
-    Raises:
-        ValueError: when there are fewer blocks than parts.
-    """
-    n = len(costs)
-    if parts < 1 or n < parts:
-        raise ValueError(
-            f"cannot split {n} blocks into {parts} pipeline stages: every stage needs at least one block. "
-            "Fix: use fewer stages (num_stages x stages_per_rank), or split the model into more blocks "
-            "in pipeline_layers()."
-        )
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-    inf = math.inf
-    # best[k][i]: the smallest possible largest group cost of the first i blocks in k groups
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, parts + 1):
-        for i in range(k, n - (parts - k) + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    counts: list[int] = []
-    i = n
-    for k in range(parts, 0, -1):
-        j = cut[k][i]
-        counts.append(i - j)
-        i = j
-    return counts[::-1]
-
-
-def profile_blocks(blocks: nn.Sequential, sample: Tensor, *, repeats: int = 3) -> list[float]:
-    """Seconds of forward + backward of each block on ``sample`` (a micro-batch), median of ``repeats``.
-
-    Each block runs on the previous one's (detached) output, with an all-ones output gradient;
-    the RNG, the buffers (batch-norm statistics) and the parameters' gradients are restored
-    afterwards, so profiling leaves no trace on training.
-    """
-    params = [p for p in blocks.parameters()]
-    grads = [p.grad for p in params]
-    buffers = [b.detach().clone() for b in blocks.buffers()]
-    times: list[list[float]] = [[] for _ in blocks]
-    sync = sample.device.type == "cuda"
-    devices = [sample.device] if sync else []
-    try:
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            for _ in range(repeats + 1):  # the first round warms up allocators and kernels
-                x = sample
-                for i, block in enumerate(blocks):
-                    inp = x.detach().requires_grad_(x.is_floating_point())
-                    if sync:
-                        torch.cuda.synchronize(sample.device)
-                    t0 = time.perf_counter()
-                    out = block(inp)
-                    if out.requires_grad:
-                        torch.autograd.backward(out, torch.ones_like(out))
-                    if sync:
-                        torch.cuda.synchronize(sample.device)
-                    times[i].append(time.perf_counter() - t0)
-                    x = out.detach()
-    finally:
-        with torch.no_grad():
-            for b, saved in zip(blocks.buffers(), buffers, strict=True):
-                b.copy_(saved)
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-    return [sorted(t[1:])[len(t[1:]) // 2] for t in times]
-
-
-# -- the pipeline itself, without Lightning ----------------------------------------------------
-
-
-class _TimedStage(PipelineStage):
-    """A ``PipelineStage`` that adds up the seconds it computes (forward and backward chunks, loss).
-
-    Transfers happen in the schedule, outside these calls, so ``busy_seconds`` is compute only:
-    the rest of a step's wall time is the stage waiting (the bubble) or communicating. The last
-    stage's loss, which the schedule computes between chunks, is compute too: the runtime
-    records it with :meth:`record_loss`. When ``events`` is a list, each chunk also appends
-    ``(stage, kind, micro-batch, start, end)`` with kind ``"F"``, ``"B"`` or ``"L"`` (the loss)
-    (``time.perf_counter()`` seconds, one clock for all processes of a machine), the timeline
-    from which the benchmark separates the schedule's bubble from transfer overhead.
-    """
-
-    busy_seconds: float = 0.0
-    events: list[tuple[int, str, int, float, float]] | None = None
-    _awaiting_loss: int | None = None  # the micro-batch forwarded last, until its loss
-
-    def record_loss(self, t0: float) -> None:
-        """Count the loss of the micro-batch forwarded last, computed since ``t0``, as compute.
-
-        A loss with no forward chunk before it (the schedule's shape inference on the first
-        step, whose forward is not a chunk either) is not counted.
-        """
-        if self._awaiting_loss is not None:
-            self._record("L", self._awaiting_loss, t0)
-            self._awaiting_loss = None
-
-    def _sync(self) -> None:
-        if torch.device(self.device).type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def _record(self, kind: str, chunk: int, t0: float) -> None:
-        self._sync()
-        t1 = time.perf_counter()
-        self.busy_seconds += t1 - t0
-        if self.events is not None:
-            self.events.append((self.stage_index, kind, chunk, t0, t1))
-
-    @override
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-        finally:
-            self._record("F", fwd_chunk_id, t0)
-            self._awaiting_loss = fwd_chunk_id
-
-    @override
-    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
-        t0 = time.perf_counter()
-        try:
-            super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-        finally:
-            self._record("B", bwd_chunk_id, t0)
-
-
-class PipelineRuntime:
-    """This rank's stages of a pipeline, its training schedule and its forward-only schedules.
-
-    No Lightning here: the strategy (and the benchmark) drive it. Stage ``s`` of
-    ``S = group_size x stages_per_rank`` lives on group rank ``s % group_size`` (the
-    interleaved layout; with one stage per rank, stage ``s`` on rank ``s``).
-
-    Args:
-        blocks: the whole model as ordered blocks (shared with the LightningModule).
-        counts: blocks per stage, ``S`` entries summing to ``len(blocks)``.
-        schedule: a key of :data:`SCHEDULES`.
-        microbatches: micro-batches per batch.
-        loss_fn: the mean loss of a micro-batch, ``loss_fn(outputs, targets)``.
-        group: the pipeline's process group (this replica's stages).
-        device: where this rank's stages run.
-    """
-
-    def __init__(
-        self,
-        blocks: nn.Sequential,
-        *,
-        counts: Sequence[int],
-        schedule: str,
-        microbatches: int,
-        loss_fn: LossFn,
-        group: dist.ProcessGroup,
-        device: torch.device,
-    ) -> None:
-        self.group = group
-        self.group_size = dist.get_world_size(group)
-        self.group_rank = dist.get_rank(group)
-        self.num_stages = len(counts)
-        if self.num_stages % self.group_size:
-            raise ValueError(f"{self.num_stages} stages do not spread evenly over {self.group_size} ranks")
-        if sum(counts) != len(blocks):
-            raise ValueError(f"stage block counts {list(counts)} do not add up to the {len(blocks)} blocks")
-        self.schedule_name = schedule
-        self.microbatches = microbatches
-        self.device = device
-        self.counts = list(counts)
-        self._loss_fn = loss_fn
-        self._loss_scale = 1.0
-        bounds = [0]
-        for c in counts:
-            bounds.append(bounds[-1] + c)
-        self.blocks = blocks
-        self.bounds = bounds
-        self.stage_indices = list(range(self.group_rank, self.num_stages, self.group_size))
-        self.submodules = [nn.Sequential(*blocks[bounds[s] : bounds[s + 1]]) for s in self.stage_indices]
-        self.has_first = 0 in self.stage_indices
-        self.has_last = self.num_stages - 1 in self.stage_indices
-        self.last_rank = (self.num_stages - 1) % self.group_size
-        self.train_stages = self._make_stages()
-        self.train_schedule = self._make_schedule(self.train_stages, loss=True)
-        # Forward-only schedules with stages of their own, one per (padded) batch size: a stage
-        # infers its buffers' shapes from its first batch, and switching one schedule between
-        # train and eval mode would redo that inference (a forward pass) at every switch.
-        self._eval: dict[int, tuple[Any, list[_TimedStage]]] = {}
-        self.last_step_seconds = 0.0
-        self.last_outputs: Tensor | None = None
-
-    @property
-    def stage_parameters(self) -> list[nn.Parameter]:
-        """This rank's parameters (of all its stages), the ones it computes gradients for."""
-        return [p for m in self.submodules for p in m.parameters()]
-
-    def all_stages(self) -> list[tuple[nn.Sequential, int]]:
-        """Every stage's blocks (all ranks hold the whole model) with the group rank that trains it."""
-        return [
-            (nn.Sequential(*self.blocks[self.bounds[s] : self.bounds[s + 1]]), s % self.group_size)
-            for s in range(self.num_stages)
-        ]
-
-    def _make_stages(self) -> list[_TimedStage]:
-        return [
-            _TimedStage(m, s, self.num_stages, self.device, group=self.group)
-            for m, s in zip(self.submodules, self.stage_indices, strict=True)
-        ]
-
-    def _scaled_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
-        t0 = time.perf_counter()
-        loss = self._loss_fn(outputs, targets) * self._loss_scale
-        # only the training schedule has a loss, on the rank that holds the last stage
-        self.train_stages[-1].record_loss(t0)
-        return loss
-
-    def _make_schedule(self, stages: list[_TimedStage], *, loss: bool) -> Any:
-        cls = SCHEDULES[self.schedule_name]
-        loss_fn = self._scaled_loss if loss else None
-        # scale_grads=False: the loss is scaled instead (1 / (microbatches x accumulation)), so
-        # gradients accumulated across Lightning micro-steps are not divided again at each step.
-        if cls is ScheduleInterleaved1F1B:
-            return cls(list[Any](stages), self.microbatches, loss_fn=loss_fn, scale_grads=False)
-        return cls(stages[0], self.microbatches, loss_fn=loss_fn, scale_grads=False)
-
-    def stage_seconds(self, stages: list[_TimedStage] | None = None) -> list[float]:
-        """Compute seconds of each local stage since the last :meth:`reset_timers`."""
-        return [s.busy_seconds for s in (stages or self.train_stages)]
-
-    def reset_timers(self) -> None:
-        """Zero the compute and step seconds (and empty the timeline, when one is recorded)."""
-        for s in self.train_stages:
-            s.busy_seconds = 0.0
-            if s.events is not None:
-                s.events = []
-        self.last_step_seconds = 0.0
-
-    def record_events(self, on: bool = True) -> None:
-        """Keep (or stop keeping) the timeline of the training chunks, read by :meth:`events`."""
-        for s in self.train_stages:
-            s.events = [] if on else None
-
-    def events(self) -> list[tuple[int, str, int, float, float]]:
-        """This rank's chunks since :meth:`reset_timers`, by start.
-
-        Each is ``(stage, kind, micro-batch, start, end)``, kind ``"F"``, ``"B"`` or ``"L"`` (the loss).
-        """
-        return sorted((e for s in self.train_stages for e in s.events or ()), key=lambda e: e[3])
-
-    def step(self, inputs: Tensor | None, targets: Tensor | None, *, loss_scale: float = 1.0) -> Tensor | None:
-        """Forward and backward of every micro-batch; gradients accumulate into ``.grad``.
-
-        Args:
-            inputs: the batch's inputs (used on the rank holding stage 0).
-            targets: the batch's targets (used on the rank holding the last stage).
-            loss_scale: extra factor on the loss, ``1 / accumulation steps``.
-
-        Returns:
-            On the rank holding the last stage, the batch's mean loss (detached, unscaled);
-            elsewhere ``None``. The last stage's outputs of this forward (detached, the
-            micro-batches in order) are kept in :attr:`last_outputs` on that rank.
-        """
-        self._loss_scale = loss_scale / self.microbatches
-        losses: list[Tensor] = []
-        args = (inputs,) if self.has_first else ()
-        self.last_outputs = None
-        t0 = time.perf_counter()
-        out = self.train_schedule.step(*args, target=targets if self.has_last else None, losses=losses)
-        self.last_step_seconds += time.perf_counter() - t0
-        if not self.has_last:
-            return None
-        self.last_outputs = out.detach()
-        return torch.stack([loss.detach() for loss in losses]).sum() / loss_scale
-
-    def forward(self, inputs: Tensor) -> Tensor | None:
-        """The last stage's outputs for ``inputs``, without gradients (the schedule's eval mode).
-
-        A batch whose size is not a multiple of the micro-batches (the last one of an evaluation
-        loader) is padded with copies of its last sample and the outputs are cut back, so no
-        evaluation sample is dropped.
-
-        Returns:
-            On the rank holding the last stage, the outputs; elsewhere ``None``.
-        """
-        size = inputs.shape[0]
-        padded = -(-size // self.microbatches) * self.microbatches
-        entry = self._eval.get(padded)
-        if entry is None:
-            stages = self._make_stages()
-            entry = self._eval[padded] = (self._make_schedule(stages, loss=False), stages)
-        schedule, stages = entry
-        # Lightning evaluates under inference_mode; the stages' receive buffers stay ordinary
-        # tensors, so a schedule first used there also serves a later call outside of it.
-        with torch.inference_mode(False), torch.no_grad():
-            x = inputs.clone() if inputs.is_inference() else inputs
-            if padded != size:
-                x = torch.cat([x, x[-1:].expand(padded - size, *x.shape[1:])])
-            out = schedule.eval(x) if self.has_first else schedule.eval()
-        for s in stages:
-            s.busy_seconds = 0.0
-        return out[:size] if self.has_last else None
-
-    def broadcast_from_last(self, tensor: Tensor | None) -> Tensor:
-        """The last stage's tensor on every rank of the pipeline (shape and dtype travel first)."""
-        if self.group_size == 1:
-            assert tensor is not None
-            return tensor
-        meta: list[Any] = [(tuple(tensor.shape), tensor.dtype) if tensor is not None else None]
-        src = dist.get_global_rank(self.group, self.last_rank)
-        dist.broadcast_object_list(meta, src=src, group=self.group)
-        shape, dtype = meta[0]
-        tensor = torch.empty(shape, dtype=dtype, device=self.device) if tensor is None else tensor.contiguous()
-        dist.broadcast(tensor, src=src, group=self.group)
-        return tensor
-
-
-# -- clipping by the global norm ---------------------------------------------------------------
-
-
-class PipelinePrecision(Precision):
-    """32-bit precision whose clipping by norm uses the norm over *all* stages.
-
-    Each rank holds the gradients of its stages only, so ``clip_grad_norm_`` over its own
-    parameters would clip each stage by its own norm. Here the squared norms are summed over
-    the pipeline group first (replicas hold identical, already averaged gradients).
-
-    Args:
-        group: returns the pipeline's process group (``None`` before the pipeline exists).
-    """
-
-    def __init__(self, group: Callable[[], dist.ProcessGroup | None]) -> None:
-        super().__init__()
-        self._group = group
-
-    @override
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
-        sq = torch.zeros((), dtype=torch.float64, device=device)
-        for g in grads:
-            sq += g.detach().double().pow(2).sum()
-        group = self._group()
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(sq, group=group)
-        total = float(sq.sqrt())
-        # torch.nn.utils.clip_grad_norm_'s rule: scale by clip / (norm + 1e-6), never up
-        coef = min(1.0, float(clip_val) / (total + 1e-6))
-        if coef < 1.0:
-            torch._foreach_mul_(grads, coef)
-
-
-# -- the strategy --------------------------------------------------------------------------------
-
-
-class PipelineStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
+class PipelineStrategy(StrategyBase):
     """Pipeline model parallelism (GPipe, 1F1B or interleaved 1F1B), optionally x data parallelism.
 
     Registered as ``"pipeline"`` on ``import lightning_strategies``. The module must implement
@@ -476,6 +98,11 @@ class PipelineStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
     on them unchanged (augment in the dataset or ``on_after_batch_transfer``). Batch norm works
     per micro-batch (as under GPipe), so a model with batch norm trains like a model with a
     smaller batch for its statistics; without batch norm the result equals the unsplit model.
+
+    ``Trainer(sync_batchnorm=True)`` syncs each batch-norm layer's statistics over the replicas of
+    its stage (the ranks that run it), on CUDA; with one replica there is nothing to sync (it says
+    so and trains with plain batch norm). Torch's ``SyncBatchNorm`` runs on GPUs only, so on CPU
+    it is refused at setup.
 
     Logged every step that Lightning logs: ``pipeline/bubble_fraction`` (mean over stages of
     the share of a step's wall time a stage was not computing) and ``pipeline/stage_seconds/<k>``
@@ -512,11 +139,10 @@ class PipelineStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
 
     Raises:
         ValueError: for an unknown schedule or balance (the valid ones listed), or a
-            non-positive count.
+            non-positive count; at setup, for ``Trainer(sync_batchnorm=True)`` on CPU.
     """
 
     strategy_name = "pipeline"
-    checkpoint_io = ATOMIC_CHECKPOINT_IO_DEFAULT  # atomic checkpoint writes unless the user gives an IO
 
     def __init__(
         self,
@@ -577,13 +203,8 @@ class PipelineStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
         self._dp_group: dist.ProcessGroup | None = None
         self._blocks: nn.Sequential | None = None
         self._runtime: PipelineRuntime | None = None
-        self._state_at_fit_end: dict[int, dict[str, Any]] = {}  # id(optimizer) -> full state, after fit
         self._step_grads: list[Tensor | None] | None = None
-        self._failed = False
         self._sync_replicas = True
-        self._window_steps = 0
-        self._window_wall = 0.0
-        self._window_busy: list[float] = []
 
     # -- options in effect -------------------------------------------------------------------
 
@@ -688,17 +309,6 @@ class PipelineStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None
-        self.accelerator.setup(trainer)
-        module = self.lightning_module
-        assert module is not None and self.model is not None
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and not module.automatic_optimization:
-            raise ValueError(
-                "PipelineStrategy found `automatic_optimization = False`: expected automatic optimization, "
-                "since the pipeline schedule runs Lightning's backward for you. Fix: use automatic "
-                "optimization, or strategy='ddp' for manual optimization."
-            )
         if type(self.precision_plugin) not in (Precision, PipelinePrecision):
             raise ValueError(
                 f"PipelineStrategy found the precision plugin {type(self.precision_plugin).__name__}: only "
@@ -706,22 +316,48 @@ class PipelineStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
                 "Fix: use Trainer(precision='32-true')."
             )
         self.precision_plugin = PipelinePrecision(lambda: self._pp_group)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        # rank 0's initial weights everywhere, as DDP's constructor does (and after a restore)
-        if dist.is_available() and dist.is_initialized():
-            _sync_module_states(self.model)
+        self._configure_sync_batchnorm()
+        super().setup(trainer)  # DDP's, with configure_ddp below
+        module = self.lightning_module
+        assert module is not None
+        # for every trainer function: evaluation runs the stages too
         self._blocks = self._layers(module)
         self._check_blocks(len(self._blocks))
-        if fitting:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _configure_sync_batchnorm(self) -> None:
+        # Lightning's plugin would sync every batch norm over the world; a stage's layers run on
+        # its replicas only, so they sync over the stage's data-parallel group.
+        layer_sync = self._layer_sync
+        if layer_sync is None or isinstance(layer_sync, StageSyncBatchNorm):
+            return
+        if self.root_device.type != "cuda":
+            raise ValueError(
+                f"PipelineStrategy found Trainer(sync_batchnorm=True) on {self.root_device.type.upper()}: "
+                "expected CUDA devices, since torch's SyncBatchNorm runs on GPUs only. Fix: drop "
+                "sync_batchnorm=True (each replica of a stage then normalises with its own micro-batch "
+                "statistics), or train on GPUs."
+            )
+        if self.replicas == 1:
+            rank_zero_info(
+                "PipelineStrategy: sync_batchnorm=True syncs a stage's batch norm over its replicas, and "
+                "this run has one: plain batch norm is used."
+            )
+            self._layer_sync = None
+            return
+        self._layer_sync = StageSyncBatchNorm(lambda: self._dp_group)
 
     @override
-    def _setup_model(self, model: nn.Module) -> nn.Module:  # type: ignore[override]
-        return model  # no DDP wrapper: each stage's gradients are averaged by the strategy
+    def configure_ddp(self) -> None:
+        # Called by DDP's setup when fitting, in place of wrapping the model in DDP.
+        module = self.lightning_module
+        assert module is not None and self.model is not None
+        if not module.automatic_optimization:
+            raise ValueError(
+                "PipelineStrategy found `automatic_optimization = False`: expected automatic optimization, "
+                "since the pipeline schedule runs Lightning's backward for you. Fix: use automatic "
+                "optimization, or strategy='ddp' for manual optimization."
+            )
+        _sync_module_states(self.model)  # rank 0's initial weights everywhere, as DDP's constructor does
 
     @staticmethod
     def _layers(module: Any) -> nn.Sequential:
@@ -754,7 +390,7 @@ class PipelineStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         # drop_last for training: every step needs a batch that splits into equal micro-batches.
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self.trainer
         training = trainer is not None and trainer.training
         if training and isinstance(dataloader, DataLoader):
             batch_sampler = dataloader.batch_sampler
@@ -775,7 +411,8 @@ class PipelineStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
         total = self.num_stages * self._stages_per_rank
         if isinstance(self._balance, str) and self._balance == "time":
             sample = inputs[: max(1, inputs.shape[0] // self.microbatches)]
-            seconds = torch.tensor(profile_blocks(blocks, sample), dtype=torch.float64)
+            # on the device: an NCCL group has no CPU backend
+            seconds = torch.tensor(profile_blocks(blocks, sample), dtype=torch.float64, device=self.root_device)
             # every rank measured; all must cut the model the same way: average the measurements
             dist.all_reduce(seconds)
             counts = partition_blocks((seconds / self.world_size).tolist(), total)
@@ -798,13 +435,9 @@ class PipelineStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
 
     def _drop_foreign_optimizer_state(self) -> None:
         # A restored optimizer state covers the whole model; keep only this rank's stages' part.
-        if self._runtime is None:
-            return
-        own = {id(p) for p in self._runtime.stage_parameters}
-        for optimizer in self.optimizers:
-            for p in list(optimizer.state):
-                if id(p) not in own:
-                    del optimizer.state[p]
+        if self._runtime is not None:
+            for optimizer in self.optimizers:
+                self._runtime.keep_own_optimizer_state(optimizer)
 
     # -- steps -----------------------------------------------------------------------------------
 
@@ -847,7 +480,8 @@ class PipelineStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
         inputs, targets = self._split_batch(batch)
         self._check_batch_size(inputs.shape[0])
         runtime = self._ensure_runtime(inputs)
-        accumulate = module.trainer.accumulate_grad_batches if module._trainer is not None else 1
+        trainer = self.trainer
+        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         params = runtime.stage_parameters
         earlier = [p.grad for p in params]
         for p in params:
@@ -861,10 +495,9 @@ class PipelineStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
                 for p, g in zip(params, earlier, strict=True):
                     p.grad = g
             outputs = runtime.broadcast_from_last(runtime.last_outputs)
-        self._window_steps += 1
-        self._window_wall += runtime.last_step_seconds
-        busy = runtime.stage_seconds()
-        self._window_busy = [a + b for a, b in zip(self._window_busy, busy, strict=True)] if self._window_busy else busy
+        # this rank's own timings, per training step; gathered over the pipeline when logged
+        busy = {f"busy_seconds/{v}": seconds for v, seconds in enumerate(runtime.stage_seconds())}
+        self.metrics.add(step_seconds=runtime.last_step_seconds, **busy)
         runtime.reset_timers()
         with self.precision_plugin.train_step_context(), _forward_returns(module, outputs):
             return module.training_step(*args, **kwargs)
@@ -909,52 +542,23 @@ class PipelineStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
             self._sync_replicas = True
 
     def _average_replica_gradients(self) -> None:
-        if self.replicas == 1 or self._runtime is None or not self._sync_replicas:
-            return
-        grads = [p.grad for p in self._runtime.stage_parameters if p.grad is not None]
-        if not grads:
-            return
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self._dp_group)  # gloo has no AVG: sum, then divide
-        flat /= self.replicas
-        for g, avg in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-            g.copy_(avg)
+        if self._runtime is not None and self._dp_group is not None and self._sync_replicas:
+            average_gradients(self._runtime.stage_parameters, self._dp_group)
 
     @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | nn.Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._log_pipeline_stats()
-        return output
-
-    def _log_pipeline_stats(self) -> None:
-        # Logged from optimizer_step, where Lightning allows self.log; per-step means over the
-        # steps since the last log. The all-gather runs only at Lightning's logging cadence,
-        # which every rank agrees on (it depends on the global step).
-        module = self.lightning_module
+    def _after_optimizer_step(self) -> None:
+        # Per-step means over the steps since the last log. Every rank agrees on whether
+        # Lightning logs now (it depends on the global step), so the all-gather pairs up.
         runtime = self._runtime
-        if module is None or module._trainer is None or runtime is None or not self._window_steps:
+        if self.trainer is None or runtime is None or not self.metrics or not should_update_logs(self.trainer):
             return
-        if not _should_update_logs(module):
-            return
-        n = self._window_steps
-        mine = torch.tensor([self._window_wall / n, *(b / n for b in self._window_busy)], dtype=torch.float64)
-        gathered = [torch.zeros_like(mine) for _ in range(runtime.group_size)]
-        dist.all_gather(gathered, mine, group=runtime.group)
-        self._window_steps, self._window_wall, self._window_busy = 0, 0.0, []
-        metrics: dict[str, float] = {}
-        idle = []
-        for rank, row in enumerate(gathered):
-            wall, busy = float(row[0]), row[1:].tolist()
-            idle.append(max(0.0, 1.0 - sum(busy) / wall) if wall > 0 else 0.0)
-            for v, seconds in enumerate(busy):
-                metrics[f"pipeline/stage_seconds/{rank + v * runtime.group_size}"] = seconds
-        metrics["pipeline/bubble_fraction"] = sum(idle) / len(idle)
+        window = self.metrics.flush()
+        busy = [window[f"busy_seconds/{v}"] for v in range(len(runtime.train_stages))]
+        stage_seconds, bubble_fraction = runtime.gather_timings(window["step_seconds"], busy)
+        metrics = {f"pipeline/stage_seconds/{stage}": seconds for stage, seconds in stage_seconds.items()}
+        metrics["pipeline/bubble_fraction"] = bubble_fraction
+        module = self.lightning_module
+        assert module is not None
         module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
     def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
@@ -996,14 +600,8 @@ class PipelineStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
         return module.state_dict()
 
     def _gather_full_model(self) -> None:
-        runtime = self._runtime
-        if runtime is None or runtime.group_size == 1:
-            return
-        with torch.no_grad():
-            for stage, rank in runtime.all_stages():
-                src = dist.get_global_rank(runtime.group, rank)
-                for t in [*stage.parameters(), *stage.buffers()]:
-                    dist.broadcast(t.data, src=src, group=runtime.group)
+        if self._runtime is not None:
+            self._runtime.gather_full_model()
 
     @override
     def on_train_end(self) -> None:
@@ -1012,7 +610,7 @@ class PipelineStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
         self._gather_full_model()
         # The runtime (which knows the stages) goes at teardown: keep the full optimizer state
         # for a Trainer.save_checkpoint after fit, which would otherwise save rank 0's stages only.
-        self._state_at_fit_end = {id(o): self.optimizer_state(o) for o in self.optimizers}
+        self._keep_state_at_fit_end()
         super().on_train_end()
 
     @override
@@ -1025,26 +623,15 @@ class PipelineStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         runtime = self._runtime
-        if runtime is None and id(optimizer) in self._state_at_fit_end:
-            return self._state_at_fit_end[id(optimizer)]  # after fit
+        kept = self._state_after_fit(optimizer) if runtime is None else None
+        if kept is not None:
+            return kept
         state = optimizer.state_dict()
-        if runtime is None or runtime.group_size == 1:
+        if runtime is None:
             return state
-        if self.global_rank // self.num_stages != 0:
+        if runtime.group_size > 1 and self.global_rank // self.num_stages != 0:
             return {}  # replicas hold the same state as replica 0, which is what is saved
-        parts: list[Any] = [None] * runtime.group_size if runtime.group_rank == 0 else []
-        dist.gather_object(
-            state["state"],
-            parts if runtime.group_rank == 0 else None,
-            dst=dist.get_global_rank(runtime.group, 0),
-            group=runtime.group,
-        )
-        if runtime.group_rank != 0:
-            return {}
-        merged: dict[int, Any] = {}
-        for part in parts:
-            merged.update(part)
-        return {"state": dict(sorted(merged.items())), "param_groups": state["param_groups"]}
+        return runtime.gather_optimizer_state(state)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -1056,43 +643,32 @@ class PipelineStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
     # -- shutdown ---------------------------------------------------------------------------------
 
     @override
-    def on_exception(self, exception: BaseException) -> None:
-        self._failed = True  # teardown then leaves the process groups alone (see there)
-        super().on_exception(exception)
-
-    @override
     def teardown(self) -> None:
         """Drop the pipeline and destroy the process groups this strategy made (the mesh's, the stages').
 
-        Lightning leaves gloo groups to interpreter exit, where the mesh's groups outliving the
-        pipeline sometimes aborted a worker that had trained successfully ("terminate called
-        without an active exception"). They are ours, so they go here, after the fit's last
-        transfer; the next ``setup_environment`` (a ``test()`` in the same process) makes new
-        ones. The default group is Lightning's and stays. After an error they are left to the
-        process's exit: destroying a group waits for its pending work, which a hung peer would
-        never complete.
+        Lightning leaves gloo groups to interpreter exit, where groups outliving the pipeline can
+        abort a worker that trained successfully ("terminate called without an active exception").
+        They are ours, so they go here, after the fit's last transfer; the next
+        ``setup_environment`` (a ``test()`` in the same process) makes new ones. The default group
+        is Lightning's and stays. After an error they are left to the process's exit: destroying a
+        group waits for its pending work, which a hung peer would never complete.
         """
         groups = self._own_groups()
         self._runtime = None
         self._step_grads = None
         self._blocks = None
-        self._window_steps, self._window_wall, self._window_busy = 0, 0.0, []
-        if not self._failed and dist.is_available() and dist.is_initialized():
+        if not self.failed and dist.is_available() and dist.is_initialized():
             for group in groups:
                 with suppress(ValueError):  # destroyed already (the caller tore everything down)
                     dist.destroy_process_group(group)
         self._mesh, self._pp_group, self._dp_group = None, None, None
-        self._failed = False
         super().teardown()
 
     def _own_groups(self) -> list[dist.ProcessGroup]:
         """The mesh's groups of this rank, and any per-direction P2P groups the stages made."""
         candidates: list[Any] = [self._pp_group, self._dp_group]
-        runtime = self._runtime
-        if runtime is not None:
-            stages = [*runtime.train_stages, *(s for _, eval_stages in runtime._eval.values() for s in eval_stages)]
-            for stage in stages:
-                candidates += [getattr(stage, "_downstream_group", None), getattr(stage, "_upstream_group", None)]
+        if self._runtime is not None:
+            candidates += self._runtime.stage_groups()
         default = dist.GroupMember.WORLD if dist.is_available() and dist.is_initialized() else None
         groups: list[dist.ProcessGroup] = []
         for group in candidates:
@@ -1160,14 +736,3 @@ def _forward_returns(module: nn.Module, outputs: Tensor) -> Iterator[None]:
             module.__dict__["forward"] = previous
         else:
             del module.__dict__["forward"]
-
-
-def _should_update_logs(module: pl.LightningModule) -> bool:
-    """Whether Lightning writes step metrics at this step (``Trainer(log_every_n_steps=...)``)."""
-    trainer = module._trainer
-    if trainer is None:
-        return False
-    try:
-        return bool(trainer._logger_connector.should_update_logs)
-    except (AttributeError, NotImplementedError):  # another Lightning version: log every step
-        return True

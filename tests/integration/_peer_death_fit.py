@@ -48,8 +48,8 @@ from lightning_strategies import (
     RingAllReduceStrategy,
 )
 from lightning_strategies.comm.async_ps import AsyncParameterShard
+from lightning_strategies.comm.pipeline import _TimedStage
 from lightning_strategies.comm.ps import ParameterShard
-from lightning_strategies.strategies.pipeline import _TimedStage
 
 STRATEGIES = ("ring", "ps", "async", "pipeline", "ddp")
 MAX_EPOCHS = 3  # 4 steps per epoch: the survivors would finish (and exit 0) only if they missed the death

@@ -28,7 +28,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_strategies  # noqa: F401
-from lightning_strategies.strategies.pipeline import PipelineRuntime, PipelineStrategy
+from lightning_strategies.comm.pipeline import PipelineRuntime
+from lightning_strategies.strategies.pipeline import PipelineStrategy
 
 pytestmark = pytest.mark.slow
 

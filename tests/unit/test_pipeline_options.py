@@ -13,8 +13,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_strategies  # registers "pipeline"
+from lightning_strategies.comm.pipeline import partition_blocks, profile_blocks
 from lightning_strategies.pipeline_protocol import PipelineModule, check_pipeline_module
-from lightning_strategies.strategies.pipeline import PipelineStrategy, partition_blocks, profile_blocks
+from lightning_strategies.strategies.pipeline import PipelineStrategy
 from recipes.classification import ClassificationModule
 from recipes.models import build_model
 

@@ -1,0 +1,552 @@
+"""The pipeline without Lightning: the block partition, block profiling, the runtime, its timeline.
+
+- :func:`partition_blocks` / :func:`profile_blocks`: how a model's ordered blocks are cut into
+  stages (by any cost: parameters, or the seconds :func:`profile_blocks` measures).
+- :class:`PipelineRuntime`: one rank's stages and their ``torch.distributed.pipelining``
+  schedules (training and forward-only), with compute timers per stage, an optional timeline
+  of chunks (:data:`Event`), and the collectives over the pipeline's group that a strategy needs
+  around it (the full model and optimizer state from the stages, the stages' timings).
+- :func:`average_gradients`: the replicas of a stage average its gradients.
+- :func:`replay`, :func:`typical_durations`, :func:`analyse`: a step's recorded timeline cut into
+  the schedule's bubble, stalls and transfer overhead.
+
+Used by :class:`~lightning_strategies.strategies.pipeline.PipelineStrategy` and ``benchmarks/pipeline.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.optim import Optimizer
+from typing_extensions import override
+
+__all__ = [
+    "SCHEDULES",
+    "Event",
+    "PipelineRuntime",
+    "analyse",
+    "average_gradients",
+    "partition_blocks",
+    "profile_blocks",
+    "replay",
+    "typical_durations",
+]
+
+SCHEDULES: dict[str, type] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+}
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+Event = tuple[int, str, int, float, float]
+"""One chunk of a step: ``(stage, kind, micro-batch, start, end)``, kind ``"F"``, ``"B"`` or ``"L"``
+(the last stage's loss), ``time.perf_counter()`` seconds (one clock for all processes of a machine)."""
+
+# -- partitioning ----------------------------------------------------------------------------
+
+
+def partition_blocks(costs: Sequence[float], parts: int) -> list[int]:
+    """Split blocks into ``parts`` contiguous groups of at least one block, minimising the largest cost.
+
+    The slowest stage sets a pipeline's pace, so the objective is the maximum, not the spread
+    (linear partition, dynamic programming in ``O(parts x n^2)``; n is a few dozen blocks).
+
+    Args:
+        costs: each block's cost (parameters, or seconds of forward + backward).
+        parts: the number of stages.
+
+    Returns:
+        The number of blocks of each stage, in order.
+
+    Raises:
+        ValueError: when there are fewer blocks than parts.
+    """
+    n = len(costs)
+    if parts < 1 or n < parts:
+        raise ValueError(
+            f"cannot split {n} blocks into {parts} pipeline stages: every stage needs at least one block. "
+            "Fix: use fewer stages (num_stages x stages_per_rank), or split the model into more blocks "
+            "in pipeline_layers()."
+        )
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    inf = math.inf
+    # best[k][i]: the smallest possible largest group cost of the first i blocks in k groups
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    counts: list[int] = []
+    i = n
+    for k in range(parts, 0, -1):
+        j = cut[k][i]
+        counts.append(i - j)
+        i = j
+    return counts[::-1]
+
+
+def profile_blocks(blocks: nn.Sequential, sample: Tensor, *, repeats: int = 3) -> list[float]:
+    """Seconds of forward + backward of each block on ``sample`` (a micro-batch), median of ``repeats``.
+
+    Each block runs on the previous one's (detached) output, with an all-ones output gradient;
+    the RNG, the buffers (batch-norm statistics) and the parameters' gradients are restored
+    afterwards, so profiling leaves no trace on training.
+    """
+    params = [p for p in blocks.parameters()]
+    grads = [p.grad for p in params]
+    buffers = [b.detach().clone() for b in blocks.buffers()]
+    times: list[list[float]] = [[] for _ in blocks]
+    sync = sample.device.type == "cuda"
+    devices = [sample.device] if sync else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            for _ in range(repeats + 1):  # the first round warms up allocators and kernels
+                x = sample
+                for i, block in enumerate(blocks):
+                    inp = x.detach().requires_grad_(x.is_floating_point())
+                    if sync:
+                        torch.cuda.synchronize(sample.device)
+                    t0 = time.perf_counter()
+                    out = block(inp)
+                    if out.requires_grad:
+                        torch.autograd.backward(out, torch.ones_like(out))
+                    if sync:
+                        torch.cuda.synchronize(sample.device)
+                    times[i].append(time.perf_counter() - t0)
+                    x = out.detach()
+    finally:
+        with torch.no_grad():
+            for b, saved in zip(blocks.buffers(), buffers, strict=True):
+                b.copy_(saved)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+    return [sorted(t[1:])[len(t[1:]) // 2] for t in times]
+
+
+# -- the runtime ---------------------------------------------------------------------------------
+
+
+class _TimedStage(PipelineStage):
+    """A ``PipelineStage`` that adds up the seconds it computes (forward and backward chunks, loss).
+
+    Transfers happen in the schedule, outside these calls, so ``busy_seconds`` is compute only:
+    the rest of a step's wall time is the stage waiting (the bubble) or communicating. The last
+    stage's loss, which the schedule computes between chunks, is compute too: the runtime
+    records it with :meth:`record_loss`. When ``events`` is a list, each chunk also appends its
+    :data:`Event`: the timeline from which :func:`analyse` separates the schedule's bubble from
+    transfer overhead.
+    """
+
+    busy_seconds: float = 0.0
+    events: list[Event] | None = None
+    _awaiting_loss: int | None = None  # the micro-batch forwarded last, until its loss
+
+    def record_loss(self, t0: float) -> None:
+        """Count the loss of the micro-batch forwarded last, computed since ``t0``, as compute.
+
+        A loss with no forward chunk before it (the schedule's shape inference on the first
+        step, whose forward is not a chunk either) is not counted.
+        """
+        if self._awaiting_loss is not None:
+            self._record("L", self._awaiting_loss, t0)
+            self._awaiting_loss = None
+
+    def _sync(self) -> None:
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _record(self, kind: str, chunk: int, t0: float) -> None:
+        self._sync()
+        t1 = time.perf_counter()
+        self.busy_seconds += t1 - t0
+        if self.events is not None:
+            self.events.append((self.stage_index, kind, chunk, t0, t1))
+
+    @override
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        finally:
+            self._record("F", fwd_chunk_id, t0)
+            self._awaiting_loss = fwd_chunk_id
+
+    @override
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        finally:
+            self._record("B", bwd_chunk_id, t0)
+
+
+class PipelineRuntime:
+    """This rank's stages of a pipeline, its training schedule and its forward-only schedules.
+
+    The strategy (and the benchmark) drive it. Stage ``s`` of
+    ``S = group_size x stages_per_rank`` lives on group rank ``s % group_size`` (the
+    interleaved layout; with one stage per rank, stage ``s`` on rank ``s``).
+
+    Args:
+        blocks: the whole model as ordered blocks (shared with the LightningModule).
+        counts: blocks per stage, ``S`` entries summing to ``len(blocks)``.
+        schedule: a key of :data:`SCHEDULES`.
+        microbatches: micro-batches per batch.
+        loss_fn: the mean loss of a micro-batch, ``loss_fn(outputs, targets)``.
+        group: the pipeline's process group (this replica's stages).
+        device: where this rank's stages run.
+    """
+
+    def __init__(
+        self,
+        blocks: nn.Sequential,
+        *,
+        counts: Sequence[int],
+        schedule: str,
+        microbatches: int,
+        loss_fn: LossFn,
+        group: dist.ProcessGroup,
+        device: torch.device,
+    ) -> None:
+        self.group = group
+        self.group_size = dist.get_world_size(group)
+        self.group_rank = dist.get_rank(group)
+        self.num_stages = len(counts)
+        if self.num_stages % self.group_size:
+            raise ValueError(f"{self.num_stages} stages do not spread evenly over {self.group_size} ranks")
+        if sum(counts) != len(blocks):
+            raise ValueError(f"stage block counts {list(counts)} do not add up to the {len(blocks)} blocks")
+        self.schedule_name = schedule
+        self.microbatches = microbatches
+        self.device = device
+        self.counts = list(counts)
+        self._loss_fn = loss_fn
+        self._loss_scale = 1.0
+        bounds = [0]
+        for c in counts:
+            bounds.append(bounds[-1] + c)
+        self.blocks = blocks
+        self.bounds = bounds
+        self.stage_indices = list(range(self.group_rank, self.num_stages, self.group_size))
+        self.submodules = [nn.Sequential(*blocks[bounds[s] : bounds[s + 1]]) for s in self.stage_indices]
+        self.has_first = 0 in self.stage_indices
+        self.has_last = self.num_stages - 1 in self.stage_indices
+        self.last_rank = (self.num_stages - 1) % self.group_size
+        self.train_stages = self._make_stages()
+        self.train_schedule = self._make_schedule(self.train_stages, loss=True)
+        # Forward-only schedules with stages of their own, one per (padded) batch size: a stage
+        # infers its buffers' shapes from its first batch, and switching one schedule between
+        # train and eval mode would redo that inference (a forward pass) at every switch.
+        self._eval: dict[int, tuple[Any, list[_TimedStage]]] = {}
+        self.last_step_seconds = 0.0
+        self.last_outputs: Tensor | None = None
+
+    @property
+    def stage_parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters (of all its stages), the ones it computes gradients for."""
+        return [p for m in self.submodules for p in m.parameters()]
+
+    def all_stages(self) -> list[tuple[nn.Sequential, int]]:
+        """Every stage's blocks (all ranks hold the whole model) with the group rank that trains it."""
+        return [
+            (nn.Sequential(*self.blocks[self.bounds[s] : self.bounds[s + 1]]), s % self.group_size)
+            for s in range(self.num_stages)
+        ]
+
+    def stage_groups(self) -> list[dist.ProcessGroup]:
+        """The per-direction point-to-point groups the stages made (training and forward-only), if any."""
+        stages = [*self.train_stages, *(s for _, eval_stages in self._eval.values() for s in eval_stages)]
+        groups = [getattr(s, name, None) for s in stages for name in ("_downstream_group", "_upstream_group")]
+        return [g for g in groups if isinstance(g, dist.ProcessGroup)]
+
+    def _make_stages(self) -> list[_TimedStage]:
+        return [
+            _TimedStage(m, s, self.num_stages, self.device, group=self.group)
+            for m, s in zip(self.submodules, self.stage_indices, strict=True)
+        ]
+
+    def _scaled_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        t0 = time.perf_counter()
+        loss = self._loss_fn(outputs, targets) * self._loss_scale
+        # only the training schedule has a loss, on the rank that holds the last stage
+        self.train_stages[-1].record_loss(t0)
+        return loss
+
+    def _make_schedule(self, stages: list[_TimedStage], *, loss: bool) -> Any:
+        cls = SCHEDULES[self.schedule_name]
+        loss_fn = self._scaled_loss if loss else None
+        # scale_grads=False: the loss is scaled instead (1 / (microbatches x accumulation)), so
+        # gradients accumulated across Lightning micro-steps are not divided again at each step.
+        if cls is ScheduleInterleaved1F1B:
+            return cls(list[Any](stages), self.microbatches, loss_fn=loss_fn, scale_grads=False)
+        return cls(stages[0], self.microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    def stage_seconds(self, stages: list[_TimedStage] | None = None) -> list[float]:
+        """Compute seconds of each local stage since the last :meth:`reset_timers`."""
+        return [s.busy_seconds for s in (stages or self.train_stages)]
+
+    def reset_timers(self) -> None:
+        """Zero the compute and step seconds (and empty the timeline, when one is recorded)."""
+        for s in self.train_stages:
+            s.busy_seconds = 0.0
+            if s.events is not None:
+                s.events = []
+        self.last_step_seconds = 0.0
+
+    def record_events(self, on: bool = True) -> None:
+        """Keep (or stop keeping) the timeline of the training chunks, read by :meth:`events`."""
+        for s in self.train_stages:
+            s.events = [] if on else None
+
+    def events(self) -> list[Event]:
+        """This rank's chunks since :meth:`reset_timers`, by start."""
+        return sorted((e for s in self.train_stages for e in s.events or ()), key=lambda e: e[3])
+
+    def step(self, inputs: Tensor | None, targets: Tensor | None, *, loss_scale: float = 1.0) -> Tensor | None:
+        """Forward and backward of every micro-batch; gradients accumulate into ``.grad``.
+
+        Args:
+            inputs: the batch's inputs (used on the rank holding stage 0).
+            targets: the batch's targets (used on the rank holding the last stage).
+            loss_scale: extra factor on the loss, ``1 / accumulation steps``.
+
+        Returns:
+            On the rank holding the last stage, the batch's mean loss (detached, unscaled);
+            elsewhere ``None``. The last stage's outputs of this forward (detached, the
+            micro-batches in order) are kept in :attr:`last_outputs` on that rank.
+        """
+        self._loss_scale = loss_scale / self.microbatches
+        losses: list[Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        self.last_outputs = None
+        t0 = time.perf_counter()
+        out = self.train_schedule.step(*args, target=targets if self.has_last else None, losses=losses)
+        self.last_step_seconds += time.perf_counter() - t0
+        if not self.has_last:
+            return None
+        self.last_outputs = out.detach()
+        return torch.stack([loss.detach() for loss in losses]).sum() / loss_scale
+
+    def forward(self, inputs: Tensor) -> Tensor | None:
+        """The last stage's outputs for ``inputs``, without gradients (the schedule's eval mode).
+
+        A batch whose size is not a multiple of the micro-batches (the last one of an evaluation
+        loader) is padded with copies of its last sample and the outputs are cut back, so no
+        evaluation sample is dropped.
+
+        Returns:
+            On the rank holding the last stage, the outputs; elsewhere ``None``.
+        """
+        size = inputs.shape[0]
+        padded = -(-size // self.microbatches) * self.microbatches
+        entry = self._eval.get(padded)
+        if entry is None:
+            stages = self._make_stages()
+            entry = self._eval[padded] = (self._make_schedule(stages, loss=False), stages)
+        schedule, stages = entry
+        # Lightning evaluates under inference_mode; the stages' receive buffers stay ordinary
+        # tensors, so a schedule first used there also serves a later call outside of it.
+        with torch.inference_mode(False), torch.no_grad():
+            x = inputs.clone() if inputs.is_inference() else inputs
+            if padded != size:
+                x = torch.cat([x, x[-1:].expand(padded - size, *x.shape[1:])])
+            out = schedule.eval(x) if self.has_first else schedule.eval()
+        for s in stages:
+            s.busy_seconds = 0.0
+        return out[:size] if self.has_last else None
+
+    def broadcast_from_last(self, tensor: Tensor | None) -> Tensor:
+        """The last stage's tensor on every rank of the pipeline (shape and dtype travel first)."""
+        if self.group_size == 1:
+            assert tensor is not None
+            return tensor
+        meta: list[Any] = [(tuple(tensor.shape), tensor.dtype) if tensor is not None else None]
+        src = dist.get_global_rank(self.group, self.last_rank)
+        dist.broadcast_object_list(meta, src=src, group=self.group)
+        shape, dtype = meta[0]
+        tensor = torch.empty(shape, dtype=dtype, device=self.device) if tensor is None else tensor.contiguous()
+        dist.broadcast(tensor, src=src, group=self.group)
+        return tensor
+
+    # -- collectives over the pipeline's group (every rank of the group calls them) -----------------
+
+    def gather_full_model(self) -> None:
+        """Broadcast each stage's parameters and buffers from the rank that trains it.
+
+        Every rank holds the whole model but keeps only its own stages current; afterwards every
+        rank of the group holds the current weights of all stages.
+        """
+        if self.group_size == 1:
+            return
+        with torch.no_grad():
+            for stage, rank in self.all_stages():
+                src = dist.get_global_rank(self.group, rank)
+                for t in [*stage.parameters(), *stage.buffers()]:
+                    dist.broadcast(t.data, src=src, group=self.group)
+
+    def gather_optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The full optimizer state of the pipeline, on group rank 0; ``{}`` on the other ranks.
+
+        Args:
+            state: this rank's ``optimizer.state_dict()``, of an optimizer over the whole model
+                that holds state for this rank's stages only. Its indices are those of the whole
+                model, so the merged state also loads into a single-device run.
+        """
+        if self.group_size == 1:
+            return state
+        parts: list[Any] = [None] * self.group_size if self.group_rank == 0 else []
+        dist.gather_object(
+            state["state"],
+            parts if self.group_rank == 0 else None,
+            dst=dist.get_global_rank(self.group, 0),
+            group=self.group,
+        )
+        if self.group_rank != 0:
+            return {}
+        merged: dict[int, Any] = {}
+        for part in parts:
+            merged.update(part)
+        return {"state": dict(sorted(merged.items())), "param_groups": state["param_groups"]}
+
+    def keep_own_optimizer_state(self, optimizer: Optimizer) -> None:
+        """Drop the state of parameters other ranks train (a full state restored into ``optimizer``)."""
+        own = {id(p) for p in self.stage_parameters}
+        for p in list(optimizer.state):
+            if id(p) not in own:
+                del optimizer.state[p]
+
+    def gather_timings(self, wall: float, busy: Sequence[float]) -> tuple[dict[int, float], float]:
+        """Every stage's compute seconds and the pipeline's bubble fraction, on every rank of the group.
+
+        Args:
+            wall: this rank's seconds per step.
+            busy: compute seconds per step of each of this rank's stages (:meth:`stage_seconds`).
+
+        Returns:
+            ``{stage: compute seconds}`` for every stage of the pipeline, and the bubble fraction:
+            the mean over ranks of the share of a step's wall time the rank was not computing.
+        """
+        mine = torch.tensor([wall, *busy], dtype=torch.float64, device=self.device)
+        gathered = [torch.zeros_like(mine) for _ in range(self.group_size)]
+        dist.all_gather(gathered, mine, group=self.group)
+        seconds: dict[int, float] = {}
+        idle = []
+        for rank, row in enumerate(gathered):
+            rank_wall, rank_busy = float(row[0]), row[1:].tolist()
+            idle.append(max(0.0, 1.0 - sum(rank_busy) / rank_wall) if rank_wall > 0 else 0.0)
+            for v, stage_seconds in enumerate(rank_busy):
+                seconds[rank + v * self.group_size] = stage_seconds
+        return seconds, sum(idle) / len(idle)
+
+
+def average_gradients(params: Sequence[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Average the parameters' gradients over ``group`` (one flat all-reduce; a collective)."""
+    size = dist.get_world_size(group)
+    grads = [p.grad for p in params if p.grad is not None]
+    if size == 1 or not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)  # gloo has no AVG: sum, then divide
+    flat /= size
+    for g, avg in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+        g.copy_(avg)
+
+
+# -- the timeline of a step ------------------------------------------------------------------------
+
+
+def replay(events: Sequence[Sequence[Event]], duration: Callable[[Event], float] | None = None) -> float:
+    """The span of the recorded chunks with zero time between them (transfers and Python removed).
+
+    Each rank runs its chunks in the recorded order; a chunk starts when its rank is free and its
+    input is ready: stage ``s``'s forward of micro-batch ``i`` needs stage ``s-1``'s, its
+    backward needs stage ``s+1``'s (the last stage's, its own forward, which precedes it).
+
+    Args:
+        events: per rank, its chunks by start time.
+        duration: a chunk's duration; default the measured ``end - start``.
+
+    Returns:
+        The ideal span in seconds.
+    """
+    last_stage = max(e[0] for rank in events for e in rank)
+    ends: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * len(events)
+    pos = [0] * len(events)
+    while any(p < len(rank) for p, rank in zip(pos, events, strict=True)):
+        progressed = False
+        for r, rank in enumerate(events):
+            while pos[r] < len(rank):
+                stage, kind, mb, t0, t1 = rank[pos[r]]
+                if kind == "F":
+                    dep = ("F", stage - 1, mb) if stage > 0 else None
+                elif kind == "B":
+                    dep = ("B", stage + 1, mb) if stage < last_stage else None
+                else:  # the loss follows its forward on the same rank
+                    dep = None
+                if dep is not None and dep not in ends:
+                    break
+                start = max(free[r], ends[dep] if dep is not None else 0.0)
+                free[r] = ends[(kind, stage, mb)] = start + (duration(rank[pos[r]]) if duration else t1 - t0)
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("the recorded chunks wait on each other: not a timeline of one step")
+    return max(free)
+
+
+def typical_durations(steps: Sequence[Sequence[Sequence[Event]]]) -> dict[tuple[int, str], float]:
+    """Each stage's median forward and backward chunk over the given steps' timelines."""
+    durations: dict[tuple[int, str], list[float]] = {}
+    for events in steps:
+        for rank in events:
+            for e in rank:
+                durations.setdefault((e[0], e[1]), []).append(e[4] - e[3])
+    return {key: statistics.median(values) for key, values in durations.items()}
+
+
+def analyse(
+    starts: Sequence[float],
+    ends: Sequence[float],
+    events: Sequence[Sequence[Event]],
+    typical: dict[tuple[int, str], float],
+) -> dict[str, float]:
+    """One step's timeline cut into the schedule's bubble, stalls (``jitter``) and ``overhead``.
+
+    ``bubble``: the replay with every chunk lasting its stage's typical (median) forward or
+    backward, ``1 - compute / span`` of that timeline (the schedule's fill and drain, for the
+    stages' typical costs). ``jitter``: what the measured durations add to the replayed span
+    (chunks the host stalled), ``overhead``: what the real span adds to that (transfers, Python
+    between chunks), both as shares of the real span. ``idle``: ``1 - compute / real span``.
+    """
+
+    def typical_duration(e: Event) -> float:
+        return typical[(e[0], e[1])]
+
+    span = max(ends) - min(starts)
+    ideal = replay(events)
+    smooth = replay(events, typical_duration)
+    busy = [sum(e[4] - e[3] for e in rank) for rank in events]
+    return {
+        "span": span,
+        "idle": statistics.fmean(1.0 - b / span for b in busy),
+        "bubble": statistics.fmean(1.0 - sum(map(typical_duration, rank)) / smooth for rank in events),
+        "jitter": (ideal - smooth) / span,
+        "overhead": (span - ideal) / span,
+        "max_busy": max(busy),
+    }
