@@ -266,8 +266,9 @@ class Heartbeat:
         start = time.monotonic()
         slowest = 0.0
         try:
-            for key in self._missing(keys):  # a peer that never started its heartbeat
-                self.store.add(key, 0)  # creates the key (0), as its start would: multi_get waits for none
+            for r in self._absent(peers, ("beat", "mark")):  # a peer that never started its heartbeat
+                self.store.add(f"beat/{r}", 0)  # creates the keys (0), as its start would: multi_get waits for none
+                self.store.add(f"mark/{r}", 0)
             poll = time.monotonic()
             first, marks = self._poll(keys, peers)
             slowest = time.monotonic() - poll
@@ -308,22 +309,24 @@ class Heartbeat:
         n = len(peers)
         return dict(zip(peers, values[:n], strict=True)), dict(zip(peers, values[n:], strict=True))
 
-    def _missing(self, keys: list[str]) -> list[str]:
-        """The keys not in the store: one ``check`` when none is missing, ~2 log2(len) per missing key."""
-        if not keys or self.store.check(keys):
+    def _absent(self, ranks: list[int], names: tuple[str, ...]) -> list[int]:
+        """The ``ranks`` with a key ``<name>/<rank>`` missing from the store, found by bisection:
+        one ``check`` when none is missing, about 2 log2(len(ranks)) per rank that is."""
+        if not ranks or self.store.check([f"{name}/{r}" for r in ranks for name in names]):
             return []
-        if len(keys) == 1:
-            return keys
-        half = len(keys) // 2
-        return self._missing(keys[:half]) + self._missing(keys[half:])
+        if len(ranks) == 1:
+            return ranks
+        half = len(ranks) // 2
+        return self._absent(ranks[:half], names) + self._absent(ranks[half:], names)
 
     def _reasons(self, ranks: list[int]) -> dict[int, str]:
         """The reasons of the failed ``ranks``, in one request (written before the mark, so present)."""
-        keys = [f"reason/{r}" for r in sorted(ranks)]
-        missing = set(self._missing(keys))  # never expected (the reason comes first), but must not stall the read
-        present = [k for k in keys if k not in missing]
-        reasons = dict(zip(present, self.store.multi_get(present), strict=True)) if present else {}
-        return {int(k.rpartition("/")[2]): reasons[k].decode(errors="replace") if k in reasons else "" for k in keys}
+        ranks = sorted(ranks)
+        absent = set(self._absent(ranks, ("reason",)))  # never expected (the reason comes first), but must not stall
+        present = [r for r in ranks if r not in absent]
+        values = self.store.multi_get([f"reason/{r}" for r in present]) if present else []
+        reasons = {r: v.decode(errors="replace") for r, v in zip(present, values, strict=True)}
+        return {r: reasons.get(r, "") for r in ranks}
 
 
 # Heartbeats still beating when the interpreter exits (a run that failed outside Lightning's
