@@ -18,14 +18,14 @@ every rank keeps a heartbeat in the process group's store (the ``TCPStore`` ever
   stopped on an error of their own, and the mark says which. When the store itself no longer
   answers, its host is named (rank 0, unless torchrun's agent hosts it).
 
-The diagnosis runs only on failure and takes at most ``grace`` seconds (about one ``interval``
-when every peer is alive); each of its polls reads every peer's counter and mark in one store
-request (``multi_get``), so hundreds of survivors diagnosing at once cost the store one request
-each per poll, not one per peer. The heartbeat costs one small store request per rank per
-``interval``. :func:`raise_peer_lost` turns the error of a failed step into
-:class:`PeerLostError` when a peer is gone, and :func:`annotate_peer_failure` adds the diagnosis
-to any other error as a note. The Lightning side (a strategy mixin and a callback) is
-:mod:`lightning_strategies.faults`.
+The diagnosis runs only on failure and takes at most ``grace`` seconds, plus 4 polls when the
+store is slow (about one ``interval`` when every peer is alive); each of its polls reads every
+peer's counter and mark in one store request (``multi_get``), so hundreds of survivors
+diagnosing at once cost the store one request each per poll, not one per peer. The heartbeat
+costs one small store request per rank per ``interval``. :func:`raise_peer_lost` turns the error
+of a failed step into :class:`PeerLostError` when a peer is gone, and
+:func:`annotate_peer_failure` adds the diagnosis to any other error as a note. The Lightning
+side (a strategy mixin and a callback) is :mod:`lightning_strategies.faults`.
 """
 
 from __future__ import annotations
@@ -170,7 +170,8 @@ class Heartbeat:
         rank: this rank.
         world: the number of ranks.
         interval: seconds between beats.
-        grace: how long a silent peer is watched before it is called lost; default 2.5 intervals.
+        grace: how long a silent peer is watched before it is called lost; default 2.5 intervals
+            (plus 4 times the slowest poll of the store: :meth:`diagnose`).
         store_host: ``"host:port"`` of the store, for messages.
         store_rank: the rank hosting the store (``None``: no rank, e.g. torchrun's agent).
     """
@@ -264,7 +265,6 @@ class Heartbeat:
         peers = [r for r in range(self.world) if r != self.rank]
         keys = [f"beat/{r}" for r in peers] + [f"mark/{r}" for r in peers]
         start = time.monotonic()
-        slowest = 0.0
         try:
             for r in self._absent(peers, ("beat", "mark")):  # a peer that never started its heartbeat
                 self.store.add(f"beat/{r}", 0)  # creates the keys (0), as its start would: multi_get waits for none
