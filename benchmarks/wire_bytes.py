@@ -349,7 +349,8 @@ def tensors_sent(case: str, world: int, sizes: Sequence[int]) -> list[int]:
 
 
 def report(case: str, world: int, sizes: Sequence[int], got: Traffic) -> tuple[float, float]:
-    """Print the lines of one run; return (measured mean, formula mean) bytes sent per worker."""
+    """Print the lines of one run; return the bytes sent per step, measured and by formula, that the
+    figure shows: the mean over workers, or for ``ps_1`` the server's (rank 0)."""
     want = formula_sent(case, world, sizes)
     tag = f"{case}_P{world}"
     mean_got, mean_want = sum(got.sent) / world, sum(want) / world
@@ -375,7 +376,7 @@ def report(case: str, world: int, sizes: Sequence[int], got: Traffic) -> tuple[f
     print(
         f"# {tag}: {got.connections} worker-to-worker sockets; sent per rank {[round(s) for s in got.sent]}", flush=True
     )
-    return mean_got, mean_want
+    return (got.sent[0], want[0]) if case == "ps_1" else (mean_got, mean_want)
 
 
 def plot(series: dict[str, dict[int, tuple[float, float]]], n: int, path: Path) -> None:
@@ -383,13 +384,13 @@ def plot(series: dict[str, dict[int, tuple[float, float]]], n: int, path: Path) 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.4, 3.6))
     styles = {"ddp": ("o", "C2"), "ring": ("^", "C0"), "ring_bf16": ("v", "C9"), "ps": ("s", "C1"), "ps_1": ("D", "C3")}
-    labels = {"ps_1": "ps, 1 server (rank 0)", "ps": "ps, P shards"}
-    for case, points in series.items():
+    labels = {"ps_1": "ps, 1 server: the server", "ps": "ps, P shards"}
+    for i, (case, points) in enumerate(series.items()):
         worlds = sorted(points)
         marker, color = styles[case]
         ax.plot(worlds, [points[p][1] / 1e6 for p in worlds], "--", color=color, linewidth=1)
         ax.plot(
-            worlds,
+            [p + 0.04 * (i - 2) for p in worlds],  # side by side: ddp, ring and ps share one formula
             [points[p][0] / 1e6 for p in worlds],
             marker,
             color=color,
@@ -398,7 +399,7 @@ def plot(series: dict[str, dict[int, tuple[float, float]]], n: int, path: Path) 
         )
     ax.set_xticks(sorted({p for pts in series.values() for p in pts}))
     ax.set_xlabel("workers P")
-    ax.set_ylabel("MB sent per step per worker (mean)")
+    ax.set_ylabel("MB sent per step and worker\n(mean over workers; 1 server: rank 0)", fontsize=9)
     ax.set_title(
         f"bytes on the wire (kernel counters), N = {n / 1e6:.1f}M\nmarkers measured, dashed the formula", fontsize=9
     )
