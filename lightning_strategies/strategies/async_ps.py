@@ -50,20 +50,13 @@ from typing_extensions import override
 
 from lightning_strategies.comm.async_ps import (
     STALENESS_LR,
-    AsyncCoordinator,
     AsyncParameterServerClient,
     AsyncParameterShard,
-    DataPlan,
     StalenessLR,
-    draw_batch,
-    register_coordinator,
-    report_failure,
-    unregister_coordinator,
 )
-from lightning_strategies.comm.ps import (
-    register_shard,
-    shard_loads,
-)
+from lightning_strategies.comm.coordinator import AsyncCoordinator, DataPlan, Draw, draw_batch, report_failure
+from lightning_strategies.comm.ps import shard_loads
+from lightning_strategies.comm.rpc import register_coordinator, register_shard, unregister_coordinator
 from lightning_strategies.strategies.parameter_server import (
     ParameterServerStrategy,
     _broadcast_from_rank0,
@@ -410,17 +403,20 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     def _draw(self, epoch: int, plan: DataPlan) -> list[int] | None:
         """The next batch from the coordinator; runs on the training thread, between steps."""
         client = self.async_client
-        draw = draw_batch(
-            self.global_rank,
-            epoch,
-            client.clock if client is not None else 0,
-            plan,
-            coordinator_rank=_COORDINATOR_RANK,
-            rpc_timeout=client.rpc_timeout if client is not None else self.ps_timeout.total_seconds() + 5.0,
-            ahead=self._ahead,
-            client=client,
-            should_stop=self._told_to_stop,
-        )
+        draw: Draw
+        if client is not None:
+            draw = client.draw(epoch, plan, ahead=self._ahead, should_stop=self._told_to_stop)
+        else:  # the loader's first batch, drawn while the optimizers (and the client) are set up
+            draw = draw_batch(
+                self.global_rank,
+                epoch,
+                0,
+                plan,
+                coordinator_rank=_COORDINATOR_RANK,
+                rpc_timeout=self.ps_timeout.total_seconds() + 5.0,
+                ahead=self._ahead,
+                should_stop=self._told_to_stop,
+            )
         # the batch drawn at the start of the epoch's last step comes back empty: flush then
         self._epoch_over = draw.indices is None
         if draw.blocked and draw.indices is not None and client is not None and self.pull_every == 1:

@@ -45,12 +45,14 @@ from lightning_strategies.comm.ps import (
     OptimizerSpec,
     ParameterServerClient,
     ParameterShard,
+    shard_loads,
+    shard_parameters,
+)
+from lightning_strategies.comm.rpc import (
     free_port,
     init_rpc,
     local_shard,
     register_shard,
-    shard_loads,
-    shard_parameters,
     shutdown_rpc,
     unregister_shard,
     worker_name,
