@@ -81,11 +81,10 @@ class AsyncParameterShard(ParameterShard):
                 "worker's lr as is, or 'inverse' to divide it by 1 + staleness"
             )
         super().__init__(*args, **kwargs)
-        num_workers = self.num_workers
         self.staleness_lr = staleness_lr
-        self.clocks = [0] * num_workers
+        self.clocks = [0] * self.num_workers
         # the shard version each worker's weights came from (its last pull of this shard)
-        self._pulled = [0] * num_workers
+        self._version_pulled = [0] * self.num_workers
         self.staleness_sum = 0
         self.staleness_max = 0
         self.pushes = 0
@@ -107,7 +106,7 @@ class AsyncParameterShard(ParameterShard):
             error = self._check_push(worker, grads, lrs)
             if error is not None:
                 return ShardError(error)
-            staleness = self.version - self._pulled[worker]
+            staleness = self.version - self._version_pulled[worker]
             if self.staleness_lr == "inverse" and staleness:
                 lrs = [lr / (1 + staleness) for lr in lrs]
             self._step([grads], lrs)
@@ -133,7 +132,7 @@ class AsyncParameterShard(ParameterShard):
 
     def _snapshot(self, worker: int) -> tuple[list[Tensor], int]:
         # copies: the next push may update the tensors while this reply is being serialised
-        self._pulled[worker] = self.version
+        self._version_pulled[worker] = self.version
         self.stats.bytes_sent += self._values_bytes
         return [p.detach().clone() for p in self.params], self._values_bytes
 
