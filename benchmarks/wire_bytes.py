@@ -96,15 +96,17 @@ from lightning_strategies.comm.ps import (
     OptimizerSpec,
     ParameterServerClient,
     ParameterShard,
+    shard_parameters,
+)
+from lightning_strategies.comm.ring import ring_all_reduce
+from lightning_strategies.comm.rpc import (
     free_port,
     init_rpc,
     register_shard,
-    shard_parameters,
     shutdown_rpc,
     unregister_shard,
     worker_name,
 )
-from lightning_strategies.comm.ring import ring_all_reduce
 
 CASES = ("ddp", "ring", "ring_bf16", "ps", "ps_1")
 GOAL = (0.9, 2.0)  # wire / formula: above 1 by framing only; far off means a wrong formula or count
