@@ -231,13 +231,17 @@ def test_clipping_and_accumulation_equal_single_device() -> None:
 
 
 def test_checkpoint_loads_on_one_device_and_resumes_exactly(tmp_path: Path) -> None:
-    """Saved at tp 2 after 3 steps: the file is the unsplit model and optimizer state (equal to one
-    device's checkpoint at the same step), it loads into the unsplit module, and resuming at tp 2
-    (and on one device) ends where an uninterrupted 6-step run ends."""
+    """Saved at tp 2 after one epoch (6 steps): the file is the unsplit model and optimizer state
+    (equal to one device's checkpoint at the same step), it loads into the unsplit module, and
+    resuming at tp 2 (and on one device) ends where one device resumed from its own checkpoint ends.
+
+    The reference is Lightning's resume on one device, not an uninterrupted run: Lightning's
+    resume is not bit-equal to that even on one device (the pipeline tests compare the same way).
+    """
 
     def save(strategy: Any, devices: int, name: str, tp: int = 1) -> dict[str, Any]:
-        callback = ModelCheckpoint(dirpath=tmp_path / name, save_last=True, every_n_train_steps=3)
-        fit(strategy, devices, tp=tp, max_steps=3, model=WideRegressor(lamb), callbacks=[callback], enable_checkpointing=True)
+        callback = ModelCheckpoint(dirpath=tmp_path / name, save_last=True, every_n_epochs=1)
+        fit(strategy, devices, tp=tp, model=WideRegressor(lamb), callbacks=[callback], enable_checkpointing=True)
         return torch.load(tmp_path / name / "last.ckpt", weights_only=False)
 
     single_ckpt = save("auto", 1, "single")
@@ -252,19 +256,19 @@ def test_checkpoint_loads_on_one_device_and_resumes_exactly(tmp_path: Path) -> N
 
     unsplit = WideRegressor(lamb)
     unsplit.load_state_dict(tp_ckpt["state_dict"])  # the full model, loadable on one device
-    ref, _ = fit("auto", 1, model=WideRegressor(lamb))  # 6 steps without a break
+    ref, _ = fit("auto", 1, max_steps=12, model=WideRegressor(lamb), ckpt_path=str(tmp_path / "single" / "last.ckpt"))
     path = str(tmp_path / "tp" / "last.ckpt")
-    assert_weights_close(fit("auto", 1, model=unsplit, ckpt_path=path)[0], ref)
-    resumed, _ = fit(tp_strategy(tp_size=2), 2, tp=2, model=WideRegressor(lamb), ckpt_path=path)
+    assert_weights_close(fit("auto", 1, max_steps=12, model=unsplit, ckpt_path=path)[0], ref)
+    resumed, _ = fit(tp_strategy(tp_size=2), 2, tp=2, max_steps=12, model=WideRegressor(lamb), ckpt_path=path)
     assert_weights_close(resumed, ref)
 
 
 def test_resume_at_another_tp_size(tmp_path: Path) -> None:
-    """A checkpoint written at tp 2 resumes at tp 4 (hidden width 32 splits 4 ways)."""
-    callback = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=3)
-    fit(tp_strategy(tp_size=2), 2, tp=2, max_steps=3, callbacks=[callback], enable_checkpointing=True)
-    ref, _ = fit("auto", 1)
-    resumed, _ = fit(tp_strategy(tp_size=4), 4, tp=4, ckpt_path=str(tmp_path / "last.ckpt"))
+    """A checkpoint written at tp 2 resumes at tp 4 (hidden width 32 splits 4 ways) as on one device."""
+    callback = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_epochs=1)
+    fit(tp_strategy(tp_size=2), 2, tp=2, callbacks=[callback], enable_checkpointing=True)
+    ref, _ = fit("auto", 1, max_steps=12, ckpt_path=str(tmp_path / "last.ckpt"))
+    resumed, _ = fit(tp_strategy(tp_size=4), 4, tp=4, max_steps=12, ckpt_path=str(tmp_path / "last.ckpt"))
     assert_weights_close(resumed, ref)
 
 
@@ -284,11 +288,12 @@ class OddWidth(WideRegressor):
 
 
 def test_width_not_divisible_names_the_layer_and_the_fix() -> None:
-    with pytest.raises(RuntimeError, match=r"layer 'net.0' \(Linear 8 -> 30, colwise\) has out_features=30, not divisible by tp_size=4"):
+    # raised at setup in every rank; the fork launcher re-raises rank 0's as ProcessRaisedException
+    with pytest.raises(Exception, match=r"layer 'net.0' \(Linear 8 -> 30, colwise\) has out_features=30, not divisible by tp_size=4"):
         fit(tp_strategy(tp_size=4), 4, tp=4, model=OddWidth())
 
 
 def test_lamb_foreach_true_is_refused_at_setup() -> None:
     model = WideRegressor(functools.partial(Lamb, lr=0.01, foreach=True))
-    with pytest.raises(RuntimeError, match=r"Lamb\(foreach=True\).*Fix: pass foreach=None"):
+    with pytest.raises(Exception, match=r"Lamb\(foreach=True\).*Fix: pass foreach=None"):
         fit(tp_strategy(tp_size=2), 2, tp=2, model=model)
