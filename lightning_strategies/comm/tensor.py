@@ -143,7 +143,7 @@ def check_plan(module: nn.Module, plan: Mapping[str, str], tp_size: int) -> None
             )
         dim, what = (layer.in_features, "in_features") if style == "rowwise" else (layer.out_features, "out_features")
         if dim % tp_size:
-            kind = "row-parallel splits input features" if style == "rowwise" else "column-parallel splits output features"
+            kind = "row-parallel splits input features" if style == "rowwise" else "column-parallel splits outputs"
             raise ValueError(
                 f"TensorParallelStrategy: layer {name!r} (Linear {layer.in_features} -> {layer.out_features}, "
                 f"{style}) has {what}={dim}, not divisible by tp_size={tp_size} ({kind}). Fix: make {what} a "
@@ -250,12 +250,12 @@ class _ReplicateInput(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, mesh: DeviceMesh, stats: TensorParallelStats) -> DTensor:  # type: ignore[override]
+    def forward(ctx: Any, x: Tensor, mesh: DeviceMesh, stats: TensorParallelStats) -> DTensor:
         ctx.mesh, ctx.stats = mesh, stats
         return DTensor.from_local(x.view_as(x), mesh, (Replicate(),), run_check=False)
 
     @staticmethod
-    def backward(ctx: Any, grad: DTensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: DTensor) -> tuple[Tensor, None, None]:
         if not isinstance(grad, DTensor):
             return grad, None, None
         if not grad.placements[0].is_partial():
@@ -415,7 +415,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, str]) ->
 
 
 for _cls in (_TimedColwise, _TimedRowwise):
-    _cls.src_data_rank = None  # type: ignore[attr-defined]  # each rank cuts its shard from its own copy
+    _cls.src_data_rank = None  # each rank cuts its shard from its own copy
 
 
 def is_sharded(t: Tensor) -> bool:

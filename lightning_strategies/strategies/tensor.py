@@ -259,7 +259,7 @@ class TensorParallelStrategy(StrategyBase):
     @override
     def configure_ddp(self) -> None:
         # No DDP wrapper: gradients are averaged in backward, by kind (sharded / replicated).
-        if dist.is_available() and dist.is_initialized():
+        if self.model is not None and dist.is_available() and dist.is_initialized():
             _sync_module_states(self.model)  # rank 0's initial weights everywhere, as DDP does
         self._parallelize()
 
@@ -329,7 +329,8 @@ class TensorParallelStrategy(StrategyBase):
         module = self.lightning_module
         if module is None or self._mesh is None or not self._sync_replicas or self.world_size == 1:
             return
-        sharded, replicated = [], []
+        sharded: list[Tensor] = []
+        replicated: list[Tensor] = []
         for p in module.parameters():
             if p.grad is not None:
                 (sharded if is_sharded(p) else replicated).append(local_part(p.grad))
