@@ -125,7 +125,8 @@ def main() -> None:
     width, layers, batch, steps, warmup, rounds = (512, 4, 16, 3, 1, 1) if args.quick else (4096, 4, 64, 5, 2, 3)
     tp = 2
     print(header("tensor_parallel"), flush=True)
-    print(load_line("start"), flush=True)
+    load_start = load_line("start")
+    print(load_start, flush=True)
     lines = [line("width", width, "features"), line("layers", layers, "fc"), line("batch", batch, "samples")]
     single_runs, tp_runs = [], []
     for _ in range(rounds):  # interleaved, so a change of machine load hits both alike
@@ -161,11 +162,12 @@ def main() -> None:
         line("tp_activation_bytes_over_formula", act_bytes / formula, "x"),
         line("tp_allreduce_time_share", share, "x"),
     ]
-    print(load_line("end"), flush=True)
+    load_end = load_line("end")
+    print(load_end, flush=True)
     if args.quick:
         return
     RESULTS.mkdir(parents=True, exist_ok=True)
-    text = "\n".join([header("tensor_parallel"), *lines]) + "\n"
+    text = "\n".join([header("tensor_parallel"), load_start, *lines, load_end]) + "\n"
     (RESULTS / "tensor_parallel.txt").write_text(text)
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))

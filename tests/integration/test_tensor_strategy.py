@@ -301,3 +301,19 @@ def test_lamb_foreach_true_is_refused_at_setup() -> None:
     model = WideRegressor(functools.partial(Lamb, lr=0.01, foreach=True))
     with pytest.raises(Exception, match=r"Lamb\(foreach=True\).*Fix: pass foreach=None"):
         fit(tp_strategy(tp_size=2), 2, tp=2, model=model)
+
+
+# -- the app ---------------------------------------------------------------------------------------
+
+
+def test_app_recipe_digits_wide_mlp(tmp_path: Path) -> None:
+    """`python train.py recipe=digits_wide_mlp`, in-process with fork-started ranks, a few batches."""
+    from app_utils import FEW_BATCHES, compose_cfg
+
+    from recipes.train import run
+
+    cfg = compose_cfg(["recipe=digits_wide_mlp", "strategy.start_method=fork", *FEW_BATCHES], tmp_path)
+    run(cfg)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    # 2 processes, one tensor-parallel group: the scaling rule sees 1 replica (global batch 64)
+    assert metrics["world_size"] == 2 and metrics["replicas"] == 1 and metrics["global_batch_size"] == 64, metrics
