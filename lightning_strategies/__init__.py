@@ -25,6 +25,7 @@ from lightning_strategies.strategies.async_ps import AsyncParameterServerStrateg
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 from lightning_strategies.strategies.pipeline import PipelineStrategy
 from lightning_strategies.strategies.ring import RingAllReduceStrategy
+from lightning_strategies.strategies.tensor import TensorParallelStrategy
 
 __version__ = "0.1.0"
 
@@ -46,6 +47,7 @@ __all__ = [
     "RingAllReduceStrategy",
     "ScalingConfig",
     "ScalingPlan",
+    "TensorParallelStrategy",
     "__version__",
     "global_batch_size",
     "plan_scaling",
