@@ -128,9 +128,9 @@ class _KillInComm(Callback):
     def armed(self) -> bool:
         return self.trainer is not None and self.trainer.global_step >= self.step
 
-    def die(self, where: str) -> None:
+    def die(self, where: str, step: int | None = None) -> None:
         assert self.trainer is not None
-        _die(self.out_dir, self.trainer.global_rank, self.trainer.global_step, where)
+        _die(self.out_dir, self.trainer.global_rank, self.trainer.global_step if step is None else step, where)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.trainer = trainer
@@ -172,8 +172,16 @@ class _KillInComm(Callback):
         rank = trainer.global_rank
 
         def push_pull_or_die(shard: AsyncParameterShard, worker: int, *args: Any, **kwargs: Any) -> Any:
-            if worker != rank and self.armed():
-                self.die(f"async shard {shard.shard_id} serving worker {worker}'s push (RPC)")
+            # The ranks draw batches from one queue, each at its own pace: a victim that started
+            # late (lazy imports on a fresh clone, a loaded machine) may reach step STEP only after
+            # the peer's last push, and never die. So the peer's step, as this shard counts its
+            # pushes, arms the kill too: it then misses only if the victim took all but STEP of the
+            # fit's 24 batches before the peer's last push.
+            peer_step = shard.clocks[worker]
+            if worker != rank and (self.armed() or peer_step >= self.step):
+                assert self.trainer is not None
+                step = max(self.trainer.global_step, peer_step)
+                self.die(f"async shard {shard.shard_id} serving worker {worker}'s push (RPC)", step)
             return push_pull(shard, worker, *args, **kwargs)
 
         AsyncParameterShard.push_pull = push_pull_or_die  # type: ignore[method-assign]

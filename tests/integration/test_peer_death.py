@@ -135,6 +135,7 @@ def test_survivors_fail_in_time_naming_the_lost_rank(
     context = "\n".join(f"--- rank {r} (exit {ranks[r]['returncode']}):\n{logs[r][-4000:]}" for r in logs)
     assert answer["timed_out"] == [], f"ranks {answer['timed_out']} hung and were killed\n{context}"
 
+    assert (out / "killed.json").exists(), f"rank {victim} never reached the kill point\n{context}"
     killed = json.loads((out / "killed.json").read_text())
     assert killed["rank"] == victim, killed
     # "comm" arms at STEP and fires at the first communication after it: for async, whose ranks
