@@ -88,6 +88,8 @@ def test_digits_reach_93_percent(devices: int) -> None:
     ):
         assert key in metrics, sorted(metrics)
     assert metrics["async/wait_seconds"] == 0.0  # no bound: never held back
+    # mean and maximum over the same window's pushes (the last logged one)
+    assert 0.0 <= metrics["async/staleness_mean"] <= metrics["async/staleness_max"], metrics
 
 
 def test_bulk_synchronous_schedule_stays_within_one_step_and_trains_like_ps() -> None:
