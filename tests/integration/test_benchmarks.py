@@ -39,12 +39,8 @@ GOALS: dict[str, list[tuple[str, float, float]]] = {
         (r"(ring|ring_bf16|ps|xfer|xfer_bf16|bf16_casts)_over_gloo_P2_N.*", 0.02, 30.0),
     ],
     # Test error (%) on the 270 digits after 2 epochs: 7-8% at B=32 (39 steps per epoch), chance is
-    # 90%: a broken optimizer, scaling or warmup at B=32 stays near chance. At B=1024 (2 steps in all)
-    # every configuration is near chance in a quick run, so no bound there but the range.
-    "large_batch.py": [
-        (r"test_error_(sgd_none|sgd_linear|sgd_linear_warmup|lamb_sqrt_warmup)_B32", 0.0, 25.0),
-        (r"test_error_.*_B1024", 0.0, 100.0),
-    ],
+    # 90%: a broken optimizer, scaling or warmup at B=32 stays near chance. (B=1024: see PAIRS.)
+    "large_batch.py": [(r"test_error_(sgd_none|sgd_linear|sgd_linear_warmup|lamb_sqrt_warmup)_B32", 0.0, 25.0)],
     # Step-time ratios on ResNet-18 shapes, 3 steps: 0.8-1.5 at load 5 (full-run goals <= 1.3 and
     # >= 1.5 hold on a quiet machine only). [0.25, 4] catches an optimizer doing several times the
     # work of its reference, or a ratio inverted.
@@ -113,6 +109,10 @@ GOALS: dict[str, list[tuple[str, float, float]]] = {
 PAIRS: dict[str, list[tuple[str, str, float, float]]] = {
     # measured busiest shard / busiest ring rank against P^2/(2(P-1)) x S balance: accounting
     "ps_traffic.py": [(r"server_over_ring_bytes_(P2_S[12])", r"server_over_ring_theory_\1", 1 - EXACT, 1 + EXACT)],
+    # the same epochs in 2 steps of 1024 instead of 78 of 32: every configuration is near chance
+    # (90-91% error against 7-8%) in a quick run; a B=1024 run as good as B=32 would mean the
+    # batch size was not applied
+    "large_batch.py": [(r"test_error_(.*)_B1024", r"test_error_\1_B32", 2.0, math.inf)],
     # prefetching must save at least 10% of the unprefetched step: ~50% with load = compute in
     # theory, 40% measured quiet, 26% at load 14
     "prefetch.py": [(r"(load[0-9.]+x)_prefetch_step_ms", r"\1_no_prefetch_step_ms", 0.0, 0.9)],
@@ -144,7 +144,7 @@ def check_quick_output(script: str, stdout: str) -> None:
         assert pairs, f"no line matches {pattern!r}:\n{stdout[-2000:]}"
         for name, reference in pairs.items():
             assert reference in values, f"{name} has no {reference} to compare with"
-            ratio = values[name] / values[reference]
+            ratio = values[name] / values[reference] if values[reference] else math.inf
             assert low <= ratio <= high, f"{name} / {reference} = {ratio:.4g}, outside [{low}, {high}]"
 
 
