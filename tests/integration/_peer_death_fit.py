@@ -5,7 +5,8 @@ Each rank is its own node to Lightning (``num_nodes=world``, ``devices=1``, ``NO
 nothing but the strategy itself can stop a survivor.
 
 The victim kills itself with SIGKILL (no handler runs; the kernel closes its sockets), after
-writing ``killed.json`` (its rank, step, where, the signal and ``time.time()``):
+writing ``killed.json`` (its rank, step, where, the signal and ``time.time()``; in the ``step``
+and ``hang`` cases the survivors wait for that file at the start of the same step):
 
 - ``fault="step"``: at the start of training step ``step`` (mid-epoch).
 - ``fault="hang"``: the same with SIGSTOP: the process freezes with its sockets open, so only the
@@ -54,6 +55,7 @@ from lightning_strategies.comm.ps import ParameterShard
 STRATEGIES = ("ring", "ps", "async", "pipeline", "ddp")
 MAX_EPOCHS = 3  # 4 steps per epoch: the survivors would finish (and exit 0) only if they missed the death
 DDP_HOOK_PAUSE_S = 1.0
+WAIT_FOR_VICTIM_S = 60.0  # half the test's job timeout: a victim later than that is a failure to report
 
 
 def make_strategy(name: str, timeout: timedelta) -> pl.strategies.Strategy:
@@ -118,6 +120,30 @@ class _KillAtStep(Callback):
             _die(self.out_dir, trainer.global_rank, self.step, "start of the training step", sig)
 
 
+class _WaitForVictim(Callback):
+    """A survivor waits at the start of its training step ``step`` until the victim has reached its
+    kill point (``killed.json`` exists), at most ``WAIT_FOR_VICTIM_S``.
+
+    Under ``"async"`` the ranks draw batches from one queue at their own pace: a victim that starts
+    late (imports on a fresh clone, a loaded machine) would find the peer had taken nearly all
+    the fit's batches, and not reach its step ``step`` before the fit ends. The synchronous
+    strategies reach the step together, so the wait only lines up what happens anyway. Not used
+    for ``fault="comm"``: there the victim dies inside a communication its peers take part in.
+    """
+
+    def __init__(self, step: int, out_dir: Path) -> None:
+        self.step, self.marker = step, out_dir / "killed.json"
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step != self.step:
+            return
+        deadline = time.monotonic() + WAIT_FOR_VICTIM_S
+        while not self.marker.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the victim did not reach its kill point within {WAIT_FOR_VICTIM_S:.0f} s")
+            time.sleep(0.01)
+
+
 class _KillInComm(Callback):
     """The victim SIGKILLs itself inside the strategy's communication from step ``step`` on."""
 
@@ -128,9 +154,9 @@ class _KillInComm(Callback):
     def armed(self) -> bool:
         return self.trainer is not None and self.trainer.global_step >= self.step
 
-    def die(self, where: str) -> None:
+    def die(self, where: str, step: int | None = None) -> None:
         assert self.trainer is not None
-        _die(self.out_dir, self.trainer.global_rank, self.trainer.global_step, where)
+        _die(self.out_dir, self.trainer.global_rank, self.trainer.global_step if step is None else step, where)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.trainer = trainer
@@ -172,8 +198,16 @@ class _KillInComm(Callback):
         rank = trainer.global_rank
 
         def push_pull_or_die(shard: AsyncParameterShard, worker: int, *args: Any, **kwargs: Any) -> Any:
-            if worker != rank and self.armed():
-                self.die(f"async shard {shard.shard_id} serving worker {worker}'s push (RPC)")
+            # The ranks draw batches from one queue, each at its own pace: a victim that started
+            # late (lazy imports on a fresh clone, a loaded machine) may reach step STEP only after
+            # the peer's last push, and never die. So the peer's step, as this shard counts its
+            # pushes, arms the kill too: it then misses only if the victim took all but STEP of the
+            # fit's 24 batches before the peer's last push.
+            peer_step = shard.clocks[worker]
+            if worker != rank and (self.armed() or peer_step >= self.step):
+                assert self.trainer is not None
+                step = max(self.trainer.global_step, peer_step)
+                self.die(f"async shard {shard.shard_id} serving worker {worker}'s push (RPC)", step)
             return push_pull(shard, worker, *args, **kwargs)
 
         AsyncParameterShard.push_pull = push_pull_or_die  # type: ignore[method-assign]
@@ -200,6 +234,8 @@ def run_rank(rank: int, world: int, *, strategy: str, fault: str, victim: int, s
             callbacks.append(_KillInComm(strategy, step, out))
         else:
             callbacks.append(_KillAtStep(step, out, hang=fault == "hang"))
+    elif fault != "comm":
+        callbacks.append(_WaitForVictim(step, out))
     model = PipeTinyRegressor() if strategy == "pipeline" else TinyRegressor()
     trainer = pl.Trainer(
         accelerator="cpu",

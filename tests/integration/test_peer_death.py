@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dist_utils import free_port
+from dist_utils import reserved_port
 from fault_utils import Job, Zygote
 
 import lightning_strategies.faults as faults
@@ -104,7 +104,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple[st
 
 def _job(name: str, fault: str, world: int, victim: int, out: Path) -> Job:
     timeout_s = HANG_TIMEOUT_S if fault == "hang" else TIMEOUT_S
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(reserved_port()), "WORLD_SIZE": str(world),
            "NODE_RANK": "{rank}", "LOCAL_RANK": "0"}  # fmt: skip
     kwargs = {"strategy": name, "fault": fault, "victim": victim, "step": STEP, "timeout_s": timeout_s,
               "out_dir": str(out)}  # fmt: skip
@@ -135,6 +135,7 @@ def test_survivors_fail_in_time_naming_the_lost_rank(
     context = "\n".join(f"--- rank {r} (exit {ranks[r]['returncode']}):\n{logs[r][-4000:]}" for r in logs)
     assert answer["timed_out"] == [], f"ranks {answer['timed_out']} hung and were killed\n{context}"
 
+    assert (out / "killed.json").exists(), f"rank {victim} never reached the kill point\n{context}"
     killed = json.loads((out / "killed.json").read_text())
     assert killed["rank"] == victim, killed
     # "comm" arms at STEP and fires at the first communication after it: for async, whose ranks

@@ -206,6 +206,39 @@ def test_last_stage_loss_counts_as_compute(schedule: str) -> None:
 # -- Lightning fits ------------------------------------------------------------------------------
 
 
+class _StepTimes(Callback):
+    """Per rank and training batch: the batch's time (``on_train_batch_start`` to ``on_train_batch_end``,
+    which encloses the runtime's step), the runtime's own step seconds, and its recorded chunks' span and
+    busy seconds, read just before the strategy resets the runtime's timers; all-gathered every step,
+    the last step's rows in ``callback_metrics["test/times"]``."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        runtime = trainer.strategy._runtime  # type: ignore[attr-defined]
+        if runtime is not None and "reset_timers" not in vars(runtime):  # built by the first step
+            runtime.record_events(True)
+            reset = runtime.reset_timers
+
+            def snapshot_then_reset() -> None:
+                events = runtime.events()
+                span = max(e[4] for e in events) - min(e[3] for e in events)
+                self.step = [runtime.last_step_seconds, span, sum(e[4] - e[3] for e in events)]
+                reset()
+
+            runtime.reset_timers = snapshot_then_reset
+        self.step: list[float] = []
+        self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        values = [time.perf_counter() - self.start, *self.step] if self.step else [0.0] * 4
+        row = torch.tensor(values, dtype=torch.float64)
+        rows = [torch.zeros_like(row) for _ in range(trainer.world_size)]
+        dist.all_gather(rows, row)
+        self.rows = torch.stack(rows)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.callback_metrics["test/times"] = self.rows
+
+
 @pytest.fixture(scope="module")
 def single_device() -> dict[str, torch.Tensor]:
     return fit("auto", 1)[0]
@@ -224,12 +257,22 @@ def single_device() -> dict[str, torch.Tensor]:
     ids=["gpipe", "1f1b", "1f1b-3stages", "interleaved", "balance-time", "balance-list"],
 )
 def test_fit_equals_single_device(kwargs: dict[str, Any], devices: int, single_device: dict[str, torch.Tensor]) -> None:
-    weights, trainer = fit(PipelineStrategy(start_method="fork", **kwargs), devices)
+    weights, trainer = fit(PipelineStrategy(start_method="fork", **kwargs), devices, callbacks=[_StepTimes()])
     assert_weights_close(weights, single_device)
     metrics = trainer.callback_metrics
-    assert 0.0 <= float(metrics["pipeline/bubble_fraction"]) < 1.0
+    # The last step's logs against the test's own clocks (float32 in the logs: rel 1e-5). Rank r's
+    # stages are r, r + K, ...: their logged compute seconds are the chunks the runtime recorded.
+    batch_seconds, wall, span, busy = metrics["test/times"].unbind(1)
     stages = devices * kwargs.get("stages_per_rank", 1)
-    assert all(float(metrics[f"pipeline/stage_seconds/{s}"]) > 0 for s in range(stages))
+    stage_seconds = [float(metrics[f"pipeline/stage_seconds/{s}"]) for s in range(stages)]
+    assert [sum(stage_seconds[r::devices]) for r in range(devices)] == pytest.approx(busy.tolist(), rel=1e-5)
+    # Each rank's step time holds its chunks and lies within the batch's hooks ...
+    assert bool((span <= wall).all() and (wall <= batch_seconds).all()), metrics["test/times"]
+    # ... and the bubble is the mean over ranks of the share of it not computing (0.78-0.94 here:
+    # tiny stages, Python between chunks). A wrong formula (busy / wall, one rank's share) moves it by
+    # > 0.05, another rank's busy or step time (stages 2x apart in compute) by > 1e-3.
+    bubble = float(metrics["pipeline/bubble_fraction"])
+    assert bubble == pytest.approx(float((1 - busy / wall).mean()), rel=1e-5)
     assert "train_loss" in metrics  # the module's own self.log, on the last stage's outputs
 
 
