@@ -371,14 +371,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 _OFFERED = ("num_classes", "in_channels", "optimizer", "scaling", "plan")
 
 
-def _accepted(factory: Any) -> set[str]:
-    """Which of :data:`_OFFERED` ``factory`` names as parameters and does not already fix."""
+def _accepted(factory: Any) -> tuple[set[str], set[str]]:
+    """Which of :data:`_OFFERED` ``factory`` names as parameters and does not already fix, and
+    which of those it requires (no default)."""
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
-        return set()
+        return set(), set()
     fixed = set(getattr(factory, "keywords", None) or ())
-    return {name for name in _OFFERED if name in params and name not in fixed}
+    accepted = {name for name in _OFFERED if name in params and name not in fixed}
+    return accepted, {name for name in accepted if params[name].default is inspect.Parameter.empty}
 
 
 def build_module(
@@ -420,7 +422,14 @@ def build_module(
         "scaling": scaling,
         "plan": plan,
     }
-    accepted = _accepted(built)
+    accepted, required = _accepted(built)
+    lacking = sorted(name for name in required if offered[name] is None)
+    if lacking:
+        raise ConfigError(
+            f"model._target_={target} needs {' and '.join(lacking)} from the data: found "
+            f"{type(datamodule).__name__} without {' or '.join(lacking)}. Fix: give the DataModule "
+            f"{' and '.join(lacking)} attributes, or set them in the model config (model.{lacking[0]}=...)"
+        )
     obj = built(**{k: v for k, v in offered.items() if k in accepted and v is not None})
     if isinstance(obj, pl.LightningModule):
         if not {"optimizer", "plan"} & accepted:
