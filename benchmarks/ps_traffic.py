@@ -48,19 +48,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import header, line, median, pyplot, save_figure
 from benchmarks._workers import run_workers
-from lightning_strategies.comm.ps import (
-    OptimizerSpec,
-    ParameterServerClient,
-    ParameterShard,
+from lightning_strategies.comm.ps import OptimizerSpec, ParameterServerClient, ParameterShard, shard_parameters
+from lightning_strategies.comm.ring import ring_all_reduce
+from lightning_strategies.comm.rpc import (
     free_port,
     init_rpc,
     local_shard,
     register_shard,
-    shard_parameters,
     shutdown_rpc,
     unregister_shard,
 )
-from lightning_strategies.comm.ring import ring_all_reduce
 
 
 def resnet50_sizes() -> list[int]:

@@ -26,6 +26,7 @@ from lightning_strategies.strategies.async_ps import AsyncParameterServerStrateg
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 from lightning_strategies.strategies.pipeline import PipelineStrategy
 from lightning_strategies.strategies.ring import RingAllReduceStrategy
+from lightning_strategies.strategies.tensor import TensorParallelStrategy
 
 __version__ = "0.1.0"
 
@@ -47,6 +48,7 @@ __all__ = [
     "RingAllReduceStrategy",
     "ScalingConfig",
     "ScalingPlan",
+    "TensorParallelStrategy",
     "__version__",
     "global_batch_size",
     "plan_scaling",

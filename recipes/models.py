@@ -13,9 +13,9 @@ import torch
 from torch import nn
 from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
-__all__ = ["MODELS", "as_blocks", "build_model", "small_cnn"]
+__all__ = ["MODELS", "as_blocks", "build_model", "small_cnn", "wide_mlp"]
 
-MODELS: tuple[str, ...] = ("resnet18", "resnet50", "small_cnn")
+MODELS: tuple[str, ...] = ("resnet18", "resnet50", "small_cnn", "wide_mlp")
 Stem = Literal["imagenet", "small"]
 
 
@@ -36,6 +36,25 @@ def small_cnn(num_classes: int, in_channels: int = 3, width: int = 32) -> nn.Seq
             block3=block(width * 4, width * 4, 1),
             head=nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width * 4, num_classes)),
         )
+    )
+
+
+def wide_mlp(num_classes: int, in_channels: int = 3, width: int = 1024) -> nn.Sequential:
+    """Images pooled to 8x8, then four fully connected layers, three of them ``width`` wide.
+
+    The model the seed's model parallelism is for: nearly all parameters are in wide FC layers
+    (``2 width^2`` of them), which the ``"tensor"`` strategy splits as two column/row pairs.
+    """
+    return nn.Sequential(
+        nn.AdaptiveAvgPool2d(8),
+        nn.Flatten(),
+        nn.Linear(in_channels * 64, width),
+        nn.ReLU(),
+        nn.Linear(width, width),
+        nn.ReLU(),
+        nn.Linear(width, width),
+        nn.ReLU(),
+        nn.Linear(width, num_classes),
     )
 
 
@@ -99,13 +118,14 @@ def build_model(
     """Build a recipe model.
 
     Args:
-        name: ``resnet18``, ``resnet50`` or ``small_cnn``.
+        name: ``resnet18``, ``resnet50``, ``small_cnn`` or ``wide_mlp``.
         num_classes: outputs of the classifier.
         in_channels: image channels (1 for digits, 3 for RGB).
         stem: ``"small"`` (3x3 stride-1 conv, no max-pool; for 32 px images) or ``"imagenet"``
             (7x7 stride-2 conv and max-pool; for 224 px images). Ignored by ``small_cnn``.
         width: channels of the first stage; later stages double it (64 is torchvision's
-            ResNet; 16 is 1/16 of the FLOPs, for CPU recipes). ``small_cnn`` uses it too.
+            ResNet; 16 is 1/16 of the FLOPs, for CPU recipes). ``small_cnn`` uses it too;
+            ``wide_mlp``'s hidden features.
         channels_last: store weights in NHWC, which tensor cores and oneDNN prefer.
         compile: wrap with ``torch.compile``.
         zero_init_residual: start each residual branch's last BN at zero (Goyal et al. §5.1).
@@ -125,6 +145,8 @@ def build_model(
     model: nn.Module
     if name == "small_cnn":
         model = small_cnn(num_classes, in_channels, width)
+    elif name == "wide_mlp":
+        model = wide_mlp(num_classes, in_channels, width)
     else:
         model = _resnet(
             name,

@@ -13,17 +13,19 @@ every rank keeps a heartbeat in the process group's store (the ``TCPStore`` ever
 - a rank that fails writes ``mark/<rank>`` (failed, with the first line of its error) before
   anything else, and a rank that finishes writes "finished";
 - a survivor diagnoses (:meth:`Heartbeat.diagnose`): peers whose counter moves are alive; peers
-  whose counter stays still for ``grace`` (2.5 intervals) and that wrote no mark are *lost*
-  (killed, crashed hard, or frozen); peers with a mark stopped on an error of their own, and the
-  mark says which. When the store itself no longer answers, its host is named (rank 0, unless
-  torchrun's agent hosts it).
+  whose counter stays still for ``grace`` (2.5 intervals, longer when the store is slow to
+  answer) and that wrote no mark are *lost* (killed, crashed hard, or frozen); peers with a mark
+  stopped on an error of their own, and the mark says which. When the store itself no longer
+  answers, its host is named (rank 0, unless torchrun's agent hosts it).
 
-The diagnosis runs only on failure and takes at most ``grace`` seconds (about one ``interval``
-when every peer is alive); the heartbeat costs one small store request per rank per
-``interval``. :func:`raise_peer_lost` turns the error of a failed step into
-:class:`PeerLostError` when a peer is gone, and :func:`annotate_peer_failure` adds the diagnosis
-to any other error as a note. The Lightning side (a strategy mixin and a callback) is
-:mod:`lightning_strategies.faults`.
+The diagnosis runs only on failure and takes at most ``grace`` seconds, plus 4 polls when the
+store is slow (about one ``interval`` when every peer is alive); each of its polls reads every
+peer's counter and mark in one store request (``multi_get``), so hundreds of survivors
+diagnosing at once cost the store one request each per poll, not one per peer. The heartbeat
+costs one small store request per rank per ``interval``. :func:`raise_peer_lost` turns the error
+of a failed step into :class:`PeerLostError` when a peer is gone, and
+:func:`annotate_peer_failure` adds the diagnosis to any other error as a note. The Lightning
+side (a strategy mixin and a callback) is :mod:`lightning_strategies.faults`.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ log = logging.getLogger(__name__)
 DEFAULT_INTERVAL = 1.0
 #: A peer whose counter has not moved for this many intervals (and that said nothing) is lost.
 GRACE_INTERVALS = 2.5
+# ... plus this many times the diagnosis's slowest poll: a slow store delays both the peers'
+# beats and the polls that see them (the rule and its reason: Heartbeat.diagnose).
+_GRACE_POLLS = 4.0
 #: Timeout of the heartbeat's own store connection: a frozen store host must not freeze a diagnosis.
 DEFAULT_STORE_TIMEOUT = timedelta(seconds=5)
 
@@ -165,7 +170,8 @@ class Heartbeat:
         rank: this rank.
         world: the number of ranks.
         interval: seconds between beats.
-        grace: how long a silent peer is watched before it is called lost; default 2.5 intervals.
+        grace: how long a silent peer is watched before it is called lost; default 2.5 intervals
+            (plus 4 times the slowest poll of the store: :meth:`diagnose`).
         store_host: ``"host:port"`` of the store, for messages.
         store_rank: the rank hosting the store (``None``: no rank, e.g. torchrun's agent).
     """
@@ -196,7 +202,9 @@ class Heartbeat:
 
     def start(self) -> Heartbeat:
         """Clear this rank's mark of an earlier run, beat once, and keep beating on a daemon thread."""
-        self.store.delete_key(f"mark/{self.rank}")
+        # The mark is reset, not deleted: a diagnosis reads beat and mark keys with multi_get,
+        # which waits for a missing key, so both exist from here on.
+        self.store.set(f"mark/{self.rank}", "0")
         self.store.delete_key(f"reason/{self.rank}")
         self.store.add(f"beat/{self.rank}", 1)
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-rank{self.rank}", daemon=True)
@@ -240,18 +248,41 @@ class Heartbeat:
 
         Returns at once for peers with a mark, and as soon as every other peer's counter has
         moved; a peer whose counter stays still for ``grace`` seconds (default :attr:`grace`)
-        is lost. Never raises: an unreachable store is part of the diagnosis.
+        plus 4 times the slowest poll is lost. Never raises: an unreachable store is part of
+        the diagnosis.
+
+        Each poll reads every peer's counter and mark in one ``multi_get``. The grace grows
+        with the poll time because a slow store (many ranks diagnosing at once, a loaded host)
+        slows everything the diagnosis watches: with polls of ``L`` seconds, a live peer's
+        counter moves at least every ``interval + L`` (its beat queues in the store too), a
+        poll sees the move at most one poll period (``max(interval / 4, L) + L``) later, and
+        the first snapshot may be ``L`` old: at most ``1.25 interval + 4 L`` in all. ``grace``
+        covers the first term with a margin (2.5 intervals by default) and ``4 L`` the rest; on
+        a responsive store ``L`` is well under a millisecond and the grace is ``grace``. Polls
+        are spaced by the poll time at least, so a slow store is not polled harder.
         """
         grace = self.grace if grace is None else grace
         peers = [r for r in range(self.world) if r != self.rank]
+        keys = [f"beat/{r}" for r in peers] + [f"mark/{r}" for r in peers]
         start = time.monotonic()
         try:
-            first = {r: self._beats(r) for r in peers}
-            suspects = {r for r in peers if not self._read_mark(r)}
-            while suspects and time.monotonic() - start < grace:
-                time.sleep(min(self.interval / 4, max(0.0, grace - (time.monotonic() - start))))
-                suspects -= {r for r in suspects if self._beats(r) != first[r]}
-            marks = {r: m for r in peers if (m := self._read_mark(r))}
+            for r in self._absent(peers, ("beat", "mark")):  # a peer that never started its heartbeat
+                self.store.add(f"beat/{r}", 0)  # creates the keys (0), as its start would: multi_get waits for none
+                self.store.add(f"mark/{r}", 0)
+            poll = time.monotonic()
+            first, marks = self._poll(keys, peers)
+            slowest = time.monotonic() - poll
+            suspects = {r for r in peers if not marks[r]}
+            while suspects:
+                left = grace + _GRACE_POLLS * slowest - (time.monotonic() - start)
+                if left <= 0:
+                    break
+                time.sleep(min(max(self.interval / 4, slowest), left))
+                poll = time.monotonic()
+                beats, marks = self._poll(keys, peers)
+                slowest = max(slowest, time.monotonic() - poll)
+                suspects = {r for r in suspects if beats[r] == first[r] and not marks[r]}
+            failed = self._reasons([r for r, m in marks.items() if m == _FAILED])
         except Exception as err:
             return PeerDiagnosis(
                 self.rank,
@@ -261,26 +292,41 @@ class Heartbeat:
                 store_rank=self.store_rank,
                 waited=time.monotonic() - start,
             )
-        failed = {r: self._reason(r) for r, m in marks.items() if m == _FAILED}
         return PeerDiagnosis(
             self.rank,
             self.world,
-            lost=tuple(sorted(r for r in suspects if r not in marks)),
+            lost=tuple(sorted(r for r in suspects if not marks[r])),
             failed=failed,
-            finished=tuple(sorted(r for r, m in marks.items() if m == _FINISHED and r not in failed)),
+            finished=tuple(sorted(r for r, m in marks.items() if m == _FINISHED)),
             store_host=self.store_host,
             store_rank=self.store_rank,
             waited=time.monotonic() - start,
         )
 
-    def _beats(self, rank: int) -> int:
-        return int(self.store.add(f"beat/{rank}", 0))
+    def _poll(self, keys: list[str], peers: list[int]) -> tuple[dict[int, int], dict[int, int]]:
+        """The ``peers``' counters and marks, by rank, in one request (``keys``: their beats, then marks)."""
+        values = [int(v) for v in self.store.multi_get(keys)]
+        n = len(peers)
+        return dict(zip(peers, values[:n], strict=True)), dict(zip(peers, values[n:], strict=True))
 
-    def _read_mark(self, rank: int) -> int:
-        return int(self.store.add(f"mark/{rank}", 0))
+    def _absent(self, ranks: list[int], names: tuple[str, ...]) -> list[int]:
+        """The ``ranks`` with a key ``<name>/<rank>`` missing from the store, found by bisection:
+        one ``check`` when none is missing, about 2 log2(len(ranks)) per rank that is."""
+        if not ranks or self.store.check([f"{name}/{r}" for r in ranks for name in names]):
+            return []
+        if len(ranks) == 1:
+            return ranks
+        half = len(ranks) // 2
+        return self._absent(ranks[:half], names) + self._absent(ranks[half:], names)
 
-    def _reason(self, rank: int) -> str:
-        return self.store.get(f"reason/{rank}").decode(errors="replace")
+    def _reasons(self, ranks: list[int]) -> dict[int, str]:
+        """The reasons of the failed ``ranks``, in one request (written before the mark, so present)."""
+        ranks = sorted(ranks)
+        absent = set(self._absent(ranks, ("reason",)))  # never expected (the reason comes first), but must not stall
+        present = [r for r in ranks if r not in absent]
+        values = self.store.multi_get([f"reason/{r}" for r in present]) if present else []
+        reasons = {r: v.decode(errors="replace") for r, v in zip(present, values, strict=True)}
+        return {r: reasons.get(r, "") for r in ranks}
 
 
 # Heartbeats still beating when the interpreter exits (a run that failed outside Lightning's

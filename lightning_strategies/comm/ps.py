@@ -12,15 +12,14 @@ the gradients together with the worker's current learning rates (so LR scheduler
 on the worker keep working), to all shards in parallel with ``rpc_async``, and copies the
 answers into the local parameters.
 
-A shard in *sync* mode (``barrier=True``) is a barrier: it keeps every worker's push for the
-step, and when the last worker's push arrives it averages the gradients (divide by the number
-of workers, then sum in worker order, as DDP's reducer does), takes one optimizer step and
-answers every worker with the new values. That is DDP's arithmetic with the optimizer moved to
-the server. The RPC handler is ``@rpc.functions.async_execution``: it returns a future at once
-instead of blocking an RPC thread until the barrier opens, so a handful of RPC threads serve any
-number of workers (a blocking handler deadlocks once the waiting pushes occupy every thread).
-With ``barrier=False`` a shard applies each push alone, the building block of the asynchronous
-variant.
+A shard is a barrier: it keeps every worker's push for the step, and when the last worker's
+push arrives it averages the gradients (divide by the number of workers, then sum in worker
+order, as DDP's reducer does), takes one optimizer step and answers every worker with the new
+values. That is DDP's arithmetic with the optimizer moved to the server. The RPC handler is
+``@rpc.functions.async_execution``: it returns a future at once instead of blocking an RPC
+thread until the barrier opens, so a handful of RPC threads serve any number of workers (a
+blocking handler deadlocks once the waiting pushes occupy every thread). The asynchronous
+variant (:mod:`.async_ps`) builds on the shard and client here; the RPC plumbing is :mod:`.rpc`.
 
 Bytes are counted as payload (tensor bytes), for the worker (``bytes_sent`` = gradients pushed,
 ``bytes_received`` = values pulled) and for the shard (``bytes_received`` = gradients,
@@ -33,37 +32,41 @@ from __future__ import annotations
 
 import functools
 import inspect
-import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.futures import Future
 from torch.optim import Optimizer
 
+from lightning_strategies.comm.rpc import (
+    ShardError,
+    call_host,
+    hosted_shard,
+    is_failure,
+    local_shard,
+    wait_reply,
+    worker_name,
+)
 from lightning_strategies.comm.stats import CommStats
 
 __all__ = [
     "OptimizerSpec",
     "ParameterServerClient",
     "ParameterShard",
-    "ShardError",
     "ShardReply",
-    "free_port",
-    "init_rpc",
-    "local_shard",
-    "register_shard",
+    "broadcast_from_rank0",
+    "payload_bytes",
     "shard_loads",
     "shard_parameters",
-    "shutdown_rpc",
-    "unregister_shard",
-    "worker_name",
 ]
 
 
@@ -160,7 +163,7 @@ class OptimizerSpec:
         spec = cls(
             optimizer_class=opt_cls,
             defaults=dict(optimizer.defaults),
-            group_options=tuple({k: v for k, v in g.items() if k not in _NOT_OPTIONS} for g in optimizer.param_groups),
+            group_options=tuple(_group_options(g) for g in optimizer.param_groups),
             group_sizes=tuple(len(g["params"]) for g in optimizer.param_groups),
         )
         probes = {i: torch.zeros(1, requires_grad=True) for i in _group_starts(spec.group_sizes)}
@@ -224,7 +227,12 @@ class OptimizerSpec:
 
 
 # per-tensor lists of a param group, not hyperparameters: a shard holds a subset of the tensors
-_NOT_OPTIONS = ("params", "param_names")
+_PER_TENSOR_KEYS = ("params", "param_names")
+
+
+def _group_options(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group's hyperparameters (every key but its per-tensor lists)."""
+    return {k: v for k, v in group.items() if k not in _PER_TENSOR_KEYS}
 
 
 def _group_starts(group_sizes: Sequence[int]) -> list[int]:
@@ -237,14 +245,8 @@ def _group_starts(group_sizes: Sequence[int]) -> list[int]:
     return starts
 
 
-def _failed(fut: Future[Any]) -> bool:
-    try:
-        return isinstance(fut.value(), ShardError)
-    except Exception:
-        return True
-
-
-def _nbytes(tensors: Sequence[Tensor | None]) -> int:
+def payload_bytes(tensors: Sequence[Tensor | None]) -> int:
+    """Bytes of the tensors' data (``None`` counts nothing): what the byte counts measure."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -259,7 +261,7 @@ class ShardReply:
 
     Attributes:
         values: the shard's tensors after the step, in the shard's order.
-        version: optimizer steps the shard has taken (equals the step count in sync mode).
+        version: optimizer steps the shard has taken (the workers' step count).
         step_bytes: payload bytes the shard received plus sent for this step (all workers), so
             every worker can log the busiest shard without an extra collective.
     """
@@ -267,22 +269,6 @@ class ShardReply:
     values: list[Tensor]
     version: int
     step_bytes: int
-
-
-@dataclass
-class ShardError:
-    """A shard's refusal of a push (barrier timeout, out-of-step push), sent as a value.
-
-    RPC carries an exception set on an ``async_execution`` future back as a plain value, not
-    as an error, so failures travel as this object and the client raises them.
-
-    Attributes:
-        message: what went wrong, naming the workers involved.
-        timed_out: the barrier timed out waiting for a worker.
-    """
-
-    message: str
-    timed_out: bool = False
 
 
 @dataclass
@@ -307,9 +293,7 @@ class ParameterShard:
         flat_indices: the optimizer-order indices of the tensors held, sorted.
         params: those tensors' initial values (copied; the shard owns its tensors).
         spec: how to rebuild the worker's optimizer over them.
-        num_workers: workers that push every step (the barrier's width in sync mode).
-        barrier: sync mode (wait for all workers, average, one step) when ``True``; apply each
-            push alone when ``False``.
+        num_workers: workers that push every step (the barrier's width).
         timeout: how long the barrier waits for the last worker of a step before failing every
             waiting worker with an error that names the missing ones.
     """
@@ -322,7 +306,6 @@ class ParameterShard:
         spec: OptimizerSpec,
         num_workers: int,
         *,
-        barrier: bool = True,
         timeout: timedelta = timedelta(minutes=30),
     ) -> None:
         if len(flat_indices) != len(params):
@@ -334,13 +317,12 @@ class ParameterShard:
         self.params = [p.detach().clone().requires_grad_(True) for p in params]
         self.spec = spec
         self.num_workers = num_workers
-        self.barrier = barrier
         self.timeout = timeout
         self.optimizer = spec.build(dict(zip(self.flat_indices, self.params, strict=True)))
         self._groups = [spec.group_of(i) for i in self.flat_indices]
         # which of the worker's groups each of this optimizer's groups is (empty ones are skipped)
         self._group_ids = sorted(set(self._groups))
-        self._values_bytes = _nbytes(self.params)
+        self._values_bytes = payload_bytes(self.params)
         self.stats = CommStats()
         self.version = 0
         self._lock = threading.Lock()
@@ -356,23 +338,19 @@ class ParameterShard:
 
         Args:
             worker: the pushing worker's index in ``[0, num_workers)``.
-            step: the worker's step count; in sync mode every worker must push the shard's
-                current step exactly once.
+            step: the worker's step count; every worker must push the shard's current step
+                exactly once.
             grads: one gradient (or ``None`` for an unused tensor) per tensor of this shard.
             lrs: the worker's current learning rate of every param group of its optimizer.
         """
         fut: Future[ShardReply | ShardError] = Future()
-        nbytes = _nbytes(grads)
+        nbytes = payload_bytes(grads)
         with self._lock:
             self.stats.bytes_received += nbytes
             self.stats.calls += 1
-            error = self._check_push(worker, step, grads, lrs)
+            error = self._check_push(worker, grads, lrs) or self._check_step(worker, step)
             if error is not None:
                 fut.set_result(ShardError(error))
-                return fut
-            if not self.barrier:
-                reply = self._apply_alone(grads, lrs, nbytes)
-                fut.set_result(reply)
                 return fut
             pending = self._pending
             pending.grads[worker] = grads
@@ -398,7 +376,8 @@ class ParameterShard:
             pending.futures[w].set_result(reply)
         return fut
 
-    def _check_push(self, worker: int, step: int, grads: list[Tensor | None], lrs: list[float]) -> str | None:
+    def _check_push(self, worker: int, grads: list[Tensor | None], lrs: list[float]) -> str | None:
+        """What is wrong with a push, whatever its step (``None``: nothing)."""
         where = f"parameter server shard {self.shard_id}"
         if self._failure is not None:
             return f"{where} has failed earlier and takes no more pushes: {self._failure}"
@@ -411,15 +390,19 @@ class ParameterShard:
                 f"{where}: worker {worker} sent {len(lrs)} learning rates, expected one per param group "
                 f"({len(self.spec.group_sizes)})"
             )
-        if self.barrier:
-            if step != self.version:
-                return (
-                    f"{where}: worker {worker} pushed step {step} while the shard is at step {self.version}; "
-                    "in sync mode every worker must push every step once (did a worker skip an "
-                    "optimizer step, e.g. a training_step returning None on one rank only?)"
-                )
-            if worker in self._pending.grads:
-                return f"{where}: worker {worker} pushed step {step} twice"
+        return None
+
+    def _check_step(self, worker: int, step: int) -> str | None:
+        """What is wrong with the step of a push to the barrier (``None``: nothing)."""
+        where = f"parameter server shard {self.shard_id}"
+        if step != self.version:
+            return (
+                f"{where}: worker {worker} pushed step {step} while the shard is at step {self.version}; "
+                "every worker must push every step once (did a worker skip an "
+                "optimizer step, e.g. a training_step returning None on one rank only?)"
+            )
+        if worker in self._pending.grads:
+            return f"{where}: worker {worker} pushed step {step} twice"
         return None
 
     def _expire(self, version: int) -> None:
@@ -471,13 +454,6 @@ class ParameterShard:
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
 
-    def _apply_alone(self, grads: list[Tensor | None], lrs: list[float], nbytes: int) -> ShardReply:
-        self._step([grads], lrs)
-        self.stats.bytes_sent += self._values_bytes
-        # cloned: without a barrier the next push may update the tensors while this reply is
-        # still being serialised on another thread
-        return ShardReply([p.detach().clone() for p in self.params], self.version, nbytes + self._values_bytes)
-
     # -- state ---------------------------------------------------------------------------------
 
     def values(self) -> list[Tensor]:
@@ -499,8 +475,7 @@ class ParameterShard:
             return {
                 "state": {self.flat_indices[i]: s for i, s in sd["state"].items()},
                 "param_groups": {
-                    g: {k: v for k, v in group.items() if k not in _NOT_OPTIONS}
-                    for g, group in zip(self._group_ids, sd["param_groups"], strict=True)
+                    g: _group_options(group) for g, group in zip(self._group_ids, sd["param_groups"], strict=True)
                 },
                 "version": self.version,
             }
@@ -512,7 +487,7 @@ class ParameterShard:
             full_state: ``{"state": {flat_index: ...}, "param_groups": [...]}`` as returned by
                 :meth:`ParameterServerClient.gather_state_dict` (or a plain optimizer's
                 ``state_dict()`` of the same model).
-            version: the step count to resume at (sync mode needs the workers' step).
+            version: the step count to resume at (the barrier needs the workers' step).
         """
         with self._lock:
             if version is not None:
@@ -522,7 +497,7 @@ class ParameterShard:
             local_ids = {flat: i for i, flat in enumerate(self.flat_indices)}
             groups = []
             for g in self._group_ids:
-                options = {k: v for k, v in full_state["param_groups"][g].items() if k not in _NOT_OPTIONS}
+                options = _group_options(full_state["param_groups"][g])
                 groups.append(
                     {
                         **options,
@@ -540,35 +515,8 @@ class ParameterShard:
 
 
 # --------------------------------------------------------------------------------------------
-# RPC plumbing: process-wide shard registry and handlers
+# RPC entry points (the shard is found in :mod:`.rpc`'s registry)
 # --------------------------------------------------------------------------------------------
-
-_LOCAL_SHARDS: dict[int, ParameterShard] = {}
-
-
-def register_shard(shard: ParameterShard) -> None:
-    """Make ``shard`` reachable by RPC in this process (one process may host several)."""
-    _LOCAL_SHARDS[shard.shard_id] = shard
-
-
-def unregister_shard(shard_id: int) -> None:
-    """Forget the shard (at teardown), so a later fit in this process starts clean."""
-    _LOCAL_SHARDS.pop(shard_id, None)
-
-
-def local_shard(shard_id: int) -> ParameterShard | None:
-    """The shard ``shard_id`` when this process hosts it."""
-    return _LOCAL_SHARDS.get(shard_id)
-
-
-def _hosted(shard_id: int) -> ParameterShard:
-    shard = _LOCAL_SHARDS.get(shard_id)
-    if shard is None:
-        raise RuntimeError(
-            f"parameter server shard {shard_id} is not hosted by {rpc.get_worker_info().name} "
-            f"(this process hosts {sorted(_LOCAL_SHARDS)}); the sharding plans of the workers disagree"
-        )
-    return shard
 
 
 @rpc.functions.async_execution
@@ -576,74 +524,11 @@ def _rpc_push(
     shard_id: int, worker: int, step: int, grads: list[Tensor | None], lrs: list[float]
 ) -> Future[ShardReply | ShardError]:
     # returns the barrier's future at once: the RPC thread is free while the step waits
-    return _hosted(shard_id).push(worker, step, grads, lrs)
+    return hosted_shard(shard_id).push(worker, step, grads, lrs)
 
 
 def _rpc_state_dict(shard_id: int) -> dict[str, Any]:
-    return _hosted(shard_id).state_dict()
-
-
-def worker_name(rank: int) -> str:
-    """The RPC name of the training process of global rank ``rank``."""
-    return f"ps_worker{rank}"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nothing listens on right now (for RPC's rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def init_rpc(
-    rank: int,
-    world_size: int,
-    init_method: str,
-    *,
-    timeout: timedelta,
-    num_threads: int = 4,
-    device_maps: Mapping[str, Mapping[torch.device, torch.device]] | None = None,
-) -> None:
-    """Start this process's TensorPipe RPC agent as :func:`worker_name` ``(rank)``.
-
-    Rank and world size are explicit and the rendezvous is ``init_method`` (a ``tcp://`` address
-    of its own), so it does not collide with the process group's store on ``MASTER_PORT``.
-
-    Args:
-        rank: global rank.
-        world_size: number of processes.
-        init_method: ``tcp://host:port`` of the rendezvous, the same on every rank.
-        timeout: default timeout of every RPC (and of the rendezvous).
-        num_threads: RPC server threads. Handlers never block (async execution), so a few
-            suffice; more threads only compete for cores with training.
-        device_maps: per peer name, how this process's devices map to the peer's (CUDA only).
-    """
-    options = rpc.TensorPipeRpcBackendOptions(
-        num_worker_threads=num_threads,
-        rpc_timeout=timeout.total_seconds(),
-        init_method=init_method,
-    )
-    for peer, mapping in (device_maps or {}).items():
-        options.set_device_map(peer, dict(mapping))  # type: ignore[arg-type]
-    rpc.init_rpc(worker_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
-
-
-def shutdown_rpc(*, failed: bool, timeout: timedelta, grace_seconds: float = 1.0) -> None:
-    """Stop this process's RPC agent.
-
-    Args:
-        failed: this run failed. A graceful shutdown waits until every process reaches it,
-            which dead peers never do; so after a failure the shutdown is local, after a short
-            grace that lets replies already queued (such as a shard's error naming the dead
-            worker, sent to the survivors) leave before the agent closes its pipes.
-        timeout: bound on the graceful shutdown's wait for the peers.
-        grace_seconds: the grace before a local shutdown.
-    """
-    if failed:
-        time.sleep(grace_seconds)
-        rpc.shutdown(graceful=False)
-        return
-    rpc.shutdown(graceful=True, timeout=timeout.total_seconds())
+    return hosted_shard(shard_id).state_dict()
 
 
 # --------------------------------------------------------------------------------------------
@@ -695,30 +580,44 @@ class ParameterServerClient:
             RuntimeError: naming the shard and its host rank when a shard fails or times out.
         """
         start = time.perf_counter()
-        futures: dict[int, Future[ShardReply | ShardError]] = {}
-        for s, idx in enumerate(self.plan):
-            if not idx:
-                continue  # more shards than tensors: nothing to exchange with this one
-            grads = [self.params[i].grad for i in idx]
-            grads = [g.detach() if g is not None else None for g in grads]
-            self.stats.bytes_sent += _nbytes(grads)
-            shard = local_shard(s)
-            if shard is not None:
-                futures[s] = shard.push(self.worker, self.step, grads, list(lrs))
-            else:
-                futures[s] = rpc.rpc_async(
-                    worker_name(s),
-                    _rpc_push,
-                    args=(s, self.worker, self.step, grads, list(lrs)),
-                    timeout=self.rpc_timeout,
-                )
+        grads = [p.grad for p in self.params]
+        replies = self._call_shards(
+            _rpc_push, lambda idx: (self.worker, self.step, self._outgoing(grads, idx), list(lrs))
+        )
+        for s, reply in replies.items():
+            self._apply_reply(s, reply)
+        self._end_step(start)
+
+    def _call_shards(
+        self, entry: Callable[..., Any], args_for: Callable[[list[int]], tuple[Any, ...]]
+    ) -> dict[int, Any]:
+        """``entry(s, *args_for(plan[s]))`` for every shard ``s`` holding tensors, all in flight at
+        once; their replies (a failure raises, naming its shard)."""
+        futures = {
+            s: call_host(s, entry, s, *args_for(idx), local=local_shard(s) is not None, timeout=self.rpc_timeout)
+            for s, idx in enumerate(self.plan)
+            if idx  # more shards than tensors: nothing to exchange with an empty one
+        }
         self.stats.calls += len(futures)
-        for s, reply in self._wait_all(futures).items():
-            self.last_server_bytes[s] = reply.step_bytes
-            with torch.no_grad():
-                for i, v in zip(self.plan[s], reply.values, strict=True):
-                    self.params[i].copy_(v)
-            self.stats.bytes_received += _nbytes(reply.values)
+        return self._wait_all(futures)
+
+    def _outgoing(self, grads: Sequence[Tensor | None], idx: Sequence[int]) -> list[Tensor | None]:
+        """The gradients of the tensors ``idx`` (flat order), detached and counted as sent."""
+        part = [g.detach() if (g := grads[i]) is not None else None for i in idx]
+        self.stats.bytes_sent += payload_bytes(part)
+        return part
+
+    def _apply_reply(self, s: int, reply: Any) -> None:
+        """Copy shard ``s``'s values (if the reply has any) into the local tensors."""
+        self.last_server_bytes[s] = reply.step_bytes
+        if reply.values is None:
+            return
+        with torch.no_grad():
+            for i, v in zip(self.plan[s], reply.values, strict=True):
+                self.params[i].copy_(v)
+        self.stats.bytes_received += payload_bytes(reply.values)
+
+    def _end_step(self, start: float) -> None:
         self.step += 1
         self.last_wait_seconds = time.perf_counter() - start
         self.stats.seconds += self.last_wait_seconds
@@ -737,7 +636,7 @@ class ParameterServerClient:
         pending = [len(futures)]
 
         def on_done(s: int, fut: Future[Any]) -> None:
-            failed = fut.done() and _failed(fut)
+            failed = fut.done() and is_failure(fut)
             with lock:
                 pending[0] -= 1
                 if gate.done():
@@ -759,13 +658,7 @@ class ParameterServerClient:
             f"worker {self.worker}: parameter server shard {s} (hosted by rank {s}, RPC name "
             f"{worker_name(s)!r}) failed at step {self.step}"
         )
-        try:
-            result = fut.wait()
-        except Exception as err:
-            raise RuntimeError(f"{where}: {err}") from err
-        if isinstance(result, ShardError):
-            raise (TimeoutError if result.timed_out else RuntimeError)(f"{where}: {result.message}")
-        return result
+        return wait_reply(fut, where)
 
     def gather_state_dict(
         self, spec: OptimizerSpec, worker_param_groups: Sequence[Mapping[str, Any]]
@@ -778,15 +671,10 @@ class ParameterServerClient:
         tensor of the group (they carry what the optimizer stores in its groups), else from the
         worker's optimizer.
         """
-        futures: dict[int, Future[Any]] = {}
-        for s in range(self.num_servers):
-            shard = local_shard(s)
-            if shard is not None:
-                done: Future[Any] = Future()
-                done.set_result(shard.state_dict())
-                futures[s] = done
-            else:
-                futures[s] = rpc.rpc_async(worker_name(s), _rpc_state_dict, args=(s,), timeout=self.rpc_timeout)
+        futures = {
+            s: call_host(s, _rpc_state_dict, s, local=local_shard(s) is not None, timeout=self.rpc_timeout)
+            for s in range(self.num_servers)
+        }
         state: dict[int, Any] = {}
         group_options: dict[int, dict[str, Any]] = {}
         for part in self._wait_all(futures).values():
@@ -797,9 +685,27 @@ class ParameterServerClient:
         start = 0
         for g, n in enumerate(spec.group_sizes):
             worker_group = worker_param_groups[g]
-            options = group_options.get(g, {k: v for k, v in worker_group.items() if k not in _NOT_OPTIONS})
+            options = group_options.get(g, _group_options(worker_group))
             if "param_names" in worker_group:
                 options = {**options, "param_names": list(worker_group["param_names"])}
             groups.append({**options, "params": list(range(start, start + n))})
             start += n
         return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def broadcast_from_rank0(tensors: Sequence[Tensor]) -> None:
+    """Rank 0's values of ``tensors`` everywhere, one broadcast per dtype (flattened).
+
+    A collective of the default process group: every rank calls it with the same tensors. The
+    workers keep non-trainable buffers (BatchNorm statistics) in step this way; the servers hold
+    only what the optimizer updates.
+    """
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        flat = _flatten_dense_tensors(group)
+        dist.broadcast(flat, src=0)
+        with torch.no_grad():
+            for t, synced in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+                t.copy_(synced)

@@ -32,6 +32,7 @@ import functools
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -596,6 +597,11 @@ class RingBucketReducer:
     After a failure every later future fails at once with the same error, instead of each
     waiting out the process-group timeout on a ring that is already broken.
 
+    The thread holds only a weak reference to the reducer: a reducer dropped without
+    :meth:`close` (its strategy never torn down) stops its thread once collected, and one still
+    alive at interpreter exit is closed then, before the interpreter tears down the modules a
+    thread inside a gloo call would still use.
+
     Args:
         group: a process group used only by this reducer.
         op: ``"sum"`` or ``"avg"`` (DDP expects averaged gradients: ``"avg"``).
@@ -623,8 +629,11 @@ class RingBucketReducer:
         self._stats = CommStats()
         self._error: BaseException | None = None
         self._stream: Any = None
-        self._thread = threading.Thread(target=self._run, name="ring-all-reduce", daemon=True)
+        self._thread = threading.Thread(
+            target=_serve_reducer, args=(weakref.ref(self), self._queue), name="ring-all-reduce", daemon=True
+        )
         self._thread.start()
+        self._stopper = weakref.finalize(self, _stop_reducer_thread, self._queue, self._thread, _EXIT_JOIN_SECONDS)
 
     def submit(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         """Queue ``tensor`` for an in-place reduction; the future's value is ``tensor``."""
@@ -653,10 +662,8 @@ class RingBucketReducer:
         A thread still blocked in a ring call (a peer hung) is left behind: it is a daemon, so it
         cannot keep the process alive, and its group must not be destroyed under it.
         """
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout)
-        return not self._thread.is_alive()
+        self._stopper.detach()
+        return _stop_reducer_thread(self._queue, self._thread, timeout)
 
     def _reduce(self, tensor: torch.Tensor, event: Any) -> CommStats:
         def run() -> CommStats:
@@ -679,21 +686,48 @@ class RingBucketReducer:
         with torch.cuda.device(tensor.device), torch.cuda.stream(self._stream):
             fut.set_result(tensor)  # records an event on the reducer stream for the consumer
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            tensor, fut, event = item
-            if self._error is not None:
-                fut.set_exception(self._error)
-                continue
-            try:
-                stats = self._reduce(tensor, event)
-            except BaseException as exc:
-                self._error = exc
-                fut.set_exception(exc)
-                continue
-            with self._lock:
-                self._stats += stats
-            self._complete(fut, tensor, event)
+    def _serve(self, tensor: torch.Tensor, fut: torch.futures.Future[Any], event: Any) -> None:
+        """Reduce one queued tensor and complete its future (on the reducer thread)."""
+        if self._error is not None:
+            fut.set_exception(self._error)
+            return
+        try:
+            stats = self._reduce(tensor, event)
+        except BaseException as exc:
+            self._error = exc
+            fut.set_exception(exc)
+            return
+        with self._lock:
+            self._stats += stats
+        self._complete(fut, tensor, event)
+
+
+#: How long interpreter exit (or garbage collection) waits for a reducer's queued work.
+_EXIT_JOIN_SECONDS = 10.0
+
+
+def _serve_reducer(
+    reducer_ref: weakref.ReferenceType[RingBucketReducer],
+    work: queue.SimpleQueue[tuple[torch.Tensor, torch.futures.Future[Any], Any] | None],
+) -> None:
+    """The reducer thread: a weak reference only, so that a dropped reducer can be collected."""
+    while (item := work.get()) is not None:
+        reducer = reducer_ref()
+        if reducer is None:  # dropped with work queued: fail it rather than leave a waiter hanging
+            item[1].set_exception(RuntimeError("RingBucketReducer was dropped before reducing this tensor."))
+            continue
+        reducer._serve(*item)
+        del reducer  # no strong reference while waiting for the next item
+
+
+def _stop_reducer_thread(
+    work: queue.SimpleQueue[tuple[torch.Tensor, torch.futures.Future[Any], Any] | None],
+    thread: threading.Thread,
+    timeout: float,
+) -> bool:
+    """Let ``thread`` finish the queued work and stop; whether it stopped within ``timeout``."""
+    if thread.is_alive():
+        work.put(None)
+        if thread is not threading.current_thread():
+            thread.join(timeout)
+    return not thread.is_alive()

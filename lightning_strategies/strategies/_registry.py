@@ -94,6 +94,17 @@ STRATEGY_ROWS: tuple[StrategyRow, ...] = (
         "'pipeline' with fork-started processes (like 'ddp_fork'; CPU, notebooks, tests)",
         init_params={"start_method": "fork"},
     ),
+    StrategyRow(
+        "tensor",
+        "lightning_strategies.strategies.tensor:TensorParallelStrategy",
+        "Intra-layer model parallelism: nn.Linear layers split Megatron-style (DTensor) x data parallel",
+    ),
+    StrategyRow(
+        "tensor_fork",
+        "lightning_strategies.strategies.tensor:TensorParallelStrategy",
+        "'tensor' with fork-started processes (like 'ddp_fork'; CPU, notebooks, tests)",
+        init_params={"start_method": "fork"},
+    ),
 )
 
 

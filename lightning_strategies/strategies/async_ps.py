@@ -8,40 +8,38 @@ must be shared dynamically too: every worker draws its next batch from one queue
 (hosted by rank 0), so a fast worker trains on more batches than a slow one while the epoch
 still covers every sample exactly once. The hooks changed relative to ``"ps"`` are:
 
-- ``setup``: host the coordinator (clocks, gate, queue) on rank 0; refuse what cannot work
-  with different batch counts per rank (``max_steps``, batch-based validation).
+- ``setup``: host the coordinator (clocks, gate, queue;
+  :mod:`lightning_strategies.comm.coordinator`) on rank 0; refuse what cannot work with
+  different batch counts per rank (``max_steps``, batch-based validation).
 - ``process_dataloader``: replace the training loader's sampler by a :class:`DynamicBatchSampler`
   (Lightning's ``DistributedSampler``, if it injected one, is dropped; validation and test
   loaders keep it).
 - ``setup_optimizers``: give ``Trainer.estimated_stepping_batches`` the mean batches per worker
   (the dynamic loader has no length) while ``configure_optimizers`` runs.
+- ``_make_shard`` / ``_make_client``: asynchronous shards and clients instead of ``"ps"``'s.
 - ``optimizer_step`` (through ``_push_pull``): accumulate ``push_every`` steps, push, pull
-  every ``pull_every`` steps; flush at the epoch's last batch.
-- ``training_step``: no per-step collective (the sync strategy broadcasts buffers each step; the
-  ranks' step counts differ here, so a per-step collective would pair steps of different ranks).
+  every ``pull_every`` steps; flush at the epoch's last batch. ``_collect_own_metrics``: the
+  staleness, the gate's wait and the clock.
+- ``broadcast_buffers_each_step = False``: no per-step collective (the ranks' step counts
+  differ here, so a per-step collective would pair steps of different ranks).
 - ``on_validation_start`` / ``on_train_end`` / ``lightning_module_state_dict``: a barrier (all
   pushes are in), then every worker pulls the latest weights and rank 0's buffers, so
   validation, the checkpoint and the returned model see one consistent state.
+- ``on_exception``: tell the coordinator, so no draw waits on this worker's clock.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
-import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
@@ -50,26 +48,15 @@ from typing_extensions import override
 
 from lightning_strategies.comm.async_ps import (
     STALENESS_LR,
-    AsyncCoordinator,
     AsyncParameterServerClient,
     AsyncParameterShard,
-    DataPlan,
     StalenessLR,
-    draw_batch,
-    register_coordinator,
-    report_failure,
-    unregister_coordinator,
 )
-from lightning_strategies.comm.ps import (
-    register_shard,
-    shard_loads,
-)
-from lightning_strategies.strategies.parameter_server import (
-    ParameterServerStrategy,
-    _broadcast_from_rank0,
-    _ServerStepOptimizer,
-    _should_update_logs,
-)
+from lightning_strategies.comm.coordinator import AsyncCoordinator, DataPlan, Draw, draw_batch, report_failure
+from lightning_strategies.comm.ps import OptimizerSpec, broadcast_from_rank0
+from lightning_strategies.comm.rpc import register_coordinator, unregister_coordinator
+from lightning_strategies.comm.stats import CommStats
+from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 
 __all__ = ["AsyncParameterServerStrategy", "DynamicBatchSampler"]
 
@@ -152,72 +139,55 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     draw waits on its clock.
 
     Args:
-        accelerator: set by the Trainer.
-        parallel_devices: set by the Trainer.
-        cluster_environment: set by the Trainer.
-        checkpoint_io: set by the Trainer.
-        precision_plugin: set by the Trainer.
         max_staleness: the bound ``s`` on the workers' clock gap; ``None`` for none.
         push_every: accumulate the local gradients of this many steps (averaged), then push.
         pull_every: fetch the weights every this many steps (with the push when both are due).
-        num_servers: shards, hosted by ranks ``0 .. num_servers-1``; default one per process.
-        timeout: how long collectives and a gated draw wait for a slow or hung peer before
-            failing; default 30 minutes, as DDP.
         staleness_lr: ``"none"``, or ``"inverse"`` to divide each gradient's learning rate by
             ``1 + staleness`` on the shard.
-        rpc_threads: RPC server threads per process.
-        process_group_backend: ``"gloo"`` / ``"nccl"``; default by device.
-        start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``, as for DDP.
+        **kwargs: everything :class:`~lightning_strategies.ParameterServerStrategy` takes
+            (``num_servers``: shards, one per process by default; ``timeout``: how long
+            collectives and a gated draw wait for a slow or hung peer before failing, 30 minutes
+            by default, as DDP; ``rpc_threads``, ``process_group_backend``, ``start_method``, and
+            the plugins the Trainer sets).
+
+    Raises:
+        ValueError: for an invalid ``max_staleness``, ``push_every``, ``pull_every`` or
+            ``staleness_lr``.
+        TypeError: for a ``timeout`` that is not a ``datetime.timedelta``.
     """
 
     strategy_name = "async"
+    # Buffers (BatchNorm statistics) stay local during the epoch and are taken from rank 0 before
+    # validation and checkpoints (_pull_latest): ranks take different numbers of steps, so a
+    # per-step collective would pair the steps of different ranks.
+    broadcast_buffers_each_step: ClassVar[bool] = False
 
     def __init__(
         self,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
         *,
         max_staleness: int | None = None,
         push_every: int = 1,
         pull_every: int = 1,
-        num_servers: int | None = None,
-        timeout: timedelta | None = default_pg_timeout,
         staleness_lr: StalenessLR = "none",
-        rpc_threads: int = 4,
-        process_group_backend: str | None = None,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
     ) -> None:
-        _check_options(max_staleness, push_every, pull_every, timeout, staleness_lr)
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            num_servers=num_servers,
-            timeout=timeout,
-            rpc_threads=rpc_threads,
-            process_group_backend=process_group_backend,
-            start_method=start_method,
-        )
+        _check_options(max_staleness, push_every, pull_every, kwargs.get("timeout"), staleness_lr)
+        super().__init__(**kwargs)
         self.max_staleness = max_staleness
         self.push_every = push_every
         self.pull_every = pull_every
         self.staleness_lr: StalenessLR = staleness_lr
-        self._trainer: pl.Trainer | None = None
         self._coordinator: AsyncCoordinator | None = None
         self._plan: DataPlan | None = None
-        self._ahead = True
+        self._ahead = True  # Lightning fetches one batch ahead (the loader has no length)
         self._epoch_over = False
         self._local_steps = 0
         self._accumulated: list[Tensor | None] = []
         self._accumulated_steps = 0
-        self._sync_buffers: list[Tensor] = []
-        self._window_staleness: list[int] = []
-        self._window_gate = 0.0
+        # staleness of this step's push (one per shard), and of the pushes since the last log
+        self._step_staleness: list[int] = []
+        self._staleness_sum = 0
+        self._staleness_count = 0
 
     @property
     def coordinator(self) -> AsyncCoordinator | None:
@@ -234,9 +204,9 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        self._trainer = trainer
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_loop(trainer)
+            self._local_steps, self._accumulated, self._accumulated_steps = 0, [], 0
             # the training loader draws its first batch while the optimizers are configured
             if self.global_rank == _COORDINATOR_RANK:
                 self._coordinator = AsyncCoordinator(self.world_size, self.max_staleness, timeout=self.ps_timeout)
@@ -311,39 +281,31 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
                 return
 
     @override
-    def _start_servers(self) -> None:
-        """Build this rank's asynchronous shard and client (as ``"ps"`` does, without a barrier mode)."""
-        optimizer, spec, params, sizes, plan = self._plan_servers()
-        rank = self.global_rank
-        if rank < self.num_servers:
-            register_shard(
-                AsyncParameterShard(
-                    rank,
-                    plan[rank],
-                    [params[i] for i in plan[rank]],
-                    spec,
-                    self.world_size,
-                    staleness_lr=self.staleness_lr,
-                    timeout=self.ps_timeout,
-                )
-            )
-        log.debug(f"{type(self).__name__}: shard loads (elements) {shard_loads(sizes, plan)}")
-        self.barrier("ps_shards_ready")  # no push may reach a rank before its shard is registered
-        self._client = AsyncParameterServerClient(
-            rank, params, plan, timeout=self.ps_timeout, coordinator_rank=_COORDINATOR_RANK
+    def _make_shard(
+        self, shard_id: int, flat_indices: Sequence[int], params: Sequence[Tensor], spec: OptimizerSpec
+    ) -> AsyncParameterShard:
+        return AsyncParameterShard(
+            shard_id,
+            flat_indices,
+            params,
+            spec,
+            self.world_size,
+            staleness_lr=self.staleness_lr,
+            timeout=self.ps_timeout,
         )
-        self._server_step = _ServerStepOptimizer(optimizer, self._push_pull)
-        assert self.model is not None
-        self._sync_buffers = [b for b in self.model.buffers() if self.world_size > 1]
-        self._buffers = []  # the sync strategy's per-step broadcast: not here (see training_step)
-        self._local_steps, self._accumulated, self._accumulated_steps = 0, [], 0
+
+    @override
+    def _make_client(self, params: Sequence[Tensor], plan: Sequence[Sequence[int]]) -> AsyncParameterServerClient:
+        return AsyncParameterServerClient(
+            self.global_rank, params, plan, timeout=self.ps_timeout, coordinator_rank=_COORDINATOR_RANK
+        )
 
     # -- data ----------------------------------------------------------------------------------
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Give the training loader a :class:`DynamicBatchSampler`; other loaders pass through."""
-        trainer = self._trainer
+        trainer = self.trainer
         if trainer is None or trainer.state.fn != TrainerFn.FITTING or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         name = type(self).__name__
@@ -401,7 +363,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         )
 
     def _current_epoch(self) -> int:
-        trainer = self._trainer
+        trainer = self.trainer
         if trainer is None:
             return 0
         # the epoch being run (`current_epoch` counts completed ones, one less during the epoch end)
@@ -410,17 +372,20 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     def _draw(self, epoch: int, plan: DataPlan) -> list[int] | None:
         """The next batch from the coordinator; runs on the training thread, between steps."""
         client = self.async_client
-        draw = draw_batch(
-            self.global_rank,
-            epoch,
-            client.clock if client is not None else 0,
-            plan,
-            coordinator_rank=_COORDINATOR_RANK,
-            rpc_timeout=client.rpc_timeout if client is not None else self.ps_timeout.total_seconds() + 5.0,
-            ahead=self._ahead,
-            client=client,
-            should_stop=self._told_to_stop,
-        )
+        draw: Draw
+        if client is not None:
+            draw = client.draw(epoch, plan, ahead=self._ahead, should_stop=self._told_to_stop)
+        else:  # the loader's first batch, drawn while the optimizers (and the client) are set up
+            draw = draw_batch(
+                self.global_rank,
+                epoch,
+                0,
+                plan,
+                coordinator_rank=_COORDINATOR_RANK,
+                rpc_timeout=self.ps_timeout.total_seconds() + 5.0,
+                ahead=self._ahead,
+                should_stop=self._told_to_stop,
+            )
         # the batch drawn at the start of the epoch's last step comes back empty: flush then
         self._epoch_over = draw.indices is None
         if draw.blocked and draw.indices is not None and client is not None and self.pull_every == 1:
@@ -428,20 +393,9 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         return draw.indices
 
     def _told_to_stop(self) -> bool:
-        return bool(getattr(self._trainer, "received_sigterm", False))
+        return bool(getattr(self.trainer, "received_sigterm", False))
 
     # -- steps ---------------------------------------------------------------------------------
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        """The step without the sync strategy's per-step buffer broadcast.
-
-        Ranks take different numbers of steps, so a per-step collective would pair the steps
-        of different ranks and, at the epoch end, meet a peer's epoch-end collective instead.
-        Buffers (BatchNorm statistics) stay local during the epoch and are taken from rank 0
-        before validation and checkpoints.
-        """
-        return DDPStrategy.training_step(self, *args, **kwargs)
 
     @override
     def _push_pull(self, optimizer: Optimizer) -> None:
@@ -456,12 +410,11 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
             grads = self._accumulate(grads, take=push_due)
         if push_due and grads is not None:
             client.push(grads, [float(g["lr"]) for g in optimizer.param_groups], pull=pull_due)
-            self._window_staleness.extend(client.last_staleness)
+            self._step_staleness = client.last_staleness
         elif pull_due:
             client.pull()
         if flush:
             self._local_steps, self._epoch_over = 0, False
-        self._log_window(client)
 
     def _accumulate(self, grads: list[Tensor | None], *, take: bool) -> list[Tensor | None]:
         """Add this step's gradients to the local sums; when ``take``, return their mean and reset."""
@@ -480,30 +433,25 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         self._accumulated, self._accumulated_steps = [], 0
         return mean
 
-    def _log_window(self, client: AsyncParameterServerClient) -> None:
-        self._window += client.stats.reset()
-        self._window_steps += 1
-        self._window_server_max = max(self._window_server_max, max(client.last_server_bytes, default=0))
-        self._window_gate += client.gate_seconds
+    @override
+    def _collect_own_metrics(self, stats: CommStats) -> None:
+        client = self.async_client
+        assert client is not None
+        # means per step, except the staleness: its mean and maximum over the window's pushes
+        staleness, self._step_staleness = self._step_staleness, []
+        self._staleness_sum += sum(staleness)
+        self._staleness_count += len(staleness)
+        self.metrics.add(**{"async/wait_seconds": client.gate_seconds})
         client.gate_seconds = 0.0
-        module = self.lightning_module
-        if module is None or module._current_fx_name is None or not _should_update_logs(module):
-            return
-        n = self._window_steps
-        window = self._window.reset()
-        staleness = self._window_staleness
-        metrics = {
-            "comm/bytes_sent": window.bytes_sent / n,
-            "comm/bytes_received": window.bytes_received / n,
-            "ps/server_bytes_max": float(self._window_server_max),
-            "async/staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
-            "async/staleness_max": float(max(staleness, default=0)),
-            "async/wait_seconds": self._window_gate / n,
-            "async/clock": float(client.clock),
-        }
-        self._window_steps, self._window_server_max, self._window_gate = 0, 0, 0.0
-        self._window_staleness = []
-        module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        self.metrics.peak(**{"async/staleness_max": max(staleness, default=0)})
+        mean = self._staleness_sum / self._staleness_count if self._staleness_count else 0.0
+        self.metrics.latest(**{"async/staleness_mean": mean, "async/clock": client.clock})
+
+    @override
+    def _after_optimizer_step(self) -> None:
+        super()._after_optimizer_step()
+        if not self.metrics:  # flushed: the next window's staleness starts afresh
+            self._staleness_sum = self._staleness_count = 0
 
     # -- consistent points: validation, checkpoints, the end -----------------------------------
 
@@ -518,8 +466,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
             return
         self.barrier(reason)
         client.pull()
-        if self._sync_buffers:
-            _broadcast_from_rank0(self._sync_buffers)
+        if self._buffers:
+            broadcast_from_rank0(self._buffers)
         if last:
             self.barrier(f"{reason}_pulled")
 
@@ -543,7 +491,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Fail the draws that wait on this worker's clock at once (the gate would wait ``timeout``)."""
-        if self._rpc_started and self._trainer is not None and self._trainer.state.fn == TrainerFn.FITTING:
+        if self._rpc_started and self._fitting():
             reason = f"{type(exception).__name__}: {exception}"
             report_failure(self.global_rank, reason, coordinator_rank=_COORDINATOR_RANK)
         super().on_exception(exception)
@@ -553,7 +501,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         if self._coordinator is not None:
             unregister_coordinator()
             self._coordinator = None
-        self._accumulated, self._sync_buffers = [], []
+        self._accumulated = []
+        self._staleness_sum = self._staleness_count = 0
         super().teardown()
 
 

@@ -8,63 +8,64 @@ also runs a TensorPipe RPC agent and hosts one shard of the parameter server
 optimizer step becomes "push gradients, pull new values". The hooks changed are:
 
 - ``setup_environment``: start RPC after the process group (its own rendezvous port).
-- ``setup``: no DDP wrapper; broadcast rank 0's weights, build the shards and the client.
+- ``configure_ddp``: no DDP wrapper; check what the servers support, broadcast rank 0's weights.
+- ``setup_optimizers``: then build this rank's shard and its client (``_make_shard``,
+  ``_make_client``: what ``"async"`` overrides).
 - ``training_step``: broadcast rank 0's buffers first, as DDP does (BatchNorm statistics).
-- ``optimizer_step``: run Lightning's closure, then push/pull instead of a local step.
-- ``optimizer_state`` / ``load_optimizer_state_dict``: gather / scatter the shards' state.
+- ``optimizer_step``: run Lightning's closure, then push/pull instead of a local step; its
+  metrics are collected after the step (``_after_optimizer_step``).
+- ``optimizer_state`` / ``load_optimizer_state_dict``: gather / scatter the shards' state;
+  ``on_train_end`` keeps the gathered state for a ``Trainer.save_checkpoint`` after fit.
 - ``teardown``: shut RPC down (gracefully unless the run failed).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_strategies.checkpoint import ATOMIC_CHECKPOINT_IO_DEFAULT
 from lightning_strategies.comm.ps import (
     OptimizerSpec,
     ParameterServerClient,
     ParameterShard,
+    broadcast_from_rank0,
+    shard_loads,
+    shard_parameters,
+)
+from lightning_strategies.comm.rpc import (
     free_port,
     init_rpc,
     local_shard,
     register_shard,
-    shard_loads,
-    shard_parameters,
     shutdown_rpc,
     unregister_shard,
     worker_name,
 )
 from lightning_strategies.comm.stats import CommStats
-from lightning_strategies.faults import PeerFailureMixin
-from lightning_strategies.strategies._elastic import ElasticRestartMixin
+from lightning_strategies.strategies._base import StrategyBase
 
 __all__ = ["ParameterServerStrategy"]
 
 log = logging.getLogger(__name__)
 
 
-class ParameterServerStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
+class ParameterServerStrategy(StrategyBase):
     """Synchronous data parallelism through sharded, co-located parameter servers.
 
     Each step every worker pushes its gradients to the shards (all in parallel), each shard
@@ -110,7 +111,9 @@ class ParameterServerStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy
     """
 
     strategy_name = "parameter_server"
-    checkpoint_io = ATOMIC_CHECKPOINT_IO_DEFAULT  # atomic checkpoint writes unless the user gives an IO
+    # DDP's broadcast of rank 0's buffers before every forward; it pairs the ranks' steps, so a
+    # strategy whose ranks take different numbers of steps turns it off
+    broadcast_buffers_each_step: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -149,16 +152,10 @@ class ParameterServerStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy
         self._num_servers = num_servers
         self._rpc_threads = rpc_threads
         self._rpc_started = False
-        self._failed = False
         self._client: ParameterServerClient | None = None
         self._spec: OptimizerSpec | None = None
         self._server_step: _ServerStepOptimizer | None = None
-        self._buffers: list[Tensor] = []
-        self._state_at_fit_end: dict[str, Any] | None = None  # for Trainer.save_checkpoint after fit
-        # communication since the last logged step
-        self._window = CommStats()
-        self._window_steps = 0
-        self._window_server_max = 0
+        self._buffers: list[Tensor] = []  # rank 0's are broadcast (each step, or at sync points)
 
     @property
     def num_servers(self) -> int:
@@ -167,6 +164,7 @@ class ParameterServerStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy
 
     @property
     def ps_timeout(self) -> timedelta:
+        """The timeout of the shards' barrier (and the base of the RPC timeout)."""
         return self._timeout if self._timeout is not None else default_pg_timeout
 
     @property
@@ -218,29 +216,20 @@ class ParameterServerStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy
     # -- model and optimizer -------------------------------------------------------------------
 
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None
-        self.accelerator.setup(trainer)
-        assert self.model is not None
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            self._check_supported(trainer)
-        if fitting and self._layer_sync:
-            self.model = self._layer_sync.apply(self.model)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        # rank 0's initial weights everywhere, as DDP's constructor does (and after a restore)
+    def configure_ddp(self) -> None:
+        """No ``DistributedDataParallel`` wrapper (gradients are averaged on the servers): check
+        what the servers support, then rank 0's weights everywhere, as DDP's constructor does."""
+        trainer = self.trainer
+        assert trainer is not None and self.model is not None
+        self._check_supported(trainer)
         _sync_module_states(self.model)
-        if fitting:
-            self.setup_optimizers(trainer)
-            self._start_servers()
-        self.setup_precision_plugin()
-        if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
-    def _setup_model(self, model: Module) -> Module:  # type: ignore[override]
-        return model  # no DDP wrapper: gradients are averaged on the servers
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """The optimizers, then (when fitting) this rank's shard and its client."""
+        super().setup_optimizers(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._start_servers()
 
     def _check_supported(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
@@ -291,65 +280,53 @@ class ParameterServerStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy
         optimizer, spec, params, sizes, plan = self._plan_servers()
         rank = self.global_rank
         if rank < self.num_servers:
-            shard = ParameterShard(
-                rank,
-                plan[rank],
-                [params[i] for i in plan[rank]],
-                spec,
-                self.world_size,
-                timeout=self.ps_timeout,
-            )
-            register_shard(shard)
+            register_shard(self._make_shard(rank, plan[rank], [params[i] for i in plan[rank]], spec))
         log.debug(f"{type(self).__name__}: shard loads (elements) {shard_loads(sizes, plan)}")
         # no push may reach a rank before its shard is registered
         self.barrier("ps_shards_ready")
-        self._client = ParameterServerClient(rank, params, plan, timeout=self.ps_timeout)
+        self._client = self._make_client(params, plan)
         self._server_step = _ServerStepOptimizer(optimizer, self._push_pull)
         assert self.model is not None
         self._buffers = [b for b in self.model.buffers() if self.world_size > 1]
 
+    def _make_shard(
+        self, shard_id: int, flat_indices: Sequence[int], params: Sequence[Tensor], spec: OptimizerSpec
+    ) -> ParameterShard:
+        """The shard this rank hosts (a barrier over every worker's push of a step)."""
+        return ParameterShard(shard_id, flat_indices, params, spec, self.world_size, timeout=self.ps_timeout)
+
+    def _make_client(self, params: Sequence[Tensor], plan: Sequence[Sequence[int]]) -> ParameterServerClient:
+        """This worker's handle on every shard."""
+        return ParameterServerClient(self.global_rank, params, plan, timeout=self.ps_timeout)
+
     @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
+    def optimizer_step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Run Lightning's closure (forward, backward, hooks), then push/pull instead of stepping.
 
         The precision plugin receives a stand-in whose ``step`` is the push/pull, so every
         precision plugin's closure handling and ``on_before_optimizer_step`` hooks still run.
         """
-        if self._server_step is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        model = model or self.lightning_module
-        assert isinstance(model, pl.LightningModule)
-        with self._peer_watch():  # a lost peer raises PeerLostError (super() is not called here)
-            return self.precision_plugin.optimizer_step(self._server_step, model=model, closure=closure, **kwargs)
+        server_step = self._server_step
+        return super().optimizer_step(server_step if server_step is not None else optimizer, *args, **kwargs)
 
     def _push_pull(self, optimizer: Optimizer) -> None:
         assert self._client is not None
-        lrs = [float(group["lr"]) for group in optimizer.param_groups]
-        self._client.push_pull(lrs)
-        self._window += self._client.stats.reset()
-        self._window_steps += 1
-        self._window_server_max = max(self._window_server_max, max(self._client.last_server_bytes, default=0))
-        module = self.lightning_module
-        if module is None or module._current_fx_name is None or not _should_update_logs(module):
+        self._client.push_pull([float(group["lr"]) for group in optimizer.param_groups])
+
+    @override
+    def _after_optimizer_step(self) -> None:
+        if self._client is None:
             return
-        # per-step means over the steps since the last log (the busiest shard: the maximum);
-        # logging only when Lightning writes step metrics, as each `log` call costs ~0.3 ms
-        n = self._window_steps
-        window = self._window.reset()
-        metrics = {
-            "comm/bytes_sent": window.bytes_sent / n,
-            "comm/bytes_received": window.bytes_received / n,
-            "ps/server_bytes_max": float(self._window_server_max),
-            "ps/wait_seconds": window.seconds / n,
-        }
-        self._window_steps, self._window_server_max = 0, 0
-        module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        stats = self._client.stats.reset()
+        # per-step means over the steps since the last log; the busiest shard: the maximum
+        self.metrics.add(**{"comm/bytes_sent": stats.bytes_sent, "comm/bytes_received": stats.bytes_received})
+        self.metrics.peak(**{"ps/server_bytes_max": max(self._client.last_server_bytes, default=0)})
+        self._collect_own_metrics(stats)
+        self.metrics.flush_if_due(self.lightning_module)
+
+    def _collect_own_metrics(self, stats: CommStats) -> None:
+        """This step's metrics beyond the bytes and the busiest shard (``stats``: the client's)."""
+        self.metrics.add(**{"ps/wait_seconds": stats.seconds})
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -358,8 +335,8 @@ class ParameterServerStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy
         DDP does the same before every forward (``broadcast_buffers=True``), so models with
         buffers keep matching it; models without buffers pay nothing.
         """
-        if self._buffers:
-            _broadcast_from_rank0(self._buffers)
+        if self.broadcast_buffers_each_step and self._buffers:
+            broadcast_from_rank0(self._buffers)
         return super().training_step(*args, **kwargs)
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -375,9 +352,8 @@ class ParameterServerStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy
         resumed run must start with (as a DDP checkpoint does).
         """
         if self._client is None or self._spec is None:
-            if self._state_at_fit_end is not None:
-                return self._state_at_fit_end  # after fit: the servers are gone
-            return super().optimizer_state(optimizer)
+            kept = self._state_after_fit(optimizer)  # after fit: the servers are gone
+            return kept if kept is not None else super().optimizer_state(optimizer)
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         if not self.is_global_zero:
@@ -393,7 +369,7 @@ class ParameterServerStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy
         # never steps (its state is empty): without this, a Trainer.save_checkpoint after fit
         # would silently save no momentum / Adam moments.
         if self._client is not None and self.optimizers:
-            self._state_at_fit_end = self.optimizer_state(self.optimizers[0])
+            self._keep_state_at_fit_end()
             self.barrier("ps_state_at_fit_end")  # no shard leaves (teardown) before rank 0 has read it
         super().on_train_end()
 
@@ -425,11 +401,6 @@ class ParameterServerStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy
     # -- shutdown ------------------------------------------------------------------------------
 
     @override
-    def on_exception(self, exception: BaseException) -> None:
-        self._failed = True  # peers may be gone: a graceful RPC shutdown would wait for them
-        super().on_exception(exception)
-
-    @override
     def teardown(self) -> None:
         """Drop the shard and stop RPC.
 
@@ -445,35 +416,11 @@ class ParameterServerStrategy(PeerFailureMixin, ElasticRestartMixin, DDPStrategy
         if self._rpc_started:
             self._rpc_started = False
             try:
-                shutdown_rpc(failed=self._failed, timeout=self.ps_timeout)
+                shutdown_rpc(failed=self.failed, timeout=self.ps_timeout)
             except Exception as err:
                 log.warning(f"{type(self).__name__}: RPC shutdown failed: {err}")
                 shutdown_rpc(failed=True, timeout=self.ps_timeout, grace_seconds=0.0)
         super().teardown()
-
-
-def _should_update_logs(module: pl.LightningModule) -> bool:
-    """Whether Lightning writes step metrics at this step (``Trainer(log_every_n_steps=...)``)."""
-    trainer = module._trainer
-    if trainer is None:
-        return False
-    try:
-        return bool(trainer._logger_connector.should_update_logs)
-    except (AttributeError, NotImplementedError):  # another Lightning version: log every step
-        return True
-
-
-def _broadcast_from_rank0(tensors: list[Tensor]) -> None:
-    """Rank 0's values of ``tensors`` everywhere, one broadcast per dtype (flattened)."""
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for group in by_dtype.values():
-        flat = _flatten_dense_tensors(group)
-        dist.broadcast(flat, src=0)
-        with torch.no_grad():
-            for t, synced in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
-                t.copy_(synced)
 
 
 class _ServerStepOptimizer(Optimizer):

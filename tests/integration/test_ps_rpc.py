@@ -13,17 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_strategies.comm.ps import (
-    OptimizerSpec,
-    ParameterServerClient,
-    ParameterShard,
-    free_port,
-    init_rpc,
-    register_shard,
-    shard_parameters,
-    shutdown_rpc,
-    unregister_shard,
-)
+from lightning_strategies.comm.ps import OptimizerSpec, ParameterServerClient, ParameterShard, shard_parameters
+from lightning_strategies.comm.rpc import free_port, init_rpc, register_shard, shutdown_rpc, unregister_shard
 from tests.dist_utils import run_workers
 
 pytestmark = pytest.mark.slow

@@ -12,14 +12,10 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_strategies  # noqa: F401  (registers "async")
-from lightning_strategies.comm.async_ps import (
-    AsyncCoordinator,
-    AsyncParameterShard,
-    AsyncReply,
-    DataPlan,
-    Draw,
-)
-from lightning_strategies.comm.ps import OptimizerSpec, ShardError
+from lightning_strategies.comm.async_ps import AsyncParameterShard, AsyncReply
+from lightning_strategies.comm.coordinator import AsyncCoordinator, DataPlan, Draw
+from lightning_strategies.comm.ps import OptimizerSpec
+from lightning_strategies.comm.rpc import ShardError
 from lightning_strategies.strategies.async_ps import AsyncParameterServerStrategy, DynamicBatchSampler
 
 

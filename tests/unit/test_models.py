@@ -22,6 +22,7 @@ def test_resnet50_imagenet_matches_torchvision() -> None:
         ("resnet18", {"width": 8, "in_channels": 1}),
         ("resnet50", {"width": 8}),
         ("small_cnn", {"width": 8}),
+        ("wide_mlp", {"width": 16}),
         ("resnet18", {"width": 8, "stem": "imagenet"}),
     ],
 )
@@ -43,7 +44,7 @@ def test_small_stem_keeps_resolution() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"name": "vgg16"}, "unknown model 'vgg16'; expected one of resnet18, resnet50, small_cnn"),
+        ({"name": "vgg16"}, "unknown model 'vgg16'; expected one of resnet18, resnet50, small_cnn, wide_mlp"),
         ({"stem": "tiny"}, "unknown stem 'tiny'"),
         ({"num_classes": 1}, "num_classes >= 2"),
     ],

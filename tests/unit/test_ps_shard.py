@@ -15,16 +15,15 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_strategies  # noqa: F401  (registers the strategy names)
+from lightning_strategies.comm.async_ps import AsyncParameterShard, AsyncReply
 from lightning_strategies.comm.ps import (
     OptimizerSpec,
     ParameterServerClient,
     ParameterShard,
-    ShardError,
-    register_shard,
     shard_loads,
     shard_parameters,
-    unregister_shard,
 )
+from lightning_strategies.comm.rpc import ShardError, register_shard, unregister_shard
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 
 # ResNet-50's 161 tensor sizes, grouped: the realistic case for balance
@@ -167,12 +166,16 @@ def test_out_of_step_push_is_refused() -> None:
     assert isinstance(error, ShardError) and "pushed step 3 while the shard is at step 0" in error.message
 
 
-def test_barrier_off_applies_each_push_alone() -> None:
-    _, _, shards = _shards(1, 2, barrier=False)
-    grads = [torch.ones(p.shape) for p in _model_params()]
-    reply = shards[0].push(1, 0, grads, [0.1, 0.1]).wait()
-    assert reply.version == 1
-    assert shards[0].push(0, 0, grads, [0.1, 0.1]).wait().version == 2
+def test_async_shard_applies_each_push_alone() -> None:
+    # the shard without a barrier ("async"): one worker's push is one optimizer step at once
+    params = _model_params()
+    spec = OptimizerSpec.from_optimizer(_sgd([p.clone().requires_grad_(True) for p in params]))
+    shard = AsyncParameterShard(0, range(len(params)), params, spec, 2)
+    grads: list[torch.Tensor | None] = [torch.ones(p.shape) for p in params]
+    reply = shard.push_pull(1, grads, [0.1, 0.1], pull=True)
+    assert isinstance(reply, AsyncReply) and reply.version == 1
+    second = shard.push_pull(0, grads, [0.1, 0.1], pull=True)
+    assert isinstance(second, AsyncReply) and second.version == 2
 
 
 def test_client_gathers_state_shaped_like_the_single_device_optimizer() -> None:

@@ -3,7 +3,11 @@ construction (no worker processes: a world-size-1 gloo group over an in-memory s
 
 from __future__ import annotations
 
+import gc
 import itertools
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -108,6 +112,44 @@ def test_bucket_reducer_completes_futures_in_order_and_counts(world_of_one: None
         reducer.close()
     with pytest.raises(RuntimeError, match="closed"):
         reducer.submit(torch.zeros(1))
+
+
+def test_dropped_reducer_stops_its_thread(world_of_one: None) -> None:
+    """A reducer never closed (its strategy never torn down) leaves no thread running."""
+    reducer = RingBucketReducer(dist.new_group())
+    thread = reducer._thread
+    assert reducer.submit(torch.ones(3)).wait().sum() == 3
+    del reducer
+    gc.collect()  # DDP's hook closes a cycle through the strategy; the collector breaks it
+    thread.join(5.0)
+    assert not thread.is_alive()
+
+
+_EXIT_SCRIPT = """
+import atexit, threading
+# registered first, so it runs last: after every finalizer the reducer registered
+atexit.register(lambda: print("alive at exit:", sorted(t.name for t in threading.enumerate())))
+import torch, torch.distributed as dist
+from lightning_strategies.comm.ring import RingBucketReducer
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+reducer = RingBucketReducer(dist.new_group())  # never closed
+assert reducer.submit(torch.ones(3)).wait().sum() == 3
+print("reduced")
+"""
+
+
+def test_reducer_alive_at_exit_is_closed_before_the_interpreter_tears_down() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT], capture_output=True, text=True, timeout=120, env=_one_thread_env()
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "reduced" in done.stdout
+    alive = [line for line in done.stdout.splitlines() if line.startswith("alive at exit:")]
+    assert alive and "ring-all-reduce" not in alive[0], done.stdout
+
+
+def _one_thread_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
 
 
 def test_strategy_resolves_by_name() -> None:

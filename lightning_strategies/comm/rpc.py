@@ -1,0 +1,256 @@
+"""RPC plumbing shared by the parameter servers (:mod:`.ps`, :mod:`.async_ps`) and the async
+coordinator (:mod:`.coordinator`), with no Lightning import.
+
+- Names, ports, start and stop: :func:`worker_name`, :func:`free_port`, :func:`init_rpc`,
+  :func:`shutdown_rpc`.
+- What this process hosts: the shards it serves (``register_shard`` ...) and, on rank 0 of an
+  async run, the coordinator (``register_coordinator`` ...). RPC entry points find the object
+  they serve here, so they stay plain module-level functions, as RPC requires.
+- :func:`call_host`: run an entry point directly when this process hosts its object, else on its
+  host over ``rpc_async``; a future either way. A worker thus calls its co-located shard without
+  serialisation.
+- :class:`ShardError` and :func:`wait_reply`: a failure travels as a value and is raised here.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+import torch.distributed.rpc as rpc
+from torch.futures import Future
+
+if TYPE_CHECKING:  # the hosted objects' modules import this one
+    from lightning_strategies.comm.coordinator import AsyncCoordinator
+    from lightning_strategies.comm.ps import ParameterShard
+
+__all__ = [
+    "ShardError",
+    "call_host",
+    "completed",
+    "free_port",
+    "hosted_coordinator",
+    "hosted_shard",
+    "init_rpc",
+    "is_failure",
+    "local_coordinator",
+    "local_shard",
+    "register_coordinator",
+    "register_shard",
+    "shutdown_rpc",
+    "unregister_coordinator",
+    "unregister_shard",
+    "wait_reply",
+    "worker_name",
+]
+
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------------------------
+# Names, ports, start and stop
+# --------------------------------------------------------------------------------------------
+
+
+def worker_name(rank: int) -> str:
+    """The RPC name of the training process of global rank ``rank``."""
+    return f"ps_worker{rank}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on right now (for RPC's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def init_rpc(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    *,
+    timeout: timedelta,
+    num_threads: int = 4,
+    device_maps: Mapping[str, Mapping[torch.device, torch.device]] | None = None,
+) -> None:
+    """Start this process's TensorPipe RPC agent as :func:`worker_name` ``(rank)``.
+
+    Rank and world size are explicit and the rendezvous is ``init_method`` (a ``tcp://`` address
+    of its own), so it does not collide with the process group's store on ``MASTER_PORT``.
+
+    Args:
+        rank: global rank.
+        world_size: number of processes.
+        init_method: ``tcp://host:port`` of the rendezvous, the same on every rank.
+        timeout: default timeout of every RPC (and of the rendezvous).
+        num_threads: RPC server threads. Handlers never block (async execution), so a few
+            suffice; more threads only compete for cores with training.
+        device_maps: per peer name, how this process's devices map to the peer's (CUDA only).
+    """
+    options = rpc.TensorPipeRpcBackendOptions(
+        num_worker_threads=num_threads,
+        rpc_timeout=timeout.total_seconds(),
+        init_method=init_method,
+    )
+    for peer, mapping in (device_maps or {}).items():
+        options.set_device_map(peer, dict(mapping))  # type: ignore[arg-type]
+    rpc.init_rpc(worker_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
+
+
+def shutdown_rpc(*, failed: bool, timeout: timedelta, grace_seconds: float = 1.0) -> None:
+    """Stop this process's RPC agent.
+
+    Args:
+        failed: this run failed. A graceful shutdown waits until every process reaches it,
+            which dead peers never do; so after a failure the shutdown is local, after a short
+            grace that lets replies already queued (such as a shard's error naming the dead
+            worker, sent to the survivors) leave before the agent closes its pipes.
+        timeout: bound on the graceful shutdown's wait for the peers.
+        grace_seconds: the grace before a local shutdown.
+    """
+    if failed:
+        time.sleep(grace_seconds)
+        rpc.shutdown(graceful=False)
+        return
+    rpc.shutdown(graceful=True, timeout=timeout.total_seconds())
+
+
+# --------------------------------------------------------------------------------------------
+# What this process hosts
+# --------------------------------------------------------------------------------------------
+
+_SHARDS: dict[int, ParameterShard] = {}
+_COORDINATORS: list[AsyncCoordinator] = []  # at most one, on rank 0 of an async run
+
+
+def register_shard(shard: ParameterShard) -> None:
+    """Make ``shard`` reachable by RPC in this process (one process may host several)."""
+    _SHARDS[shard.shard_id] = shard
+
+
+def unregister_shard(shard_id: int) -> None:
+    """Forget the shard (at teardown), so a later fit in this process starts clean."""
+    _SHARDS.pop(shard_id, None)
+
+
+def local_shard(shard_id: int) -> ParameterShard | None:
+    """The shard ``shard_id`` when this process hosts it."""
+    return _SHARDS.get(shard_id)
+
+
+def hosted_shard(shard_id: int) -> ParameterShard:
+    """The shard ``shard_id``, which this process must host (RPC entry points call this).
+
+    Raises:
+        RuntimeError: when this process does not host it.
+    """
+    shard = _SHARDS.get(shard_id)
+    if shard is None:
+        raise RuntimeError(
+            f"parameter server shard {shard_id} is not hosted by {rpc.get_worker_info().name} "
+            f"(this process hosts {sorted(_SHARDS)}); the sharding plans of the workers disagree"
+        )
+    return shard
+
+
+def register_coordinator(coordinator: AsyncCoordinator) -> None:
+    """Make ``coordinator`` reachable by RPC in this process (rank 0 hosts it)."""
+    _COORDINATORS[:] = [coordinator]
+
+
+def unregister_coordinator() -> None:
+    """Forget this process's coordinator (at teardown)."""
+    _COORDINATORS.clear()
+
+
+def local_coordinator() -> AsyncCoordinator | None:
+    """The coordinator when this process hosts it."""
+    return _COORDINATORS[0] if _COORDINATORS else None
+
+
+def hosted_coordinator() -> AsyncCoordinator:
+    """The coordinator, which this process must host (RPC entry points call this).
+
+    Raises:
+        RuntimeError: when this process does not host it.
+    """
+    if not _COORDINATORS:
+        raise RuntimeError(f"{rpc.get_worker_info().name} hosts no async coordinator; rank 0 should")
+    return _COORDINATORS[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Calls and replies
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ShardError:
+    """A shard's or the coordinator's refusal (barrier timeout, out-of-step push), sent as a value.
+
+    RPC carries an exception set on an ``async_execution`` future back as a plain value, not
+    as an error, so failures travel as this object and :func:`wait_reply` raises them.
+
+    Attributes:
+        message: what went wrong, naming the workers involved.
+        timed_out: the barrier (or the staleness gate) timed out waiting for a worker.
+    """
+
+    message: str
+    timed_out: bool = False
+
+
+def completed(value: T) -> Future[T]:
+    """A future that already holds ``value``."""
+    fut: Future[T] = Future()
+    fut.set_result(value)
+    return fut
+
+
+def call_host(host: int, entry: Callable[..., Any], *args: Any, local: bool, timeout: float) -> Future[Any]:
+    """``entry(*args)`` on rank ``host``: called directly when this process hosts its object.
+
+    Args:
+        host: the rank hosting the object ``entry`` serves.
+        entry: an RPC entry point of this package: it finds its object with ``hosted_*`` and
+            returns a reply (or, under ``@rpc.functions.async_execution``, a future of one).
+        *args: its arguments.
+        local: this process hosts the object: skip RPC (and serialisation).
+        timeout: the RPC timeout in seconds.
+
+    Returns:
+        The future of the reply (already done for a direct call that returned a value).
+    """
+    if local:
+        reply = entry(*args)
+        return reply if isinstance(reply, Future) else completed(reply)
+    return rpc.rpc_async(worker_name(host), entry, args=args, timeout=timeout)
+
+
+def is_failure(fut: Future[Any]) -> bool:
+    """Whether the finished ``fut`` raised or holds a :class:`ShardError`."""
+    try:
+        return isinstance(fut.value(), ShardError)
+    except Exception:
+        return True
+
+
+def wait_reply(fut: Future[Any], where: str) -> Any:
+    """The reply ``fut`` holds, waiting for it; a failure is raised with ``where`` in front.
+
+    Raises:
+        TimeoutError: the reply is a :class:`ShardError` of a timeout.
+        RuntimeError: the RPC failed, or the reply is any other :class:`ShardError`.
+    """
+    try:
+        reply = fut.wait()
+    except Exception as err:
+        raise RuntimeError(f"{where}: {err}") from err
+    if isinstance(reply, ShardError):
+        raise (TimeoutError if reply.timed_out else RuntimeError)(f"{where}: {reply.message}")
+    return reply

@@ -1,0 +1,456 @@
+"""Intra-layer (tensor) model parallelism: ``nn.Linear`` layers split Megatron-style, without Lightning.
+
+Shoeybi et al. 2019 (Megatron-LM, §3): a linear layer ``y = x A^T`` is split by its output
+features over a tensor-parallel group of ``tp`` ranks (*column-parallel*: each rank holds
+``out/tp`` rows of ``A`` and computes its slice of ``y``), and the next layer by its input
+features (*row-parallel*: each rank multiplies its slice of ``y`` by its ``in/tp`` columns and
+the partial products are summed). Elementwise ops between them (ReLU, GELU, ...) work on the
+slices, so a column/row pair costs one all-reduce of the pair's output in forward and one of
+its input's gradient in backward. A linear layer with no partner is column-parallel with its
+output all-gathered.
+
+Built on ``torch.distributed.tensor``: parameters are ``DTensor`` shards
+(``ColwiseParallel``/``RowwiseParallel``'s partitioning, ``Shard(0)`` / ``Shard(1)``), so
+optimizers, ``vector_norm`` and ``clip_grad_norm_`` see whole-layer values (a norm of a sharded
+``DTensor`` is all-reduced over the group when it is used), and the layer's math is DTensor's on
+gloo and NCCL alike. Only the two activation collectives are ours (:class:`_TimedColwise`,
+:class:`_TimedRowwise`): the same DTensor redistributions as torch's styles, but timed and
+counted (:class:`TensorParallelStats`), which torch's styles do not expose, and installed with
+hook handles, so :func:`unparallelize` can give the module back whole.
+
+Plans name layers by their module path: ``{"head.1": "colwise", "head.3": "rowwise",
+"fc": "colwise_gather"}`` (:data:`STYLES`). :func:`auto_plan` pairs consecutive linear layers of
+every ``nn.Sequential`` (with only elementwise modules between them) and makes every other
+linear layer ``colwise_gather`` (a ResNet's ``fc``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.utils.hooks import RemovableHandle
+
+from lightning_strategies.comm.stats import CommStats
+
+__all__ = [
+    "ELEMENTWISE",
+    "STYLES",
+    "TensorParallelModule",
+    "TensorParallelStats",
+    "activation_bytes_per_step",
+    "all_reduce_bytes_sent",
+    "auto_plan",
+    "check_plan",
+    "full_tensor",
+    "is_sharded",
+    "local_part",
+    "parallelize",
+    "ring_all_reduce_bytes",
+    "shard_full_tensor",
+]
+
+STYLES: tuple[str, ...] = ("colwise", "rowwise", "colwise_gather")
+"""``colwise``: output features split, the output stays split (a ``rowwise`` layer must take it);
+``rowwise``: input features split, partial outputs all-reduced; ``colwise_gather``: output
+features split, the output all-gathered (a layer with no partner)."""
+
+ELEMENTWISE: tuple[type[nn.Module], ...] = (
+    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Mish,
+    nn.Hardswish, nn.Identity, nn.Dropout,
+)  # fmt: skip
+"""Modules that may sit between a column- and a row-parallel layer: they act on each feature alone."""
+
+
+# -- plans -------------------------------------------------------------------------------------------
+
+
+def auto_plan(module: nn.Module) -> dict[str, str]:
+    """The plan that splits every ``nn.Linear`` of ``module``.
+
+    In each ``nn.Sequential``, a linear layer followed by another one with only
+    :data:`ELEMENTWISE` modules between them forms a ``colwise`` / ``rowwise`` pair (one
+    all-reduce each way); pairing goes left to right, so ``L1 L2 L3 L4`` gives two pairs and
+    ``L1 L2 L3`` a pair and ``L3`` alone. Every linear layer left alone (a ResNet's ``fc``, the
+    odd one out) is ``colwise_gather``.
+    """
+    plan: dict[str, str] = {}
+    for prefix, parent in module.named_modules():
+        if not isinstance(parent, nn.Sequential):
+            continue
+        children = list(parent.named_children())
+        i = 0
+        while i < len(children):
+            name, child = children[i]
+            if not isinstance(child, nn.Linear):
+                i += 1
+                continue
+            j = i + 1
+            while j < len(children) and isinstance(children[j][1], ELEMENTWISE):
+                j += 1
+            if j < len(children) and isinstance(children[j][1], nn.Linear):
+                plan[_join(prefix, name)] = "colwise"
+                plan[_join(prefix, children[j][0])] = "rowwise"
+                i = j + 1
+            else:
+                i += 1
+    for name, child in module.named_modules():
+        if isinstance(child, nn.Linear) and name not in plan:
+            plan[name] = "colwise_gather"
+    return plan
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def check_plan(module: nn.Module, plan: Mapping[str, str], tp_size: int) -> None:
+    """Raise ``ValueError`` unless ``plan`` can split ``module`` over ``tp_size`` ranks.
+
+    Every name must be an ``nn.Linear`` of the module, every style one of :data:`STYLES`, the
+    split dimension divisible by ``tp_size`` (output features for ``colwise*``, input features
+    for ``rowwise``), and ``colwise`` and ``rowwise`` layers must come in pairs.
+    """
+    if not plan:
+        raise ValueError(
+            f"TensorParallelStrategy found an empty plan for {type(module).__name__}: expected at least one "
+            "nn.Linear layer to split. Fix: add nn.Linear layers, name them in plan=..., or use strategy='ddp'."
+        )
+    modules = dict(module.named_modules())
+    linears = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
+    for name, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(
+                f"TensorParallelStrategy plan: layer {name!r} has style {style!r}: expected one of "
+                f"{', '.join(repr(s) for s in STYLES)}. Fix: use one of them."
+            )
+        layer = modules.get(name)
+        if not isinstance(layer, nn.Linear):
+            found = "no such module" if layer is None else f"a {type(layer).__name__}"
+            raise ValueError(
+                f"TensorParallelStrategy plan: found {found} at {name!r}: expected an nn.Linear. Fix: name one of "
+                f"the module's linear layers ({', '.join(repr(n) for n in linears[:8]) or 'none'}"
+                f"{', ...' if len(linears) > 8 else ''})."
+            )
+        dim, what = (layer.in_features, "in_features") if style == "rowwise" else (layer.out_features, "out_features")
+        if dim % tp_size:
+            kind = "row-parallel splits input features" if style == "rowwise" else "column-parallel splits outputs"
+            raise ValueError(
+                f"TensorParallelStrategy: layer {name!r} (Linear {layer.in_features} -> {layer.out_features}, "
+                f"{style}) has {what}={dim}, not divisible by tp_size={tp_size} ({kind}). Fix: make {what} a "
+                f"multiple of {tp_size}, pass a tp_size dividing {dim}, or leave {name!r} out of plan=... "
+                "(it is then replicated)."
+            )
+    cols = sum(1 for s in plan.values() if s == "colwise")
+    rows = sum(1 for s in plan.values() if s == "rowwise")
+    if cols != rows:
+        raise ValueError(
+            f"TensorParallelStrategy plan: found {cols} 'colwise' and {rows} 'rowwise' layers: expected pairs, "
+            "each 'colwise' layer's split output feeding one 'rowwise' layer. Fix: pair them, or make a lone "
+            "layer 'colwise_gather'."
+        )
+
+
+# -- accounting ----------------------------------------------------------------------------------------
+
+
+def ring_all_reduce_bytes(payload: int, group_size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``payload`` bytes: ``2 (n-1)/n x payload``."""
+    return 2 * (group_size - 1) * payload // group_size if group_size > 1 else 0
+
+
+def all_reduce_bytes_sent(payload: int, group_size: int) -> int:
+    """Alias of :func:`ring_all_reduce_bytes` (the model the strategy's ``comm/bytes_sent`` uses)."""
+    return ring_all_reduce_bytes(payload, group_size)
+
+
+def _all_gather_bytes(full_payload: int, group_size: int) -> int:
+    return (group_size - 1) * full_payload // group_size if group_size > 1 else 0
+
+
+def activation_bytes_per_step(
+    module: nn.Module, plan: Mapping[str, str], *, rows: int, tp_size: int, itemsize: int = 4
+) -> int:
+    """Activation bytes one rank sends per training step (forward + backward), by formula.
+
+    Per ``colwise``/``rowwise`` pair: a forward all-reduce of the row layer's output
+    (``rows x out_features``) and a backward all-reduce of the column layer's input gradient
+    (``rows x in_features``), each ``2 (tp-1)/tp x numel x itemsize`` under a ring. A
+    ``colwise_gather`` layer adds the backward all-reduce of its input gradient and a forward
+    all-gather of its output, ``(tp-1)/tp x rows x out_features x itemsize``. Layers whose input
+    needs no gradient (the first layer of a model fed with data) skip the backward all-reduce;
+    this formula counts it, as the strategy does not know in advance (see
+    :class:`TensorParallelStats`, which counts what ran).
+
+    Args:
+        rows: samples per step on this rank (the replica's batch) times positions per sample.
+    """
+    modules = dict(module.named_modules())
+    total = 0
+    for name, style in plan.items():
+        layer = modules[name]
+        assert isinstance(layer, nn.Linear)
+        if style in ("colwise", "colwise_gather"):
+            total += ring_all_reduce_bytes(rows * layer.in_features * itemsize, tp_size)
+        if style == "rowwise":
+            total += ring_all_reduce_bytes(rows * layer.out_features * itemsize, tp_size)
+        if style == "colwise_gather":
+            total += _all_gather_bytes(rows * layer.out_features * itemsize, tp_size)
+    return total
+
+
+@dataclass
+class TensorParallelStats:
+    """The activation collectives of a tensor-parallel module, as this rank ran them.
+
+    ``bytes_sent`` follows the ring model (``2 (n-1)/n x payload`` per all-reduce,
+    ``(n-1)/n x payload`` per all-gather, payload = the tensor's ``numel x itemsize``), not
+    gloo's or NCCL's internal choice of algorithm (at ``tp = 2`` every algorithm sends the
+    payload once). ``seconds`` is the host's wall time inside each collective, including the wait
+    for its result; on CUDA, kernels are asynchronous, so it is a lower bound there.
+
+    Attributes:
+        forward: the forward collectives (row layers' all-reduces, gathered outputs).
+        backward: the backward all-reduces of the column layers' input gradients.
+    """
+
+    forward: CommStats = field(default_factory=CommStats)
+    backward: CommStats = field(default_factory=CommStats)
+
+    def total(self) -> CommStats:
+        return self.forward + self.backward
+
+    def pop(self) -> CommStats:
+        """Forward + backward since the last call, then zeroed."""
+        return self.forward.reset() + self.backward.reset()
+
+
+def _settled(t: Tensor) -> Tensor:
+    """``t`` with its collective finished (functional collectives return before they complete)."""
+    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+# -- the parallel styles (torch's partitioning; collectives timed) --------------------------------------
+
+
+class _ReplicateInput(torch.autograd.Function):
+    """``DTensor.from_local(x, mesh, [Replicate()])`` whose backward all-reduce is timed and counted.
+
+    A column-parallel layer's input gradient is a partial sum (each rank multiplied by its rows of
+    the weight): backward turns it into the whole gradient, the all-reduce Megatron calls ``f``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, mesh: DeviceMesh, stats: TensorParallelStats) -> DTensor:
+        ctx.mesh, ctx.stats = mesh, stats
+        return DTensor.from_local(x.view_as(x), mesh, (Replicate(),), run_check=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[Tensor, None, None]:
+        if not isinstance(grad, DTensor):
+            return grad, None, None
+        if not grad.placements[0].is_partial():
+            return _settled(grad.to_local()), None, None
+        t0 = time.perf_counter()
+        local = _settled(grad.redistribute(ctx.mesh, (Replicate(),)).to_local())
+        stats: TensorParallelStats = ctx.stats
+        payload = local.numel() * local.element_size()
+        stats.backward += CommStats(
+            bytes_sent=ring_all_reduce_bytes(payload, ctx.mesh.size()),
+            bytes_received=ring_all_reduce_bytes(payload, ctx.mesh.size()),
+            calls=1,
+            seconds=time.perf_counter() - t0,
+        )
+        return local, None, None
+
+
+class _StyleHooks:
+    """Partitions a linear layer as torch's style does and installs timed input/output hooks."""
+
+    style: str = ""
+
+    def _install(self, module: nn.Module, mesh: DeviceMesh, stats: TensorParallelStats) -> list[RemovableHandle]:
+        self._partition_linear_fn("", module, mesh)  # type: ignore[attr-defined]
+        pre = module.register_forward_pre_hook(lambda mod, inputs: self._input(inputs, mesh, stats))
+        post = module.register_forward_hook(lambda mod, inputs, out: self._output(out, mesh, stats))
+        return [pre, post]
+
+    def _input(self, inputs: tuple[Any, ...], mesh: DeviceMesh, stats: TensorParallelStats) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def _output(self, out: DTensor, mesh: DeviceMesh, stats: TensorParallelStats) -> Tensor:
+        raise NotImplementedError
+
+
+def _count_forward(stats: TensorParallelStats, t0: float, sent: int) -> None:
+    stats.forward += CommStats(bytes_sent=sent, bytes_received=sent, calls=1, seconds=time.perf_counter() - t0)
+
+
+class _TimedColwise(_StyleHooks, ColwiseParallel):
+    """Column-parallel: weight and bias ``Shard(0)``; input replicated (gradient all-reduced in
+    backward); output split on the last dim (``colwise``) or all-gathered (``colwise_gather``)."""
+
+    def __init__(self, *, gather: bool) -> None:
+        super().__init__()
+        self.gather = gather
+        self.style = "colwise_gather" if gather else "colwise"
+
+    def _input(self, inputs: tuple[Any, ...], mesh: DeviceMesh, stats: TensorParallelStats) -> tuple[Any, ...]:
+        x = inputs[0]
+        if isinstance(x, DTensor):
+            return inputs
+        if not torch.is_grad_enabled() or not x.requires_grad:
+            return (DTensor.from_local(x, mesh, (Replicate(),), run_check=False), *inputs[1:])
+        return (_ReplicateInput.apply(x, mesh, stats), *inputs[1:])
+
+    def _output(self, out: DTensor, mesh: DeviceMesh, stats: TensorParallelStats) -> Tensor:
+        if not self.gather:
+            return out.to_local()
+        t0 = time.perf_counter()
+        full = _settled(out.redistribute(mesh, (Replicate(),)).to_local())
+        payload = full.numel() * full.element_size()
+        _count_forward(stats, t0, _all_gather_bytes(payload, mesh.size()))
+        return full
+
+
+class _TimedRowwise(_StyleHooks, RowwiseParallel):
+    """Row-parallel: weight ``Shard(1)``, bias replicated; input split on the last dim; the partial
+    outputs all-reduced in forward (Megatron's ``g``; its backward needs no communication)."""
+
+    style = "rowwise"
+
+    def _install(self, module: nn.Module, mesh: DeviceMesh, stats: TensorParallelStats) -> list[RemovableHandle]:
+        self.desired_input_layouts = (Shard(-1),)
+        return super()._install(module, mesh, stats)
+
+    def _input(self, inputs: tuple[Any, ...], mesh: DeviceMesh, stats: TensorParallelStats) -> tuple[Any, ...]:
+        x = inputs[0]
+        if isinstance(x, DTensor):
+            return inputs
+        return (DTensor.from_local(x, mesh, (Shard(-1),), run_check=False), *inputs[1:])
+
+    def _output(self, out: DTensor, mesh: DeviceMesh, stats: TensorParallelStats) -> Tensor:
+        t0 = time.perf_counter()
+        full = _settled(out.redistribute(mesh, (Replicate(),)).to_local())
+        payload = full.numel() * full.element_size()
+        _count_forward(stats, t0, ring_all_reduce_bytes(payload, mesh.size()))
+        return full
+
+
+def _style(name: str) -> _StyleHooks:
+    if name == "rowwise":
+        return _TimedRowwise()
+    return _TimedColwise(gather=name == "colwise_gather")
+
+
+# -- parallelizing and back ------------------------------------------------------------------------------
+
+
+class TensorParallelModule:
+    """A module whose planned linear layers are split over a 1-D ``mesh`` (the tensor-parallel group).
+
+    Made by :func:`parallelize`; :meth:`unparallelize` gives the module back whole (a collective).
+
+    Attributes:
+        module: the module, split in place.
+        mesh: the tensor-parallel mesh (one dimension).
+        plan: layer path -> style.
+        stats: the activation collectives run since the last :meth:`TensorParallelStats.pop`.
+    """
+
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, str]) -> None:
+        self.module = module
+        self.mesh = mesh
+        self.plan = dict(plan)
+        self.stats = TensorParallelStats()
+        self._handles: list[RemovableHandle] = []
+        modules = dict(module.named_modules())
+        for name, style in self.plan.items():
+            self._handles += _style(style)._install(modules[name], mesh, self.stats)
+
+    @property
+    def tp_size(self) -> int:
+        return self.mesh.size()
+
+    def sharded_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The parameters split over the group (``Shard`` placement)."""
+        for name, p in self.module.named_parameters():
+            if is_sharded(p):
+                yield name, p
+
+    def unparallelize(self) -> nn.Module:
+        """Every ``DTensor`` parameter back to a plain full one (all-gathered), hooks removed.
+
+        A collective over the group: every rank calls it, and each ends with the whole module.
+        """
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for mod in self.module.modules():
+            for name, p in list(mod.named_parameters(recurse=False)):
+                if isinstance(p, DTensor):
+                    full = _settled(p.full_tensor()).detach().clone()
+                    mod.register_parameter(name, nn.Parameter(full, requires_grad=p.requires_grad))
+        return self.module
+
+
+def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, str]) -> TensorParallelModule:
+    """Split ``module``'s planned linear layers over ``mesh`` in place.
+
+    Every rank of ``mesh`` must hold the same weights (shards are cut from each rank's own copy,
+    ``src_data_rank=None``: no communication). Check the plan first with :func:`check_plan`.
+    """
+    if mesh.ndim != 1:
+        raise ValueError(f"parallelize: found a {mesh.ndim}-D mesh: expected the 1-D tensor-parallel mesh.")
+    return TensorParallelModule(module, mesh, plan)
+
+
+for _cls in (_TimedColwise, _TimedRowwise):
+    _cls.src_data_rank = None  # each rank cuts its shard from its own copy
+
+
+def is_sharded(t: Tensor) -> bool:
+    """Whether ``t`` is a ``DTensor`` split over its mesh (some ``Shard`` placement)."""
+    return isinstance(t, DTensor) and any(p.is_shard() for p in t.placements)
+
+
+def local_part(t: Tensor) -> Tensor:
+    """This rank's part of ``t``: the local shard of a ``DTensor``, else ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_tensor(t: Tensor, *, dst: int | None = 0) -> Tensor | None:
+    """The whole tensor of ``t`` (a ``DTensor``) on group rank ``dst`` (``None``: on every rank).
+
+    A collective over ``t``'s mesh. With ``dst`` set, the shards are gathered to that rank only,
+    so the others never hold the whole tensor (they get ``None``); a replicated ``DTensor`` needs
+    no communication. Plain tensors come back as they are.
+    """
+    if not isinstance(t, DTensor):
+        return t
+    if dst is None or not is_sharded(t):
+        full = _settled(t.full_tensor()) if dst is None else _settled(t.to_local())
+        return full
+    mesh = t.device_mesh
+    group = mesh.get_group()
+    dim = next(p.dim for p in t.placements if p.is_shard())  # type: ignore[attr-defined]
+    local = _settled(t.to_local()).contiguous()
+    rank = dist.get_rank(group)
+    parts = [torch.empty_like(local) for _ in range(mesh.size())] if rank == dst else None
+    dist.gather(local, parts, dst=dist.get_global_rank(group, dst), group=group)
+    return torch.cat(parts, dim=dim) if parts is not None else None
+
+
+def shard_full_tensor(full: Tensor, like: DTensor) -> DTensor:
+    """``full`` (the whole tensor, on every rank) split as ``like`` is, without communication."""
+    full = full.to(device=like.device, dtype=like.dtype)
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)

@@ -1,0 +1,478 @@
+"""``TensorParallelStrategy`` ("tensor"): wide linear layers split inside the layer, x data parallel.
+
+Intra-layer model parallelism (Dean et al. 2012's model parallelism inside a layer; Megatron-LM,
+Shoeybi et al. 2019): the module's ``nn.Linear`` layers are split over a tensor-parallel group of
+``tp_size`` ranks by :mod:`lightning_strategies.comm.tensor` (DTensor shards, a column/row pair
+costing one all-reduce each way); everything else is replicated. With ``world = replicas x
+tp_size`` processes, a ``("dp", "tp")`` device mesh adds data parallelism: the sampler shards
+over replicas, sharded gradients are averaged across replicas, replicated ones across the mesh.
+
+The hooks changed (everything else, launching included, is ``DDPStrategy``'s):
+
+- ``_configure_launcher`` / ``setup_environment``: ``tp_size`` checked against the world size
+  before any process starts; the mesh.
+- ``configure_ddp``: no DDP wrapper; rank 0's weights everywhere, then the plan checked and the
+  layers split (the optimizer is built afterwards, over the shards).
+- ``backward``: the gradients averaged (one flattened all-reduce per kind) before
+  ``on_after_backward``; ``block_backward_sync`` skips that on micro-steps that only accumulate.
+- ``optimizer_step``: logs ``comm/*`` and ``tensor/allreduce_time_share``.
+- ``lightning_module_state_dict`` / ``optimizer_state`` / ``load_*``: full tensors in the file
+  (gathered tensor by tensor), shards in memory; ``teardown`` gives the module back whole.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_strategies.comm.stats import CommStats
+from lightning_strategies.comm.tensor import (
+    STYLES,
+    TensorParallelModule,
+    auto_plan,
+    check_plan,
+    full_tensor,
+    is_sharded,
+    local_part,
+    parallelize,
+    ring_all_reduce_bytes,
+    shard_full_tensor,
+)
+from lightning_strategies.optim import Lamb, Lars
+from lightning_strategies.strategies._base import StrategyBase, _unwrap
+from lightning_strategies.strategies.pipeline import _divisors, _group_options
+
+__all__ = ["TensorParallelPrecision", "TensorParallelStrategy"]
+
+
+class TensorParallelPrecision(Precision):
+    """32-bit precision whose clipping by norm takes whole-layer norms.
+
+    A sharded gradient's squared norm is summed over the tensor-parallel group; a replicated
+    one (identical on every rank) counts once.
+
+    Args:
+        group: returns the tensor-parallel process group (``None`` before the mesh exists).
+    """
+
+    def __init__(self, group: Callable[[], dist.ProcessGroup | None]) -> None:
+        super().__init__()
+        self._group = group
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
+        if not grads:
+            return
+        device = local_part(grads[0]).device
+        sharded = torch.zeros((), dtype=torch.float64, device=device)
+        replicated = torch.zeros((), dtype=torch.float64, device=device)
+        for g in grads:
+            sq = local_part(g).detach().double().pow(2).sum()
+            if is_sharded(g):
+                sharded += sq
+            else:
+                replicated += sq
+        group = self._group()
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(sharded, group=group)
+        total = float((sharded + replicated).sqrt())
+        # torch.nn.utils.clip_grad_norm_'s rule: scale by clip / (norm + 1e-6), never up
+        coef = min(1.0, float(clip_val) / (total + 1e-6))
+        if coef < 1.0:
+            for g in grads:
+                local_part(g).mul_(coef)
+
+
+class TensorParallelStrategy(StrategyBase):
+    """Intra-layer model parallelism of ``nn.Linear`` layers, optionally x data parallelism.
+
+    Registered as ``"tensor"`` (and ``"tensor_fork"``) on ``import lightning_strategies``. Each
+    split layer holds ``1/tp_size`` of its weight on every rank of its tensor-parallel group;
+    the ranks of a group see the same batches and compute the same outputs. Optimizers run on the
+    shards: torch's optimizers, :class:`~lightning_strategies.optim.Lamb` and
+    :class:`~lightning_strategies.optim.Lars` (per-tensor path; ``foreach=True`` is refused)
+    see whole-layer norms, since the norm of a sharded ``DTensor`` is reduced over the group.
+
+    The plan: ``None`` splits every linear layer (:func:`~lightning_strategies.comm.tensor.auto_plan`:
+    consecutive linear layers of an ``nn.Sequential`` become column/row pairs, a lone one such as a
+    ResNet's ``fc`` is column-parallel with its output gathered); or a mapping from module path
+    to style, e.g. ``{"head.0": "colwise", "head.2": "rowwise"}``, where a ``"rowwise"`` layer
+    must take the (split) output of a ``"colwise"`` one through elementwise ops only.
+
+    Logged at Lightning's step-logging cadence, as per-step means: ``comm/bytes_sent``,
+    ``comm/bytes_received``, ``comm/calls``, ``comm/seconds`` (activation collectives and the
+    gradient averaging, bytes under the ring model ``2(n-1)/n x payload``),
+    ``tensor/activation_bytes_sent`` and ``tensor/allreduce_time_share`` (seconds inside the
+    activation collectives / step wall time).
+
+    Checkpoints hold the full, unsplit tensors (model and optimizer state), gathered tensor by
+    tensor to rank 0, so they load into the unsplit module on one device and resume at any
+    ``tp_size``. When fit ends the module is given back whole on every rank.
+
+    On a fault: as ``ddp`` (collectives fail on a dead peer, after ``timeout`` on a hung one; the
+    survivors' errors name the lost rank).
+
+    Args:
+        tp_size: ranks per tensor-parallel group; default the world size. The world size must be
+            a multiple (``replicas = world / tp_size``).
+        plan: ``None`` (every linear layer) or module path -> ``"colwise"`` / ``"rowwise"`` /
+            ``"colwise_gather"``.
+        timeout: process-group timeout, also of the mesh's groups (default 30 minutes, as DDP).
+        **kwargs: everything else ``DDPStrategy`` takes (``start_method``, ``process_group_backend``, ...).
+
+    Raises:
+        ValueError: for a non-positive ``tp_size`` or a malformed plan; at launch, a ``tp_size``
+            not dividing the world; at setup, a plan that does not fit the module (a width not
+            divisible by ``tp_size``, a name that is not a linear layer), another precision than
+            32-bit, manual optimization, or Lamb/Lars with ``foreach=True``.
+    """
+
+    strategy_name = "tensor"
+
+    def __init__(
+        self,
+        *,
+        tp_size: int | None = None,
+        plan: Mapping[str, str] | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
+    ) -> None:
+        if tp_size is not None and (isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1):
+            raise ValueError(
+                f"TensorParallelStrategy(tp_size={tp_size!r}): expected a positive integer or None (the world "
+                "size). Fix: pass e.g. tp_size=2."
+            )
+        if plan is not None:
+            if not isinstance(plan, Mapping) or not all(isinstance(k, str) for k in plan):
+                raise ValueError(
+                    f"TensorParallelStrategy(plan={plan!r}): expected None or a mapping from module path to style, "
+                    "e.g. {'head.0': 'colwise', 'head.2': 'rowwise'}."
+                )
+            bad = {k: v for k, v in plan.items() if v not in STYLES}
+            if bad:
+                raise ValueError(
+                    f"TensorParallelStrategy(plan=...): found the style(s) {bad}: expected one of "
+                    f"{', '.join(repr(s) for s in STYLES)}. Fix: use one of them per layer."
+                )
+        super().__init__(timeout=timeout, **kwargs)
+        self._tp_size = tp_size
+        self._plan = dict(plan) if plan is not None else None
+        self._mesh: DeviceMesh | None = None
+        self._tp: TensorParallelModule | None = None
+        self._sync_replicas = True
+        self._grad_stats = CommStats()
+        self._step_started: float | None = None
+
+    # -- options in effect -------------------------------------------------------------------
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks per tensor-parallel group: the ``tp_size`` option, or the world size."""
+        return self._tp_size if self._tp_size is not None else max(1, self.world_size)
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas, ``world size / tp_size``."""
+        return max(1, self.world_size // self.tp_size)
+
+    @property
+    def tensor_parallel(self) -> TensorParallelModule | None:
+        """The split module (``None`` outside setup .. teardown)."""
+        return self._tp
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Shards over replicas only: the ranks of a tensor-parallel group must see the same batch.
+        return {"num_replicas": self.replicas, "rank": self.global_rank // self.tp_size}
+
+    # -- checks before anything starts -------------------------------------------------------
+
+    @override
+    def _configure_launcher(self) -> None:
+        # The Trainer calls this in the launching process once the world size is known.
+        self._check_world()
+        super()._configure_launcher()
+
+    def _check_world(self) -> None:
+        world, tp = self.world_size, self.tp_size
+        if world % tp:
+            raise ValueError(
+                f"TensorParallelStrategy(tp_size={tp}) with a world size of {world} processes: the world size "
+                f"must be replicas x tp_size, and {world} is not a multiple of {tp}. Fix: pass tp_size dividing "
+                f"{world} (one of {', '.join(str(d) for d in _divisors(world))}), or run a multiple of {tp} "
+                "processes (devices x num_nodes)."
+            )
+
+    # -- environment and setup -----------------------------------------------------------------
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # the world process group
+        self._check_world()
+        override_ = _group_options(self._get_process_group_backend(), self._timeout)
+        self._mesh = init_device_mesh(
+            self.root_device.type,
+            (self.replicas, self.tp_size),
+            mesh_dim_names=("dp", "tp"),
+            backend_override={"dp": override_, "tp": override_} if override_ is not None else None,
+        )
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        module = self.lightning_module
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and module is not None and not module.automatic_optimization:
+            raise ValueError(
+                "TensorParallelStrategy found `automatic_optimization = False`: expected automatic optimization, "
+                "since the strategy averages gradients in its backward. Fix: use automatic optimization."
+            )
+        if type(self.precision_plugin) not in (Precision, TensorParallelPrecision):
+            raise ValueError(
+                f"TensorParallelStrategy found the precision plugin {type(self.precision_plugin).__name__}: only "
+                "32-bit precision is supported. Fix: use Trainer(precision='32-true')."
+            )
+        self.precision_plugin = TensorParallelPrecision(self._tp_group)
+        super().setup(trainer)  # fitting: configure_ddp splits the layers, then the optimizers are built
+        if self._tp is None:
+            self._parallelize()  # validate / test / predict: the module is split too
+        if fitting:
+            self._check_optimizers()
+
+    @override
+    def configure_ddp(self) -> None:
+        # No DDP wrapper: gradients are averaged in backward, by kind (sharded / replicated).
+        if self.model is not None and dist.is_available() and dist.is_initialized():
+            _sync_module_states(self.model)  # rank 0's initial weights everywhere, as DDP does
+        self._parallelize()
+
+    def _parallelize(self) -> None:
+        module = self.lightning_module
+        assert module is not None and self._mesh is not None
+        plan = self._plan if self._plan is not None else auto_plan(module)
+        check_plan(module, plan, self.tp_size)
+        self._tp = parallelize(module, self._mesh["tp"], plan)
+
+    def _tp_group(self) -> dist.ProcessGroup | None:
+        return self._mesh.get_group("tp") if self._mesh is not None else None
+
+    def _check_optimizers(self) -> None:
+        for i, optimizer in enumerate(self.optimizers):
+            opt = _unwrap(optimizer)
+            if not isinstance(opt, Lamb | Lars):
+                continue
+            for g, group in enumerate(opt.param_groups):
+                if group.get("foreach") is True and any(isinstance(p, DTensor) for p in group["params"]):
+                    raise ValueError(
+                        f"TensorParallelStrategy found {type(opt).__name__}(foreach=True) (optimizer {i}, param group "
+                        f"{g}) over split layers: expected foreach=None or False, since the multi-tensor norms do "
+                        "not run on sharded DTensors. Fix: pass foreach=None (it picks the per-tensor path, which "
+                        "takes whole-layer norms)."
+                    )
+
+    # -- steps -------------------------------------------------------------------------------
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._step_started is None:
+            self._step_started = time.perf_counter()  # the first micro-step of this optimizer step
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        # Strategy.backward with the averaging before post_backward (on_after_backward sees
+        # averaged gradients, as under DDP, which averages during backward).
+        module = self.lightning_module
+        assert module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        self._average_gradients()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        # Micro-steps that only accumulate: averaged once, with the last micro-step's gradients.
+        self._sync_replicas = False
+        try:
+            yield None
+        finally:
+            self._sync_replicas = True
+
+    def _average_gradients(self) -> None:
+        """Sharded gradients averaged across replicas, the others across the whole mesh.
+
+        A replicated parameter's gradient is the same on every rank of a tensor-parallel group
+        (its inputs and output gradients are replicated), so averaging it over the mesh equals
+        averaging over replicas, and keeps every copy bit-identical.
+        """
+        module = self.lightning_module
+        if module is None or self._mesh is None or not self._sync_replicas or self.world_size == 1:
+            return
+        sharded: list[Tensor] = []
+        replicated: list[Tensor] = []
+        for p in module.parameters():
+            if p.grad is not None:
+                (sharded if is_sharded(p) else replicated).append(local_part(p.grad))
+        dp_group = self._mesh.get_group("dp") if self.replicas > 1 else None
+        for grads, group, size in ((sharded, dp_group, self.replicas), (replicated, None, self.world_size)):
+            if not grads or size == 1:
+                continue
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                flat = torch._utils._flatten_dense_tensors(grads)
+                dist.all_reduce(flat, group=group)  # gloo has no AVG: sum, then divide
+                flat /= size
+                for g, avg in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+                    g.copy_(avg)
+            sent = ring_all_reduce_bytes(flat.numel() * flat.element_size(), size)
+            self._grad_stats += CommStats(sent, sent, 1, time.perf_counter() - t0)
+
+    @override
+    def _after_optimizer_step(self) -> None:
+        started, self._step_started = self._step_started, None
+        if self._tp is None or started is None:
+            return
+        wall = time.perf_counter() - started
+        act = self._tp.stats.pop()
+        grads = self._grad_stats.reset()
+        self.metrics.add(
+            **(act + grads).as_dict("comm/"),
+            **{
+                "tensor/activation_bytes_sent": float(act.bytes_sent),
+                "tensor/allreduce_time_share": act.seconds / wall if wall > 0 else 0.0,
+            },
+        )
+        self.metrics.flush_if_due(self.lightning_module)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def _replica_rank(self) -> int:
+        return self.global_rank // self.tp_size
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full model, on global rank 0 (``{}`` elsewhere), gathered tensor by tensor.
+
+        Only replica 0 gathers (replicas hold the same weights); within it each shard goes to
+        group rank 0 alone, so no other rank ever holds more than its shards.
+        """
+        module = self.lightning_module
+        assert module is not None
+        state = module.state_dict()
+        if self._tp is None:
+            return state
+        if self._replica_rank() != 0:
+            return {}
+        out = {}
+        for key, value in state.items():
+            full = full_tensor(value, dst=0)
+            if full is not None:
+                out[key] = full.detach().cpu() if isinstance(value, DTensor) else full
+        return out if self.global_rank == 0 else {}
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The full optimizer state (whole tensors, indexed as over the unsplit module), on rank 0.
+
+        After fit, the state gathered when training ended (the shards are gone by then).
+        """
+        opt = _unwrap(optimizer)
+        if self._tp is None:
+            kept = self._state_after_fit(opt)
+            return kept if kept is not None else opt.state_dict()
+        if self._replica_rank() != 0:
+            return {}
+        state = opt.state_dict()
+        gathered: dict[int, dict[str, Any]] = {}
+        for index, entry in state["state"].items():
+            gathered[index] = {}
+            for key, value in entry.items():
+                full = full_tensor(value, dst=0) if isinstance(value, DTensor) else value
+                gathered[index][key] = full.cpu() if isinstance(value, DTensor) and full is not None else full
+        if self.global_rank != 0:
+            return {}
+        return {"state": gathered, "param_groups": state["param_groups"]}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # Full tensors from the file: each rank cuts its shard from them (no communication).
+        module = self.lightning_module
+        assert module is not None
+        state = dict(checkpoint["state_dict"])
+        for key, current in module.state_dict().items():
+            value = state.get(key)
+            if isinstance(current, DTensor) and isinstance(value, Tensor) and not isinstance(value, DTensor):
+                state[key] = shard_full_tensor(value, current)
+        module.load_state_dict(state, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        for optimizer in self.optimizers:
+            opt = _unwrap(optimizer)
+            for p, entry in opt.state.items():
+                if not isinstance(p, DTensor):
+                    continue
+                for key, value in entry.items():
+                    if isinstance(value, Tensor) and not isinstance(value, DTensor) and value.shape == p.shape:
+                        entry[key] = shard_full_tensor(value, p)
+
+    # -- shutdown ---------------------------------------------------------------------------------
+
+    @override
+    def on_train_end(self) -> None:
+        # The shards go at teardown: keep the full optimizer state for a save_checkpoint after fit.
+        self._keep_state_at_fit_end()
+        super().on_train_end()
+
+    @override
+    def teardown(self) -> None:
+        """Give the module back whole (on every rank) and destroy the mesh's groups.
+
+        The fork launcher hands rank 0's module to the caller, and a later ``test()`` in the same
+        process splits it again at setup. After an error nothing waits for peers: the module
+        stays split and the groups are left to the process's exit.
+        """
+        tp, self._tp = self._tp, None
+        if tp is not None and not self.failed:
+            tp.unparallelize()
+        groups = self._own_groups()
+        if not self.failed and dist.is_available() and dist.is_initialized():
+            for group in groups:
+                with suppress(ValueError):  # destroyed already
+                    dist.destroy_process_group(group)
+        self._mesh = None
+        self._grad_stats.reset()
+        self._step_started = None
+        super().teardown()
+
+    def _own_groups(self) -> list[dist.ProcessGroup]:
+        if self._mesh is None or not (dist.is_available() and dist.is_initialized()):
+            return []
+        groups: list[dist.ProcessGroup] = []
+        for name in ("dp", "tp"):
+            group = self._mesh.get_group(name)
+            if group is not dist.GroupMember.WORLD and group not in groups:
+                groups.append(group)
+        return groups
