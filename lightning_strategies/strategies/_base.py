@@ -14,12 +14,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torch._C._distributed_c10d import Backend
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -28,7 +32,7 @@ from lightning_strategies.checkpoint import ATOMIC_CHECKPOINT_IO_DEFAULT
 from lightning_strategies.faults import PeerFailureMixin
 from lightning_strategies.strategies._elastic import ElasticRestartMixin
 
-__all__ = ["MetricsWindow", "StrategyBase", "is_last_batch", "should_update_logs"]
+__all__ = ["MetricsWindow", "StrategyBase", "divisors", "is_last_batch", "should_update_logs", "unwrap_optimizer"]
 
 
 def should_update_logs(trainer: pl.Trainer | None) -> bool:
@@ -43,6 +47,25 @@ def should_update_logs(trainer: pl.Trainer | None) -> bool:
         return bool(trainer._logger_connector.should_update_logs)
     except (AttributeError, NotImplementedError):  # another Lightning version: log every step
         return True
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, for errors that suggest a size that fits the world."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _group_options(backend: str, timeout: timedelta | None) -> tuple[str, Any] | None:
+    """``(backend, options)`` carrying ``timeout`` for a new process group; ``None`` for the defaults."""
+    if timeout is None:
+        return None
+    options: Any
+    if backend == "nccl" and dist.is_nccl_available():
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+    else:
+        # the generic options object: DeviceMesh reads its ``_timeout`` for new_group(timeout=...)
+        options = Backend.Options(backend, timeout)
+    return backend, options
 
 
 class MetricsWindow:
@@ -177,6 +200,17 @@ class StrategyBase(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
         module = self.lightning_module
         return module._trainer if module is not None else None
 
+    def _init_mesh(self, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+        """A device mesh over the world whose groups get this strategy's backend and timeout
+        (new groups otherwise default to 30 minutes, so a hung peer would outlast ``timeout``)."""
+        override = _group_options(self._get_process_group_backend(), self._timeout)
+        return init_device_mesh(
+            self.root_device.type,
+            shape,
+            mesh_dim_names=names,
+            backend_override=dict.fromkeys(names, override) if override is not None else None,
+        )
+
     def _fitting(self) -> bool:
         trainer = self.trainer
         return trainer is not None and trainer.state.fn == TrainerFn.FITTING
@@ -189,11 +223,11 @@ class StrategyBase(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
 
     def _keep_state_at_fit_end(self) -> None:
         """Gather every optimizer's state now (a collective: every rank calls this) and keep it."""
-        self._state_at_fit_end = {id(_unwrap(o)): self.optimizer_state(o) for o in self.optimizers}
+        self._state_at_fit_end = {id(unwrap_optimizer(o)): self.optimizer_state(o) for o in self.optimizers}
 
     def _state_after_fit(self, optimizer: Optimizer) -> dict[str, Any] | None:
         """The state kept by :meth:`_keep_state_at_fit_end` for ``optimizer``, if any."""
-        return self._state_at_fit_end.get(id(_unwrap(optimizer)))
+        return self._state_at_fit_end.get(id(unwrap_optimizer(optimizer)))
 
     @override
     def optimizer_step(
@@ -223,5 +257,6 @@ class StrategyBase(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
         self._failed = False
 
 
-def _unwrap(optimizer: Optimizer) -> Optimizer:
+def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
+    """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (or ``optimizer`` itself)."""
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

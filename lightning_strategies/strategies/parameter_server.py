@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
@@ -58,7 +57,7 @@ from lightning_strategies.comm.rpc import (
     worker_name,
 )
 from lightning_strategies.comm.stats import CommStats
-from lightning_strategies.strategies._base import StrategyBase
+from lightning_strategies.strategies._base import StrategyBase, unwrap_optimizer
 
 __all__ = ["ParameterServerStrategy"]
 
@@ -354,8 +353,7 @@ class ParameterServerStrategy(StrategyBase):
         if self._client is None or self._spec is None:
             kept = self._state_after_fit(optimizer)  # after fit: the servers are gone
             return kept if kept is not None else super().optimizer_state(optimizer)
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+        optimizer = unwrap_optimizer(optimizer)
         if not self.is_global_zero:
             return {}
         state = self._client.gather_state_dict(self._spec, optimizer.param_groups)

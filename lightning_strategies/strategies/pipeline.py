@@ -49,14 +49,11 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
-from torch._C._distributed_c10d import Backend
-from torch.distributed.device_mesh import init_device_mesh
 from torch.optim import Optimizer
 from torch.utils.data import BatchSampler, DataLoader
 from typing_extensions import override
@@ -70,7 +67,7 @@ from lightning_strategies.comm.pipeline import (
     profile_blocks,
 )
 from lightning_strategies.pipeline_protocol import check_pipeline_module
-from lightning_strategies.strategies._base import StrategyBase, should_update_logs
+from lightning_strategies.strategies._base import StrategyBase, divisors, should_update_logs, unwrap_optimizer
 from lightning_strategies.strategies._pipeline_plugins import PipelinePrecision, StageSyncBatchNorm
 
 __all__ = ["BALANCES", "PipelineStrategy"]
@@ -263,7 +260,7 @@ class PipelineStrategy(StrategyBase):
             raise ValueError(
                 f"PipelineStrategy(num_stages={stages}) with a world size of {world} processes: the world "
                 f"size must be replicas x num_stages, and {world} is not a multiple of {stages}. Fix: pass "
-                f"num_stages dividing {world} (e.g. {', '.join(str(d) for d in _divisors(world))}), or run "
+                f"num_stages dividing {world} (e.g. {', '.join(str(d) for d in divisors(world))}), or run "
                 f"a multiple of {stages} processes (devices x num_nodes)."
             )
         total = stages * self._stages_per_rank
@@ -295,15 +292,7 @@ class PipelineStrategy(StrategyBase):
     def setup_environment(self) -> None:
         super().setup_environment()  # the world process group
         self._check_world()
-        device_type = self.root_device.type
-        # The mesh's groups get the strategy's timeout too (new groups default to 30 minutes).
-        override = _group_options(self._get_process_group_backend(), self._timeout)
-        self._mesh = init_device_mesh(
-            device_type,
-            (self.replicas, self.num_stages),
-            mesh_dim_names=("dp", "pp"),
-            backend_override={"dp": override, "pp": override} if override is not None else None,
-        )
+        self._mesh = self._init_mesh((self.replicas, self.num_stages), ("dp", "pp"))
         self._pp_group = self._mesh.get_group("pp")
         self._dp_group = self._mesh.get_group("dp")
 
@@ -620,8 +609,7 @@ class PipelineStrategy(StrategyBase):
         Indices are those of the optimizer over the whole module, so the state also loads into a
         single-device run of the same module.
         """
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+        optimizer = unwrap_optimizer(optimizer)
         runtime = self._runtime
         kept = self._state_after_fit(optimizer) if runtime is None else None
         if kept is not None:
@@ -699,24 +687,6 @@ def _check_balance(balance: Any) -> Balance:
             "counts, one per stage (e.g. [3, 5])."
         )
     return counts
-
-
-def _group_options(backend: str, timeout: timedelta | None) -> tuple[str, Any] | None:
-    """``(backend, options)`` carrying ``timeout`` for a new process group; ``None`` for the defaults."""
-    if timeout is None:
-        return None
-    options: Any
-    if backend == "nccl" and dist.is_nccl_available():
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-    else:
-        # the generic options object: DeviceMesh reads its ``_timeout`` for new_group(timeout=...)
-        options = Backend.Options(backend, timeout)
-    return backend, options
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @contextmanager

@@ -36,7 +36,7 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -55,8 +55,7 @@ from lightning_strategies.comm.tensor import (
     shard_full_tensor,
 )
 from lightning_strategies.optim import Lamb, Lars
-from lightning_strategies.strategies._base import StrategyBase, _unwrap
-from lightning_strategies.strategies.pipeline import _divisors, _group_options
+from lightning_strategies.strategies._base import StrategyBase, divisors, unwrap_optimizer
 
 __all__ = ["TensorParallelPrecision", "TensorParallelStrategy"]
 
@@ -217,7 +216,7 @@ class TensorParallelStrategy(StrategyBase):
             raise ValueError(
                 f"TensorParallelStrategy(tp_size={tp}) with a world size of {world} processes: the world size "
                 f"must be replicas x tp_size, and {world} is not a multiple of {tp}. Fix: pass tp_size dividing "
-                f"{world} (one of {', '.join(str(d) for d in _divisors(world))}), or run a multiple of {tp} "
+                f"{world} (one of {', '.join(str(d) for d in divisors(world))}), or run a multiple of {tp} "
                 "processes (devices x num_nodes)."
             )
 
@@ -227,13 +226,7 @@ class TensorParallelStrategy(StrategyBase):
     def setup_environment(self) -> None:
         super().setup_environment()  # the world process group
         self._check_world()
-        override_ = _group_options(self._get_process_group_backend(), self._timeout)
-        self._mesh = init_device_mesh(
-            self.root_device.type,
-            (self.replicas, self.tp_size),
-            mesh_dim_names=("dp", "tp"),
-            backend_override={"dp": override_, "tp": override_} if override_ is not None else None,
-        )
+        self._mesh = self._init_mesh((self.replicas, self.tp_size), ("dp", "tp"))
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -275,7 +268,7 @@ class TensorParallelStrategy(StrategyBase):
 
     def _check_optimizers(self) -> None:
         for i, optimizer in enumerate(self.optimizers):
-            opt = _unwrap(optimizer)
+            opt = unwrap_optimizer(optimizer)
             if not isinstance(opt, Lamb | Lars):
                 continue
             for g, group in enumerate(opt.param_groups):
@@ -397,7 +390,7 @@ class TensorParallelStrategy(StrategyBase):
 
         After fit, the state gathered when training ended (the shards are gone by then).
         """
-        opt = _unwrap(optimizer)
+        opt = unwrap_optimizer(optimizer)
         if self._tp is None:
             kept = self._state_after_fit(opt)
             return kept if kept is not None else opt.state_dict()
@@ -430,7 +423,7 @@ class TensorParallelStrategy(StrategyBase):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         super().load_optimizer_state_dict(checkpoint)
         for optimizer in self.optimizers:
-            opt = _unwrap(optimizer)
+            opt = unwrap_optimizer(optimizer)
             for p, entry in opt.state.items():
                 if not isinstance(p, DTensor):
                     continue
