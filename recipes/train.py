@@ -461,6 +461,22 @@ def build_module(
     )
 
 
+class ConfigAsHyperparameters(pl.Callback):
+    """Logs the run's config as hyperparameters to every logger when fit starts.
+
+    In the training processes, where Lightning logs a module's own hyperparameters, not before fit
+    in the launching process: a logger touched there before fork-started ranks would keep a stale
+    copy of its state (the CSV logger then rewrites metrics.csv with the wrong header at ``test``).
+    """
+
+    def __init__(self, hparams: dict[str, Any] | None = None) -> None:
+        self.hparams: dict[str, Any] = hparams or {}
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for logger in trainer.loggers:  # rank-zero-only, as Lightning's loggers are
+            logger.log_hyperparams(self.hparams)
+
+
 def _hyperparameters(cfg: DictConfig, plan: ScalingPlan | None) -> dict[str, Any]:
     """The composed config (resolved) and the derived batch and lr: what every logger records."""
     params = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
@@ -507,6 +523,8 @@ def _fit(cfg: DictConfig) -> dict[str, Any]:
             "seconds_to_val_acc_95 will be null in metrics.json (n/a in the summary)"
         )
     logger = _build(cfg.logger)(save_dir=str(out_dir))
+    config_logger = ConfigAsHyperparameters()
+    callbacks.append(config_logger)
     trainer: pl.Trainer = trainer_factory(
         strategy=strategy,
         logger=logger,
@@ -536,6 +554,7 @@ def _fit(cfg: DictConfig) -> dict[str, Any]:
             accumulate=trainer.accumulate_grad_batches,
         )
         rank_zero_info(plan.describe())
+    config_logger.hparams = _hyperparameters(cfg, plan)
     module = build_module(
         cfg.model,
         datamodule,
@@ -545,9 +564,6 @@ def _fit(cfg: DictConfig) -> dict[str, Any]:
         no_decay_norm_bias=cfg.no_decay_norm_bias,
         label_smoothing=cfg.label_smoothing,
     )
-    for each in trainer.loggers:  # rank 0 only (Lightning's loggers are rank-zero-only)
-        each.log_hyperparams(_hyperparameters(cfg, plan))
-
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
     fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     test_metrics: dict[str, float] = {}
