@@ -79,32 +79,34 @@ def regression_data(n: int = 64, in_dim: int = 8, seed: int = 0) -> TensorDatase
 
 
 class GlobalBatchSampler(Sampler[int]):
-    """Gives rank r of P the r-th slice of each contiguous global batch of ``P * batch_size``.
+    """Gives replica r of R the r-th slice of each contiguous global batch of ``R * batch_size``.
 
     Lightning's own DistributedSampler shuffles and strides, so a 1-device run of the same
     global batch would see other samples; with this sampler (and
     ``use_distributed_sampler=False``) step k of any world size covers samples
-    ``[k*P*B, (k+1)*P*B)``, exactly as the single-device reference does.
+    ``[k*R*B, (k+1)*R*B)``, exactly as the single-device reference does. A replica is
+    ``ranks_per_replica`` consecutive ranks (a tensor-parallel group), which all get its slice.
     """
 
-    def __init__(self, n: int, batch_size: int) -> None:
+    def __init__(self, n: int, batch_size: int, ranks_per_replica: int = 1) -> None:
         self.n = n
         self.batch_size = batch_size
+        self.ranks_per_replica = ranks_per_replica
 
-    def _rank_world(self) -> tuple[int, int]:
+    def _replica(self) -> tuple[int, int]:
         if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
+            return dist.get_rank() // self.ranks_per_replica, dist.get_world_size() // self.ranks_per_replica
         return 0, 1
 
     def __iter__(self):  # type: ignore[no-untyped-def]
-        rank, world = self._rank_world()
-        step = self.batch_size * world
+        replica, replicas = self._replica()
+        step = self.batch_size * replicas
         for start in range(0, self.n - step + 1, step):
-            yield from range(start + rank * self.batch_size, start + (rank + 1) * self.batch_size)
+            yield from range(start + replica * self.batch_size, start + (replica + 1) * self.batch_size)
 
     def __len__(self) -> int:
-        _, world = self._rank_world()
-        return (self.n // (self.batch_size * world)) * self.batch_size
+        _, replicas = self._replica()
+        return (self.n // (self.batch_size * replicas)) * self.batch_size
 
 
 def fit_weights(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -164,6 +164,21 @@ def is_last_batch(trainer: pl.Trainer) -> bool:
         return False
 
 
+#: The options every strategy here takes besides its own (the Trainer sets the plugins).
+_LAUNCH_OPTIONS = frozenset(
+    {
+        "accelerator",
+        "parallel_devices",
+        "cluster_environment",
+        "checkpoint_io",
+        "precision_plugin",
+        "process_group_backend",
+        "timeout",
+        "start_method",
+    }
+)
+
+
 class StrategyBase(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
     """The base of every strategy in this package (a ``DDPStrategy``: same launchers, same groups).
 
@@ -182,8 +197,16 @@ class StrategyBase(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
     """
 
     checkpoint_io = ATOMIC_CHECKPOINT_IO_DEFAULT  # atomic checkpoint writes unless the user gives an IO
+    #: Whether the model is wrapped in ``DistributedDataParallel``: only then do DDP's own options
+    #: (``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``, ...) mean anything.
+    wraps_ddp: ClassVar[bool] = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if not self.wraps_ddp and (ddp_only := sorted(set(kwargs) - _LAUNCH_OPTIONS)):
+            raise TypeError(
+                f"{type(self).__name__} got {ddp_only}: expected its own options and {sorted(_LAUNCH_OPTIONS)}, "
+                f"because it does not wrap the model in DistributedDataParallel. Fix: drop {ddp_only}."
+            )
         super().__init__(*args, **kwargs)
         self._failed = False
         self.metrics = MetricsWindow()

@@ -1,6 +1,6 @@
-"""The Lightning plugins :class:`~lightning_strategies.strategies.pipeline.PipelineStrategy` installs.
+"""The Lightning plugins :class:`~lightning_strategies.strategies.pipeline.PipelineStrategy` installs
+besides :class:`~lightning_strategies.strategies._model_parallel.GroupNormPrecision`.
 
-- :class:`PipelinePrecision`: 32-bit precision whose clipping by norm uses the norm over all stages.
 - :class:`StageSyncBatchNorm`: ``Trainer(sync_batchnorm=True)`` with batch-norm statistics synced
   over the replicas of a stage (its data-parallel group), not over the world.
 """
@@ -9,47 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
-from lightning.pytorch.plugins.precision import Precision
 from torch import nn
-from torch.optim import Optimizer
 from typing_extensions import override
 
-__all__ = ["PipelinePrecision", "StageSyncBatchNorm", "convert_sync_batchnorm"]
-
-
-class PipelinePrecision(Precision):
-    """32-bit precision whose clipping by norm uses the norm over *all* stages.
-
-    Each rank holds the gradients of its stages only, so ``clip_grad_norm_`` over its own
-    parameters would clip each stage by its own norm. Here the squared norms are summed over
-    the pipeline group first (replicas hold identical, already averaged gradients).
-
-    Args:
-        group: returns the pipeline's process group (``None`` before the pipeline exists).
-    """
-
-    def __init__(self, group: Callable[[], dist.ProcessGroup | None]) -> None:
-        super().__init__()
-        self._group = group
-
-    @override
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
-        sq = torch.zeros((), dtype=torch.float64, device=device)
-        for g in grads:
-            sq += g.detach().double().pow(2).sum()
-        group = self._group()
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(sq, group=group)
-        total = float(sq.sqrt())
-        # torch.nn.utils.clip_grad_norm_'s rule: scale by clip / (norm + 1e-6), never up
-        coef = min(1.0, float(clip_val) / (total + 1e-6))
-        if coef < 1.0:
-            torch._foreach_mul_(grads, coef)
+__all__ = ["StageSyncBatchNorm", "convert_sync_batchnorm"]
 
 
 def convert_sync_batchnorm(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:

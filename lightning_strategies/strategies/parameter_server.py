@@ -24,15 +24,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.overrides.distributed import _sync_module_states
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
@@ -91,22 +89,22 @@ class ParameterServerStrategy(StrategyBase):
     and RPC shuts down without waiting for the dead.
 
     Args:
-        accelerator: set by the Trainer.
-        parallel_devices: set by the Trainer.
-        cluster_environment: set by the Trainer.
-        checkpoint_io: set by the Trainer.
-        precision_plugin: set by the Trainer.
         num_servers: number of shards, hosted by ranks ``0 .. num_servers-1``; default the
             world size (every rank serves ``1/P`` of the parameters, the balanced layout).
-        timeout: how long the process group's collectives and a shard's barrier wait for a
-            slow or hung peer before failing (the error names the missing worker); RPCs wait
-            a little longer (``timeout`` + max(5 s, 10%)), so the shard's error arrives first.
-            Default 30 minutes, as DDP.
         rpc_threads: RPC server threads per process. Handlers never block, so a few suffice;
             each extra thread competes with training for the cores.
-        process_group_backend: ``"gloo"`` / ``"nccl"``; default by device, as for DDP.
-        start_method: how ranks start, as for ``DDPStrategy``: ``"popen"`` (re-runs the script;
-            torchrun, SLURM), ``"spawn"``, ``"fork"`` (fast on CPU) or ``"forkserver"``.
+        **kwargs: ``timeout`` (how long the process group's collectives and a shard's barrier
+            wait for a slow or hung peer before failing, the error naming the missing worker;
+            RPCs wait a little longer, ``timeout`` + max(5 s, 10%), so the shard's error arrives
+            first; default 30 minutes, as DDP), ``process_group_backend`` (``"gloo"`` /
+            ``"nccl"``; default by device) and ``start_method`` (``"popen"`` re-runs the script,
+            for torchrun and SLURM; ``"spawn"``, ``"fork"`` (fast on CPU) or ``"forkserver"``),
+            as for ``DDPStrategy``, and the plugins the Trainer sets.
+
+    Raises:
+        ValueError: for a non-positive ``num_servers`` or ``rpc_threads``; at setup, for what
+            is not supported (above) or more servers than processes.
+        TypeError: for DDP-wrapper options (``find_unused_parameters``, ...): there is no wrapper.
     """
 
     strategy_name = "parameter_server"
@@ -114,30 +112,10 @@ class ParameterServerStrategy(StrategyBase):
     # strategy whose ranks take different numbers of steps turns it off
     broadcast_buffers_each_step: ClassVar[bool] = True
 
-    def __init__(
-        self,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        *,
-        num_servers: int | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        rpc_threads: int = 4,
-        process_group_backend: str | None = None,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-    ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
+    wraps_ddp = False
+
+    def __init__(self, *, num_servers: int | None = None, rpc_threads: int = 4, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         if num_servers is not None and num_servers < 1:
             raise ValueError(
                 f"ParameterServerStrategy(num_servers={num_servers}): expected at least 1 server shard. "

@@ -12,8 +12,9 @@ device mesh).
 The hooks changed (everything else, launching included, is ``DDPStrategy``'s):
 
 - ``connect``: the module must implement :class:`~lightning_strategies.PipelineModule`.
-- ``_configure_launcher``: the options are checked against the world size before any process starts.
-- ``setup_environment``: the process-group mesh.
+- ``_configure_launcher`` / ``setup_environment`` (``ModelParallelStrategy``'s, with the
+  schedule's checks added): the options checked against the world size before any process
+  starts; the ``("dp", "pp")`` mesh.
 - ``setup``: the clipping plugin (global norm); with ``Trainer(sync_batchnorm=True)``, batch norm
   synced over a stage's replicas; the blocks, for every trainer function.
 - ``configure_ddp``: no DDP wrapper (each stage's replicas average its gradients in ``backward``);
@@ -26,7 +27,8 @@ The hooks changed (everything else, launching included, is ``DDPStrategy``'s):
 - ``backward``: adds the set-aside gradients into ``.grad`` (accumulating, as a backward
   does), then averages them over replicas.
 - ``validation_step`` / ``test_step`` / ``predict_step``: the schedule's eval mode.
-- ``block_backward_sync``: micro-steps that only accumulate skip the replicas' averaging.
+- ``block_backward_sync`` (``ModelParallelStrategy``'s): micro-steps that only accumulate skip
+  the replicas' averaging.
 - ``_after_optimizer_step``: logs ``pipeline/bubble_fraction`` and ``pipeline/stage_seconds/<k>``.
 - ``lightning_module_state_dict`` / ``optimizer_state`` / ``load_optimizer_state_dict``: the
   full model and the full optimizer state gathered from the stages (a single-device model of
@@ -41,14 +43,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from datetime import timedelta
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -67,8 +66,9 @@ from lightning_strategies.comm.pipeline import (
     profile_blocks,
 )
 from lightning_strategies.pipeline_protocol import check_pipeline_module
-from lightning_strategies.strategies._base import StrategyBase, divisors, should_update_logs, unwrap_optimizer
-from lightning_strategies.strategies._pipeline_plugins import PipelinePrecision, StageSyncBatchNorm
+from lightning_strategies.strategies._base import should_update_logs, unwrap_optimizer
+from lightning_strategies.strategies._model_parallel import GroupNormPrecision, ModelParallelStrategy
+from lightning_strategies.strategies._pipeline_plugins import StageSyncBatchNorm
 
 __all__ = ["BALANCES", "PipelineStrategy"]
 
@@ -77,7 +77,7 @@ BALANCES: tuple[str, ...] = ("params", "time")
 Balance = str | Sequence[int]
 
 
-class PipelineStrategy(StrategyBase):
+class PipelineStrategy(ModelParallelStrategy):
     """Pipeline model parallelism (GPipe, 1F1B or interleaved 1F1B), optionally x data parallelism.
 
     Registered as ``"pipeline"`` on ``import lightning_strategies``. The module must implement
@@ -111,12 +111,9 @@ class PipelineStrategy(StrategyBase):
     heartbeats (``"pipeline: lost peer rank 1 of 4: ..."``, :mod:`lightning_strategies.faults`; a
     :class:`~lightning_strategies.PeerLostError` when a step failed, else a note on the error).
 
+    Only 32-bit precision is supported.
+
     Args:
-        accelerator: set by the Trainer.
-        parallel_devices: set by the Trainer.
-        cluster_environment: set by the Trainer.
-        checkpoint_io: set by the Trainer.
-        precision_plugin: set by the Trainer; only 32-bit precision is supported.
         schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"`` (any case). 1F1B keeps at
             most ``num_stages`` micro-batches of activations instead of all of them.
         microbatches: micro-batches per batch; default ``4 x num_stages``. Fewer than the stages
@@ -128,46 +125,33 @@ class PipelineStrategy(StrategyBase):
             slowest stage made as fast as possible), or the list of block counts per stage.
         stages_per_rank: stages each rank holds under ``"interleaved_1f1b"`` (default 2;
             must be 1 for the other schedules).
-        timeout: how long collectives and transfers (the mesh's groups too) wait for a slow
-            or hung peer; default 30 minutes, as DDP.
-        process_group_backend: ``"gloo"`` / ``"nccl"``; default by device, as for DDP.
-        start_method: how ranks start, as for ``DDPStrategy``: ``"popen"`` (re-runs the script;
-            torchrun, SLURM), ``"spawn"``, ``"fork"`` (fast on CPU) or ``"forkserver"``.
+        **kwargs: ``timeout`` (how long collectives and transfers, the mesh's groups too, wait
+            for a slow or hung peer; default 30 minutes, as DDP), ``process_group_backend``
+            (``"gloo"`` / ``"nccl"``; default by device) and ``start_method`` (``"popen"``
+            re-runs the script, for torchrun and SLURM; ``"spawn"``, ``"fork"`` (fast on CPU) or
+            ``"forkserver"``), as for ``DDPStrategy``, and the plugins the Trainer sets.
 
     Raises:
         ValueError: for an unknown schedule or balance (the valid ones listed), or a
             non-positive count; at setup, for ``Trainer(sync_batchnorm=True)`` on CPU.
+        TypeError: for DDP-wrapper options (``find_unused_parameters``, ...): there is no wrapper.
     """
 
     strategy_name = "pipeline"
+    mesh_axis = "pp"
+    size_option = "num_stages"
 
     def __init__(
         self,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
         *,
         schedule: str = "1f1b",
         microbatches: int | None = None,
         num_stages: int | None = None,
         balance: Balance = "params",
         stages_per_rank: int | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        process_group_backend: str | None = None,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
+        super().__init__(model_parallel_size=num_stages, **kwargs)
         name = str(schedule).lower()
         if name not in SCHEDULES:
             raise ValueError(
@@ -193,15 +177,10 @@ class PipelineStrategy(StrategyBase):
         self._balance = _check_balance(balance)
         self._schedule = name
         self._microbatches = microbatches
-        self._num_stages = num_stages
         self._stages_per_rank = stages_per_rank
-        self._mesh: Any = None
-        self._pp_group: dist.ProcessGroup | None = None
-        self._dp_group: dist.ProcessGroup | None = None
         self._blocks: nn.Sequential | None = None
         self._runtime: PipelineRuntime | None = None
         self._step_grads: list[Tensor | None] | None = None
-        self._sync_replicas = True
 
     # -- options in effect -------------------------------------------------------------------
 
@@ -213,16 +192,11 @@ class PipelineStrategy(StrategyBase):
     @property
     def num_stages(self) -> int:
         """Pipeline ranks: the ``num_stages`` option, or the world size."""
-        return self._num_stages if self._num_stages is not None else max(1, self.world_size)
+        return self.model_parallel_size
 
     @property
     def stages_per_rank(self) -> int:
         return self._stages_per_rank
-
-    @property
-    def replicas(self) -> int:
-        """Data-parallel replicas of the pipeline, ``world size / num_stages``."""
-        return max(1, self.world_size // self.num_stages)
 
     @property
     def microbatches(self) -> int:
@@ -234,12 +208,6 @@ class PipelineStrategy(StrategyBase):
         """This rank's pipeline (``None`` until the first batch)."""
         return self._runtime
 
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Shards over replicas only: every stage of a replica must see the same batches.
-        return {"num_replicas": self.replicas, "rank": self.global_rank // self.num_stages}
-
     # -- checks before anything starts -------------------------------------------------------
 
     @override
@@ -248,21 +216,9 @@ class PipelineStrategy(StrategyBase):
         super().connect(model)
 
     @override
-    def _configure_launcher(self) -> None:
-        # The Trainer calls this in the launching process, once the world size is known: the
-        # arithmetic fails here, before any process starts.
-        self._check_world()
-        super()._configure_launcher()
-
     def _check_world(self) -> None:
-        world, stages = self.world_size, self.num_stages
-        if world % stages:
-            raise ValueError(
-                f"PipelineStrategy(num_stages={stages}) with a world size of {world} processes: the world "
-                f"size must be replicas x num_stages, and {world} is not a multiple of {stages}. Fix: pass "
-                f"num_stages dividing {world} (e.g. {', '.join(str(d) for d in divisors(world))}), or run "
-                f"a multiple of {stages} processes (devices x num_nodes)."
-            )
+        super()._check_world()
+        stages = self.num_stages
         total = stages * self._stages_per_rank
         m = self.microbatches
         if self._schedule == "1f1b" and m < stages:
@@ -289,22 +245,14 @@ class PipelineStrategy(StrategyBase):
     # -- environment and setup -----------------------------------------------------------------
 
     @override
-    def setup_environment(self) -> None:
-        super().setup_environment()  # the world process group
-        self._check_world()
-        self._mesh = self._init_mesh((self.replicas, self.num_stages), ("dp", "pp"))
-        self._pp_group = self._mesh.get_group("pp")
-        self._dp_group = self._mesh.get_group("dp")
-
-    @override
     def setup(self, trainer: pl.Trainer) -> None:
-        if type(self.precision_plugin) not in (Precision, PipelinePrecision):
+        if type(self.precision_plugin) not in (Precision, GroupNormPrecision):
             raise ValueError(
                 f"PipelineStrategy found the precision plugin {type(self.precision_plugin).__name__}: only "
                 "32-bit precision is supported (the schedule runs backward itself, outside the plugin). "
                 "Fix: use Trainer(precision='32-true')."
             )
-        self.precision_plugin = PipelinePrecision(lambda: self._pp_group)
+        self.precision_plugin = GroupNormPrecision(lambda: self._group("pp"), lambda: self.root_device)
         self._configure_sync_batchnorm()
         super().setup(trainer)  # DDP's, with configure_ddp below
         module = self.lightning_module
@@ -333,7 +281,7 @@ class PipelineStrategy(StrategyBase):
             )
             self._layer_sync = None
             return
-        self._layer_sync = StageSyncBatchNorm(lambda: self._dp_group)
+        self._layer_sync = StageSyncBatchNorm(lambda: self._group("dp"))
 
     @override
     def configure_ddp(self) -> None:
@@ -395,7 +343,8 @@ class PipelineStrategy(StrategyBase):
         if self._runtime is not None:
             return self._runtime
         module = self.lightning_module
-        assert module is not None and self._blocks is not None and self._pp_group is not None
+        pp_group = self._group("pp")
+        assert module is not None and self._blocks is not None and pp_group is not None
         blocks = self._blocks
         total = self.num_stages * self._stages_per_rank
         if isinstance(self._balance, str) and self._balance == "time":
@@ -416,7 +365,7 @@ class PipelineStrategy(StrategyBase):
             schedule=self._schedule,
             microbatches=self.microbatches,
             loss_fn=cast(LossFn, module.pipeline_loss),
-            group=self._pp_group,
+            group=pp_group,
             device=self.root_device,
         )
         self._drop_foreign_optimizer_state()
@@ -519,20 +468,10 @@ class PipelineStrategy(StrategyBase):
         self._average_replica_gradients()
         return self.precision_plugin.post_backward(closure_loss, module)
 
-    @override
-    @contextmanager
-    def block_backward_sync(self) -> Iterator[None]:
-        # Lightning wraps the micro-steps that only accumulate in this (as DDP's no_sync): their
-        # gradients are averaged with the last micro-step's, once, before the optimizer step.
-        self._sync_replicas = False
-        try:
-            yield None
-        finally:
-            self._sync_replicas = True
-
     def _average_replica_gradients(self) -> None:
-        if self._runtime is not None and self._dp_group is not None and self._sync_replicas:
-            average_gradients(self._runtime.stage_parameters, self._dp_group)
+        dp_group = self._group("dp")
+        if self._runtime is not None and dp_group is not None and self._sync_replicas:
+            average_gradients(self._runtime.stage_parameters, dp_group)
 
     @override
     def _after_optimizer_step(self) -> None:
@@ -649,12 +588,12 @@ class PipelineStrategy(StrategyBase):
             for group in groups:
                 with suppress(ValueError):  # destroyed already (the caller tore everything down)
                     dist.destroy_process_group(group)
-        self._mesh, self._pp_group, self._dp_group = None, None, None
+        self._mesh = None
         super().teardown()
 
     def _own_groups(self) -> list[dist.ProcessGroup]:
         """The mesh's groups of this rank, and any per-direction P2P groups the stages made."""
-        candidates: list[Any] = [self._pp_group, self._dp_group]
+        candidates: list[Any] = [self._group("pp"), self._group("dp")]
         if self._runtime is not None:
             candidates += self._runtime.stage_groups()
         default = dist.GroupMember.WORLD if dist.is_available() and dist.is_initialized() else None

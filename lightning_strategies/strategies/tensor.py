@@ -9,8 +9,8 @@ over replicas, sharded gradients are averaged across replicas, replicated ones a
 
 The hooks changed (everything else, launching included, is ``DDPStrategy``'s):
 
-- ``_configure_launcher`` / ``setup_environment``: ``tp_size`` checked against the world size
-  before any process starts; the mesh.
+- ``_configure_launcher`` / ``setup_environment`` (``ModelParallelStrategy``'s): ``tp_size``
+  checked against the world size before any process starts; the mesh.
 - ``configure_ddp``: no DDP wrapper; rank 0's weights everywhere, then the plan checked and the
   layers split (the optimizer is built afterwards, over the shards).
 - ``backward``: the gradients averaged (one flattened all-reduce per kind) before
@@ -23,20 +23,16 @@ The hooks changed (everything else, launching included, is ``DDPStrategy``'s):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, suppress
-from datetime import timedelta
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -55,51 +51,18 @@ from lightning_strategies.comm.tensor import (
     shard_full_tensor,
 )
 from lightning_strategies.optim import Lamb, Lars
-from lightning_strategies.strategies._base import StrategyBase, divisors, unwrap_optimizer
+from lightning_strategies.strategies._base import unwrap_optimizer
+from lightning_strategies.strategies._model_parallel import (
+    GroupNormPrecision,
+    ModelParallelStrategy,
+    destroy_at_exit,
+    forget_at_exit,
+)
 
-__all__ = ["TensorParallelPrecision", "TensorParallelStrategy"]
-
-
-class TensorParallelPrecision(Precision):
-    """32-bit precision whose clipping by norm takes whole-layer norms.
-
-    A sharded gradient's squared norm is summed over the tensor-parallel group; a replicated
-    one (identical on every rank) counts once.
-
-    Args:
-        group: returns the tensor-parallel process group (``None`` before the mesh exists).
-    """
-
-    def __init__(self, group: Callable[[], dist.ProcessGroup | None]) -> None:
-        super().__init__()
-        self._group = group
-
-    @override
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
-        if not grads:
-            return
-        device = local_part(grads[0]).device
-        sharded = torch.zeros((), dtype=torch.float64, device=device)
-        replicated = torch.zeros((), dtype=torch.float64, device=device)
-        for g in grads:
-            sq = local_part(g).detach().double().pow(2).sum()
-            if is_sharded(g):
-                sharded += sq
-            else:
-                replicated += sq
-        group = self._group()
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(sharded, group=group)
-        total = float((sharded + replicated).sqrt())
-        # torch.nn.utils.clip_grad_norm_'s rule: scale by clip / (norm + 1e-6), never up
-        coef = min(1.0, float(clip_val) / (total + 1e-6))
-        if coef < 1.0:
-            for g in grads:
-                local_part(g).mul_(coef)
+__all__ = ["TensorParallelStrategy"]
 
 
-class TensorParallelStrategy(StrategyBase):
+class TensorParallelStrategy(ModelParallelStrategy):
     """Intra-layer model parallelism of ``nn.Linear`` layers, optionally x data parallelism.
 
     Registered as ``"tensor"`` (and ``"tensor_fork"``) on ``import lightning_strategies``. Each
@@ -144,13 +107,14 @@ class TensorParallelStrategy(StrategyBase):
     """
 
     strategy_name = "tensor"
+    mesh_axis = "tp"
+    size_option = "tp_size"
 
     def __init__(
         self,
         *,
         tp_size: int | None = None,
         plan: Mapping[str, str] | None = None,
-        timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
         if tp_size is not None and (isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1):
@@ -170,12 +134,9 @@ class TensorParallelStrategy(StrategyBase):
                     f"TensorParallelStrategy(plan=...): found the style(s) {bad}: expected one of "
                     f"{', '.join(repr(s) for s in STYLES)}. Fix: use one of them per layer."
                 )
-        super().__init__(timeout=timeout, **kwargs)
-        self._tp_size = tp_size
+        super().__init__(model_parallel_size=tp_size, **kwargs)
         self._plan = dict(plan) if plan is not None else None
-        self._mesh: DeviceMesh | None = None
         self._tp: TensorParallelModule | None = None
-        self._sync_replicas = True
         self._grad_stats = CommStats()
         self._step_started: float | None = None
 
@@ -184,49 +145,14 @@ class TensorParallelStrategy(StrategyBase):
     @property
     def tp_size(self) -> int:
         """Ranks per tensor-parallel group: the ``tp_size`` option, or the world size."""
-        return self._tp_size if self._tp_size is not None else max(1, self.world_size)
-
-    @property
-    def replicas(self) -> int:
-        """Data-parallel replicas, ``world size / tp_size``."""
-        return max(1, self.world_size // self.tp_size)
+        return self.model_parallel_size
 
     @property
     def tensor_parallel(self) -> TensorParallelModule | None:
         """The split module (``None`` outside setup .. teardown)."""
         return self._tp
 
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Shards over replicas only: the ranks of a tensor-parallel group must see the same batch.
-        return {"num_replicas": self.replicas, "rank": self.global_rank // self.tp_size}
-
-    # -- checks before anything starts -------------------------------------------------------
-
-    @override
-    def _configure_launcher(self) -> None:
-        # The Trainer calls this in the launching process once the world size is known.
-        self._check_world()
-        super()._configure_launcher()
-
-    def _check_world(self) -> None:
-        world, tp = self.world_size, self.tp_size
-        if world % tp:
-            raise ValueError(
-                f"TensorParallelStrategy(tp_size={tp}) with a world size of {world} processes: the world size "
-                f"must be replicas x tp_size, and {world} is not a multiple of {tp}. Fix: pass tp_size dividing "
-                f"{world} (one of {', '.join(str(d) for d in divisors(world))}), or run a multiple of {tp} "
-                "processes (devices x num_nodes)."
-            )
-
     # -- environment and setup -----------------------------------------------------------------
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()  # the world process group
-        self._check_world()
-        self._mesh = self._init_mesh((self.replicas, self.tp_size), ("dp", "tp"))
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -237,12 +163,14 @@ class TensorParallelStrategy(StrategyBase):
                 "TensorParallelStrategy found `automatic_optimization = False`: expected automatic optimization, "
                 "since the strategy averages gradients in its backward. Fix: use automatic optimization."
             )
-        if type(self.precision_plugin) not in (Precision, TensorParallelPrecision):
+        if type(self.precision_plugin) not in (Precision, GroupNormPrecision):
             raise ValueError(
                 f"TensorParallelStrategy found the precision plugin {type(self.precision_plugin).__name__}: only "
                 "32-bit precision is supported. Fix: use Trainer(precision='32-true')."
             )
-        self.precision_plugin = TensorParallelPrecision(self._tp_group)
+        self.precision_plugin = GroupNormPrecision(
+            lambda: self._group("tp"), lambda: self.root_device, is_split=is_sharded, local=local_part
+        )
         super().setup(trainer)  # fitting: configure_ddp splits the layers, then the optimizers are built
         if self._tp is None:
             self._parallelize()  # validate / test / predict: the module is split too
@@ -262,9 +190,6 @@ class TensorParallelStrategy(StrategyBase):
         plan = self._plan if self._plan is not None else auto_plan(module)
         check_plan(module, plan, self.tp_size)
         self._tp = parallelize(module, self._mesh["tp"], plan)
-
-    def _tp_group(self) -> dist.ProcessGroup | None:
-        return self._mesh.get_group("tp") if self._mesh is not None else None
 
     def _check_optimizers(self) -> None:
         for i, optimizer in enumerate(self.optimizers):
@@ -301,16 +226,6 @@ class TensorParallelStrategy(StrategyBase):
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
-
-    @override
-    @contextmanager
-    def block_backward_sync(self) -> Iterator[None]:
-        # Micro-steps that only accumulate: averaged once, with the last micro-step's gradients.
-        self._sync_replicas = False
-        try:
-            yield None
-        finally:
-            self._sync_replicas = True
 
     def _average_gradients(self) -> None:
         """Sharded gradients averaged across replicas, the others across the whole mesh.
@@ -441,24 +356,30 @@ class TensorParallelStrategy(StrategyBase):
 
     @override
     def teardown(self) -> None:
-        """Give the module back whole (on every rank) and destroy the mesh's groups.
+        """Give the module back whole (on every rank); keep the mesh for a later stage.
 
         The fork launcher hands rank 0's module to the caller, and a later ``test()`` in the same
-        process splits it again at setup. After an error nothing waits for peers: the module
-        stays split and the groups are left to the process's exit.
+        process splits it again at setup, on the same mesh: DTensor caches its sharding decisions
+        keyed by meshes that compare equal by layout, not by group, so a new mesh after this
+        one's groups were destroyed would meet cached specs naming dead groups ("Could not
+        resolve the process group"). The groups are destroyed at interpreter exit instead. After
+        an error nothing waits for peers: the module stays split and the groups are left to the
+        process's end.
         """
         tp, self._tp = self._tp, None
         if tp is not None and not self.failed:
             tp.unparallelize()
-        groups = self._own_groups()
-        if not self.failed and dist.is_available() and dist.is_initialized():
-            for group in groups:
-                with suppress(ValueError):  # destroyed already
-                    dist.destroy_process_group(group)
-        self._mesh = None
+        if self.failed:
+            forget_at_exit(self._own_groups())
+            self._mesh = None  # its peers may be gone: a later stage builds a new one
         self._grad_stats.reset()
         self._step_started = None
         super().teardown()
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        destroy_at_exit(self._own_groups())
 
     def _own_groups(self) -> list[dist.ProcessGroup]:
         if self._mesh is None or not (dist.is_available() and dist.is_initialized()):

@@ -21,11 +21,11 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 from dist_utils import run_workers
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning_utils import GlobalBatchSampler
 from torch import nn
-from torch.utils.data import DataLoader, Sampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_strategies  # noqa: F401
 from lightning_strategies import TensorParallelStrategy
@@ -78,32 +78,6 @@ def data() -> TensorDataset:
     return TensorDataset(x, torch.tanh(x @ torch.randn(IN, OUT, generator=g)))
 
 
-class ReplicaSliceSampler(Sampler[int]):
-    """Replica r of R takes the r-th slice of each contiguous global batch of ``R x batch_size``.
-
-    The ranks of a tensor-parallel group (``rank // tp``) get the same slice, and step k of any
-    layout covers samples ``[k R B, (k+1) R B)``, as the one-device reference with batch ``R B``.
-    """
-
-    def __init__(self, n: int, batch_size: int, tp: int) -> None:
-        self.n, self.batch_size, self.tp = n, batch_size, tp
-
-    def _replica(self) -> tuple[int, int]:
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank() // self.tp, dist.get_world_size() // self.tp
-        return 0, 1
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        r, replicas = self._replica()
-        step = self.batch_size * replicas
-        for start in range(0, self.n - step + 1, step):
-            yield from range(start + r * self.batch_size, start + (r + 1) * self.batch_size)
-
-    def __len__(self) -> int:
-        _, replicas = self._replica()
-        return (self.n // (self.batch_size * replicas)) * self.batch_size
-
-
 def fit(
     strategy: Any,
     devices: int,
@@ -130,7 +104,7 @@ def fit(
         log_every_n_steps=1,
         **trainer_kwargs,
     )
-    loader = DataLoader(data(), batch_size=batch, sampler=ReplicaSliceSampler(N, batch, tp))
+    loader = DataLoader(data(), batch_size=batch, sampler=GlobalBatchSampler(N, batch, ranks_per_replica=tp))
     trainer.fit(model, loader, ckpt_path=ckpt_path)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, trainer
 
@@ -317,3 +291,15 @@ def test_app_recipe_digits_wide_mlp(tmp_path: Path) -> None:
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     # 2 processes, one tensor-parallel group: the scaling rule sees 1 replica (global batch 64)
     assert metrics["world_size"] == 2 and metrics["replicas"] == 1 and metrics["global_batch_size"] == 64, metrics
+
+
+def test_app_recipe_fits_then_tests_in_the_same_process(tmp_path: Path) -> None:
+    """The app's default launcher re-runs the script for rank 1, so rank 0 fits and then tests in
+    one process: the test phase splits the module again on a mesh DTensor has seen before (its
+    sharding cache keys meshes by layout, not by group), which must still resolve its groups."""
+    from app_utils import FEW_BATCHES, run_train
+
+    done = run_train(["recipe=digits_wide_mlp", f"hydra.run.dir={tmp_path}", *FEW_BATCHES], cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["status"] == "ok" and metrics["test_acc"] is not None, metrics

@@ -1,0 +1,185 @@
+"""What the model-parallel strategies (``pipeline``, ``tensor``) share.
+
+Both split the model over a group of ranks and replicate that group for data parallelism, on a
+``(dp, <axis>)`` device mesh: ``world = replicas x model_parallel_size``. Every rank of a group
+must see the same batches (the sampler shards over replicas only), gradients are averaged over
+the replicas by the strategy (no DDP wrapper), and clipping by norm must use the norm over the
+whole group, since each rank holds only part of the model.
+"""
+
+from __future__ import annotations
+
+import atexit
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, suppress
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import Precision
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_strategies.strategies._base import StrategyBase, divisors
+
+__all__ = ["GroupNormPrecision", "ModelParallelStrategy", "destroy_at_exit", "forget_at_exit"]
+
+_GROUPS_AT_EXIT: list[dist.ProcessGroup] = []
+
+
+def destroy_at_exit(groups: Iterable[dist.ProcessGroup]) -> None:
+    """Destroy ``groups`` when the interpreter exits, before it tears its modules down.
+
+    For groups that must outlive a strategy's teardown (see ``TensorParallelStrategy``): a gloo
+    group left to the interpreter's own teardown sometimes aborts a process that trained fine.
+    """
+    if not _GROUPS_AT_EXIT:
+        atexit.register(_destroy_groups_at_exit)
+    _GROUPS_AT_EXIT.extend(g for g in groups if g not in _GROUPS_AT_EXIT)
+
+
+def forget_at_exit(groups: Iterable[dist.ProcessGroup]) -> None:
+    """Leave ``groups`` to the process's end after all: destroying a group waits for its pending
+    work, which a dead or hung peer never completes."""
+    for group in groups:
+        with suppress(ValueError):
+            _GROUPS_AT_EXIT.remove(group)
+
+
+def _destroy_groups_at_exit() -> None:
+    if dist.is_available() and dist.is_initialized():
+        for group in _GROUPS_AT_EXIT:
+            with suppress(Exception):  # destroyed already, or the default group went first
+                dist.destroy_process_group(group)
+    _GROUPS_AT_EXIT.clear()
+
+
+class ModelParallelStrategy(StrategyBase):
+    """A strategy whose model is split over ``model_parallel_size`` ranks, replicated ``replicas`` times.
+
+    Subclasses name their mesh axis (:attr:`mesh_axis`, e.g. ``"pp"``) and the option that sets
+    the group size (:attr:`size_option`, e.g. ``"num_stages"``), whose value they pass on as
+    ``model_parallel_size`` (``None``: the world size). The mesh is built in ``setup_environment``; the world size is
+    checked when the Trainer configures the launcher (before any process starts) and again there.
+    """
+
+    wraps_ddp = False
+    mesh_axis: ClassVar[str]
+    size_option: ClassVar[str]
+
+    def __init__(self, *args: Any, model_parallel_size: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._model_parallel_size = model_parallel_size
+        self._mesh: DeviceMesh | None = None
+        self._sync_replicas = True
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that share one copy of the model (a pipeline's stages, a tensor-parallel group):
+        the size option, or the world size."""
+        return self._model_parallel_size if self._model_parallel_size is not None else max(1, self.world_size)
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas of the split model, ``world size / model_parallel_size``."""
+        return max(1, self.world_size // self.model_parallel_size)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Shards over replicas only: every rank of a model-parallel group must see the same batches.
+        return {"num_replicas": self.replicas, "rank": self.global_rank // self.model_parallel_size}
+
+    @override
+    def _configure_launcher(self) -> None:
+        # The Trainer calls this in the launching process once the world size is known: the
+        # arithmetic fails here, before any process starts.
+        self._check_world()
+        super()._configure_launcher()
+
+    def _check_world(self) -> None:
+        """Raise unless the world is ``replicas x model_parallel_size``; subclasses add their checks."""
+        world, size, option = self.world_size, self.model_parallel_size, self.size_option
+        if world % size:
+            raise ValueError(
+                f"{type(self).__name__}({option}={size}) with a world size of {world} processes: the world "
+                f"size must be replicas x {option}, and {world} is not a multiple of {size}. Fix: pass "
+                f"{option} dividing {world} (e.g. {', '.join(str(d) for d in divisors(world))}), or run "
+                f"a multiple of {size} processes (devices x num_nodes)."
+            )
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # the world process group
+        self._check_world()
+        if self._mesh is None:  # a strategy that keeps its mesh across fit and test reuses it
+            self._mesh = self._init_mesh((self.replicas, self.model_parallel_size), ("dp", self.mesh_axis))
+
+    def _group(self, axis: str) -> dist.ProcessGroup | None:
+        """This rank's group along ``axis`` of the mesh (``None`` before the mesh exists)."""
+        return self._mesh.get_group(axis) if self._mesh is not None else None
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        # Lightning wraps the micro-steps that only accumulate in this (as DDP's no_sync): their
+        # gradients are averaged with the last micro-step's, once, before the optimizer step.
+        self._sync_replicas = False
+        try:
+            yield None
+        finally:
+            self._sync_replicas = True
+
+
+class GroupNormPrecision(Precision):
+    """32-bit precision whose clipping by norm uses the norm of the whole (split) model.
+
+    Each rank holds only part of the model's gradients: the squared norms of the parts it alone
+    holds (a pipeline stage's, a tensor-parallel shard's) are summed over ``group``, those every
+    rank of the group holds alike (replicated parameters) count once. Every rank of the group
+    takes part in the all-reduce, with or without gradients, so the collective always pairs up.
+
+    Args:
+        group: returns the model-parallel process group (``None`` before it exists).
+        device: returns the device of the all-reduced norm (the strategy's ``root_device``).
+        is_split: whether a gradient is held by this rank alone; default every gradient.
+        local: the tensor this rank holds for a gradient (a DTensor's local shard); default itself.
+    """
+
+    def __init__(
+        self,
+        group: Callable[[], dist.ProcessGroup | None],
+        device: Callable[[], torch.device],
+        *,
+        is_split: Callable[[Tensor], bool] = lambda g: True,
+        local: Callable[[Tensor], Tensor] = lambda g: g,
+    ) -> None:
+        super().__init__()
+        self._group = group
+        self._device = device
+        self._is_split = is_split
+        self._local = local
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
+        parts = [self._local(g) for g in grads]
+        device = parts[0].device if parts else self._device()
+        split = torch.zeros((), dtype=torch.float64, device=device)
+        shared = torch.zeros((), dtype=torch.float64, device=device)
+        for g, part in zip(grads, parts, strict=True):
+            squares = part.detach().double().pow(2).sum()
+            if self._is_split(g):
+                split += squares
+            else:
+                shared += squares
+        group = self._group()
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(split, group=group)
+        total = float((split + shared).sqrt())
+        # torch.nn.utils.clip_grad_norm_'s rule: scale by clip / (norm + 1e-6), never up
+        coef = min(1.0, float(clip_val) / (total + 1e-6))
+        if coef < 1.0 and parts:
+            torch._foreach_mul_(parts, coef)
