@@ -2,6 +2,7 @@
 
 Importing the package registers its strategy names (``"ring"``, ...) with Lightning's
 ``StrategyRegistry``, so ``Trainer(strategy="ring")`` works after ``import lightning_strategies``.
+They are Trainer strategies: ``Fabric(strategy="ring")`` raises an error saying so.
 """
 
 from lightning_strategies.checkpoint import AtomicCheckpointIO, CorruptCheckpointError
@@ -20,7 +21,7 @@ from lightning_strategies.scaling import (
     replicas_of,
     scaled_lr,
 )
-from lightning_strategies.strategies._registry import register_strategies
+from lightning_strategies.strategies._registry import register_fabric_refusals, register_strategies
 from lightning_strategies.strategies.async_ps import AsyncParameterServerStrategy
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 from lightning_strategies.strategies.pipeline import PipelineStrategy
@@ -57,3 +58,4 @@ __all__ = [
 ]
 
 register_strategies()
+register_fabric_refusals()  # Fabric(strategy="ring") says these are Trainer strategies

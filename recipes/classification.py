@@ -309,7 +309,7 @@ class ThroughputMonitor(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._epoch_samples += len(batch[0]) if isinstance(batch, list | tuple) else len(batch)
+        self._epoch_samples += _batch_len(batch)
         self._last_batch_end = time.perf_counter()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -324,3 +324,11 @@ class ThroughputMonitor(pl.Callback):
         """Median rate over epochs after the first (which pays for warm-up), or the only one."""
         rates = self.epoch_rates[1:] or self.epoch_rates
         return float(torch.tensor(rates).median()) if rates else float("nan")
+
+
+def _batch_len(batch: Any) -> int:
+    """Samples in a batch: the length of its first tensor (a tuple, list or dict batch of any module)."""
+    if isinstance(batch, torch.Tensor):
+        return len(batch)
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, list | tuple) else ()
+    return next((len(item) for item in items if isinstance(item, torch.Tensor) and item.ndim > 0), 0)

@@ -1,7 +1,9 @@
 """Turn a sweep directory of runs into ``summary.md`` and PNG plots.
 
-``python -m recipes.report multirun/2026-11-29/10-00-00`` (also run automatically at the end of
-every Hydra multirun by :class:`SweepReport`). Each job directory holds the ``metrics.json``
+``ls-report multirun/2026-11-29/10-00-00`` or ``python -m recipes.report ...``, from any directory
+once the package is installed (also run automatically at the end of every Hydra multirun by
+:class:`SweepReport`). It needs only Hydra's callback base, OmegaConf and matplotlib, not
+``lightning_strategies`` nor torch. Each job directory holds the ``metrics.json``
 that ``recipes.train.run`` wrote (or a failed one); the table has one row per job, failed jobs
 included with their error, and one column per swept key. The plots group by the swept keys: with
 one key a bar per job; with more, the last key's values along the x axis and one colour per
@@ -22,7 +24,7 @@ from omegaconf import DictConfig
 
 __all__ = ["FAILED_JOBS", "SweepReport", "collect", "main", "swept_keys", "write_report"]
 
-# Jobs of the last multirun in this process that failed (train.py exits non-zero if any).
+# Job dirs of the last multirun in this process that failed (the app exits non-zero if any).
 FAILED_JOBS: list[str] = []
 
 COLUMNS: tuple[tuple[str, str], ...] = (
@@ -251,21 +253,19 @@ def write_report(sweep_dir: str | Path) -> Path:
 
 
 class SweepReport(Callback):
-    """Hydra callback: after a multirun, write and print the sweep's summary."""
+    """Hydra callback: after a multirun, write and print the sweep's summary, and record its
+    failed jobs in :data:`FAILED_JOBS` (the app exits non-zero when there are any).
+
+    Failures are read from the job directories, not from Hydra's job returns: under submitit a job
+    runs (and its callbacks are called) in another process, and every launcher leaves the dirs.
+    """
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         FAILED_JOBS.clear()
 
-    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        value = getattr(job_return, "_return_value", None)
-        failed = getattr(job_return.status, "name", "") == "FAILED" or (
-            isinstance(value, dict) and value.get("status") == "failed"
-        )
-        if failed:
-            FAILED_JOBS.append(str(getattr(job_return, "working_dir", "?")))
-
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         summary = write_report(config.hydra.sweep.dir)
+        FAILED_JOBS[:] = [str(row["job"]) for row in collect(config.hydra.sweep.dir) if row.get("status") != "ok"]
         print(summary.read_text(), flush=True)
         print(f"sweep summary: {summary}", flush=True)
 

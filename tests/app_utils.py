@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -40,14 +41,27 @@ def config_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-def run_train(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """``python train.py ARGS`` from ``cwd`` (outputs land there), one torch thread per process."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def pythonpath(*paths: Path | str) -> str:
+    """``paths``, the repository root (recipes, for processes a launcher starts) and the inherited PYTHONPATH."""
+    inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    return os.pathsep.join([*(str(p) for p in paths), str(ROOT), *inherited])
+
+
+def run_train(
+    args: list[str], cwd: Path, timeout: float = 300, extra_paths: tuple[Path, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """``python train.py ARGS`` from ``cwd`` (outputs land there), one torch thread per process;
+    ``extra_paths`` go on the PYTHONPATH (modules a config's ``_target_`` names)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath(*extra_paths)}
+    command = [sys.executable, str(ROOT / "train.py"), *args]
+    # its own process group, so a timeout ends the ranks and sweep jobs it started too
+    with subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)

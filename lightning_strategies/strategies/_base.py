@@ -7,7 +7,8 @@
   nothing may wait for them), the full optimizer state kept for a ``Trainer.save_checkpoint``
   after fit, one way to reach the trainer, and one metrics window.
 - :class:`MetricsWindow`: per-step values collected between two of Lightning's logging steps
-  and logged as means (or maxima, or the latest value) when Lightning writes step metrics.
+  and logged as means (or maxima, or the latest value) when Lightning writes step metrics, and
+  at the last batch of every epoch.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from lightning_strategies.checkpoint import ATOMIC_CHECKPOINT_IO_DEFAULT
 from lightning_strategies.faults import PeerFailureMixin
 from lightning_strategies.strategies._elastic import ElasticRestartMixin
 
-__all__ = ["MetricsWindow", "StrategyBase", "divisors", "should_update_logs", "unwrap_optimizer"]
+__all__ = ["MetricsWindow", "StrategyBase", "divisors", "is_last_batch", "should_update_logs", "unwrap_optimizer"]
 
 
 def should_update_logs(trainer: pl.Trainer | None) -> bool:
@@ -113,17 +114,54 @@ class MetricsWindow:
         self._sums, self._counts, self._peaks, self._latest = {}, {}, {}, {}
 
     def flush_if_due(self, module: pl.LightningModule | None) -> bool:
-        """Log the window through ``module.log_dict`` when Lightning writes step metrics now.
+        """Log the window through ``module.log_dict`` when Lightning writes step metrics now, and
+        write it to the loggers at the last batch of an epoch (see :func:`write_at_epoch_end`).
 
-        Call it where ``self.log`` is allowed (``optimizer_step`` or ``training_step``).
+        Call it where ``self.log`` is allowed (``optimizer_step`` or ``training_step``). Nothing
+        here waits for other ranks.
 
         Returns:
             Whether the window was logged (and emptied).
         """
-        if module is None or module._current_fx_name is None or not self or not should_update_logs(module._trainer):
+        if module is None or module._current_fx_name is None or not self:
             return False
-        module.log_dict(self.flush(), on_step=True, on_epoch=False, batch_size=1)
+        if should_update_logs(module._trainer):
+            module.log_dict(self.flush(), on_step=True, on_epoch=False, batch_size=1)
+            return True
+        return self.write_at_epoch_end(module)
+
+    def write_at_epoch_end(self, module: pl.LightningModule) -> bool:
+        """At the last training batch of an epoch, log what the window holds and write it to every logger.
+
+        Lightning writes step metrics every ``log_every_n_steps`` optimizer steps: an epoch shorter
+        than that (9 steps at the default 10) would reach the logger with nothing, and the steps
+        after an epoch's last logging step would wait for the next epoch (or be lost at the end).
+        The values also go through ``module.log_dict``, so ``trainer.callback_metrics`` holds them.
+
+        Returns:
+            Whether the window was written (and emptied): only at an epoch's last batch.
+        """
+        trainer = module._trainer
+        if trainer is None or not self or not is_last_batch(trainer):
+            return False
+        values = self.flush()
+        module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped  # the step Lightning logs this one at (0-based)
+        for logger in trainer.loggers:  # rank zero only, as Lightning's own logging
+            logger.log_metrics(values, step=step)
         return True
+
+
+def is_last_batch(trainer: pl.Trainer) -> bool:
+    """Whether the training batch being run is the last of its epoch (False when unknown)."""
+    try:
+        loop = trainer.fit_loop.epoch_loop
+        if loop.batch_progress.is_last_batch:
+            return True
+        batches = trainer.num_training_batches
+        return isinstance(batches, int) and loop.batch_idx + 1 >= batches
+    except (AttributeError, RuntimeError, TypeError):
+        return False
 
 
 #: The options every strategy here takes besides its own (the Trainer sets the plugins).

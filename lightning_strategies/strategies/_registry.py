@@ -3,6 +3,11 @@
 Variants are rows, not subclasses: ``"ring_bf16"`` is ``RingAllReduceStrategy`` with
 ``wire_dtype="bf16"``, the way Lightning registers ``ddp_find_unused_parameters_true``.
 Registration happens on ``import lightning_strategies`` (Lightning discovers no entry points).
+
+Fabric has a registry of its own, for ``lightning.fabric.strategies.Strategy`` classes; these
+strategies are Trainer strategies (they hook Lightning's training loop, logging and callbacks),
+so each name is registered there as a refusal that says so: ``Fabric(strategy="ring")`` fails
+with what to use instead, not with "invalid strategy name".
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-__all__ = ["STRATEGY_ROWS", "StrategyRow", "register_strategies"]
+__all__ = ["STRATEGY_ROWS", "StrategyRow", "register_fabric_refusals", "register_strategies"]
 
 
 @dataclass(frozen=True)
@@ -116,5 +121,39 @@ def register_strategies(registry: Any = StrategyRegistry) -> list[str]:
         registry.register(
             row.name, row.strategy_class(), description=row.description, **row.init_params
         )
+        added.append(row.name)
+    return added
+
+
+class TrainerOnlyStrategyError(ValueError):
+    """A strategy name of this package given to Lightning Fabric."""
+
+
+def _trainer_only(name: str) -> Any:
+    def refuse(**kwargs: Any) -> Any:
+        raise TrainerOnlyStrategyError(
+            f"Fabric(strategy={name!r}): found a lightning-strategies strategy, which is a Trainer strategy "
+            "(lightning.pytorch): it works through the Trainer's loop, logging and callbacks; expected a "
+            "Fabric strategy (lightning.fabric.strategies). Fix: train with lightning.pytorch.Trainer(strategy="
+            f"{name!r}), or use Fabric(strategy='ddp') and call lightning_strategies.comm "
+            "(ring_all_reduce, ...) on its process group yourself"
+        )
+
+    return refuse
+
+
+def register_fabric_refusals(registry: Any = None) -> list[str]:
+    """Register each name of :data:`STRATEGY_ROWS` with Fabric's registry as a clear refusal.
+
+    Returns:
+        The names registered by this call (none that Fabric already knows).
+    """
+    if registry is None:
+        from lightning.fabric.strategies import STRATEGY_REGISTRY as registry
+    added = []
+    for row in STRATEGY_ROWS:
+        if row.name in registry:
+            continue
+        registry.register(row.name, _trainer_only(row.name), description=f"Trainer only: {row.description}")
         added.append(row.name)
     return added

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from app_utils import FEW_BATCHES, compose_cfg, config_options, run_train
 
 from recipes.train import run
@@ -122,7 +123,12 @@ def test_multirun_failed_job_is_a_failed_row(tmp_path: Path) -> None:
 def test_tensorboard_logger(tmp_path: Path) -> None:
     out = tmp_path / "run"
     run(compose_cfg(["logger=tensorboard", "model=small_cnn", *FEW_BATCHES], output_dir=out))
-    assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
+    events = list((out / "tensorboard").rglob("events.out.tfevents.*"))
+    assert events
+    # the composed config is the run's hyperparameters (TensorBoard's HPARAMS tab, and hparams.yaml)
+    assert any(b"optimizer/lr" in e.read_bytes() and b"_hparams_/session_start_info" in e.read_bytes() for e in events)
+    hparams = yaml.safe_load(next((out / "tensorboard").rglob("hparams.yaml")).read_text())
+    assert hparams["optimizer"]["lr"] == 0.05 and hparams["model"]["name"] == "small_cnn"
 
 
 def test_callbacks_removed_from_the_command_line(tmp_path: Path) -> None:

@@ -1,0 +1,64 @@
+"""The Hydra app's task, shared by ``train.py`` and ``python -m recipes.app --config-path <conf>``.
+
+:func:`task` trains one configuration and returns the number a sweeper optimises
+(``optimized_metric``); :func:`exit_code` is what the process exits with after a multirun (1 when
+any job failed, under every launcher). ``python -m recipes.app`` is the command a sweep job runs
+when it needs a process of its own (see :func:`recipes.train.run`): it never depends on how the
+sweep itself was started (``train.py``, submitit's ``_submit``, ...).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from recipes import report
+from recipes.train import ConfigError, run
+
+__all__ = ["exit_code", "objective", "task"]
+
+
+def objective(metrics: dict[str, Any], name: str | None) -> float | None:
+    """The value of ``metrics[name]`` as a float: what a sweeper (Optuna) optimises.
+
+    A failed job gives NaN (Optuna records the trial as failed and goes on); ``name=None`` gives None.
+
+    Raises:
+        ConfigError: a run that finished without that metric, or with a non-numeric one.
+    """
+    if name is None:
+        return None
+    if metrics.get("status", "ok") != "ok":
+        return math.nan
+    value = metrics.get(name)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        numeric = sorted(k for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool))
+        raise ConfigError(
+            f"optimized_metric={name!r}: found {value!r} in this run's metrics: expected a number, one of "
+            f"{', '.join(numeric)}. Fix: set optimized_metric to one of them (or optimized_metric=null)"
+        )
+    return float(value)
+
+
+def task(cfg: DictConfig) -> float | None:
+    """Train ``cfg`` (:func:`recipes.train.run`) and return ``cfg.optimized_metric``'s value."""
+    return objective(run(cfg), cfg.get("optimized_metric"))
+
+
+def exit_code() -> int:
+    """1 when a job of the multirun that just ended failed, else 0 (a single run raises instead)."""
+    return 1 if report.FAILED_JOBS else 0
+
+
+@hydra.main(version_base="1.3", config_path=None, config_name="train")
+def _main(cfg: DictConfig) -> float | None:
+    return task(cfg)
+
+
+if __name__ == "__main__":
+    _main()
+    sys.exit(exit_code())
