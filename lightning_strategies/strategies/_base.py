@@ -32,7 +32,16 @@ from lightning_strategies.checkpoint import ATOMIC_CHECKPOINT_IO_DEFAULT
 from lightning_strategies.faults import PeerFailureMixin
 from lightning_strategies.strategies._elastic import ElasticRestartMixin
 
-__all__ = ["MetricsWindow", "StrategyBase", "divisors", "is_last_batch", "should_update_logs", "unwrap_optimizer"]
+__all__ = [
+    "MetricsWindow",
+    "StrategyBase",
+    "divisors",
+    "is_last_batch",
+    "log_due",
+    "log_values",
+    "should_update_logs",
+    "unwrap_optimizer",
+]
 
 
 def should_update_logs(trainer: pl.Trainer | None) -> bool:
@@ -115,7 +124,7 @@ class MetricsWindow:
 
     def flush_if_due(self, module: pl.LightningModule | None) -> bool:
         """Log the window through ``module.log_dict`` when Lightning writes step metrics now, and
-        write it to the loggers at the last batch of an epoch (see :func:`write_at_epoch_end`).
+        write it to the loggers at the last batch of an epoch (see :func:`log_due`).
 
         Call it where ``self.log`` is allowed (``optimizer_step`` or ``training_step``). Nothing
         here waits for other ranks.
@@ -125,31 +134,40 @@ class MetricsWindow:
         """
         if module is None or module._current_fx_name is None or not self:
             return False
-        if should_update_logs(module._trainer):
-            module.log_dict(self.flush(), on_step=True, on_epoch=False, batch_size=1)
-            return True
-        return self.write_at_epoch_end(module)
-
-    def write_at_epoch_end(self, module: pl.LightningModule) -> bool:
-        """At the last training batch of an epoch, log what the window holds and write it to every logger.
-
-        Lightning writes step metrics every ``log_every_n_steps`` optimizer steps: an epoch shorter
-        than that (9 steps at the default 10) would reach the logger with nothing, and the steps
-        after an epoch's last logging step would wait for the next epoch (or be lost at the end).
-        The values also go through ``module.log_dict``, so ``trainer.callback_metrics`` holds them.
-
-        Returns:
-            Whether the window was written (and emptied): only at an epoch's last batch.
-        """
-        trainer = module._trainer
-        if trainer is None or not self or not is_last_batch(trainer):
+        due = log_due(module._trainer)
+        if due is None:
             return False
-        values = self.flush()
-        module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped  # the step Lightning logs this one at (0-based)
-        for logger in trainer.loggers:  # rank zero only, as Lightning's own logging
-            logger.log_metrics(values, step=step)
+        log_values(module, self.flush(), at_epoch_end=due == "epoch_end")
         return True
+
+
+def log_due(trainer: pl.Trainer | None) -> str | None:
+    """``"step"`` when Lightning writes step metrics now, ``"epoch_end"`` at another step that is the
+    last batch of its epoch, else ``None``.
+
+    Lightning writes step metrics every ``log_every_n_steps`` optimizer steps: an epoch shorter than
+    that (9 steps at the default 10) would reach the logger with nothing, and the steps after an
+    epoch's last logging step would wait for the next epoch (or be lost at the end). Every rank
+    that sees the same batches agrees on the answer, so a collective made when it is not ``None``
+    pairs up.
+    """
+    if trainer is None:
+        return None
+    if should_update_logs(trainer):
+        return "step"
+    return "epoch_end" if is_last_batch(trainer) else None
+
+
+def log_values(module: pl.LightningModule, values: dict[str, float], *, at_epoch_end: bool) -> None:
+    """``module.log_dict`` the values (so ``trainer.callback_metrics`` holds them); at an epoch's end,
+    where Lightning does not write step metrics, also write them to every logger."""
+    module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
+    trainer = module._trainer
+    if not at_epoch_end or trainer is None:
+        return
+    step = trainer.fit_loop.epoch_loop._batches_that_stepped  # the step Lightning logs this one at (0-based)
+    for logger in trainer.loggers:  # rank zero only, as Lightning's own logging
+        logger.log_metrics(values, step=step)
 
 
 def is_last_batch(trainer: pl.Trainer) -> bool:

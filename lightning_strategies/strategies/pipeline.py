@@ -66,7 +66,7 @@ from lightning_strategies.comm.pipeline import (
     profile_blocks,
 )
 from lightning_strategies.pipeline_protocol import check_pipeline_module
-from lightning_strategies.strategies._base import should_update_logs, unwrap_optimizer
+from lightning_strategies.strategies._base import log_due, log_values, unwrap_optimizer
 from lightning_strategies.strategies._model_parallel import GroupNormPrecision, ModelParallelStrategy
 from lightning_strategies.strategies._pipeline_plugins import StageSyncBatchNorm
 
@@ -475,10 +475,11 @@ class PipelineStrategy(ModelParallelStrategy):
 
     @override
     def _after_optimizer_step(self) -> None:
-        # Per-step means over the steps since the last log. Every rank agrees on whether
-        # Lightning logs now (it depends on the global step), so the all-gather pairs up.
+        # Per-step means over the steps since the last log. Every rank agrees on whether they are
+        # due (the global step, the batches every stage sees), so the all-gather pairs up.
         runtime = self._runtime
-        if self.trainer is None or runtime is None or not self.metrics or not should_update_logs(self.trainer):
+        due = log_due(self.trainer)
+        if runtime is None or not self.metrics or due is None:
             return
         window = self.metrics.flush()
         busy = [window[f"busy_seconds/{v}"] for v in range(len(runtime.train_stages))]
@@ -487,7 +488,7 @@ class PipelineStrategy(ModelParallelStrategy):
         metrics["pipeline/bubble_fraction"] = bubble_fraction
         module = self.lightning_module
         assert module is not None
-        module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        log_values(module, metrics, at_epoch_end=due == "epoch_end")
 
     def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module

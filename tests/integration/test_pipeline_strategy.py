@@ -527,3 +527,32 @@ def test_app_strategy_pipeline_two_stages(tmp_path: Path) -> None:
     # 2 processes but one replica: the scaling rule sees 1 replica (global batch 64, lr unscaled)
     assert metrics["world_size"] == 2 and metrics["global_batch_size"] == 64, metrics
     assert metrics["lr"] == pytest.approx(0.05)
+
+
+def test_metrics_reach_the_logger_at_each_epoch_end(tmp_path: Path) -> None:
+    """Epochs of 4 steps under log_every_n_steps=50: Lightning writes no step metrics, so the
+    pipeline's window is written at each epoch's last batch (steps 3 and 7), all stages agreeing."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=PipelineStrategy(start_method="fork", schedule="gpipe", microbatches=2),
+        max_epochs=2,
+        logger=CSVLogger(tmp_path, name="pipe"),
+        log_every_n_steps=50,
+        limit_train_batches=4,
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(PipeRegressor(), DataLoader(regression_data(), batch_size=8))
+    files = list(tmp_path.rglob("metrics.csv"))
+    assert len(files) == 1, files
+    with files[0].open() as f:
+        rows = [r for r in csv.DictReader(f) if r.get("pipeline/bubble_fraction")]
+    assert [int(r["step"]) for r in rows] == [3, 7], rows
+    assert all(0.0 <= float(r["pipeline/bubble_fraction"]) < 1.0 for r in rows)
