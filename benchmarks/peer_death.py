@@ -28,8 +28,8 @@ each as the median over rounds and survivors, with ``_min`` and ``_max`` lines, 
 Cases run ``--parallel`` at a time (they mostly wait on heartbeats and timeouts); on a loaded
 2-core machine the exit times (interpreter exit) grow with the load, printed at start and end.
 
-    python benchmarks/peer_death.py              # 15 cases x 2 rounds, 2 at a time (~5 min)
-    python benchmarks/peer_death.py --quick      # ring kill_step, 1 round (CI, ~30 s)
+    python benchmarks/peer_death.py              # 15 cases x 2 rounds, 2 at a time (~3 min at load 10)
+    python benchmarks/peer_death.py --quick      # ring kill_step, 1 round (CI, ~1 min at load 10)
 """
 
 from __future__ import annotations
