@@ -35,7 +35,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import header, line, median
+from benchmarks._common import header, line, load_line, median
 from lightning_strategies.optim import Lamb, Lars
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -103,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         flush=True,
     )
+    print(load_line("start"), flush=True)
     ms = measure(shapes, steps, warmup)
     for name, value in ms.items():
         line(f"{name}_step_ms", value, "ms")
@@ -110,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     line("lamb_loop_over_foreach", ms["lamb_loop"] / ms["lamb_foreach"], "x")  # goal >= 1.5
     line("lars_over_sgd", ms["lars_foreach"] / ms["sgd_foreach"], "x")  # goal <= 1.3
     line("lars_loop_over_foreach", ms["lars_loop"] / ms["lars_foreach"], "x")  # goal >= 1.5
+    print(load_line("end"), flush=True)
     return 0
 
 

@@ -93,7 +93,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import header, line, pyplot, save_figure
+from benchmarks._common import header, line, load_line, pyplot, save_figure
 from benchmarks._pipeline_measure import MICROBATCHES, K, lightning_step_ratio, measure
 from benchmarks._workers import run_workers
 
@@ -131,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "microbatch": args.microbatch, "reps": args.reps, "real_reps": max(1, (args.reps + 1) // 2),
     }  # fmt: skip
     print(header(f"pipeline: K={K} CPU processes (gloo, 1 thread each)"), flush=True)
+    print(load_line("start"), flush=True)
     print(
         f"# sim: simulated device compute, blocks {args.sim_dim} wide sleeping {args.sim_ms:g} ms x cost per "
         f"micro-batch of {args.sim_microbatch} in forward, 2x in backward; real_: Linear+tanh {args.dim} wide, "
@@ -185,6 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     line("real_cpu_parallel_efficiency", r["real_parallel_efficiency"], "x")
     if not args.quick:
         plot_bubble(r, Path(__file__).parent / "results" / "pipeline.png", stage_ms=3 * 2 * args.sim_ms)
+    print(load_line("end"), flush=True)
     return 0
 
 

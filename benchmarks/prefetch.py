@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import header, line, median, pyplot, save_figure
+from benchmarks._common import header, line, load_line, median, pyplot, save_figure
 from lightning_strategies.data import PrefetchConfig
 from recipes.data import SyntheticImages
 from recipes.models import build_model
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.ratios, args.steps, args.rounds, args.plot = "1", 5, 1, None
     print(header("prefetch: step time vs simulated loading cost"))
+    print(load_line("start"), flush=True)
     compute_s = measure_compute(args.batch_size, args.image_size)
     line("calibration_compute_step_ms", 1000 * compute_s, "ms")
     rows = []
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_title(f"I/O overlap (compute {1000 * compute_s:.0f} ms/step)")
         ax.legend(fontsize=8)
         save_figure(fig, args.plot)
+    print(load_line("end"), flush=True)
     return 0
 
 

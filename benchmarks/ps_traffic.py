@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import header, line, median, pyplot, save_figure
+from benchmarks._common import header, line, load_line, median, pyplot, save_figure
 from benchmarks._workers import run_workers
 from lightning_strategies.comm.ps import OptimizerSpec, ParameterServerClient, ParameterShard, shard_parameters
 from lightning_strategies.comm.ring import ring_all_reduce
@@ -266,6 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(header("ps_traffic"), flush=True)
+    print(load_line("start"), flush=True)
     sizes = resnet50_sizes()
     if args.quick:
         sizes = [max(1, s // 128) for s in sizes]
@@ -274,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot_traffic(series, sum(sizes), Path(__file__).parent / "results" / "ps_traffic.png")
     rounds = args.rounds if args.rounds is not None else (3 if args.quick else 7)
     step_time(rounds, steps=20 if args.quick else 60, width=args.width, rpc_threads=args.rpc_threads)
+    print(load_line("end"), flush=True)
     return 0
 
 

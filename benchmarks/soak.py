@@ -34,6 +34,8 @@ start and the end of every strategy, and a change of load during a run shows as 
 
     python benchmarks/soak.py                         # 20 minutes: 4 per strategy
     python benchmarks/soak.py --minutes 60 --strategies ring ps
+    python benchmarks/soak.py --minutes 5             # results/soak.txt: 60 s per strategy
+    python benchmarks/soak.py --minutes 10 --strategies ps async  # results/soak_ps_async.txt
     python benchmarks/soak.py --epochs 30             # a fixed length instead of a time budget
     python benchmarks/soak.py --quick                 # CI: 3 short epochs each (seconds)
 """

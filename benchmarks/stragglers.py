@@ -15,15 +15,19 @@ gives accuracy against wall time. Runs, for every slowdown ``k`` in ``--ks`` (1,
     ps          strategy="ps", synchronous (every step waits for the slowest)
 
 and, at the headline slowdown ``--k``, ``async_ssp``: strategy="async", max_staleness=--bound
-(stale-synchronous), in interleaved rounds, printed as ``name value unit`` lines (a tag
-``_k{k}`` on every slowdown but the headline one):
+(stale-synchronous). A round runs, at each k, async and ps back to back (the pair's order
+alternating between rounds, the order of the ks rotating), so every ratio compares adjacent fits;
+a ``# round`` comment line gives each pair's rates and the load. Printed as ``name value unit``
+lines (a tag ``_k{k}`` on every slowdown but the headline one):
 
     async_over_sync_throughput{_P}   samples/s async / samples/s ps      goal >= 1.35 at P=2, k=2
     async_ssp{b}_over_sync_throughput{_P}
     async_over_sync_throughput_k1{_P}  the same without a straggler: what a synchronous step costs
-                                     beyond waiting for the slowest (barrier, per-step collectives)
-    straggler_gain{_k}{_P}           the first over the control: the gain from not waiting alone
-    async_over_sync_ideal{_k}{_P}    (P-1+1/k) / (P/k): every worker busy vs all at the slow pace
+                                     beyond waiting for a slow worker (barriers, per-step
+                                     collectives, and on a shared machine the load's own stragglers)
+    straggler_gain_P{P}_k{k}         the gain due to the straggler: async/ps at k over the same
+                                     round's async/ps at k = 1 (median over rounds; _min_, _max_ too)
+    ideal_gain_P{P}_k{k}             (P-1+1/k) / (P/k): every worker busy vs all at the slow pace
     staleness_mean{_k}{_P}           updates a shard applied between a gradient's pull and its push
     staleness_mean_over_P_minus_1{_P}  that over P-1 (1 when all workers are equally fast)
     test_acc_{async,ps}{_k}{_P}      final accuracy on the 270 held-out digits, side by side
@@ -36,6 +40,7 @@ and validation accuracy against training time, async beside ps, one row per P. A
 is noisy: the ratios of interleaved runs are the result, not the samples per second.
 
     python benchmarks/stragglers.py           # P = 2 and 3, k = 1, 2, 4, 3 rounds, 5 epochs (18 min, 2 busy cores)
+    python benchmarks/stragglers.py --epochs 4   # what results/stragglers.txt holds (~15 min at load 5-8)
     python benchmarks/stragglers.py --quick   # P = 2, k = 1, 2, 1 round, 3 epochs, no PNG (~1 min)
 """
 
@@ -56,7 +61,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import header, line, median, pyplot, save_figure
+from benchmarks._common import header, line, load_line, median, pyplot, save_figure
 
 TARGET_ACC = 0.95  # the accuracy "time to accuracy" is measured at
 
@@ -178,16 +183,32 @@ def time_to(curve_s: Sequence[float], curve_acc: Sequence[float], target: float)
 def compare(
     world: int, k: float, ks: Sequence[float], base_ms: float, epochs: int, rounds: int, bound: int
 ) -> dict[str, Any]:
-    """Every (strategy, slowdown) fitted ``rounds`` times, interleaved; lines printed; plot data returned."""
-    # ps and async at every slowdown (k = 1 is the control without a straggler: it measures
-    # what the synchronous step costs beyond waiting), async_ssp at the headline k only
+    """Every (strategy, slowdown) fitted ``rounds`` times, interleaved; lines printed; plot data returned.
+
+    A round runs, for each slowdown, async and ps back to back (the pair's order alternating from
+    round to round), the slowdowns in a rotated order, and async_ssp after the headline pair: a
+    ratio compares two adjacent fits, and the gain at k divides it by the same round's k = 1
+    ratio, so a load that changes over minutes cancels out of both.
+    """
     names = [(name, s) for s in ks for name in ("async", "ps")] + [("async_ssp", k)]
     runs: dict[tuple[str, float], list[dict[str, Any]]] = {n: [] for n in names}
-    for r in range(rounds):
-        shift = r % len(names)
-        for name, slowdown in names[shift:] + names[:shift]:  # no run always goes first
-            runs[(name, slowdown)].append(_fit(name, world, slowdown, base_ms, epochs, bound))
     suffix = "" if world == 2 else f"_P{world}"
+    for r in range(rounds):
+        shift = r % len(ks)
+        for slowdown in [*ks[shift:], *ks[:shift]]:  # no slowdown always goes first
+            pair = ("async", "ps") if r % 2 == 0 else ("ps", "async")
+            order = [*pair, "async_ssp"] if slowdown == k else list(pair)
+            rates = {}
+            for name in order:
+                result = _fit(name, world, slowdown, base_ms, epochs, bound)
+                runs[(name, slowdown)].append(result)
+                rates[name] = result["samples_per_s"]
+            print(
+                f"# round {r} P={world} k={slowdown:g}: "
+                + ", ".join(f"{n} {rates[n]:.1f}" for n in order)
+                + f" samples/s; async/ps {rates['async'] / rates['ps']:.3f}; {load_line('now')[2:]}",
+                flush=True,
+            )
     rate = {n: [x["samples_per_s"] for x in runs[n]] for n in names}
 
     def tag(slowdown: float) -> str:
@@ -204,6 +225,8 @@ def compare(
 
     for name, slowdown in names:
         line(f"{name}_samples_per_s{tag(slowdown)}{suffix}", median(rate[(name, slowdown)]), "samples/s")
+    # k = 1 is the control without a straggler: async/ps there is what the synchronous step costs
+    # beyond waiting for a slow worker (barriers, and the load's own stragglers on a shared machine)
     control = ratio(("async", 1.0), ("ps", 1.0))
     for slowdown in ks:
         line(
@@ -216,10 +239,13 @@ def compare(
         if slowdown == 1.0:
             continue
         straggled = ratio(("async", slowdown), ("ps", slowdown))
-        # the gain from not waiting for the straggler alone, against the ideal below
-        gain = median([a / c for a, c in zip(straggled, control, strict=True)])
-        line(f"straggler_gain{tag(slowdown)}{suffix}", gain, "x")
-        line(f"async_over_sync_ideal{tag(slowdown)}{suffix}", (world - 1 + 1 / slowdown) / (world / slowdown), "x")
+        # the gain due to the straggler alone: async/ps at k over the same round's async/ps at k = 1,
+        # against the ideal (P-1+1/k)/(P/k): every worker busy vs everybody at the slow pace
+        gains = [a / c for a, c in zip(straggled, control, strict=True)]
+        line(f"straggler_gain_P{world}_k{slowdown:g}", median(gains), "x")
+        line(f"ideal_gain_P{world}_k{slowdown:g}", (world - 1 + 1 / slowdown) / (world / slowdown), "x")
+        line(f"straggler_gain_min_P{world}_k{slowdown:g}", min(gains), "x")
+        line(f"straggler_gain_max_P{world}_k{slowdown:g}", max(gains), "x")
     for slowdown in ks:
         staleness = median([x["staleness_mean"] for x in runs[("async", slowdown)]])
         line(f"staleness_mean{tag(slowdown)}{suffix}", staleness, "updates")
@@ -309,6 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     print(header("stragglers"), flush=True)
+    print(load_line("start"), flush=True)
     epochs = args.epochs or (3 if args.quick else 5)
     rounds = args.rounds or (1 if args.quick else 3)
     default_ks = (1.0, args.k) if args.quick else (1.0, 2.0, 4.0)
@@ -316,12 +343,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot is None and not args.quick:
         args.plot = Path(__file__).parent / "results" / "stragglers.png"
     line("slowdown_k", args.k, "x")
+    print(
+        f"# {rounds} rounds, {epochs} epochs per fit, ks {', '.join(f'{s:g}' for s in ks)}, base {args.base_ms:g} ms",
+        flush=True,
+    )
     results = [
         compare(world, args.k, ks, args.base_ms, epochs, rounds, args.bound)
         for world in ((2,) if args.quick else (2, 3))
     ]
     if args.plot is not None:
         plot(results, args.k, args.bound, args.plot)
+    print(load_line("end"), flush=True)
     return 0
 
 
