@@ -77,9 +77,9 @@ def fit_once(strategy_name: str, *, devices: int, epochs: int, limit_batches: in
 
 
 def _throughput() -> Any:
-    from recipes.classification import ThroughputMonitor
+    from recipes.classification import EpochThroughputMonitor
 
-    return ThroughputMonitor()
+    return EpochThroughputMonitor()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
@@ -39,7 +40,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from lightning_strategies.scaling import ScalingConfig, ScalingPlan, replicas_of
 from recipes.models import as_blocks
 
-__all__ = ["ClassificationModule", "ThroughputMonitor"]
+__all__ = ["ClassificationModule", "EpochThroughputMonitor"]
 
 # Step-level metrics are logged unsynchronised on purpose: a per-step all-reduce of the loss
 # would add a collective to every step and distort the strategies' communication figures.
@@ -269,12 +270,17 @@ def _check_plan_fits(plan: ScalingPlan, *, per_device: int, replicas: int, accum
         )
 
 
-class ThroughputMonitor(pl.Callback):
-    """Logs ``throughput/samples_per_s`` each training epoch (all replicas together), and
+class EpochThroughputMonitor(pl.Callback):
+    """Logs ``throughput/samples_per_s`` and ``throughput/epoch_samples`` each training epoch (all
+    replicas together), and
     records the validation accuracy reached against wall time since ``fit`` started.
 
     Time runs from the epoch's first batch to its last ``on_train_batch_end``, so validation
-    and checkpointing are not counted; samples are this rank's times the data-parallel replicas.
+    and checkpointing are not counted. The rate is measured, not extrapolated from one rank: the
+    samples every rank trained on, summed and counted once per replica (the ranks of a pipeline or
+    tensor-parallel group share theirs), over the slowest rank's epoch time; under ``async`` the
+    ranks train on different numbers of batches. (Named apart from Lightning's own
+    ``ThroughputMonitor``, which counts batches per step from a user-given batch size.)
     """
 
     def __init__(self) -> None:
@@ -316,14 +322,28 @@ class ThroughputMonitor(pl.Callback):
         if self._epoch_start is None or self._last_batch_end <= self._epoch_start:
             return
         seconds = self._last_batch_end - self._epoch_start
-        rate = self._epoch_samples * replicas_of(trainer.strategy) / seconds
+        samples, seconds = _sum_and_max(trainer, float(self._epoch_samples), seconds, pl_module.device)
+        samples *= replicas_of(trainer.strategy) / max(1, trainer.world_size)  # once per replica
+        rate = samples / seconds
         self.epoch_rates.append(rate)
         pl_module.log("throughput/samples_per_s", rate, rank_zero_only=True)
+        pl_module.log("throughput/epoch_samples", samples, rank_zero_only=True)
 
     def samples_per_s(self) -> float:
         """Median rate over epochs after the first (which pays for warm-up), or the only one."""
         rates = self.epoch_rates[1:] or self.epoch_rates
         return float(torch.tensor(rates).median()) if rates else float("nan")
+
+
+def _sum_and_max(trainer: pl.Trainer, total: float, longest: float, device: torch.device) -> tuple[float, float]:
+    """``total`` summed and ``longest`` maximised over the ranks (every rank calls this at epoch end)."""
+    if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return total, longest
+    summed = torch.tensor([total], dtype=torch.float64, device=device)
+    slowest = torch.tensor([longest], dtype=torch.float64, device=device)
+    dist.all_reduce(summed)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(summed), float(slowest)
 
 
 def _batch_len(batch: Any) -> int:

@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import lightning_strategies  # noqa: F401  (registers the strategy names)
 from lightning_strategies.scaling import ScalingPlan, replicas_of
-from recipes.classification import ClassificationModule, ThroughputMonitor
+from recipes.classification import ClassificationModule, EpochThroughputMonitor
 
 __all__ = ["ConfigError", "build_callbacks", "build_module", "run"]
 
@@ -516,10 +516,10 @@ def _fit(cfg: DictConfig) -> dict[str, Any]:
     _check_devices(accelerator, trainer_overrides.get("devices", trainer_factory.keywords.get("devices", 1)))
 
     callbacks = build_callbacks(cfg, out_dir)
-    throughput = next((c for c in callbacks if isinstance(c, ThroughputMonitor)), None)
+    throughput = next((c for c in callbacks if isinstance(c, EpochThroughputMonitor)), None)
     if throughput is None:
         rank_zero_info(
-            "no ThroughputMonitor among the callbacks: samples_per_s, val_acc_by_epoch and "
+            "no EpochThroughputMonitor among the callbacks: samples_per_s, val_acc_by_epoch and "
             "seconds_to_val_acc_95 will be null in metrics.json (n/a in the summary)"
         )
     logger = _build(cfg.logger)(save_dir=str(out_dir))

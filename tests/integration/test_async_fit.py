@@ -217,6 +217,20 @@ def test_unbounded_fast_worker_never_waits_and_takes_more_batches() -> None:
     assert slow > 2 and slow > fast, (fast, slow)
 
 
+def test_throughput_counts_every_workers_samples() -> None:
+    """Under async the ranks train on different numbers of batches: the recipe's throughput counts
+    what each trained (summed over ranks), not rank 0's count times P."""
+    from recipes.classification import EpochThroughputMonitor
+
+    train, val = _indexed_loaders()
+    trainer = _trainer(strategy(max_staleness=None), 2, 2, callbacks=[_Records(), EpochThroughputMonitor()])
+    trainer.fit(_IndexedRegressor(slow_seconds=0.1), train, val)
+    metrics = trainer.callback_metrics
+    fast, slow = metrics["rec/count_1"].tolist()
+    assert fast != slow  # rank 0's count x 2 would not be the epoch's samples
+    assert float(metrics["throughput/epoch_samples"]) == N_SAMPLES == fast + slow
+
+
 def test_three_workers_cover_the_epoch_once() -> None:
     metrics = _slow_fit(2, epochs=2, devices=3)
     admissions = metrics["rec/admissions"]

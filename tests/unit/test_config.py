@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
 from lightning_strategies import AtomicCheckpointIO, PeerFailureReport
 from lightning_strategies.scaling import ScalingConfig
-from recipes.classification import ThroughputMonitor
+from recipes.classification import EpochThroughputMonitor
 from recipes.train import ConfigError, build_callbacks, run
 
 GROUPS = ["data", "model", "optimizer", "scaling", "strategy", "trainer", "logger", "callbacks", "recipe"]
@@ -142,7 +142,7 @@ def _types(callbacks: list[pl.Callback]) -> list[type]:
 def test_default_callbacks_and_checkpoint_io(tmp_path: Path) -> None:
     cfg = compose_cfg([])
     callbacks = build_callbacks(cfg, tmp_path)
-    assert _types(callbacks) == [ThroughputMonitor, LearningRateMonitor, PeerFailureReport, ModelCheckpoint]
+    assert _types(callbacks) == [EpochThroughputMonitor, LearningRateMonitor, PeerFailureReport, ModelCheckpoint]
     checkpoint = callbacks[-1]
     assert isinstance(checkpoint, ModelCheckpoint)
     assert checkpoint.dirpath == str(tmp_path / "checkpoints") and checkpoint.save_last and checkpoint.save_top_k == 0
@@ -168,7 +168,7 @@ def test_callbacks_dropped_and_overridden_from_the_command_line(tmp_path: Path) 
     assert build_callbacks(compose_cfg(["callbacks=none"]), tmp_path) == []
     # checkpoint=false skips the ModelCheckpoint; a null entry (how a recipe drops one) is skipped too
     unchecked = build_callbacks(compose_cfg(["checkpoint=false", "callbacks.peer_failure_report=null"]), tmp_path)
-    assert _types(unchecked) == [ThroughputMonitor, LearningRateMonitor]
+    assert _types(unchecked) == [EpochThroughputMonitor, LearningRateMonitor]
 
 
 @pytest.mark.parametrize(
