@@ -21,6 +21,16 @@ busiest rank's sent + received bytes as its ``CommStats`` count them:
 With one server it carries P x N x 4 each way, P^2/(2(P-1)) times a ring worker; with P servers
 each carries 1/P of that.
 
+Part 0, balance (arithmetic, no processes): the busiest shard's bytes over the mean shard's
+for ResNet-50's 161 tensors at S = 8, 64, 256 servers. A shard's bytes per step are
+2 x P x (its elements) x 4, so the ratio is that of the elements held:
+
+    ps_busiest_over_mean_bytes_resnet50_S{S}        the partition ps uses (flattened, balanced
+                                                    chunks; a tensor may span servers)  goal <= 1.05
+    ps_busiest_over_mean_bytes_resnet50_whole_S{S}  whole tensors per server (the plan kept for
+                                                    LAMB / LARS), for comparison
+    ps_empty_servers_resnet50_whole_S{S}            servers holding no tensor in that plan
+
 Part 2, time: ``ps_over_ddp_step`` = median step time of ``strategy="ps"`` / ``strategy="ddp"``
 for a small MLP fitted by Lightning on 2 fork-started CPU processes, the two strategies in
 interleaved rounds (goal <= 1.5), with the raw medians. A shared machine is noisy: read the
@@ -48,7 +58,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import header, line, median, pyplot, save_figure
 from benchmarks._workers import run_workers
-from lightning_strategies.comm.ps import OptimizerSpec, ParameterServerClient, ParameterShard, shard_parameters
+from lightning_strategies.comm.ps import (
+    OptimizerSpec,
+    ParameterServerClient,
+    ParameterShard,
+    partition_loads,
+    partition_parameters,
+    shard_loads,
+    shard_parameters,
+)
 from lightning_strategies.comm.ring import ring_all_reduce
 from lightning_strategies.comm.rpc import (
     free_port,
@@ -78,6 +96,22 @@ def resnet50_sizes() -> list[int]:
                 if b == 0:
                     sizes += [4 * width * cin, 4 * width, 4 * width]
         return sizes
+
+
+# --------------------------------------------------------------------------------------------
+# Part 0: balance of the partition (arithmetic)
+# --------------------------------------------------------------------------------------------
+
+
+def balance(sizes: Sequence[int], servers: Sequence[int] = (8, 64, 256)) -> None:
+    """Busiest over mean shard for the flattened partition and the whole-tensor plan."""
+    for num_servers in servers:
+        mean = sum(sizes) / num_servers
+        flat = partition_loads(partition_parameters(sizes, num_servers))
+        whole = shard_loads(sizes, shard_parameters(sizes, num_servers))
+        line(f"ps_busiest_over_mean_bytes_resnet50_S{num_servers}", max(flat) / mean, "x")
+        line(f"ps_busiest_over_mean_bytes_resnet50_whole_S{num_servers}", max(whole) / mean, "x")
+        line(f"ps_empty_servers_resnet50_whole_S{num_servers}", sum(1 for n in whole if n == 0), "servers")
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,6 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     print(header("ps_traffic"), flush=True)
     sizes = resnet50_sizes()
+    balance(sizes)  # full-size shapes even in quick mode: arithmetic only
     if args.quick:
         sizes = [max(1, s // 128) for s in sizes]
     series = traffic(sizes, (2,) if args.quick else (2, 3, 4), args.steps)

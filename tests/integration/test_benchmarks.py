@@ -17,6 +17,8 @@ LINE = re.compile(r"^[A-Za-z0-9_.]+ -?[0-9.]+(e[-+]?[0-9]+)? \S+$")
 # at least one line. wire_bytes: kernel-counted bytes over the payload formula; framing adds a
 # few %, a wrong formula or a miscounted socket is off by a factor (0.5, 2, P).
 GOALS: dict[str, list[tuple[str, float, float]]] = {
+    # the flattened partition's busiest shard over the mean (ResNet-50's tensors): arithmetic
+    "ps_traffic.py": [(f"ps_busiest_over_mean_bytes_resnet50_S{s}", 1.0, 1.05) for s in (8, 64, 256)],
     "wire_bytes.py": [(f"wire_over_formula_{c}_P2", 0.9, 2.0) for c in ("ddp", "ring", "ring_bf16", "ps", "ps_1")],
 }
 

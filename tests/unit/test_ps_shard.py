@@ -15,11 +15,15 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_strategies  # noqa: F401  (registers the strategy names)
+from benchmarks.ps_traffic import resnet50_sizes
 from lightning_strategies.comm.async_ps import AsyncParameterShard, AsyncReply
 from lightning_strategies.comm.ps import (
     OptimizerSpec,
     ParameterServerClient,
     ParameterShard,
+    Slice,
+    partition_loads,
+    partition_parameters,
     shard_loads,
     shard_parameters,
 )
@@ -71,6 +75,61 @@ def test_sharding_with_more_shards_than_tensors_leaves_some_empty() -> None:
 def test_sharding_rejects_no_servers() -> None:
     with pytest.raises(ValueError, match="num_servers must be >= 1, found 0"):
         shard_parameters([1, 2], 0)
+
+
+def _elements(plan: list[list[Slice]]) -> list[tuple[int, int]]:
+    """(tensor, element) of every element in ``plan``, server by server."""
+    return [(sl.tensor, e) for shard in plan for sl in shard for e in range(sl.start, sl.stop)]
+
+
+@pytest.mark.parametrize("align", [1, 4, 64])
+@pytest.mark.parametrize("num_servers", [1, 2, 3, 5, 8, 40])
+def test_partition_holds_every_element_on_exactly_one_server(num_servers: int, align: int) -> None:
+    sizes = [7, 300, 5, 0, 300, 12, 0, 64, 65, 1, 129]
+    plan = partition_parameters(sizes, num_servers, align=align)
+    assert len(plan) == num_servers
+    every = _elements(plan)
+    assert sorted(every) == [(i, e) for i, n in enumerate(sizes) for e in range(n)]  # each once
+    assert every == sorted(every)  # contiguous in the flat order, server after server
+    zero_size = [sl for shard in plan for sl in shard if sizes[sl.tensor] == 0]
+    assert sorted(sl.tensor for sl in zero_size) == [3, 6]  # empty tensors still have an owner
+    # cuts inside a tensor fall on multiples of `align` from its start
+    for sl in (sl for shard in plan for sl in shard):
+        assert sl.start % align == 0 and (sl.stop % align == 0 or sl.stop == sizes[sl.tensor])
+    # every server within `align` elements of the mean
+    mean = sum(sizes) / num_servers
+    assert all(abs(n - mean) <= align for n in partition_loads(plan))
+    assert plan == partition_parameters(list(sizes), num_servers, align=align)  # the same on every rank
+
+
+@pytest.mark.parametrize("num_servers", [8, 64, 256])
+def test_partition_balances_resnet50_within_5_percent(num_servers: int) -> None:
+    sizes = resnet50_sizes()
+    assert len(sizes) == 161 and max(sizes) == 2048 * 512 * 9 // 4  # the 2.36M-element conv
+    mean = sum(sizes) / num_servers
+    assert max(partition_loads(partition_parameters(sizes, num_servers))) / mean <= 1.05
+    # what the whole-tensor plan (kept for LAMB / LARS) cannot do beyond a few servers
+    whole = max(shard_loads(sizes, shard_parameters(sizes, num_servers))) / mean
+    assert whole < 1.01 if num_servers == 8 else whole > 5
+
+
+def test_partition_splits_a_tensor_across_servers() -> None:
+    assert partition_parameters([128, 16, 64, 4], 3) == [
+        [Slice(0, 0, 64)],
+        [Slice(0, 64, 128), Slice(1, 0, 16)],
+        [Slice(2, 0, 64), Slice(3, 0, 4)],
+    ]
+    # more servers than elements allow: some are empty
+    assert partition_parameters([3], 4, align=1) == [[Slice(0, 0, 1)], [Slice(0, 1, 2)], [], [Slice(0, 2, 3)]]
+
+
+def test_partition_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="num_servers must be >= 1, found 0"):
+        partition_parameters([1, 2], 0)
+    with pytest.raises(ValueError, match="align must be >= 1 element, found 0"):
+        partition_parameters([1, 2], 2, align=0)
+    with pytest.raises(ValueError, match=r"tensor sizes must be >= 0, found \[-1\]"):
+        partition_parameters([1, -1], 2)
 
 
 def _model_params(seed: int = 0) -> list[torch.Tensor]:
