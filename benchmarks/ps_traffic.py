@@ -2,7 +2,7 @@
 
 Part 1, bytes: P fork-started CPU processes (gloo process group + TensorPipe RPC on
 127.0.0.1, one torch thread each) push gradients of a synthetic parameter set with
-ResNet-50's 161 tensor shapes (N = 25.6M float32) to ``num_servers`` shards and pull the
+ResNet-50's 161 tensor shapes (N = 25.6M float32) to ``num_servers`` shards (the partition of Part 0) and pull the
 values, for P = 2, 3, 4 and num_servers = 1 and P. The busiest shard's payload bytes per step
 (what it received plus what it sent, as the shards count them) give:
 
@@ -66,6 +66,7 @@ from lightning_strategies.comm.ps import (
     partition_parameters,
     shard_loads,
     shard_parameters,
+    slice_of,
 )
 from lightning_strategies.comm.ring import ring_all_reduce
 from lightning_strategies.comm.rpc import (
@@ -129,9 +130,11 @@ def _traffic_worker(rank: int, world: int, rpc_port: int, sizes: Sequence[int], 
         for p in params:
             p.grad = torch.full_like(p, 1e-3 * (rank + 1))
         spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=0.1))
-        plan = shard_parameters(list(sizes), num_servers)
+        plan = partition_parameters(list(sizes), num_servers)  # what ps uses for SGD
         if rank < num_servers:
-            shard = ParameterShard(rank, plan[rank], [params[i] for i in plan[rank]], spec, world, timeout=timeout)
+            mine = plan[rank]
+            values = [slice_of(params[sl.tensor], sl) for sl in mine]
+            shard = ParameterShard(rank, mine, values, spec, world, timeout=timeout)
             register_shard(shard)
         dist.barrier()
         client = ParameterServerClient(rank, params, plan, timeout=timeout)

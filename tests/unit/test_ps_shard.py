@@ -26,6 +26,7 @@ from lightning_strategies.comm.ps import (
     partition_parameters,
     shard_loads,
     shard_parameters,
+    slice_of,
 )
 from lightning_strategies.comm.rpc import ShardError, register_shard, unregister_shard
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
@@ -180,7 +181,8 @@ def test_sync_shards_equal_single_device_sgd_on_the_averaged_gradient() -> None:
             # the barrier holds every answer until the last worker's push
             replies = [f.wait() for f in futures]
             assert all(r.version == step + 1 for r in replies)
-            for i, v in zip(idx, replies[0].values, strict=True):
+            for i, v in zip(idx, shard.unpack(replies[0].values), strict=True):
+                assert v is not None
                 params[i] = v.detach().clone()
     expected, _ = _reference(steps, workers, lrs)
     for got, want in zip(params, expected, strict=True):
@@ -190,6 +192,92 @@ def test_sync_shards_equal_single_device_sgd_on_the_averaged_gradient() -> None:
     for shard, idx in zip(shards, plan, strict=True):
         nbytes = sum(params[i].numel() * 4 for i in idx)
         assert shard.stats.bytes_received == shard.stats.bytes_sent == steps * workers * nbytes
+
+
+def _adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.3}], lr=0.05)
+
+
+@pytest.mark.parametrize("make_optimizer", [_sgd, _adamw], ids=["sgd_momentum", "adamw"])
+@pytest.mark.parametrize("num_servers", [3, 4, 5])
+def test_partitioned_shards_equal_a_single_device_optimizer(make_optimizer: Any, num_servers: int) -> None:
+    # tensors of 24, 6 and 18 elements cut every 4 elements: slices of one tensor on several
+    # shards, each optimized as a parameter of its own, with its tensor's group options
+    params = [p.clone().requires_grad_(True) for p in _model_params()]
+    spec = OptimizerSpec.from_optimizer(make_optimizer([p.detach().clone().requires_grad_(True) for p in params]))
+    assert spec.elementwise
+    plan = partition_parameters([p.numel() for p in params], num_servers, align=4)
+    assert any(sl.numel < params[sl.tensor].numel() for shard in plan for sl in shard)
+
+    def shards_for(values: list[torch.Tensor]) -> list[ParameterShard]:
+        return [
+            ParameterShard(s, sls, [slice_of(values[sl.tensor], sl) for sl in sls], spec, 1)
+            for s, sls in enumerate(plan)
+            if sls
+        ]
+
+    reference = [p.detach().clone().requires_grad_(True) for p in params]
+    ref_opt = make_optimizer(reference)
+
+    def steps(client: ParameterServerClient, first: int, last: int) -> None:
+        for step in range(first, last):
+            for i, (p, r) in enumerate(zip(params, reference, strict=True)):
+                p.grad = _grad(0, step, p, i)
+                r.grad = p.grad.clone()
+            client.push_pull([g["lr"] for g in ref_opt.param_groups])
+            ref_opt.step()
+
+    shards = shards_for(params)
+    for shard in shards:
+        register_shard(shard)
+    try:
+        client = ParameterServerClient(0, params, plan)
+        steps(client, 0, 3)
+        state = client.gather_state_dict(spec, make_optimizer(params).param_groups)
+    finally:
+        for shard in shards:
+            unregister_shard(shard.shard_id)
+    for got, want in zip(params, reference, strict=True):
+        # elementwise updates: a slice rounds exactly like the whole tensor
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=0, atol=0)
+    # the gathered state is the single-device optimizer's, per whole tensor
+    want_state = ref_opt.state_dict()
+    assert [g["params"] for g in state["param_groups"]] == [g["params"] for g in want_state["param_groups"]]
+    for i, want in want_state["state"].items():
+        assert state["state"][i].keys() == want.keys()
+        for key, v in want.items():
+            torch.testing.assert_close(state["state"][i][key], v, rtol=0, atol=0)
+    # scattered into fresh shards, it resumes exactly
+    fresh = shards_for(params)
+    for shard in fresh:
+        shard.load_state_dict(state, version=3)
+        register_shard(shard)
+    try:
+        client = ParameterServerClient(0, params, plan)
+        client.step = 3
+        steps(client, 3, 5)
+    finally:
+        for shard in fresh:
+            unregister_shard(shard.shard_id)
+    for got, want in zip(params, reference, strict=True):
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=0, atol=0)
+
+
+def test_push_is_one_payload_per_shard() -> None:
+    # what crosses the wire: one flat tensor per dtype each way, however many slices
+    _, plan, shards = _shards(1, 1)
+    params = _model_params()
+    reply = shards[0].push(0, 0, [torch.ones_like(params[i]) for i in plan[0]], [0.1, 0.1]).wait()
+    assert len(reply.values.flats) == 1 and reply.values.flats[0].shape == (sum(p.numel() for p in params),)
+
+
+def test_layerwise_optimizers_keep_whole_tensors() -> None:
+    from lightning_strategies.optim import Lamb, Lars
+
+    params = [p.clone().requires_grad_(True) for p in _model_params()]
+    assert not OptimizerSpec.from_optimizer(Lamb(params, lr=0.1)).elementwise
+    assert not OptimizerSpec.from_optimizer(Lars(params, lr=0.1)).elementwise
+    assert OptimizerSpec.from_optimizer(torch.optim.Adam(params, lr=0.1)).elementwise
 
 
 def test_barrier_waits_for_every_worker() -> None:
@@ -216,6 +304,22 @@ def test_barrier_timeout_names_the_missing_worker() -> None:
     # a failed shard refuses later pushes instead of hanging them
     late = shards[0].push(1, 0, grads, [0.1, 0.1]).wait()
     assert isinstance(late, ShardError) and "has failed earlier" in late.message
+
+
+def test_barrier_starts_one_watchdog_thread_not_one_per_step() -> None:
+    _, plan, shards = _shards(1, 2)
+    params = _model_params()
+    before = threading.active_count()
+    for step in range(20):
+        for w in range(2):
+            shards[0].push(w, step, [torch.ones_like(params[i]) for i in plan[0]], [0.1, 0.1])
+    assert threading.active_count() == before + 1
+    watchdog = shards[0]._watchdog
+    assert watchdog is not None and watchdog.is_alive()
+    register_shard(shards[0])
+    unregister_shard(0)  # dropping the shard ends its watchdog
+    watchdog.join(timeout=5)
+    assert not watchdog.is_alive()
 
 
 def test_out_of_step_push_is_refused() -> None:
