@@ -2,7 +2,7 @@
 
 Part 1, bytes: P fork-started CPU processes (gloo process group + TensorPipe RPC on
 127.0.0.1, one torch thread each) push gradients of a synthetic parameter set with
-ResNet-50's 161 tensor shapes (N = 25.6M float32) to ``num_servers`` shards and pull the
+ResNet-50's 161 tensor shapes (N = 25.6M float32) to ``num_servers`` shards (the partition of Part 0) and pull the
 values, for P = 2, 3, 4 and num_servers = 1 and P. The busiest shard's payload bytes per step
 (what it received plus what it sent, as the shards count them) give:
 
@@ -20,6 +20,16 @@ busiest rank's sent + received bytes as its ``CommStats`` count them:
 
 With one server it carries P x N x 4 each way, P^2/(2(P-1)) times a ring worker; with P servers
 each carries 1/P of that.
+
+Part 0, balance (arithmetic, no processes): the busiest shard's bytes over the mean shard's
+for ResNet-50's 161 tensors at S = 8, 64, 256 servers. A shard's bytes per step are
+2 x P x (its elements) x 4, so the ratio is that of the elements held:
+
+    ps_busiest_over_mean_bytes_resnet50_S{S}        the partition ps uses (flattened, balanced
+                                                    chunks; a tensor may span servers)  goal <= 1.05
+    ps_busiest_over_mean_bytes_resnet50_whole_S{S}  whole tensors per server (the plan kept for
+                                                    LAMB / LARS), for comparison
+    ps_empty_servers_resnet50_whole_S{S}            servers holding no tensor in that plan
 
 Part 2, time: ``ps_over_ddp_step`` = median step time of ``strategy="ps"`` / ``strategy="ddp"``
 for a small MLP fitted by Lightning on 2 fork-started CPU processes, the two strategies in
@@ -48,7 +58,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import header, line, load_line, median, pyplot, save_figure
 from benchmarks._workers import run_workers
-from lightning_strategies.comm.ps import OptimizerSpec, ParameterServerClient, ParameterShard, shard_parameters
+from lightning_strategies.comm.ps import (
+    OptimizerSpec,
+    ParameterServerClient,
+    ParameterShard,
+    partition_loads,
+    partition_parameters,
+    shard_loads,
+    shard_parameters,
+    slice_of,
+)
 from lightning_strategies.comm.ring import ring_all_reduce
 from lightning_strategies.comm.rpc import (
     free_port,
@@ -81,6 +100,22 @@ def resnet50_sizes() -> list[int]:
 
 
 # --------------------------------------------------------------------------------------------
+# Part 0: balance of the partition (arithmetic)
+# --------------------------------------------------------------------------------------------
+
+
+def balance(sizes: Sequence[int], servers: Sequence[int] = (8, 64, 256)) -> None:
+    """Busiest over mean shard for the flattened partition and the whole-tensor plan."""
+    for num_servers in servers:
+        mean = sum(sizes) / num_servers
+        flat = partition_loads(partition_parameters(sizes, num_servers))
+        whole = shard_loads(sizes, shard_parameters(sizes, num_servers))
+        line(f"ps_busiest_over_mean_bytes_resnet50_S{num_servers}", max(flat) / mean, "x")
+        line(f"ps_busiest_over_mean_bytes_resnet50_whole_S{num_servers}", max(whole) / mean, "x")
+        line(f"ps_empty_servers_resnet50_whole_S{num_servers}", sum(1 for n in whole if n == 0), "servers")
+
+
+# --------------------------------------------------------------------------------------------
 # Part 1: bytes per step, counted by the shards
 # --------------------------------------------------------------------------------------------
 
@@ -95,9 +130,11 @@ def _traffic_worker(rank: int, world: int, rpc_port: int, sizes: Sequence[int], 
         for p in params:
             p.grad = torch.full_like(p, 1e-3 * (rank + 1))
         spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=0.1))
-        plan = shard_parameters(list(sizes), num_servers)
+        plan = partition_parameters(list(sizes), num_servers)  # what ps uses for SGD
         if rank < num_servers:
-            shard = ParameterShard(rank, plan[rank], [params[i] for i in plan[rank]], spec, world, timeout=timeout)
+            mine = plan[rank]
+            values = [slice_of(params[sl.tensor], sl) for sl in mine]
+            shard = ParameterShard(rank, mine, values, spec, world, timeout=timeout)
             register_shard(shard)
         dist.barrier()
         client = ParameterServerClient(rank, params, plan, timeout=timeout)
@@ -268,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(header("ps_traffic"), flush=True)
     print(load_line("start"), flush=True)
     sizes = resnet50_sizes()
+    balance(sizes)  # full-size shapes even in quick mode: arithmetic only
     if args.quick:
         sizes = [max(1, s // 128) for s in sizes]
     series = traffic(sizes, (2,) if args.quick else (2, 3, 4), args.steps)

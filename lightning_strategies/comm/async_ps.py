@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_strategies.comm.coordinator import RECORD_LIMIT, DataPlan, Draw, draw_batch, send_tick
-from lightning_strategies.comm.ps import ParameterServerClient, ParameterShard, payload_bytes
+from lightning_strategies.comm.ps import Packed, ParameterServerClient, ParameterShard, pack, payload_bytes
 from lightning_strategies.comm.rpc import ShardError, hosted_shard, wait_reply
 
 __all__ = [
@@ -51,13 +51,13 @@ class AsyncReply:
     """A shard's answer to one asynchronous push or pull.
 
     Attributes:
-        values: the shard's tensors after the push (copies), or ``None`` when not pulled.
+        values: the shard's tensors after the push (a packed copy), or ``None`` when not pulled.
         version: updates the shard has applied so far.
         staleness: the pushed gradient's staleness, or -1 for a pull alone.
         step_bytes: payload bytes of this exchange (gradients in plus values out).
     """
 
-    values: list[Tensor] | None
+    values: Packed | None
     version: int
     staleness: int
     step_bytes: int
@@ -130,11 +130,11 @@ class AsyncParameterShard(ParameterShard):
             values, sent = self._snapshot(worker)
             return AsyncReply(values, self.version, -1, sent)
 
-    def _snapshot(self, worker: int) -> tuple[list[Tensor], int]:
-        # copies: the next push may update the tensors while this reply is being serialised
+    def _snapshot(self, worker: int) -> tuple[Packed, int]:
+        # packing copies: the next push may update the tensors while this reply is being serialised
         self._version_pulled[worker] = self.version
         self.stats.bytes_sent += self._values_bytes
-        return [p.detach().clone() for p in self.params], self._values_bytes
+        return pack(self.params), self._values_bytes
 
 
 def _async_shard(shard_id: int) -> AsyncParameterShard | ShardError:
@@ -147,11 +147,15 @@ def _async_shard(shard_id: int) -> AsyncParameterShard | ShardError:
     return shard
 
 
-def _rpc_async_push(
-    shard_id: int, worker: int, grads: list[Tensor | None], lrs: list[float], pull: bool
-) -> AsyncReply | ShardError:
+def _rpc_async_push(shard_id: int, worker: int, grads: Packed, lrs: list[float], pull: bool) -> AsyncReply | ShardError:
     shard = _async_shard(shard_id)
-    return shard if isinstance(shard, ShardError) else shard.push_pull(worker, grads, lrs, pull=pull)
+    if isinstance(shard, ShardError):
+        return shard
+    try:
+        unpacked = shard.unpack(grads)
+    except ValueError as err:
+        return ShardError(f"parameter server shard {shard_id}: worker {worker} pushed {err}")
+    return shard.push_pull(worker, unpacked, lrs, pull=pull)
 
 
 def _rpc_async_pull(shard_id: int, worker: int) -> AsyncReply | ShardError:

@@ -135,7 +135,9 @@ def register_shard(shard: ParameterShard) -> None:
 
 def unregister_shard(shard_id: int) -> None:
     """Forget the shard (at teardown), so a later fit in this process starts clean."""
-    _SHARDS.pop(shard_id, None)
+    shard = _SHARDS.pop(shard_id, None)
+    if shard is not None:
+        shard.close()  # its watchdog thread ends
 
 
 def local_shard(shard_id: int) -> ParameterShard | None:

@@ -53,7 +53,7 @@ from lightning_strategies.comm.async_ps import (
     StalenessLR,
 )
 from lightning_strategies.comm.coordinator import AsyncCoordinator, DataPlan, Draw, draw_batch, report_failure
-from lightning_strategies.comm.ps import OptimizerSpec, broadcast_from_rank0
+from lightning_strategies.comm.ps import OptimizerSpec, Slice, broadcast_from_rank0
 from lightning_strategies.comm.rpc import register_coordinator, unregister_coordinator
 from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
@@ -282,11 +282,11 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
 
     @override
     def _make_shard(
-        self, shard_id: int, flat_indices: Sequence[int], params: Sequence[Tensor], spec: OptimizerSpec
+        self, shard_id: int, slices: Sequence[Slice], params: Sequence[Tensor], spec: OptimizerSpec
     ) -> AsyncParameterShard:
         return AsyncParameterShard(
             shard_id,
-            flat_indices,
+            slices,
             params,
             spec,
             self.world_size,
@@ -295,7 +295,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         )
 
     @override
-    def _make_client(self, params: Sequence[Tensor], plan: Sequence[Sequence[int]]) -> AsyncParameterServerClient:
+    def _make_client(self, params: Sequence[Tensor], plan: Sequence[Sequence[Slice]]) -> AsyncParameterServerClient:
         return AsyncParameterServerClient(
             self.global_rank, params, plan, timeout=self.ps_timeout, coordinator_rank=_COORDINATOR_RANK
         )

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.optim import Optimizer
@@ -41,9 +42,13 @@ from lightning_strategies.comm.ps import (
     OptimizerSpec,
     ParameterServerClient,
     ParameterShard,
+    Slice,
     broadcast_from_rank0,
-    shard_loads,
+    partition_loads,
+    partition_parameters,
     shard_parameters,
+    slice_of,
+    whole_tensor_slices,
 )
 from lightning_strategies.comm.rpc import (
     free_port,
@@ -226,11 +231,17 @@ class ParameterServerStrategy(StrategyBase):
                 "layer's step), or use strategy='ddp'."
             )
 
-    def _plan_servers(self) -> tuple[Optimizer, OptimizerSpec, list[Tensor], list[int], list[list[int]]]:
-        """Check the optimizer can run on the shards.
+    def _plan_servers(self) -> tuple[Optimizer, OptimizerSpec, list[Tensor], list[list[Slice]]]:
+        """Check the optimizer can run on the shards, and partition its parameters.
+
+        An elementwise optimizer (SGD, Adam, AdamW, ...: ``OptimizerSpec.elementwise``) gets the
+        flattened parameters cut into equal ranges (:func:`partition_parameters`; a tensor may
+        span servers). A layer-wise one (LAMB, LARS: a trust ratio from a whole tensor's norms)
+        keeps whole tensors per server (:func:`shard_parameters`), less balanced when a few
+        tensors dominate the model; a rank-zero info line says so.
 
         Returns:
-            The optimizer, its rebuild spec, its parameters, their sizes and the shard plan.
+            The optimizer, its rebuild spec, its parameters and the shard plan.
         """
         if len(self.optimizers) != 1:
             raise ValueError(
@@ -250,15 +261,28 @@ class ParameterServerStrategy(StrategyBase):
             )
         params = [p for group in optimizer.param_groups for p in group["params"]]
         sizes = [p.numel() for p in params]
-        return optimizer, self._spec, params, sizes, shard_parameters(sizes, self.num_servers)
+        if self._spec.elementwise:
+            plan = partition_parameters(sizes, self.num_servers)
+        else:
+            plan = whole_tensor_slices(shard_parameters(sizes, self.num_servers), sizes)
+            if self.num_servers > 1:
+                loads = partition_loads(plan)
+                rank_zero_info(
+                    f"{type(self).__name__}: {type(optimizer).__qualname__} is not an elementwise optimizer "
+                    "(a layer-wise trust ratio needs whole tensors), so each server holds whole tensors: the "
+                    f"busiest of {self.num_servers} holds {max(loads) * self.num_servers / max(1, sum(loads)):.2f}x "
+                    "the mean. SGD, Adam, AdamW and the other elementwise torch.optim classes are split evenly."
+                )
+        return optimizer, self._spec, params, plan
 
     def _start_servers(self) -> None:
         """Build this rank's shard and its client; a barrier makes every shard reachable first."""
-        optimizer, spec, params, sizes, plan = self._plan_servers()
+        optimizer, spec, params, plan = self._plan_servers()
         rank = self.global_rank
         if rank < self.num_servers:
-            register_shard(self._make_shard(rank, plan[rank], [params[i] for i in plan[rank]], spec))
-        log.debug(f"{type(self).__name__}: shard loads (elements) {shard_loads(sizes, plan)}")
+            mine = plan[rank]
+            register_shard(self._make_shard(rank, mine, [slice_of(params[sl.tensor], sl) for sl in mine], spec))
+        log.debug(f"{type(self).__name__}: shard loads (elements) {partition_loads(plan)}")
         # no push may reach a rank before its shard is registered
         self.barrier("ps_shards_ready")
         self._client = self._make_client(params, plan)
@@ -267,12 +291,12 @@ class ParameterServerStrategy(StrategyBase):
         self._buffers = [b for b in self.model.buffers() if self.world_size > 1]
 
     def _make_shard(
-        self, shard_id: int, flat_indices: Sequence[int], params: Sequence[Tensor], spec: OptimizerSpec
+        self, shard_id: int, slices: Sequence[Slice], params: Sequence[Tensor], spec: OptimizerSpec
     ) -> ParameterShard:
         """The shard this rank hosts (a barrier over every worker's push of a step)."""
-        return ParameterShard(shard_id, flat_indices, params, spec, self.world_size, timeout=self.ps_timeout)
+        return ParameterShard(shard_id, slices, params, spec, self.world_size, timeout=self.ps_timeout)
 
-    def _make_client(self, params: Sequence[Tensor], plan: Sequence[Sequence[int]]) -> ParameterServerClient:
+    def _make_client(self, params: Sequence[Tensor], plan: Sequence[Sequence[Slice]]) -> ParameterServerClient:
         """This worker's handle on every shard."""
         return ParameterServerClient(self.global_rank, params, plan, timeout=self.ps_timeout)
 

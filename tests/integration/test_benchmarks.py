@@ -74,6 +74,8 @@ GOALS: dict[str, list[tuple[str, float, float]]] = {
     # bytes as the shards and the ring count them, against their formulas: accounting, exact.
     # ps/ddp step time: 0.98 quiet, 2.4 at load 13 (goal <= 1.5 quiet): a sanity band.
     "ps_traffic.py": [
+        # the flattened partition's busiest shard over the mean (ResNet-50's tensors): arithmetic
+        *[(f"ps_busiest_over_mean_bytes_resnet50_S{s}", 1.0, 1.05) for s in (8, 64, 256)],
         (r"ring_bytes_over_formula_P2", 1 - EXACT, 1 + EXACT),
         (r"server_bytes_over_formula_P2_S[12]", 1 - EXACT, 1 + EXACT),
         (r"server_over_ring_theory_P2_S1", 2 - EXACT, 2 + EXACT),  # P^2/(2(P-1)) at P=2

@@ -183,8 +183,9 @@ def test_logs_bytes_and_wait_per_step(log_every_n_steps: int) -> None:
     n_bytes = 4 * sum(p.numel() for p in TinyRegressor().parameters())  # 212 floats
     # per step (a mean over the steps since the last log when logging every n steps)
     assert float(metrics["comm/bytes_sent"]) == float(metrics["comm/bytes_received"]) == n_bytes
-    # two shards by size: net.0.weight (128 floats) alone, the other three (84) together;
-    # the busiest takes 128 floats from each of 2 workers and sends them back to each
+    # two shards: the cut at 212/2 = 106 floats moves to net.0.weight's end (cuts inside a tensor
+    # fall on multiples of 64 elements), so 128 floats and 84; the busiest takes 128 floats from
+    # each of 2 workers and sends them back to each
     assert float(metrics["ps/server_bytes_max"]) == 2 * 2 * 128 * 4
     # the window's mean per step of the waits in the sync barrier: each wait lies inside the fit
     # (measured here, processes' start included; the old bound, 30 s, was the RPC timeout)

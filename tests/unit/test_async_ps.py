@@ -40,7 +40,7 @@ def test_shard_applies_each_push_at_once_and_counts_staleness() -> None:
     shard = _shard()
     first = _push(shard, 0, 1.0)  # worker 0 computed on version 0: fresh
     assert first.staleness == 0 and first.version == 1 and first.values is not None
-    torch.testing.assert_close(first.values[0], torch.full((3,), -1.0))
+    torch.testing.assert_close(first.values.flats[0], torch.full((3,), -1.0))  # one flat payload
     # worker 1 never pulled: its gradient was computed on version 0, one update ago
     second = _push(shard, 1, 1.0, pull=False)
     assert second.staleness == 1 and second.values is None and second.version == 2

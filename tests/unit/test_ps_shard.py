@@ -15,13 +15,18 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_strategies  # noqa: F401  (registers the strategy names)
+from benchmarks.ps_traffic import resnet50_sizes
 from lightning_strategies.comm.async_ps import AsyncParameterShard, AsyncReply
 from lightning_strategies.comm.ps import (
     OptimizerSpec,
     ParameterServerClient,
     ParameterShard,
+    Slice,
+    partition_loads,
+    partition_parameters,
     shard_loads,
     shard_parameters,
+    slice_of,
 )
 from lightning_strategies.comm.rpc import ShardError, register_shard, unregister_shard
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
@@ -73,6 +78,61 @@ def test_sharding_rejects_no_servers() -> None:
         shard_parameters([1, 2], 0)
 
 
+def _elements(plan: list[list[Slice]]) -> list[tuple[int, int]]:
+    """(tensor, element) of every element in ``plan``, server by server."""
+    return [(sl.tensor, e) for shard in plan for sl in shard for e in range(sl.start, sl.stop)]
+
+
+@pytest.mark.parametrize("align", [1, 4, 64])
+@pytest.mark.parametrize("num_servers", [1, 2, 3, 5, 8, 40])
+def test_partition_holds_every_element_on_exactly_one_server(num_servers: int, align: int) -> None:
+    sizes = [7, 300, 5, 0, 300, 12, 0, 64, 65, 1, 129]
+    plan = partition_parameters(sizes, num_servers, align=align)
+    assert len(plan) == num_servers
+    every = _elements(plan)
+    assert sorted(every) == [(i, e) for i, n in enumerate(sizes) for e in range(n)]  # each once
+    assert every == sorted(every)  # contiguous in the flat order, server after server
+    zero_size = [sl for shard in plan for sl in shard if sizes[sl.tensor] == 0]
+    assert sorted(sl.tensor for sl in zero_size) == [3, 6]  # empty tensors still have an owner
+    # cuts inside a tensor fall on multiples of `align` from its start
+    for sl in (sl for shard in plan for sl in shard):
+        assert sl.start % align == 0 and (sl.stop % align == 0 or sl.stop == sizes[sl.tensor])
+    # every server within `align` elements of the mean
+    mean = sum(sizes) / num_servers
+    assert all(abs(n - mean) <= align for n in partition_loads(plan))
+    assert plan == partition_parameters(list(sizes), num_servers, align=align)  # the same on every rank
+
+
+@pytest.mark.parametrize("num_servers", [8, 64, 256])
+def test_partition_balances_resnet50_within_5_percent(num_servers: int) -> None:
+    sizes = resnet50_sizes()
+    assert len(sizes) == 161 and max(sizes) == 2048 * 512 * 9 // 4  # the 2.36M-element conv
+    mean = sum(sizes) / num_servers
+    assert max(partition_loads(partition_parameters(sizes, num_servers))) / mean <= 1.05
+    # what the whole-tensor plan (kept for LAMB / LARS) cannot do beyond a few servers
+    whole = max(shard_loads(sizes, shard_parameters(sizes, num_servers))) / mean
+    assert whole < 1.01 if num_servers == 8 else whole > 5
+
+
+def test_partition_splits_a_tensor_across_servers() -> None:
+    assert partition_parameters([128, 16, 64, 4], 3) == [
+        [Slice(0, 0, 64)],
+        [Slice(0, 64, 128), Slice(1, 0, 16)],
+        [Slice(2, 0, 64), Slice(3, 0, 4)],
+    ]
+    # more servers than elements allow: some are empty
+    assert partition_parameters([3], 4, align=1) == [[Slice(0, 0, 1)], [Slice(0, 1, 2)], [], [Slice(0, 2, 3)]]
+
+
+def test_partition_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="num_servers must be >= 1, found 0"):
+        partition_parameters([1, 2], 0)
+    with pytest.raises(ValueError, match="align must be >= 1 element, found 0"):
+        partition_parameters([1, 2], 2, align=0)
+    with pytest.raises(ValueError, match=r"tensor sizes must be >= 0, found \[-1\]"):
+        partition_parameters([1, -1], 2)
+
+
 def _model_params(seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(6, 4, generator=g), torch.randn(6, generator=g), torch.randn(3, 6, generator=g)]
@@ -121,7 +181,8 @@ def test_sync_shards_equal_single_device_sgd_on_the_averaged_gradient() -> None:
             # the barrier holds every answer until the last worker's push
             replies = [f.wait() for f in futures]
             assert all(r.version == step + 1 for r in replies)
-            for i, v in zip(idx, replies[0].values, strict=True):
+            for i, v in zip(idx, shard.unpack(replies[0].values), strict=True):
+                assert v is not None
                 params[i] = v.detach().clone()
     expected, _ = _reference(steps, workers, lrs)
     for got, want in zip(params, expected, strict=True):
@@ -131,6 +192,92 @@ def test_sync_shards_equal_single_device_sgd_on_the_averaged_gradient() -> None:
     for shard, idx in zip(shards, plan, strict=True):
         nbytes = sum(params[i].numel() * 4 for i in idx)
         assert shard.stats.bytes_received == shard.stats.bytes_sent == steps * workers * nbytes
+
+
+def _adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.3}], lr=0.05)
+
+
+@pytest.mark.parametrize("make_optimizer", [_sgd, _adamw], ids=["sgd_momentum", "adamw"])
+@pytest.mark.parametrize("num_servers", [3, 4, 5])
+def test_partitioned_shards_equal_a_single_device_optimizer(make_optimizer: Any, num_servers: int) -> None:
+    # tensors of 24, 6 and 18 elements cut every 4 elements: slices of one tensor on several
+    # shards, each optimized as a parameter of its own, with its tensor's group options
+    params = [p.clone().requires_grad_(True) for p in _model_params()]
+    spec = OptimizerSpec.from_optimizer(make_optimizer([p.detach().clone().requires_grad_(True) for p in params]))
+    assert spec.elementwise
+    plan = partition_parameters([p.numel() for p in params], num_servers, align=4)
+    assert any(sl.numel < params[sl.tensor].numel() for shard in plan for sl in shard)
+
+    def shards_for(values: list[torch.Tensor]) -> list[ParameterShard]:
+        return [
+            ParameterShard(s, sls, [slice_of(values[sl.tensor], sl) for sl in sls], spec, 1)
+            for s, sls in enumerate(plan)
+            if sls
+        ]
+
+    reference = [p.detach().clone().requires_grad_(True) for p in params]
+    ref_opt = make_optimizer(reference)
+
+    def steps(client: ParameterServerClient, first: int, last: int) -> None:
+        for step in range(first, last):
+            for i, (p, r) in enumerate(zip(params, reference, strict=True)):
+                p.grad = _grad(0, step, p, i)
+                r.grad = p.grad.clone()
+            client.push_pull([g["lr"] for g in ref_opt.param_groups])
+            ref_opt.step()
+
+    shards = shards_for(params)
+    for shard in shards:
+        register_shard(shard)
+    try:
+        client = ParameterServerClient(0, params, plan)
+        steps(client, 0, 3)
+        state = client.gather_state_dict(spec, make_optimizer(params).param_groups)
+    finally:
+        for shard in shards:
+            unregister_shard(shard.shard_id)
+    for got, want in zip(params, reference, strict=True):
+        # elementwise updates: a slice rounds exactly like the whole tensor
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=0, atol=0)
+    # the gathered state is the single-device optimizer's, per whole tensor
+    want_state = ref_opt.state_dict()
+    assert [g["params"] for g in state["param_groups"]] == [g["params"] for g in want_state["param_groups"]]
+    for i, want in want_state["state"].items():
+        assert state["state"][i].keys() == want.keys()
+        for key, v in want.items():
+            torch.testing.assert_close(state["state"][i][key], v, rtol=0, atol=0)
+    # scattered into fresh shards, it resumes exactly
+    fresh = shards_for(params)
+    for shard in fresh:
+        shard.load_state_dict(state, version=3)
+        register_shard(shard)
+    try:
+        client = ParameterServerClient(0, params, plan)
+        client.step = 3
+        steps(client, 3, 5)
+    finally:
+        for shard in fresh:
+            unregister_shard(shard.shard_id)
+    for got, want in zip(params, reference, strict=True):
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=0, atol=0)
+
+
+def test_push_is_one_payload_per_shard() -> None:
+    # what crosses the wire: one flat tensor per dtype each way, however many slices
+    _, plan, shards = _shards(1, 1)
+    params = _model_params()
+    reply = shards[0].push(0, 0, [torch.ones_like(params[i]) for i in plan[0]], [0.1, 0.1]).wait()
+    assert len(reply.values.flats) == 1 and reply.values.flats[0].shape == (sum(p.numel() for p in params),)
+
+
+def test_layerwise_optimizers_keep_whole_tensors() -> None:
+    from lightning_strategies.optim import Lamb, Lars
+
+    params = [p.clone().requires_grad_(True) for p in _model_params()]
+    assert not OptimizerSpec.from_optimizer(Lamb(params, lr=0.1)).elementwise
+    assert not OptimizerSpec.from_optimizer(Lars(params, lr=0.1)).elementwise
+    assert OptimizerSpec.from_optimizer(torch.optim.Adam(params, lr=0.1)).elementwise
 
 
 def test_barrier_waits_for_every_worker() -> None:
@@ -157,6 +304,22 @@ def test_barrier_timeout_names_the_missing_worker() -> None:
     # a failed shard refuses later pushes instead of hanging them
     late = shards[0].push(1, 0, grads, [0.1, 0.1]).wait()
     assert isinstance(late, ShardError) and "has failed earlier" in late.message
+
+
+def test_barrier_starts_one_watchdog_thread_not_one_per_step() -> None:
+    _, plan, shards = _shards(1, 2)
+    params = _model_params()
+    before = threading.active_count()
+    for step in range(20):
+        for w in range(2):
+            shards[0].push(w, step, [torch.ones_like(params[i]) for i in plan[0]], [0.1, 0.1])
+    assert threading.active_count() == before + 1
+    watchdog = shards[0]._watchdog
+    assert watchdog is not None and watchdog.is_alive()
+    register_shard(shards[0])
+    unregister_shard(0)  # dropping the shard ends its watchdog
+    watchdog.join(timeout=5)
+    assert not watchdog.is_alive()
 
 
 def test_out_of_step_push_is_refused() -> None:
