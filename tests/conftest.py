@@ -5,6 +5,7 @@ the ``gpu`` skip mark."""
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -14,6 +15,21 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Lightning's "popen" launcher starts the other ranks by re-running the command line: a test
+    # that fits a multi-process Trainer in the pytest process with it would start a second whole
+    # test session as rank 1. Tests fork their ranks (start_method="fork") or run scripts in
+    # subprocesses; a session started as a Lightning child rank stops here, loudly.
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        sys.stderr.write(
+            "tests/conftest.py: this pytest session was started as a Lightning child rank "
+            f"(LOCAL_RANK={os.environ['LOCAL_RANK']}): a test fitted a multi-process Trainer with the "
+            "'popen' launcher in the pytest process. Fix: start_method='fork' (or '*_fork' strategies), "
+            "or run the script in a subprocess.\n"
+        )
+        os._exit(3)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
