@@ -167,7 +167,16 @@ def test_benchmark_quick_mode(script: str) -> None:
 
 
 HEADER = "# ps_traffic | x86_64, 2 cores, no GPU | torch, lightning, python | date\n"
-PS_QUICK = """params_N 1.997e+05 floats
+PS_QUICK = """ps_busiest_over_mean_bytes_resnet50_S8 1 x
+ps_busiest_over_mean_bytes_resnet50_whole_S8 1 x
+ps_empty_servers_resnet50_whole_S8 0 servers
+ps_busiest_over_mean_bytes_resnet50_S64 1 x
+ps_busiest_over_mean_bytes_resnet50_whole_S64 5.908 x
+ps_empty_servers_resnet50_whole_S64 0 servers
+ps_busiest_over_mean_bytes_resnet50_S256 1 x
+ps_busiest_over_mean_bytes_resnet50_whole_S256 23.63 x
+ps_empty_servers_resnet50_whole_S256 95 servers
+params_N 1.997e+05 floats
 ring_bytes_over_formula_P2 1 x
 server_bytes_over_formula_P2_S1 1 x
 server_over_ring_bytes_P2_S1 2 x
@@ -189,6 +198,8 @@ ps_over_ddp_step 2.41 x
         ("server_bytes_over_formula_P2_S2 1 x", "server_bytes_over_formula_P2_S2 0.5 x", "outside"),
         ("server_over_ring_bytes_P2_S1 2 x", "server_over_ring_bytes_P2_S1 1 x", "P2_S1 = 0.5"),
         ("ring_bytes_over_formula_P2 1 x\n", "", "no line matches 'ring_bytes_over_formula_P2'"),
+        # the whole-tensor plan's balance where the partition's should be
+        ("resnet50_S64 1 x", "resnet50_S64 5.908 x", "outside"),
     ],
 )
 def test_quick_output_check_fails_on_a_bad_line(old: str, new: str, message: str) -> None:
