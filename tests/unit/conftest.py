@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 import lightning_strategies.optim._foreach as foreach_module
+from lightning_strategies.comm.heartbeat import Heartbeat
 
 # The optimizers' update paths: per tensor; multi-tensor; multi-tensor with CPU cache blocking
 # cut down to 8 elements, so (1,) and (7,) run as one unit of whole tensors and (5, 3) and
@@ -18,3 +21,12 @@ def foreach(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     if request.param == "foreach_blocked":
         monkeypatch.setattr(foreach_module, "CPU_BLOCK_ELEMENTS", 8)
     return request.param != "per_tensor"
+
+
+@pytest.fixture
+def beats() -> Iterator[list[Heartbeat]]:
+    """The heartbeats a test starts (append them); stopped, as unfinished, when it ends."""
+    started: list[Heartbeat] = []
+    yield started
+    for beat in started:
+        beat.stop(finished=False)

@@ -14,7 +14,6 @@ import datetime
 import os
 import signal
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
@@ -31,14 +30,6 @@ from lightning_strategies.comm.heartbeat import (
 LIVE_S = 0.02
 FROZEN_S = 3600.0
 GRACE_S = 1.0
-
-
-@pytest.fixture
-def beats() -> Iterator[list[Heartbeat]]:
-    started: list[Heartbeat] = []
-    yield started
-    for beat in started:
-        beat.stop(finished=False)
 
 
 def _ranks(store: dist.Store, intervals: list[float], beats: list[Heartbeat]) -> list[Heartbeat]:

@@ -74,14 +74,6 @@ class CountingStore:
         return [c for c in self.calls if c[0] in ("get", "check", "multi_get") or (c[0] == "add" and c[2] == 0)]
 
 
-@pytest.fixture
-def beats() -> Iterator[list[Heartbeat]]:
-    started: list[Heartbeat] = []
-    yield started
-    for beat in started:
-        beat.stop(finished=False)
-
-
 @pytest.fixture(params=["hash", "tcp"])
 def connect(request: pytest.FixtureRequest) -> Iterator[Callable[[], dist.Store]]:
     """Returns a new connection to one store per call: the ranks of a HashStore share it."""
