@@ -1,0 +1,542 @@
+"""The measurements of ``benchmarks/scale.py``, run in P fork-started gloo + RPC processes (or under torchrun).
+
+One call of :func:`world_worker` is one world: it sets up the process group's extra groups, RPC
+and the pipeline, then runs ``reps`` repetitions; each repetition runs, in a rotated order, the
+calibration (:func:`calibrate`: the micro-benchmarks the model's constants come from) and one timed
+run of every strategy (:func:`run_strategy`). Rank 0 returns a list of repetitions, each a dict of
+calibration figures and strategy step times (seconds) and bytes.
+
+The strategies are the comm layer of the package, driven directly with a compute stand-in:
+
+    ddp        compute; ``dist.all_reduce`` of each DDP bucket (1 MiB, then 25 MiB) of N float32
+    ring       compute; ``comm.ring.ring_all_reduce`` of each bucket (the "ring" strategy's hook)
+    ring_hier  the same with ``hierarchical=True`` (torchrun, 2 nodes x 2 only; when comm.ring has it)
+    ps         compute; ``ParameterServerClient.push_pull`` to P shards (``partition_parameters``, SGD)
+    ps_1       the same with one shard on rank 0
+    async      draw a batch from the ``AsyncCoordinator`` (rank 0), compute, ``push(pull=True)``
+               to P ``AsyncParameterShard`` s; per worker, timed over a window (no lockstep)
+    pipeline   ``PipelineRuntime`` of K = P stages of Linear + tanh blocks, GPipe, M micro-batches
+
+The compute stand-in is a fixed number of 256 x 256 matmuls + tanh: real CPU work, so P processes
+on 2 cores contend for them as training processes would, and fixed work, not a fixed time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+from torch import Tensor, nn
+
+from benchmarks._pipeline_models import loss as pipeline_loss
+from benchmarks._pipeline_models import real_balanced
+from benchmarks._scale_model import ddp_buckets
+from lightning_strategies.comm.async_ps import AsyncParameterServerClient, AsyncParameterShard
+from lightning_strategies.comm.coordinator import AsyncCoordinator, DataPlan
+from lightning_strategies.comm.pipeline import PipelineRuntime, profile_blocks
+from lightning_strategies.comm.ps import (
+    OptimizerSpec,
+    ParameterServerClient,
+    ParameterShard,
+    partition_parameters,
+    slice_of,
+)
+from lightning_strategies.comm.ring import ring_all_reduce
+from lightning_strategies.comm.rpc import (
+    init_rpc,
+    register_coordinator,
+    register_shard,
+    shutdown_rpc,
+    unregister_coordinator,
+    unregister_shard,
+)
+
+__all__ = ["SYNC", "compute_standin", "standin_iters", "world_worker"]
+
+SYNC = ("ddp", "ring", "ring_hier", "ps", "ps_1", "pipeline")
+_TIMEOUT = datetime.timedelta(seconds=180)
+_LR = [0.01]
+
+
+def compute_standin(iters: int, x: Tensor, w: Tensor) -> Tensor:
+    """``iters`` matmuls of 256 x 256 with a tanh: the step's forward + backward, as CPU work."""
+    for _ in range(iters):
+        x = torch.tanh(x @ w)
+    return x
+
+
+def _standin_tensors() -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(256, 256, generator=g), torch.randn(256, 256, generator=g) / 16
+
+
+def standin_iters(target_s: float) -> int:
+    """Iterations of the stand-in that take ``target_s`` in this (lone) process, median of 5."""
+    x, w = _standin_tensors()
+    compute_standin(20, x, w)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        compute_standin(50, x, w)
+        times.append((time.perf_counter() - t0) / 50)
+    return max(1, round(target_s / statistics.median(times)))
+
+
+# --------------------------------------------------------------------------------------------
+# Timing helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _max_over_ranks(value: float, group: dist.ProcessGroup | None = None) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def _timed(step: Callable[[], Any], steps: int, warmup: int = 1) -> float:
+    """Seconds per step of ``step`` run in lockstep by every rank: the slowest rank's time."""
+    for _ in range(warmup):
+        step()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return _max_over_ranks((time.perf_counter() - t0) / steps)
+
+
+def _together(fn: Callable[[], Any], reps: int) -> float:
+    """Median over ``reps`` of the slowest rank's seconds of ``fn``, every rank running it at once."""
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(_max_over_ranks(time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def _alone(fn: Callable[[], Any], reps: int, ranks: Sequence[int] = (0,)) -> float:
+    """Median seconds of ``fn`` on ``ranks`` while the other ranks wait in a barrier (idle)."""
+    times: list[float] = []
+    for _ in range(reps):
+        dist.barrier()
+        if dist.get_rank() in ranks:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        dist.barrier()
+    return _max_over_ranks(statistics.median(times) if times else 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# The world's state
+# --------------------------------------------------------------------------------------------
+
+
+class World:
+    """What every repetition reuses: tensors, groups, the stand-in, the pipeline's blocks."""
+
+    def __init__(self, rank: int, world: int, cfg: dict[str, Any]) -> None:
+        self.rank, self.world, self.cfg = rank, world, cfg
+        self.sizes: list[int] = list(cfg["sizes"])
+        self.n = sum(self.sizes)
+        self.flat = torch.full((self.n,), 1e-3 * (rank + 1))
+        bucket_elems = [int(b) // 4 for b in ddp_buckets(4 * self.n)]
+        self.buckets = list(self.flat.split(bucket_elems))
+        self.params = [torch.zeros(s, requires_grad=True) for s in self.sizes]
+        grad_flat = torch.full((self.n,), 1e-3 * (rank + 1))
+        for p, g in zip(self.params, grad_flat.split(self.sizes), strict=True):
+            p.grad = g.view_as(p)
+        self.spec = OptimizerSpec.from_optimizer(torch.optim.SGD(self.params, lr=_LR[0]))
+        # as many tensors, of 16 elements: what ps costs per tensor and per message, without bytes
+        self.tiny_params = [torch.zeros(16, requires_grad=True) for _ in self.sizes]
+        for p in self.tiny_params:
+            p.grad = torch.full_like(p, 1e-3)
+        self.x, self.w = _standin_tensors()
+        self.iters = int(cfg["iters"])
+        # ranks 0 and 1 alone (calibration), rank 0 alone (the one-stage pipeline)
+        self.pair = dist.new_group([0, 1])
+        self.solo = dist.new_group([0])
+        self.local_group = None
+        self.hier = bool(cfg.get("local_size")) and "ring_hier" in cfg["strategies"]
+        self.pipe = cfg.get("pipeline")
+        if self.pipe is not None:
+            dim, per_stage = self.pipe["dim"], self.pipe["blocks_per_stage"]
+            self.blocks = real_balanced(dim, per_stage * world)
+            self.stage_blocks = real_balanced(dim, per_stage)
+            m, mb = self.pipe["microbatches"], self.pipe["rows"]
+            g = torch.Generator().manual_seed(1)
+            self.px, self.py = torch.randn(m * mb, dim, generator=g), torch.randn(m * mb, dim, generator=g)
+            self.runtime = PipelineRuntime(
+                self.blocks, counts=[per_stage] * world, schedule="gpipe", microbatches=m, loss_fn=pipeline_loss,
+                group=dist.group.WORLD, device=torch.device("cpu"),
+            )  # fmt: skip
+            self.solo_runtime = (
+                PipelineRuntime(
+                    self.stage_blocks, counts=[per_stage], schedule="gpipe", microbatches=m, loss_fn=pipeline_loss,
+                    group=self.solo, device=torch.device("cpu"),
+                )  # fmt: skip
+                if rank == 0
+                else None
+            )
+
+    def compute(self) -> None:
+        compute_standin(self.iters, self.x, self.w)
+
+
+# --------------------------------------------------------------------------------------------
+# Calibration: the model's constants
+# --------------------------------------------------------------------------------------------
+
+
+def _exchange(w: World, nbytes: int, reps: int) -> float:
+    """Ranks 0 and 1 send each other ``nbytes`` at once, as a ring step does (both directions)."""
+    pg = dist.group.WORLD
+    assert pg is not None
+    out, into = torch.ones(max(1, nbytes // 4)), torch.empty(max(1, nbytes // 4))
+    peer = 1 - w.rank
+
+    def swap() -> None:
+        got = pg.recv([into], peer, 7)
+        sent = pg.send([out], peer, 7)
+        got.wait()
+        sent.wait()
+
+    def many() -> None:
+        for _ in range(4):
+            swap()
+
+    if w.rank in (0, 1):
+        swap()  # the pair's connection exists before the timing
+    return _alone(many, reps, ranks=(0, 1)) / 4
+
+
+def _echo(t: Tensor) -> Tensor:
+    return t
+
+
+def _rpc_round_trip(w: World, nbytes: int, reps: int) -> float:
+    """Rank 1 calls rank 0 over RPC with ``nbytes`` of payload that comes back (a push and a reply)."""
+    payload = torch.ones(max(1, nbytes // 4))
+
+    def call() -> None:
+        for _ in range(4):
+            rpc.rpc_sync("ps_worker0", _echo, args=(payload,))
+
+    if w.rank == 1:
+        call()
+    return _alone(call, reps, ranks=(1,)) / 4
+
+
+def _ps_host(w: World, params: Sequence[Tensor], reps: int, tag: str) -> dict[str, float]:
+    """ps's host work in rank 0 alone with a local shard (no RPC), over ``params``: the shard's update
+    (SGD + reply packing) for one worker, for two (and their averaging), and a whole local
+    ``push_pull`` (the client's packing and copying back on top). Seconds, medians."""
+    sizes = [p.numel() for p in params]
+    plan = partition_parameters(sizes, 1)
+    values = [slice_of(params[sl.tensor], sl) for sl in plan[0]]
+    grads = [p.grad for p in params]
+    spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=_LR[0]))
+    out = {f"ps_update{tag}_s": 0.0, f"ps_two{tag}_s": 0.0, f"ps_local{tag}_s": 0.0}
+    if w.rank == 0:
+        one = ParameterShard(0, plan[0], values, spec, 1, timeout=_TIMEOUT)
+        two = ParameterShard(0, plan[0], values, spec, 2, timeout=_TIMEOUT)
+        register_shard(one)
+        client = ParameterServerClient(0, params, plan, timeout=_TIMEOUT)
+
+        def push_one() -> None:
+            one.push(0, one.version, grads, _LR).wait()
+
+        def push_two() -> None:
+            two.push(0, two.version, grads, _LR)
+            two.push(1, two.version, grads, _LR).wait()
+
+        def push_pull() -> None:
+            client.step = one.version
+            client.push_pull(_LR)
+
+        for name, f in (("update", push_one), ("two", push_two), ("local", push_pull)):
+            f()
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                f()
+                times.append(time.perf_counter() - t0)
+            out[f"ps_{name}{tag}_s"] = statistics.median(times)
+        unregister_shard(0)
+        two.close()
+    dist.barrier()
+    return out
+
+
+def _ps_pair(w: World, params: Sequence[Tensor], num_servers: int, reps: int) -> float:
+    """A ``push_pull`` of ranks 0 and 1 alone (the others idle) to ``num_servers`` shards on them."""
+    sizes = [p.numel() for p in params]
+    plan = partition_parameters(sizes, num_servers, align=1)
+    spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=_LR[0]))
+    shard = None
+    if w.rank < num_servers:
+        values = [slice_of(params[sl.tensor], sl) for sl in plan[w.rank]]
+        shard = ParameterShard(w.rank, plan[w.rank], values, spec, 2, timeout=_TIMEOUT)
+        register_shard(shard)
+    dist.barrier()
+    client = ParameterServerClient(w.rank, params, plan, timeout=_TIMEOUT) if w.rank < 2 else None
+
+    def push_pull() -> None:
+        assert client is not None
+        client.push_pull(_LR)
+
+    if client is not None:
+        push_pull()
+    seconds = _alone(push_pull, reps, ranks=(0, 1))
+    if shard is not None:
+        unregister_shard(w.rank)
+        shard.close()
+    return seconds
+
+
+def calibrate(w: World) -> dict[str, float]:
+    """The constants of this repetition: compute alone and all at once, the links, the host work."""
+    reps = w.cfg["calib_reps"]
+    out: dict[str, float] = {}
+    out["compute_s"] = _alone(w.compute, reps)
+    out["compute_all_s"] = _together(w.compute, reps)
+    small, big = 4096, 4 * 1024 * 1024
+    out["exchange_small_s"] = _exchange(w, small, reps)
+    out["exchange_big_s"] = _exchange(w, big, reps)
+    tiny = torch.zeros(1)
+
+    def tiny_allreduce() -> None:
+        for _ in range(4):
+            dist.all_reduce(tiny, group=w.pair)
+
+    out["gloo_tiny_allreduce_s"] = _alone(tiny_allreduce, reps, ranks=(0, 1)) / 4
+    a, b = torch.ones(big // 4), torch.ones(big // 4)
+    out["add_big_s"] = _alone(lambda: a.add_(b), reps)
+    out["rpc_small_s"] = _rpc_round_trip(w, small, reps)
+    out["rpc_big_s"] = _rpc_round_trip(w, big, reps)
+    out.update(_ps_host(w, w.params, reps, ""))
+    out.update(_ps_host(w, w.tiny_params, reps, "_tiny"))
+    # the ps protocol's own cost per message: RPC, the barrier, the threads' hand-offs (tiny tensors)
+    out["ps_pair_tiny_s"] = _ps_pair(w, w.tiny_params, 2, reps)
+    if w.pipe is not None:
+        sample = w.px[: w.pipe["rows"]]
+        stage = float(sum(profile_blocks(w.stage_blocks, sample, repeats=reps))) if w.rank == 0 else 0.0
+        out["stage_s"] = _max_over_ranks(stage)
+
+        def one_stage() -> None:
+            assert w.solo_runtime is not None
+            w.solo_runtime.step(w.px, w.py)
+            for p in w.solo_runtime.stage_parameters:
+                p.grad = None
+
+        if w.rank == 0:
+            one_stage()  # shapes inferred, buffers allocated
+        out["solo_pipeline_s"] = _alone(one_stage, reps)
+    # every rank returns the same figures (rank 0's were broadcast by the max-reductions above)
+    return {k: _max_over_ranks(v) for k, v in sorted(out.items())}
+
+
+# --------------------------------------------------------------------------------------------
+# The strategies
+# --------------------------------------------------------------------------------------------
+
+
+def _reduce_buckets(w: World, fn: Callable[[Tensor], Any]) -> Callable[[], int]:
+    def step() -> int:
+        w.compute()
+        sent = 0
+        for b in w.buckets:
+            stats = fn(b)
+            sent += stats.bytes_sent if stats is not None else 0
+        return sent
+
+    return step
+
+
+def _ps_step(w: World, num_servers: int, steps: int) -> tuple[float, float]:
+    """Seconds per step and this rank's bytes sent to other ranks per step, for S = ``num_servers``."""
+    plan = partition_parameters(w.sizes, num_servers)
+    shard = None
+    if w.rank < num_servers:
+        shard = ParameterShard(
+            w.rank, plan[w.rank], [slice_of(w.params[sl.tensor], sl) for sl in plan[w.rank]], w.spec, w.world,
+            timeout=_TIMEOUT,
+        )  # fmt: skip
+        register_shard(shard)
+    dist.barrier()  # every shard is up before the first push
+    client = ParameterServerClient(w.rank, w.params, plan, timeout=_TIMEOUT)
+
+    def step() -> None:
+        w.compute()
+        client.push_pull(_LR)
+
+    step()
+    before = client.stats.bytes_sent + (shard.stats.bytes_sent if shard else 0)
+    seconds = _timed(step, steps, warmup=0)
+    dist.barrier()  # every reply is in before a shard goes
+    sent = client.stats.bytes_sent + (shard.stats.bytes_sent if shard else 0) - before
+    own = 4 * sum(sl.numel for sl in plan[w.rank]) if shard else 0
+    unregister_shard(w.rank)
+    if shard is not None:
+        shard.close()
+    # the co-located shard's push and reply are counted but never leave the process
+    return seconds, sent / steps - 2 * own
+
+
+def _async_step(w: World, window_s: float) -> tuple[float, float]:
+    """Seconds per worker step of async (mean over workers), timed over a window, and bytes sent."""
+    plan = partition_parameters(w.sizes, w.world)
+    shard = AsyncParameterShard(
+        w.rank, plan[w.rank], [slice_of(w.params[sl.tensor], sl) for sl in plan[w.rank]], w.spec, w.world,
+        timeout=_TIMEOUT,
+    )  # fmt: skip
+    register_shard(shard)
+    coordinator = None
+    if w.rank == 0:
+        coordinator = AsyncCoordinator(w.world, None, timeout=_TIMEOUT)
+        register_coordinator(coordinator)
+    dist.barrier()
+    client = AsyncParameterServerClient(w.rank, w.params, plan, timeout=_TIMEOUT, coordinator_rank=0)
+    data = DataPlan(num_samples=10_000, batch_size=1, shuffle=False)  # more than a window's draws
+    grads = [p.grad for p in w.params]
+
+    def step() -> None:
+        client.draw(0, data)
+        w.compute()
+        client.push(grads, _LR, pull=True)
+
+    step()
+    dist.barrier()
+    own = 4 * sum(sl.numel for sl in plan[w.rank])
+    before = client.stats.bytes_sent + shard.stats.bytes_sent
+    done = 0
+    t0 = time.perf_counter()
+    while done == 0 or time.perf_counter() - t0 < window_s:
+        step()
+        done += 1
+    elapsed = time.perf_counter() - t0
+    dist.barrier()  # every push has been answered (and counted by its shard) before the counts are read
+    sent = client.stats.bytes_sent + shard.stats.bytes_sent - before
+    time.sleep(0.05)  # the last ticks
+    dist.barrier()
+    if coordinator is not None:
+        unregister_coordinator()
+    unregister_shard(w.rank)
+    shard.close()
+    # a worker's push to its own shard and that shard's reply to it (own bytes each) never leave
+    # the process; summed over workers, remote bytes / steps is exact whatever each worker's pace
+    totals = torch.tensor([elapsed / done, sent - 2.0 * own * done, float(done)], dtype=torch.float64)
+    dist.all_reduce(totals)
+    return float(totals[0]) / w.world, float(totals[1] / totals[2])
+
+
+def _pipeline_step(w: World, steps: int) -> float:
+    def step() -> None:
+        w.runtime.step(w.px, w.py)
+        for p in w.runtime.stage_parameters:
+            p.grad = None
+
+    return _timed(step, steps)
+
+
+def run_strategy(w: World, name: str) -> dict[str, float]:
+    """One timed run of strategy ``name``, after a probe of the machine's speed at this moment.
+
+    Returns seconds per step, bytes this rank sent per step, and the probe: the compute stand-in on
+    rank 0 alone and on every rank at once, just before the run (the load of a shared machine
+    changes within seconds; the model reads the machine's speed and contention of this moment).
+    """
+    probe = w.cfg["probe_reps"]
+    return {
+        "probe_alone_s": _alone(w.compute, probe),
+        "probe_all_s": _together(w.compute, probe),
+        **_run(w, name),
+    }
+
+
+def _run(w: World, name: str) -> dict[str, float]:
+    steps = w.cfg["steps"]
+    if name == "ddp":
+        return {"step_s": _timed(_reduce_buckets(w, lambda b: dist.all_reduce(b)), steps)}
+    if name == "ring":
+        sent: list[int] = []
+
+        def ring_step() -> None:
+            sent.append(_reduce_buckets(w, lambda b: ring_all_reduce(b, check_peers=False))())
+
+        seconds = _timed(ring_step, steps)
+        return {"step_s": seconds, "sent_bytes": _max_over_ranks(float(max(sent)))}
+    if name == "ring_hier":
+        hier: list[int] = []
+
+        def hier_step() -> None:
+            hier.append(_reduce_buckets(w, _hier_all_reduce(w))())
+
+        seconds = _timed(hier_step, steps)
+        return {"step_s": seconds, "sent_bytes": _max_over_ranks(float(max(hier)))}
+    if name in ("ps", "ps_1"):
+        seconds, ps_sent = _ps_step(w, w.world if name == "ps" else 1, steps)
+        return {"step_s": seconds, "sent_bytes": _max_over_ranks(ps_sent)}
+    if name == "async":
+        seconds, async_sent = _async_step(w, w.cfg["async_window_s"])
+        return {"step_s": seconds, "sent_bytes": async_sent}
+    if name == "pipeline":
+        return {"step_s": _pipeline_step(w, steps)}
+    raise ValueError(f"unknown strategy {name!r}")
+
+
+def _hier_all_reduce(w: World) -> Callable[[Tensor], Any]:
+    """``ring_all_reduce(..., hierarchical=True)`` on the node layout torchrun gave (``local_size``)."""
+    local = int(w.cfg["local_size"])
+
+    def reduce(b: Tensor) -> Any:
+        return ring_all_reduce(b, check_peers=False, hierarchical=True, local_size=local)  # type: ignore[call-arg]
+
+    return reduce
+
+
+# --------------------------------------------------------------------------------------------
+# One world
+# --------------------------------------------------------------------------------------------
+
+
+def world_worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, float]]:
+    """Run ``cfg["reps"]`` repetitions of calibration + every strategy in ``cfg["strategies"]``.
+
+    Returns, on every rank, the list of repetitions: ``calib/<name>`` and ``<strategy>/<key>``.
+    """
+    torch.set_num_threads(1)
+    # rpc.init_rpc's internal all_gather_object warns about a deprecated group type, not ours to fix
+    warnings.filterwarnings("ignore", message="You are using a Backend")
+    warnings.filterwarnings("ignore", message=".*torch.distributed.pipelining.*")
+    init_rpc(rank, world, f"tcp://127.0.0.1:{cfg['rpc_port']}", timeout=_TIMEOUT, num_threads=4)
+    failed = True
+    try:
+        w = World(rank, world, cfg)
+        items = ["calib", *cfg["strategies"]]
+        out: list[dict[str, float]] = []
+        for rep in range(cfg["reps"]):
+            shift = (rep + cfg.get("offset", 0)) % len(items)
+            row: dict[str, float] = {}
+            for item in items[shift:] + items[:shift]:
+                if item == "calib":
+                    row.update({f"calib/{k}": v for k, v in calibrate(w).items()})
+                else:
+                    row.update({f"{item}/{k}": v for k, v in run_strategy(w, item).items()})
+            out.append(row)
+        failed = False
+        return out
+    finally:
+        shutdown_rpc(failed=failed, timeout=_TIMEOUT)
+
+
+def median_of(rows: Sequence[dict[str, float]], key: str) -> float:
+    return float(statistics.median(r[key] for r in rows if key in r))
