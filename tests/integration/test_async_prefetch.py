@@ -42,7 +42,8 @@ class _Indexed(TinyRegressor):
         self.seen = []
         loader = self.trainer.train_dataloader
         assert isinstance(loader, DevicePrefetcher) and isinstance(loader.batch_sampler, DynamicBatchSampler)
-        self.trainer.callback_metrics[f"seen_{self.current_epoch}"] = torch.tensor(sorted(sum(gathered, [])))
+        seen = sorted(i for rank in gathered for i in rank)
+        self.trainer.callback_metrics[f"seen_{self.current_epoch}"] = torch.tensor(seen)
 
 
 def _loader(device: str) -> DevicePrefetcher:
