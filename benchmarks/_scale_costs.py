@@ -161,7 +161,7 @@ class Cluster:
     """
 
     gpus_per_node: int = 8  # the issue's example (DGX A100 / H100: 8 GPUs per node)
-    nvlink_gbyte_s: float = 300.0  # GB/s per GPU, one direction (the issue: "NVLink ~300 GB/s"; NVLink 3 = 600 GB/s both ways)
+    nvlink_gbyte_s: float = 300.0  # per GPU, one direction (the issue; NVLink 3 is 600 GB/s both ways)
     nvlink_latency_us: float = 5.0  # per hop, assumed (NCCL's small-message floor inside a node is a few us)
     nic_gbit_s: float = 100.0  # Gb/s per node between nodes (the issue's example)
     nic_latency_us: float = 10.0  # per hop, assumed (IB/RoCE plus NCCL's proxy)
@@ -181,7 +181,8 @@ class Cluster:
         """``(name, value, unit)`` of every figure, for the output."""
         units = {
             "gpus_per_node": "gpus", "nvlink_gbyte_s": "GB/s", "nvlink_latency_us": "us", "nic_gbit_s": "Gb/s",
-            "nic_latency_us": "us", "step_ms": "ms", "batch_per_gpu": "images", "params": "floats", "tensors": "tensors",
+            "nic_latency_us": "us", "step_ms": "ms", "batch_per_gpu": "images", "params": "floats",
+            "tensors": "tensors",
             "hbm_gbyte_s": "GB/s", "rpc_overhead_us": "us", "p2p_overhead_us": "us", "chunk_overhead_us": "us",
             "stages": "stages", "microbatches": "microbatches", "activation_per_image": "values",
         }  # fmt: skip

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
-from torch import Tensor, nn
+from torch import Tensor
 
 from benchmarks._pipeline_models import loss as pipeline_loss
 from benchmarks._pipeline_models import real_balanced
@@ -48,7 +48,12 @@ from lightning_strategies.comm.ps import (
     partition_parameters,
     slice_of,
 )
-from lightning_strategies.comm.ring import ring_all_reduce
+from lightning_strategies.comm.ring import (
+    NodeLayout,
+    hierarchical_all_reduce,
+    new_hierarchical_groups,
+    ring_all_reduce,
+)
 from lightning_strategies.comm.rpc import (
     init_rpc,
     register_coordinator,
@@ -140,6 +145,19 @@ def _alone(fn: Callable[[], Any], reps: int, ranks: Sequence[int] = (0,)) -> flo
 # --------------------------------------------------------------------------------------------
 
 
+def _world_group() -> dist.ProcessGroup:
+    world = dist.group.WORLD
+    assert world is not None
+    return world
+
+
+def _group(ranks: list[int]) -> dist.ProcessGroup:
+    """``dist.new_group(ranks)`` (every rank calls it); on a rank outside ``ranks`` the world group,
+    never used there."""
+    group = dist.new_group(ranks)
+    return group if isinstance(group, dist.ProcessGroup) else _world_group()
+
+
 class World:
     """What every repetition reuses: tensors, groups, the stand-in, the pipeline's blocks."""
 
@@ -162,10 +180,12 @@ class World:
         self.x, self.w = _standin_tensors()
         self.iters = int(cfg["iters"])
         # ranks 0 and 1 alone (calibration), rank 0 alone (the one-stage pipeline)
-        self.pair = dist.new_group([0, 1])
-        self.solo = dist.new_group([0])
-        self.local_group = None
-        self.hier = bool(cfg.get("local_size")) and "ring_hier" in cfg["strategies"]
+        self.pair = _group([0, 1])
+        self.solo = _group([0])
+        # simulated nodes (torchrun): the node layout; flat ring calls count their inter-node bytes
+        local = int(cfg.get("local_size") or world)
+        self.layout = NodeLayout.contiguous(world // local, local) if local < world else None
+        self.hier_groups = new_hierarchical_groups(self.layout, backend="gloo") if self.layout else None
         self.pipe = cfg.get("pipeline")
         if self.pipe is not None:
             dim, per_stage = self.pipe["dim"], self.pipe["blocks_per_stage"]
@@ -176,16 +196,14 @@ class World:
             self.px, self.py = torch.randn(m * mb, dim, generator=g), torch.randn(m * mb, dim, generator=g)
             self.runtime = PipelineRuntime(
                 self.blocks, counts=[per_stage] * world, schedule="gpipe", microbatches=m, loss_fn=pipeline_loss,
-                group=dist.group.WORLD, device=torch.device("cpu"),
+                group=_world_group(), device=torch.device("cpu"),
             )  # fmt: skip
-            self.solo_runtime = (
-                PipelineRuntime(
+            self.solo_runtime: PipelineRuntime | None = None
+            if rank == 0:
+                self.solo_runtime = PipelineRuntime(
                     self.stage_blocks, counts=[per_stage], schedule="gpipe", microbatches=m, loss_fn=pipeline_loss,
                     group=self.solo, device=torch.device("cpu"),
                 )  # fmt: skip
-                if rank == 0
-                else None
-            )
 
     def compute(self) -> None:
         compute_standin(self.iters, self.x, self.w)
@@ -466,22 +484,30 @@ def _run(w: World, name: str) -> dict[str, float]:
     steps = w.cfg["steps"]
     if name == "ddp":
         return {"step_s": _timed(_reduce_buckets(w, lambda b: dist.all_reduce(b)), steps)}
-    if name == "ring":
-        sent: list[int] = []
+    if name in ("ring", "ring_hier"):
+        groups = w.hier_groups
+
+        def reduce(b: Tensor) -> Any:
+            if name == "ring":
+                return ring_all_reduce(b, check_peers=False, layout=w.layout)
+            assert groups is not None, "ring_hier needs simulated nodes (cfg local_size)"
+            return hierarchical_all_reduce(b, *groups, check_peers=False)
+
+        stats: list[tuple[int, int]] = []
 
         def ring_step() -> None:
-            sent.append(_reduce_buckets(w, lambda b: ring_all_reduce(b, check_peers=False))())
+            w.compute()
+            sent = across = 0
+            for b in w.buckets:
+                got = reduce(b)
+                sent, across = sent + got.bytes_sent, across + (got.inter_node_bytes_sent or 0)
+            stats.append((sent, across))
 
         seconds = _timed(ring_step, steps)
-        return {"step_s": seconds, "sent_bytes": _max_over_ranks(float(max(sent)))}
-    if name == "ring_hier":
-        hier: list[int] = []
-
-        def hier_step() -> None:
-            hier.append(_reduce_buckets(w, _hier_all_reduce(w))())
-
-        seconds = _timed(hier_step, steps)
-        return {"step_s": seconds, "sent_bytes": _max_over_ranks(float(max(hier)))}
+        out = {"step_s": seconds, "sent_bytes": _max_over_ranks(float(max(s for s, _ in stats)))}
+        if w.layout is not None:
+            out["inter_sent_bytes"] = _max_over_ranks(float(max(a for _, a in stats)))
+        return out
     if name in ("ps", "ps_1"):
         seconds, ps_sent = _ps_step(w, w.world if name == "ps" else 1, steps)
         return {"step_s": seconds, "sent_bytes": _max_over_ranks(ps_sent)}
@@ -491,16 +517,6 @@ def _run(w: World, name: str) -> dict[str, float]:
     if name == "pipeline":
         return {"step_s": _pipeline_step(w, steps)}
     raise ValueError(f"unknown strategy {name!r}")
-
-
-def _hier_all_reduce(w: World) -> Callable[[Tensor], Any]:
-    """``ring_all_reduce(..., hierarchical=True)`` on the node layout torchrun gave (``local_size``)."""
-    local = int(w.cfg["local_size"])
-
-    def reduce(b: Tensor) -> Any:
-        return ring_all_reduce(b, check_peers=False, hierarchical=True, local_size=local)  # type: ignore[call-arg]
-
-    return reduce
 
 
 # --------------------------------------------------------------------------------------------

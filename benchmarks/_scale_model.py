@@ -102,6 +102,8 @@ class Costs:
         cores: cores the processes effectively share (contention); ``None``: one device each.
         bucket_bytes: DDP's bucket cap (``bucket_cap_mb``, 25 MiB).
         first_bucket_bytes: DDP's first, smaller bucket (1 MiB).
+        min_chunk_bytes: the ring strategy's smallest chunk per step (``comm.ring.MIN_CHUNK_BYTES``,
+            256 KiB): its buckets grow to P x this once that exceeds ``bucket_bytes``; 0: fixed buckets.
     """
 
     compute_s: float
@@ -126,9 +128,12 @@ class Costs:
     cores: float | None = None
     bucket_bytes: float = 25 * MIB
     first_bucket_bytes: float = MIB
+    min_chunk_bytes: float = 0.0
 
-    def buckets(self, grad_bytes: float) -> list[float]:
-        return ddp_buckets(grad_bytes, self.bucket_bytes, self.first_bucket_bytes)
+    def buckets(self, grad_bytes: float, world: int = 1, *, grow: bool = False) -> list[float]:
+        """DDP's buckets of ``grad_bytes``; with ``grow``, the ring strategy's (at least P x min chunk)."""
+        cap = max(self.bucket_bytes, world * self.min_chunk_bytes) if grow else self.bucket_bytes
+        return ddp_buckets(grad_bytes, cap, self.first_bucket_bytes)
 
     def with_(self, **changes: object) -> Costs:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -170,6 +175,8 @@ class Prediction:
         link_bytes: bytes on the busiest single link (one direction) per step.
         nic_bytes: bytes leaving the busiest node per step (0 on one node).
         messages: messages the busiest process sends per step.
+        bound: what sets the pace when it is not the worker's own step (``async``: ``"coordinator"``).
+        inter_sent_bytes: bytes the busiest process sends to other nodes per step.
     """
 
     step_s: float
@@ -179,6 +186,7 @@ class Prediction:
     nic_bytes: float
     messages: float
     bound: str = ""
+    inter_sent_bytes: float = 0.0
 
 
 def contention(busy: float, cores: float | None) -> float:
@@ -236,14 +244,15 @@ def _flat_ring(strategy: str, costs: Costs, world: int, work: Workload) -> Predi
     ring = strategy == "ring"
     segment = costs.ring_segment_bytes if ring else costs.gloo_segment_bytes
     overhead = costs.p2p_overhead_s if ring else 0.0
-    buckets = costs.buckets(work.grad_bytes)
+    buckets = costs.buckets(work.grad_bytes, world, grow=ring)
     latency, bandwidth, reduce = _ring(costs, world, buckets, segment=segment, overhead=overhead)
     k = contention(world, costs.cores)
     phases = {"compute": k * costs.compute_s, "latency": k * latency, "bandwidth": k * bandwidth, "reduce": k * reduce}
     sent = 2 * (world - 1) / world * work.grad_bytes
     messages = sum(2 * (world - 1) * _segments(b / world, segment) for b in buckets) if world > 1 else 0.0
     nodes = math.ceil(world / costs.local_size)
-    return Prediction(sum(phases.values()), phases, sent, sent, sent if nodes > 1 else 0.0, messages)
+    across = sent if nodes > 1 else 0.0  # the rank before each node boundary sends all of it across
+    return Prediction(sum(phases.values()), phases, sent, sent, across, messages, inter_sent_bytes=across)
 
 
 def _hier_ring(costs: Costs, world: int, work: Workload) -> Prediction:
@@ -251,7 +260,7 @@ def _hier_ring(costs: Costs, world: int, work: Workload) -> Prediction:
     if world % local:
         raise ValueError(f"ring_hier needs whole nodes: found P={world} with {local} per node")
     nodes = world // local
-    buckets = costs.buckets(work.grad_bytes)
+    buckets = costs.buckets(work.grad_bytes, world, grow=True)
     seg, over = costs.ring_segment_bytes, costs.p2p_overhead_s
     flows = local if costs.inter_shared else 1  # the L inter-node rings leave the node at once
     latency = bandwidth = reduce = 0.0
@@ -276,7 +285,10 @@ def _hier_ring(costs: Costs, world: int, work: Workload) -> Prediction:
     intra_bytes = 2 * (local - 1) / local * d
     inter_bytes = 2 * (nodes - 1) / nodes * d / local  # per worker
     nic = local * inter_bytes if nodes > 1 else 0.0
-    return Prediction(sum(phases.values()), phases, intra_bytes + inter_bytes, max(intra_bytes, nic), nic, messages)
+    return Prediction(
+        sum(phases.values()), phases, intra_bytes + inter_bytes, max(intra_bytes, nic), nic, messages,
+        inter_sent_bytes=inter_bytes,
+    )  # fmt: skip
 
 
 def _rpc_bytes_seconds(costs: Costs, world: int, per_peer: float, peers_off_node: float, peers_on_node: float) -> float:

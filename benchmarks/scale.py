@@ -44,7 +44,6 @@ processes (and other jobs) share the cores, so the model has a contention term, 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import statistics
@@ -66,18 +65,12 @@ from benchmarks._scale_measure import standin_iters, world_worker
 from benchmarks._scale_model import Costs, Link, Workload, predict
 from benchmarks._workers import reserved_port, run_workers
 from benchmarks.ps_traffic import resnet50_sizes
-from lightning_strategies.comm.ring import ring_all_reduce
 
 GOAL = 0.15
 FAST = Link(0.0, math.inf)
 PROJECTED = tuple(2**k for k in range(3, 11))  # 8 ... 1024
 PROJECTED_STRATEGIES = ("ddp", "ring", "ring_hier", "ps", "ps_1", "async", "pipeline")
 RESULTS = Path(__file__).parent / "results"
-
-
-def has_hierarchical_ring() -> bool:
-    """Whether ``comm.ring.ring_all_reduce`` takes ``hierarchical=`` (helper ``ring`` is adding it)."""
-    return "hierarchical" in inspect.signature(ring_all_reduce).parameters
 
 
 # --------------------------------------------------------------------------------------------
@@ -166,15 +159,20 @@ def machine_workload(calib: dict[str, float], world: int, sizes: Sequence[int], 
 
 
 def compare(
-    rows: list[dict], world: int, strategies: Sequence[str], sizes: Sequence[int], pipe: dict, local_size: int | None = None
+    rows: list[dict],
+    world: int,
+    strategies: Sequence[str],
+    sizes: Sequence[int],
+    pipe: dict,
+    local_size: int | None = None,
 ) -> tuple[dict[str, dict], list[Costs]]:
     """Per strategy: measured and predicted medians, the median ratio, and the repetitions' costs."""
     out = {}
     costs_all: list[Costs] = []
-    shape = {"tensors": len(sizes), "grad_bytes": 4.0 * sum(sizes)}
+    tensors, grad_bytes = len(sizes), 4.0 * sum(sizes)
     for row in rows:
         calib = {**calib_of(row), "microbatches": float(pipe["microbatches"])}
-        costs_all.append(machine_costs(calib, world, local_size=local_size, **shape))
+        costs_all.append(machine_costs(calib, world, local_size=local_size, tensors=tensors, grad_bytes=grad_bytes))
     for s in strategies:
         measured, predicted, ratios = [], [], []
         phases: dict[str, list[float]] = {}
@@ -184,7 +182,9 @@ def compare(
                 continue
             calib = {**calib_of(row), "microbatches": float(pipe["microbatches"])}
             probe = (row[f"{s}/probe_alone_s"], row[f"{s}/probe_all_s"])
-            costs = machine_costs(calib, world, probe=probe, local_size=local_size, **shape)
+            costs = machine_costs(
+                calib, world, probe=probe, local_size=local_size, tensors=tensors, grad_bytes=grad_bytes
+            )
             pred = predict(s, costs, world, machine_workload(calib, world, sizes, pipe))
             measured.append(row[key])
             predicted.append(pred.step_s)
@@ -208,11 +208,14 @@ def bytes_errors(
     for row in rows[:1]:  # bytes do not depend on the load: one repetition says it
         costs = Costs(compute_s=0.0, local_size=local_size or world, intra=FAST, inter=FAST)
         for s in ("ring", "ring_hier", "ps", "ps_1", "async"):
-            if f"{s}/sent_bytes" in row:
-                want = predict(s, costs, world, work).busiest_sent_bytes
-                out[f"{s}_{tag}"] = abs(want / row[f"{s}/sent_bytes"] - 1)
-                line(f"scale_bytes_sent_{s}_{tag}", row[f"{s}/sent_bytes"], "bytes")
-                line(f"scale_bytes_error_{s}_{tag}", out[f"{s}_{tag}"], "fraction")
+            pred = predict(s, costs, world, work) if f"{s}/sent_bytes" in row else None
+            for key, want in (("sent", pred.busiest_sent_bytes), ("inter_sent", pred.inter_sent_bytes)) if pred else ():
+                if f"{s}/{key}_bytes" not in row:
+                    continue
+                name = f"{s}_{tag}" if key == "sent" else f"{s}_inter_node_{tag}"
+                out[name] = abs(want / row[f"{s}/{key}_bytes"] - 1)
+                line(f"scale_bytes_sent_{name}", row[f"{s}/{key}_bytes"], "bytes")
+                line(f"scale_bytes_error_{name}", out[name], "fraction")
     return out
 
 
@@ -449,10 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     calibrated = costs_median(all_costs)
     print_calibration(calibrated)
     if not args.no_torchrun:
-        hier = has_hierarchical_ring()
-        tr_strategies = ["ddp", "ring", *(["ring_hier"] if hier else [])]
-        if not hier:
-            print("# ring_hier: comm.ring has no hierarchical=True yet; the 2x2 run validates ddp and ring", flush=True)
+        tr_strategies = ["ddp", "ring", "ring_hier"]
         tr_cfg = {**cfg, "strategies": tr_strategies, "reps": args.rounds}
         tr_rows = measure_torchrun(tr_cfg, nodes=2, per_node=2, timeout=args.timeout)
         got, _ = compare(tr_rows, 4, tr_strategies, sizes, cfg["pipeline"], local_size=2)

@@ -96,7 +96,8 @@ def test_hierarchical_inter_node_bytes_are_2_n_minus_1_over_n_of_data_over_local
     assert got.busiest_sent_bytes == pytest.approx(2 * (local - 1) / local * D + inter_per_worker, rel=REL)
     flat = predict("ring", costs(local_size=local), nodes * local, one_bucket())
     # the node's NIC carries about as much as a flat ring's (2(M-1)/M D against 2(P-1)/P D) ...
-    assert got.nic_bytes / flat.nic_bytes == pytest.approx((nodes - 1) / nodes / ((nodes * local - 1) / (nodes * local)))
+    world = nodes * local
+    assert got.nic_bytes / flat.nic_bytes == pytest.approx((nodes - 1) / nodes / ((world - 1) / world), rel=REL)
 
 
 @pytest.mark.parametrize(("nodes", "local"), [(2, 2), (128, 8)])
@@ -213,6 +214,9 @@ def test_contention_is_busy_processes_over_cores() -> None:
 def test_machine_costs_recover_the_links_from_the_calibration_figures() -> None:
     alpha, beta, gloo = 50e-6, 2e9, 30e-6
     rpc_o, rpc_beta = 200e-6, 4e9
+    tensors, d = 10, 4e6
+    # ps host work: per tensor 1, 2, 3 us (client, average, update), per byte 1, 2, 3 ns
+    update_t, two_t, local_t = tensors * 3e-6, tensors * (3e-6 + 2 * 2e-6), tensors * (3e-6 + 1e-6)
     calib = {
         "compute_s": 0.04,
         "compute_all_s": 0.04,  # two free cores at P = 2
@@ -220,16 +224,21 @@ def test_machine_costs_recover_the_links_from_the_calibration_figures() -> None:
         "exchange_big_s": alpha + CALIB_BIG / beta,
         "gloo_tiny_allreduce_s": 2 * gloo,
         "add_big_s": CALIB_BIG * 1e-10,
-        "rpc_small_s": 2 * rpc_o + 2 * CALIB_SMALL / rpc_beta,
-        "rpc_big_s": 2 * rpc_o + 2 * CALIB_BIG / rpc_beta,
-        "ps_client_s_per_byte": 1e-9,
-        "ps_average_s_per_byte": 2e-9,
-        "ps_update_s_per_byte": 3e-9,
+        "rpc_small_s": 2 * CALIB_SMALL / rpc_beta,
+        "rpc_big_s": 2 * CALIB_BIG / rpc_beta,
+        "ps_update_tiny_s": update_t,
+        "ps_two_tiny_s": two_t,
+        "ps_local_tiny_s": local_t,
+        "ps_update_s": update_t + d * 3e-9,
+        "ps_two_s": two_t + d * (3e-9 + 2 * 2e-9),
+        "ps_local_s": local_t + d * (3e-9 + 1e-9),
+        # 2 ranks, 2 shards: client over every tensor, update of half, averaging of 2 pushes of half
+        "ps_pair_tiny_s": tensors * (1e-6 + 3e-6 / 2 + 2e-6) + 2 * rpc_o,
         "stage_s": 0.002,
         "solo_pipeline_s": 4 * 0.002 + 2 * 4 * 1e-4,
         "microbatches": 4.0,
     }
-    got = machine_costs(calib, 2)
+    got = machine_costs(calib, 2, tensors=tensors, grad_bytes=d)
     assert got.cores == 2.0
     assert got.intra.bandwidth == pytest.approx(beta)
     assert got.intra.latency_s == pytest.approx(gloo)
@@ -237,9 +246,12 @@ def test_machine_costs_recover_the_links_from_the_calibration_figures() -> None:
     assert got.reduce_s_per_byte == pytest.approx(1e-10)
     assert got.rpc_overhead_s == pytest.approx(rpc_o)
     assert got.rpc_intra.bandwidth == pytest.approx(rpc_beta)
+    for part, k in (("client", 1), ("average", 2), ("update", 3)):
+        assert getattr(got, f"ps_{part}_s_per_tensor") == pytest.approx(k * 1e-6)
+        assert getattr(got, f"ps_{part}_s_per_byte") == pytest.approx(k * 1e-9)
     assert got.chunk_overhead_s == pytest.approx(1e-4)
     # a probe taken when the machine runs 1.5x slower and P = 2 get one core between them
-    probed = machine_costs(calib, 2, probe=(0.06, 0.12))
+    probed = machine_costs(calib, 2, tensors=tensors, grad_bytes=d, probe=(0.06, 0.12))
     assert probed.compute_s == pytest.approx(0.06)
     assert probed.cores == 1.0
     assert probed.intra.bandwidth == pytest.approx(beta / 1.5)
