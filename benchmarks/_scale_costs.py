@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from benchmarks._scale_model import MIB, Costs, Link, Workload, contention
 
@@ -38,6 +38,7 @@ __all__ = [
 ]
 
 CALIB_SMALL, CALIB_BIG = 4096, 4 * MIB  # bytes of the calibration messages (see _scale_measure.calibrate)
+RING_MIN_CHUNK_BYTES = 256 << 10  # comm.ring.MIN_CHUNK_BYTES: the ring strategy's buckets grow to P x this
 
 
 def _two_point(small_s: float, big_s: float, small: float, big: float) -> tuple[float, float]:
@@ -146,6 +147,7 @@ def machine_costs(
         **host,
         chunk_overhead_s=chunk,
         cores=cores,
+        min_chunk_bytes=RING_MIN_CHUNK_BYTES,
     )
     if probe is None:
         return costs
@@ -177,6 +179,19 @@ class Cluster:
     microbatches: int = 8  # pipeline micro-batches per step
     activation_per_image: int = 512 * 28 * 28  # values at a stage boundary (ResNet-50 layer2's output), bf16
 
+    def resolved(self, calibrated: Costs) -> Cluster:
+        """The figures in use: a ``nan`` host overhead replaced by this machine's calibrated one."""
+
+        def pick(given: float, seconds: float) -> float:
+            return seconds * 1e6 if math.isnan(given) else given
+
+        return replace(
+            self,
+            rpc_overhead_us=pick(self.rpc_overhead_us, calibrated.rpc_overhead_s),
+            p2p_overhead_us=pick(self.p2p_overhead_us, calibrated.p2p_overhead_s),
+            chunk_overhead_us=pick(self.chunk_overhead_us, calibrated.chunk_overhead_s),
+        )
+
     def describe(self) -> list[tuple[str, float, str]]:
         """``(name, value, unit)`` of every figure, for the output."""
         units = {
@@ -200,9 +215,7 @@ def cluster_costs(cluster: Cluster, calibrated: Costs) -> Costs:
     """The cluster's :class:`Costs`: links and compute as stated, host overheads calibrated here
     (unless given). GPUs: no contention; NCCL's rings send one message per step (no segments)."""
 
-    def us(value: float, fallback_s: float) -> float:
-        return fallback_s if math.isnan(value) else value * 1e-6
-
+    cluster = cluster.resolved(calibrated)
     hbm = cluster.hbm_gbyte_s * 1e9
     nvlink = Link(cluster.nvlink_latency_us * 1e-6, cluster.nvlink_gbyte_s * 1e9)
     nic = Link(cluster.nic_latency_us * 1e-6, cluster.nic_gbit_s * 1e9 / 8)
@@ -212,11 +225,11 @@ def cluster_costs(cluster: Cluster, calibrated: Costs) -> Costs:
         intra=nvlink,
         inter=nic,
         inter_shared=True,  # one NIC per node: the flows that leave a node at once share it
-        p2p_overhead_s=us(cluster.p2p_overhead_us, calibrated.p2p_overhead_s),
+        p2p_overhead_s=cluster.p2p_overhead_us * 1e-6,
         gloo_segment_bytes=math.inf,
         ring_segment_bytes=math.inf,
         reduce_s_per_byte=3 / hbm,  # read two chunks, write one
-        rpc_overhead_s=us(cluster.rpc_overhead_us, calibrated.rpc_overhead_s),
+        rpc_overhead_s=cluster.rpc_overhead_us * 1e-6,
         rpc_intra=nvlink,
         rpc_inter=nic,
         ps_client_s_per_byte=4 / hbm,  # pack (read + write) and copy back (read + write)
@@ -225,8 +238,9 @@ def cluster_costs(cluster: Cluster, calibrated: Costs) -> Costs:
         ps_client_s_per_tensor=calibrated.ps_client_s_per_tensor,  # Python loops: the same code's
         ps_average_s_per_tensor=calibrated.ps_average_s_per_tensor,
         ps_update_s_per_tensor=calibrated.ps_update_s_per_tensor,
-        chunk_overhead_s=us(cluster.chunk_overhead_us, calibrated.chunk_overhead_s),
+        chunk_overhead_s=cluster.chunk_overhead_us * 1e-6,
         cores=None,
+        min_chunk_bytes=RING_MIN_CHUNK_BYTES,
     )
 
 

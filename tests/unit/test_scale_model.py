@@ -265,13 +265,27 @@ def test_cluster_costs_state_the_links_in_bytes_per_second() -> None:
     assert c.inter.bandwidth == 100e9 / 8  # 100 Gb/s
     assert c.intra.bandwidth == 300e9
     assert c.compute_s == pytest.approx(256 / 2470)  # NVIDIA's 2470 img/s at batch 256
-    assert c.rpc_overhead_s == 1e-4  # calibrated here unless given
+    assert c.rpc_overhead_s == pytest.approx(1e-4, rel=REL)  # calibrated here unless given
     assert cluster_costs(Cluster(rpc_overhead_us=50.0), c).rpc_overhead_s == pytest.approx(50e-6)
     assert c.cores is None
     work = cluster_workload(cluster)
     assert work.grad_bytes == 4 * 25_557_032
     # a replica takes K x 256 images, in M micro-batches, bf16 activations
     assert work.activation_bytes == 2 * 512 * 28 * 28 * 4 * 256 / 8
+
+
+def test_the_ring_strategys_buckets_grow_with_p_as_comm_ring_does() -> None:
+    from benchmarks._scale_costs import RING_MIN_CHUNK_BYTES
+    from lightning_strategies.comm.ring import MIN_CHUNK_BYTES, ring_bucket_cap_mb
+
+    assert RING_MIN_CHUNK_BYTES == MIN_CHUNK_BYTES
+    c = costs(bucket_bytes=25 * MIB, first_bucket_bytes=MIB, min_chunk_bytes=MIN_CHUNK_BYTES)
+    for world in (8, 100, 256, 1024):
+        cap = ring_bucket_cap_mb(25.0, world) * MIB
+        assert c.buckets(100 * MIB, world, grow=True) == ddp_buckets(100 * MIB, cap, MIB)
+    # 256 x 256 KiB = 64 MiB buckets at P = 256: 3 ring calls (1 + 64 + 35 MiB) instead of DDP's 5
+    assert len(c.buckets(100 * MIB, 256, grow=True)) == 3
+    assert len(c.buckets(100 * MIB, 256)) == 5
 
 
 def test_unknown_strategy_and_uneven_layouts_are_refused() -> None:
