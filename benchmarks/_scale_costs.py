@@ -100,7 +100,7 @@ def machine_costs(
     *,
     tensors: int,
     grad_bytes: float,
-    probe: tuple[float, float] | None = None,
+    probe: Mapping[str, float] | None = None,
     local_size: int | None = None,
 ) -> Costs:
     """This machine's :class:`Costs` from one calibration repetition of a ``world``-process run.
@@ -110,9 +110,12 @@ def machine_costs(
         world: the processes of the run (P).
         tensors: the tensors of the measured model (the ps figures are over them).
         grad_bytes: their bytes.
-        probe: (stand-in alone, stand-in on all P) seconds measured just before the run to predict:
-            the costs are scaled to the machine's speed of that moment (alone / calibration's
-            alone) and the contention is that moment's.
+        probe: what was measured just before the run to predict: ``alone_s`` and ``all_s``, the
+            stand-in on rank 0 alone and on all P at once, and optionally ``exchange_s`` and
+            ``rpc_s``, a 4 KiB exchange of ranks 0 and 1 and a 4 KiB RPC round trip. The costs are
+            scaled to the machine's speed of that moment (alone over the calibration's alone; the
+            messages' latencies by their own probes, since a loaded machine delays wake-ups more
+            than it slows compute), with that moment's contention.
         local_size: processes per simulated node (torchrun's ``--nproc-per-node``); default all.
     """
     alone, together = calib["compute_s"], calib["compute_all_s"]
@@ -129,7 +132,8 @@ def machine_costs(
     # every tensor, its shard's update of half of them and averaging of both pushes, and 2 messages
     tiny_host = tensors * (host["ps_client_s_per_tensor"] + host["ps_update_s_per_tensor"] / 2)
     tiny_host += tensors * host["ps_average_s_per_tensor"]
-    rpc_overhead = max(0.0, calib["ps_pair_tiny_s"] / pair - tiny_host) / 2
+    # never below a bare RPC's half round trip (the difference of two noisy figures can be)
+    rpc_overhead = max(calib["rpc_small_s"] / 2, (calib["ps_pair_tiny_s"] / pair - tiny_host) / 2)
     stage = calib.get("stage_s", 0.0)
     m = calib.get("microbatches", 1.0)
     chunk = max(0.0, calib.get("solo_pipeline_s", 0.0) - m * stage) / (2 * m) if stage else 0.0
@@ -151,7 +155,17 @@ def machine_costs(
     )
     if probe is None:
         return costs
-    return slower(costs, probe[0] / alone).with_(cores=effective_cores(world, *probe))
+    now = slower(costs, probe["alone_s"] / alone).with_(cores=effective_cores(world, probe["alone_s"], probe["all_s"]))
+    if "exchange_s" in probe:
+        f = probe["exchange_s"] / calib["exchange_small_s"]
+        now = now.with_(
+            intra=Link(costs.intra.latency_s * f, now.intra.bandwidth),
+            inter=Link(costs.inter.latency_s * f, now.inter.bandwidth),
+            p2p_overhead_s=costs.p2p_overhead_s * f,
+        )
+    if "rpc_s" in probe:
+        now = now.with_(rpc_overhead_s=costs.rpc_overhead_s * probe["rpc_s"] / calib["rpc_small_s"])
+    return now
 
 
 @dataclass(frozen=True)

@@ -468,14 +468,17 @@ def _pipeline_step(w: World, steps: int) -> float:
 def run_strategy(w: World, name: str) -> dict[str, float]:
     """One timed run of strategy ``name``, after a probe of the machine's speed at this moment.
 
-    Returns seconds per step, bytes this rank sent per step, and the probe: the compute stand-in on
-    rank 0 alone and on every rank at once, just before the run (the load of a shared machine
-    changes within seconds; the model reads the machine's speed and contention of this moment).
+    Returns seconds per step, bytes this rank sent per step, and the probe, just before the run: the
+    compute stand-in on rank 0 alone and on every rank at once, a 4 KiB exchange of ranks 0 and 1
+    and a 4 KiB RPC round trip (the load of a shared machine changes within seconds; the model
+    reads the machine's speed, message latency and contention of this moment).
     """
     probe = w.cfg["probe_reps"]
     return {
         "probe_alone_s": _alone(w.compute, probe),
         "probe_all_s": _together(w.compute, probe),
+        "probe_exchange_s": _exchange(w, 4096, probe + 1),
+        "probe_rpc_s": _rpc_round_trip(w, 4096, probe + 1),
         **_run(w, name),
     }
 

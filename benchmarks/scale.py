@@ -158,21 +158,37 @@ def machine_workload(calib: dict[str, float], world: int, sizes: Sequence[int], 
     )
 
 
+def quiet_calibration(rows_by_world: dict[str, list[dict]]) -> dict[str, float]:
+    """Every calibration figure's least disturbed value: its minimum over all repetitions of all worlds.
+
+    The figures are measured with one or two processes busy and the others idle, so they do not
+    depend on P; on a shared machine other jobs only ever add time, so the minimum is the best
+    estimate of the machine itself. Each run's probe then says how much slower the machine was at
+    that moment (:func:`compare`).
+    """
+    calibs = [calib_of(row) for rows in rows_by_world.values() for row in rows]
+    return {k: min(c[k] for c in calibs if k in c) for k in calibs[0]}
+
+
 def compare(
     rows: list[dict],
+    quiet: dict[str, float],
     world: int,
     strategies: Sequence[str],
     sizes: Sequence[int],
     pipe: dict,
     local_size: int | None = None,
 ) -> tuple[dict[str, dict], list[Costs]]:
-    """Per strategy: measured and predicted medians, the median ratio, and the repetitions' costs."""
+    """Per strategy: measured and predicted medians, the median ratio, and each run's costs.
+
+    A run's prediction: the machine's constants (``quiet``) scaled by the probe taken just before
+    the run (the stand-in alone, the 4 KiB exchange and RPC against their quiet values) with the
+    contention the probe measured (the stand-in on all P at once against alone).
+    """
     out = {}
     costs_all: list[Costs] = []
-    tensors, grad_bytes = len(sizes), 4.0 * sum(sizes)
-    for row in rows:
-        calib = {**calib_of(row), "microbatches": float(pipe["microbatches"])}
-        costs_all.append(machine_costs(calib, world, local_size=local_size, tensors=tensors, grad_bytes=grad_bytes))
+    calib = {**quiet, "microbatches": float(pipe["microbatches"])}
+    work = machine_workload(calib, world, sizes, pipe)
     for s in strategies:
         measured, predicted, ratios = [], [], []
         phases: dict[str, list[float]] = {}
@@ -180,12 +196,12 @@ def compare(
             key = f"{s}/step_s"
             if key not in row:
                 continue
-            calib = {**calib_of(row), "microbatches": float(pipe["microbatches"])}
-            probe = (row[f"{s}/probe_alone_s"], row[f"{s}/probe_all_s"])
+            probe = {k: row[f"{s}/probe_{k}"] for k in ("alone_s", "all_s", "exchange_s", "rpc_s")}
             costs = machine_costs(
-                calib, world, probe=probe, local_size=local_size, tensors=tensors, grad_bytes=grad_bytes
+                calib, world, probe=probe, local_size=local_size, tensors=work.tensors, grad_bytes=work.grad_bytes
             )
-            pred = predict(s, costs, world, machine_workload(calib, world, sizes, pipe))
+            costs_all.append(costs)
+            pred = predict(s, costs, world, work)
             measured.append(row[key])
             predicted.append(pred.step_s)
             ratios.append(pred.step_s / row[key])
@@ -217,20 +233,6 @@ def bytes_errors(
                 line(f"scale_bytes_sent_{name}", row[f"{s}/{key}_bytes"], "bytes")
                 line(f"scale_bytes_error_{name}", out[name], "fraction")
     return out
-
-
-def summary_costs(
-    rows_by_world: dict[str, list[dict]], sizes: Sequence[int], pick: Any, local_size: int | None = None
-) -> Costs:
-    """The calibration of every repetition of every world, each raw figure reduced by ``pick`` (median,
-    or ``min``: the least disturbed repetition's), then turned into :class:`Costs` (contention: P = 2's)."""
-    calibs = [calib_of(row) for rows in rows_by_world.values() for row in rows]
-    raw = {k: float(pick([c[k] for c in calibs if k in c])) for k in calibs[0]}
-    pairs = [calib_of(row) for row in rows_by_world.get("P2", [])] or calibs
-    raw["compute_all_s"] = float(pick([c["compute_all_s"] for c in pairs]))
-    return machine_costs(
-        {**raw, "microbatches": 4.0}, 2, tensors=len(sizes), grad_bytes=4.0 * sum(sizes), local_size=local_size
-    )
 
 
 def print_calibration(costs: Costs, tag: str = "") -> None:
@@ -443,22 +445,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     errors: dict[str, float] = {}
     bytes_err: dict[str, float] = {}
     results: list[tuple[str, str, dict]] = []
+    quiet = quiet_calibration(rows)
+    calibrated = machine_costs(
+        {**quiet, "microbatches": float(cfg["pipeline"]["microbatches"])}, 2, tensors=len(sizes), grad_bytes=4.0 * n
+    )
     for world in args.worlds:
-        got, costs = compare(rows[f"P{world}"], world, strategies, sizes, cfg["pipeline"])
+        got, costs = compare(rows[f"P{world}"], quiet, world, strategies, sizes, cfg["pipeline"])
         line(f"calib_effective_cores_P{world}", statistics.median(c.cores or 0.0 for c in costs), "cores")
+        slowdown = statistics.median(c.compute_s / calibrated.compute_s for c in costs)
+        line(f"calib_machine_slowdown_P{world}", slowdown, "x")
         report(f"P{world}", got, errors, results)
         bytes_err.update(bytes_errors(rows[f"P{world}"], world, sizes, f"P{world}"))
-    calibrated = summary_costs(rows, sizes, statistics.median)
     print_calibration(calibrated)
-    # the projection's host overheads: the least disturbed repetition's (a cluster host is not shared
-    # with other jobs; the load of this machine only ever adds time)
-    quietest = summary_costs(rows, sizes, min)
-    print_calibration(quietest, "_min")
     if not args.no_torchrun:
         tr_strategies = ["ddp", "ring", "ring_hier"]
         tr_cfg = {**cfg, "strategies": tr_strategies, "reps": args.rounds}
         tr_rows = measure_torchrun(tr_cfg, nodes=2, per_node=2, timeout=args.timeout)
-        got, _ = compare(tr_rows, 4, tr_strategies, sizes, cfg["pipeline"], local_size=2)
+        got, _ = compare(tr_rows, quiet, 4, tr_strategies, sizes, cfg["pipeline"], local_size=2)
         report("2x2", got, errors, results)
         bytes_err.update(bytes_errors(tr_rows, 4, sizes, "2x2", local_size=2))
     if not args.no_wire:
@@ -475,8 +478,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     worst = max(errors, key=lambda k: errors[k])
     print(f"# goal: scale_model_error_max <= {GOAL}; worst: {worst}", flush=True)
     cluster = Cluster(**{f.name: getattr(args, f.name) for f in fields(Cluster)})
-    proj = project(cluster, quietest)
-    print_projection(cluster, quietest, proj)
+    # the projection's host overheads: the quiet machine's (a cluster host is not shared with other jobs)
+    proj = project(cluster, calibrated)
+    print_projection(cluster, calibrated, proj)
     if not args.quick:
         plot_projection(cluster, proj, RESULTS / "scale.png")
         plot_traffic(cluster, proj, RESULTS / "scale_traffic.png")

@@ -251,11 +251,18 @@ def test_machine_costs_recover_the_links_from_the_calibration_figures() -> None:
         assert getattr(got, f"ps_{part}_s_per_byte") == pytest.approx(k * 1e-9)
     assert got.chunk_overhead_s == pytest.approx(1e-4)
     # a probe taken when the machine runs 1.5x slower and P = 2 get one core between them
-    probed = machine_costs(calib, 2, tensors=tensors, grad_bytes=d, probe=(0.06, 0.12))
+    probed = machine_costs(calib, 2, tensors=tensors, grad_bytes=d, probe={"alone_s": 0.06, "all_s": 0.12})
     assert probed.compute_s == pytest.approx(0.06)
     assert probed.cores == 1.0
     assert probed.intra.bandwidth == pytest.approx(beta / 1.5)
     assert probed.rpc_overhead_s == pytest.approx(1.5 * rpc_o)
+    # ... and its messages 3x slower (wake-ups), RPC 4x
+    messages = {"exchange_s": 3 * calib["exchange_small_s"], "rpc_s": 4 * calib["rpc_small_s"]}
+    late = machine_costs(calib, 2, tensors=tensors, grad_bytes=d, probe={"alone_s": 0.06, "all_s": 0.12, **messages})
+    assert late.intra.latency_s == pytest.approx(3 * gloo)
+    assert late.p2p_overhead_s == pytest.approx(3 * (alpha - gloo))
+    assert late.rpc_overhead_s == pytest.approx(4 * rpc_o)
+    assert late.intra.bandwidth == pytest.approx(beta / 1.5)
     assert slower(got, 2.0).ps_update_s_per_byte == pytest.approx(6e-9)
 
 
