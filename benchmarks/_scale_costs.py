@@ -192,6 +192,7 @@ class Cluster:
     stages: int = 4  # pipeline stages (inside a node)
     microbatches: int = 8  # pipeline micro-batches per step
     activation_per_image: int = 512 * 28 * 28  # values at a stage boundary (ResNet-50 layer2's output), bf16
+    overlap: float = 0.0  # share of the backward pass (2/3 of compute) that hides ddp's / the ring's buckets
 
     def resolved(self, calibrated: Costs) -> Cluster:
         """The figures in use: a ``nan`` host overhead replaced by this machine's calibrated one."""
@@ -213,7 +214,7 @@ class Cluster:
             "nic_latency_us": "us", "step_ms": "ms", "batch_per_gpu": "images", "params": "floats",
             "tensors": "tensors",
             "hbm_gbyte_s": "GB/s", "rpc_overhead_us": "us", "p2p_overhead_us": "us", "chunk_overhead_us": "us",
-            "stages": "stages", "microbatches": "microbatches", "activation_per_image": "values",
+            "stages": "stages", "microbatches": "microbatches", "activation_per_image": "values", "overlap": "fraction",
         }  # fmt: skip
         return [(f.name, float(getattr(self, f.name)), units[f.name]) for f in fields(self)]
 
@@ -255,6 +256,7 @@ def cluster_costs(cluster: Cluster, calibrated: Costs) -> Costs:
         chunk_overhead_s=cluster.chunk_overhead_us * 1e-6,
         cores=None,
         min_chunk_bytes=RING_MIN_CHUNK_BYTES,
+        overlap_s=cluster.overlap * 2 / 3 * cluster.step_ms / 1e3,
     )
 
 

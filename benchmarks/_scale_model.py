@@ -104,6 +104,8 @@ class Costs:
         first_bucket_bytes: DDP's first, smaller bucket (1 MiB).
         min_chunk_bytes: the ring strategy's smallest chunk per step (``comm.ring.MIN_CHUNK_BYTES``,
             256 KiB): its buckets grow to P x this once that exceeds ``bucket_bytes``; 0: fixed buckets.
+        overlap_s: seconds of the all-reduce (ddp, ring, ring_hier) hidden under the backward pass;
+            0: compute, then communicate (what the validation runs do).
     """
 
     compute_s: float
@@ -129,6 +131,7 @@ class Costs:
     bucket_bytes: float = 25 * MIB
     first_bucket_bytes: float = MIB
     min_chunk_bytes: float = 0.0
+    overlap_s: float = 0.0
 
     def buckets(self, grad_bytes: float, world: int = 1, *, grow: bool = False) -> list[float]:
         """DDP's buckets of ``grad_bytes``; with ``grow``, the ring strategy's (at least P x min chunk)."""
@@ -240,6 +243,15 @@ def _ring(
     return latency, bandwidth, reduce
 
 
+def _overlapped(phases: dict[str, float], costs: Costs) -> float:
+    """The step: compute, plus the communication not hidden under the backward pass (``overlap_s``)."""
+    comm = sum(v for k, v in phases.items() if k != "compute")
+    hidden = min(comm, costs.overlap_s)
+    if hidden:
+        phases["overlapped"] = -hidden
+    return phases["compute"] + comm - hidden
+
+
 def _flat_ring(strategy: str, costs: Costs, world: int, work: Workload) -> Prediction:
     ring = strategy == "ring"
     segment = costs.ring_segment_bytes if ring else costs.gloo_segment_bytes
@@ -252,7 +264,7 @@ def _flat_ring(strategy: str, costs: Costs, world: int, work: Workload) -> Predi
     messages = sum(2 * (world - 1) * _segments(b / world, segment) for b in buckets) if world > 1 else 0.0
     nodes = math.ceil(world / costs.local_size)
     across = sent if nodes > 1 else 0.0  # the rank before each node boundary sends all of it across
-    return Prediction(sum(phases.values()), phases, sent, sent, across, messages, inter_sent_bytes=across)
+    return Prediction(_overlapped(phases, costs), phases, sent, sent, across, messages, inter_sent_bytes=across)
 
 
 def _hier_ring(costs: Costs, world: int, work: Workload) -> Prediction:
@@ -286,7 +298,7 @@ def _hier_ring(costs: Costs, world: int, work: Workload) -> Prediction:
     inter_bytes = 2 * (nodes - 1) / nodes * d / local  # per worker
     nic = local * inter_bytes if nodes > 1 else 0.0
     return Prediction(
-        sum(phases.values()), phases, intra_bytes + inter_bytes, max(intra_bytes, nic), nic, messages,
+        _overlapped(phases, costs), phases, intra_bytes + inter_bytes, max(intra_bytes, nic), nic, messages,
         inter_sent_bytes=inter_bytes,
     )  # fmt: skip
 

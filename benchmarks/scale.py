@@ -342,6 +342,7 @@ def plot_traffic(cluster: Cluster, proj: dict[str, dict[int, Any]], path: Path) 
             ys = [proj[s][p].nic_bytes / cluster.gpus_per_node / gb for p in worlds]
         else:
             ys = [getattr(proj[s][p], key) / gb for p in worlds]
+        ys = [y if y > 0 else math.nan for y in ys]  # one node: nothing crosses a NIC (log axis)
         ax.plot(worlds, ys, fmt, ms=4, color=STYLE[s], label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

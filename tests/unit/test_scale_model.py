@@ -72,6 +72,16 @@ def test_ring_latency_term_is_2_p_minus_1_messages_per_bucket_and_segment() -> N
     assert predict("ddp", co, 4, one_bucket()).step_s == pytest.approx(6 * alpha, rel=REL)
 
 
+def test_overlap_hides_the_all_reduce_under_the_backward_pass_up_to_its_length() -> None:
+    c = costs(compute_s=0.1, intra=Link(0.0, 1e9))
+    comm = 2 * 3 / 4 * D / 1e9  # 0.1 s
+    assert predict("ddp", c, 4, one_bucket()).step_s == pytest.approx(0.1 + comm, rel=REL)
+    assert predict("ddp", c.with_(overlap_s=0.04), 4, one_bucket()).step_s == pytest.approx(0.1 + comm - 0.04, rel=REL)
+    assert predict("ring", c.with_(overlap_s=1.0), 4, one_bucket()).step_s == pytest.approx(0.1, rel=REL)
+    assert predict("ps", c.with_(overlap_s=1.0), 4, one_bucket()).step_s == pytest.approx(0.1, rel=REL)  # no comm
+    assert cluster_costs(Cluster(overlap=0.5), c).overlap_s == pytest.approx(0.5 * 2 / 3 * 256 / 2470)
+
+
 def test_ddp_buckets_are_1_mib_then_25_mib() -> None:
     assert ddp_buckets(1.5 * MIB) == [MIB, 0.5 * MIB]
     assert ddp_buckets(52 * MIB) == [MIB, 25 * MIB, 25 * MIB, MIB]
