@@ -367,46 +367,62 @@ def calibrate(w: World) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------
 
 
-def _reduce_buckets(w: World, fn: Callable[[Tensor], Any]) -> Callable[[], int]:
-    def step() -> int:
-        w.compute()
-        sent = 0
-        for b in w.buckets:
-            stats = fn(b)
-            sent += stats.bytes_sent if stats is not None else 0
-        return sent
-
-    return step
-
-
-def _ps_step(w: World, num_servers: int, steps: int) -> tuple[float, float]:
-    """Seconds per step and this rank's bytes sent to other ranks per step, for S = ``num_servers``."""
-    plan = partition_parameters(w.sizes, num_servers)
-    shard = None
-    if w.rank < num_servers:
-        shard = ParameterShard(
-            w.rank, plan[w.rank], [slice_of(w.params[sl.tensor], sl) for sl in plan[w.rank]], w.spec, w.world,
-            timeout=_TIMEOUT,
-        )  # fmt: skip
-        register_shard(shard)
-    dist.barrier()  # every shard is up before the first push
-    client = ParameterServerClient(w.rank, w.params, plan, timeout=_TIMEOUT)
+def _bucket_step(w: World, reduce: Callable[[Tensor], Any]) -> tuple[Callable[[], None], Callable[[], dict]]:
+    """DDP's step shape: compute, then every bucket reduced in order; bytes from the reducer's CommStats."""
+    stats: list[tuple[int, int]] = []
 
     def step() -> None:
         w.compute()
-        client.push_pull(_LR)
+        sent = across = 0
+        for b in w.buckets:
+            got = reduce(b)
+            if got is not None:
+                sent, across = sent + got.bytes_sent, across + (got.inter_node_bytes_sent or 0)
+        stats.append((sent, across))
 
-    step()
-    before = client.stats.bytes_sent + (shard.stats.bytes_sent if shard else 0)
-    seconds = _timed(step, steps, warmup=0)
-    dist.barrier()  # every reply is in before a shard goes
-    sent = client.stats.bytes_sent + (shard.stats.bytes_sent if shard else 0) - before
-    own = 4 * sum(sl.numel for sl in plan[w.rank]) if shard else 0
-    unregister_shard(w.rank)
-    if shard is not None:
-        shard.close()
-    # the co-located shard's push and reply are counted but never leave the process
-    return seconds, sent / steps - 2 * own
+    def finish() -> dict[str, float]:
+        out = {"sent_bytes": _max_over_ranks(float(max(s for s, _ in stats)))}
+        if w.layout is not None:
+            out["inter_sent_bytes"] = _max_over_ranks(float(max(a for _, a in stats)))
+        return out if any(s for s, _ in stats) else {}
+
+    return step, finish
+
+
+def _ps_setup(w: World, num_servers: int) -> tuple[Callable[[], None], Callable[[], dict]]:
+    """ps's step with S = ``num_servers`` shards on ranks 0 .. S-1; ``finish`` reports the bytes this rank
+    sent to other ranks per step (the busiest rank's) and takes the shards down."""
+    plan = partition_parameters(w.sizes, num_servers)
+    shard = None
+    if w.rank < num_servers:
+        values = [slice_of(w.params[sl.tensor], sl) for sl in plan[w.rank]]
+        shard = ParameterShard(w.rank, plan[w.rank], values, w.spec, w.world, timeout=_TIMEOUT)
+        register_shard(shard)
+    dist.barrier()  # every shard is up before the first push
+    client = ParameterServerClient(w.rank, w.params, plan, timeout=_TIMEOUT)
+    start = [0, 0]
+
+    def counted() -> int:
+        return client.stats.bytes_sent + (shard.stats.bytes_sent if shard else 0)
+
+    def step() -> None:
+        if start[1] == 0:
+            start[0] = counted()
+        w.compute()
+        client.push_pull(_LR)
+        start[1] += 1
+
+    def finish() -> dict[str, float]:
+        dist.barrier()  # every reply is in before a shard goes
+        own = 4 * sum(sl.numel for sl in plan[w.rank]) if shard else 0
+        # the co-located shard's push and reply are counted but never leave the process
+        sent = (counted() - start[0]) / start[1] - 2 * own
+        unregister_shard(w.rank)
+        if shard is not None:
+            shard.close()
+        return {"sent_bytes": _max_over_ranks(sent)}
+
+    return step, finish
 
 
 def _async_step(w: World, window_s: float) -> tuple[float, float]:
@@ -456,70 +472,61 @@ def _async_step(w: World, window_s: float) -> tuple[float, float]:
     return float(totals[0]) / w.world, float(totals[1] / totals[2])
 
 
-def _pipeline_step(w: World, steps: int) -> float:
-    def step() -> None:
-        w.runtime.step(w.px, w.py)
-        for p in w.runtime.stage_parameters:
-            p.grad = None
+def _setup(w: World, name: str) -> tuple[Callable[[], None], Callable[[], dict]]:
+    """Strategy ``name``'s step (every rank calls it in lockstep) and what to do after the last one."""
+    if name == "ddp":
+        return _bucket_step(w, lambda b: dist.all_reduce(b))
+    if name == "ring":
+        return _bucket_step(w, lambda b: ring_all_reduce(b, check_peers=False, layout=w.layout))
+    if name == "ring_hier":
+        groups = w.hier_groups
+        assert groups is not None, "ring_hier needs simulated nodes (cfg local_size)"
+        return _bucket_step(w, lambda b: hierarchical_all_reduce(b, *groups, check_peers=False))
+    if name in ("ps", "ps_1"):
+        return _ps_setup(w, w.world if name == "ps" else 1)
+    if name == "pipeline":
 
-    return _timed(step, steps)
+        def step() -> None:
+            w.runtime.step(w.px, w.py)
+            for p in w.runtime.stage_parameters:
+                p.grad = None
+
+        return step, dict
+    raise ValueError(f"unknown strategy {name!r}")
 
 
-def run_strategy(w: World, name: str) -> dict[str, float]:
-    """One timed run of strategy ``name``, after a probe of the machine's speed at this moment.
-
-    Returns seconds per step, bytes this rank sent per step, and the probe, just before the run: the
-    compute stand-in on rank 0 alone and on every rank at once, a 4 KiB exchange of ranks 0 and 1
-    and a 4 KiB RPC round trip (the load of a shared machine changes within seconds; the model
-    reads the machine's speed, message latency and contention of this moment).
-    """
-    probe = w.cfg["probe_reps"]
+def _probe(w: World, reps: int) -> dict[str, float]:
+    """The machine at this moment: the stand-in on rank 0 alone and on every rank at once, a 4 KiB
+    exchange of ranks 0 and 1 and a 4 KiB RPC round trip."""
     return {
-        "probe_alone_s": _alone(w.compute, probe),
-        "probe_all_s": _together(w.compute, probe),
-        "probe_exchange_s": _exchange(w, 4096, probe + 1),
-        "probe_rpc_s": _rpc_round_trip(w, 4096, probe + 1),
-        **_run(w, name),
+        "probe_alone_s": _alone(w.compute, reps),
+        "probe_all_s": _together(w.compute, reps),
+        "probe_exchange_s": _exchange(w, 4096, reps + 1),
+        "probe_rpc_s": _rpc_round_trip(w, 4096, reps + 1),
     }
 
 
-def _run(w: World, name: str) -> dict[str, float]:
-    steps = w.cfg["steps"]
-    if name == "ddp":
-        return {"step_s": _timed(_reduce_buckets(w, lambda b: dist.all_reduce(b)), steps)}
-    if name in ("ring", "ring_hier"):
-        groups = w.hier_groups
+def run_strategy(w: World, name: str) -> dict[str, Any]:
+    """Timed steps of strategy ``name``, each right after a probe of the machine (:func:`_probe`).
 
-        def reduce(b: Tensor) -> Any:
-            if name == "ring":
-                return ring_all_reduce(b, check_peers=False, layout=w.layout)
-            assert groups is not None, "ring_hier needs simulated nodes (cfg local_size)"
-            return hierarchical_all_reduce(b, *groups, check_peers=False)
-
-        stats: list[tuple[int, int]] = []
-
-        def ring_step() -> None:
-            w.compute()
-            sent = across = 0
-            for b in w.buckets:
-                got = reduce(b)
-                sent, across = sent + got.bytes_sent, across + (got.inter_node_bytes_sent or 0)
-            stats.append((sent, across))
-
-        seconds = _timed(ring_step, steps)
-        out = {"step_s": seconds, "sent_bytes": _max_over_ranks(float(max(s for s, _ in stats)))}
-        if w.layout is not None:
-            out["inter_sent_bytes"] = _max_over_ranks(float(max(a for _, a in stats)))
-        return out
-    if name in ("ps", "ps_1"):
-        seconds, ps_sent = _ps_step(w, w.world if name == "ps" else 1, steps)
-        return {"step_s": seconds, "sent_bytes": _max_over_ranks(ps_sent)}
+    The load of a shared machine changes within a second; a step and the probe just before it see
+    about the same machine, so the model predicts each step from its own probe. Returns lists, one
+    entry per step (``step_s`` and the probe's figures), and the bytes this rank sent per step.
+    ``async`` runs over a window after one probe: its workers are not in lockstep.
+    """
     if name == "async":
-        seconds, async_sent = _async_step(w, w.cfg["async_window_s"])
-        return {"step_s": seconds, "sent_bytes": async_sent}
-    if name == "pipeline":
-        return {"step_s": _pipeline_step(w, steps)}
-    raise ValueError(f"unknown strategy {name!r}")
+        probe = _probe(w, w.cfg["probe_reps"])
+        seconds, sent = _async_step(w, w.cfg["async_window_s"])
+        return {**{k: [v] for k, v in probe.items()}, "step_s": [seconds], "sent_bytes": sent}
+    step, finish = _setup(w, name)
+    step()  # warm-up: connections, buffers, the pipeline's shapes
+    out: dict[str, Any] = {}
+    for _ in range(w.cfg["steps"]):
+        for k, v in _probe(w, w.cfg["probe_reps"]).items():
+            out.setdefault(k, []).append(v)
+        out.setdefault("step_s", []).append(_timed(step, 1, warmup=0))
+    out.update(finish())
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -527,7 +534,7 @@ def _run(w: World, name: str) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------
 
 
-def world_worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, float]]:
+def world_worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """Run ``cfg["reps"]`` repetitions of calibration + every strategy in ``cfg["strategies"]``.
 
     Returns, on every rank, the list of repetitions: ``calib/<name>`` and ``<strategy>/<key>``.
@@ -541,10 +548,10 @@ def world_worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, f
     try:
         w = World(rank, world, cfg)
         items = ["calib", *cfg["strategies"]]
-        out: list[dict[str, float]] = []
+        out: list[dict[str, Any]] = []
         for rep in range(cfg["reps"]):
             shift = (rep + cfg.get("offset", 0)) % len(items)
-            row: dict[str, float] = {}
+            row: dict[str, Any] = {}
             for item in items[shift:] + items[:shift]:
                 if item == "calib":
                     row.update({f"calib/{k}": v for k, v in calibrate(w).items()})
@@ -557,5 +564,3 @@ def world_worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, f
         shutdown_rpc(failed=failed, timeout=_TIMEOUT)
 
 
-def median_of(rows: Sequence[dict[str, float]], key: str) -> float:
-    return float(statistics.median(r[key] for r in rows if key in r))

@@ -196,17 +196,18 @@ def compare(
             key = f"{s}/step_s"
             if key not in row:
                 continue
-            probe = {k: row[f"{s}/probe_{k}"] for k in ("alone_s", "all_s", "exchange_s", "rpc_s")}
-            costs = machine_costs(
-                calib, world, probe=probe, local_size=local_size, tensors=work.tensors, grad_bytes=work.grad_bytes
-            )
-            costs_all.append(costs)
-            pred = predict(s, costs, world, work)
-            measured.append(row[key])
-            predicted.append(pred.step_s)
-            ratios.append(pred.step_s / row[key])
-            for k, v in pred.phases.items():
-                phases.setdefault(k, []).append(v)
+            for i, seconds in enumerate(row[key]):  # every step beside the probe taken just before it
+                probe = {k: row[f"{s}/probe_{k}"][i] for k in ("alone_s", "all_s", "exchange_s", "rpc_s")}
+                costs = machine_costs(
+                    calib, world, probe=probe, local_size=local_size, tensors=work.tensors, grad_bytes=work.grad_bytes
+                )
+                costs_all.append(costs)
+                pred = predict(s, costs, world, work)
+                measured.append(seconds)
+                predicted.append(pred.step_s)
+                ratios.append(pred.step_s / seconds)
+                for k, v in pred.phases.items():
+                    phases.setdefault(k, []).append(v)
         if measured:
             out[s] = {
                 "measured": median(measured), "predicted": median(predicted), "ratio": median(ratios),
@@ -392,7 +393,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=1, help="repetitions per world and round")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per strategy run (after 1 warm-up)")
     parser.add_argument("--calib-reps", type=int, default=5, help="repetitions of each micro-benchmark (median)")
-    parser.add_argument("--probe-reps", type=int, default=2, help="stand-in runs of the probe before each run")
+    parser.add_argument("--probe-reps", type=int, default=1, help="stand-in runs of the probe before each step")
     parser.add_argument("--n-div", type=int, default=4, help="N = ResNet-50's 25.6M / this (tensor shapes scaled)")
     parser.add_argument("--compute-ms", type=float, default=40.0, help="the compute stand-in, alone, per step")
     parser.add_argument("--async-window", type=float, default=1.0, help="seconds async is timed over")
@@ -424,8 +425,12 @@ def report(tag: str, got: dict[str, dict], errors: dict[str, float], results: li
         errors[name] = abs(r["ratio"] - 1)
         line(f"scale_model_error_{name}", errors[name], "fraction")
         parts = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in r["phases"].items())
-        spread = ", ".join(f"{x:.2f}" for x in r["ratios"])
-        print(f"# {name}: predicted ms {parts}; predicted / measured per repetition {spread}", flush=True)
+        q = statistics.quantiles(r["ratios"], n=4) if len(r["ratios"]) > 1 else [r["ratio"]] * 3
+        print(
+            f"# {name}: predicted ms {parts}; predicted / measured over {len(r['ratios'])} steps: quartiles "
+            f"{q[0]:.2f} {q[1]:.2f} {q[2]:.2f}",
+            flush=True,
+        )
         results.append((s, tag, r))
 
 
