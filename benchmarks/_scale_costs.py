@@ -7,15 +7,24 @@ turns them into the model's :class:`~benchmarks._scale_model.Costs`:
     compute_s          the stand-in alone on rank 0 (the others idle in a barrier)
     cores              P x alone / (all P ranks at once): the cores the P processes effectively get
                        (other jobs on the machine included), at least 1
-    intra = inter      gloo's link: bandwidth from two exchanges (4 KiB and 4 MiB each way at once,
-                       ranks 0 and 1 alone: a ring step at P = 2), latency from a 4-byte
-                       ``all_reduce`` of the pair (2 messages); both divided by contention(2)
-    p2p_overhead_s     the 4 KiB exchange's latency minus that: what a Python send/recv adds
+    intra = inter      gloo's link: bandwidth from a 4 MiB exchange (each way at once, ranks 0 and 1
+                       alone: a ring step at P = 2), latency from a 4-byte ``all_reduce`` of the pair
+                       (2 messages); both divided by contention(2)
+    ring_overhead_s    a tiny ``ring_all_reduce`` of the pair (2 messages), per message, minus gloo's
     reduce_s_per_byte  ``a.add_(b)`` of 4 MiB, per byte
-    rpc_overhead_s     half a 4 KiB RPC round trip (TensorPipe, the package's ``init_rpc``)
-    rpc_intra          bandwidth from the 4 MiB round trip (payload both ways)
-    ps_*_s_per_byte    ps's host work in rank 0 alone with a local shard (no RPC)
-    chunk_overhead_s   the pipeline runtime on one rank: (step - M x stage) / 2M
+    rpc_overhead_s     a tiny ps ``push_pull`` of the pair (2 messages each) less its host work, per
+                       message; never below half a 4 KiB RPC round trip
+    rpc_intra          bandwidth from a 4 MiB RPC round trip (payload both ways)
+    ps_*_s_per_*       ps's host work in rank 0 alone with a local shard (no RPC), over the model's
+                       tensors at full size and at 16 elements each: per tensor and per byte
+    chunk_overhead_s   a tiny 2-stage pipeline of the pair (blocks 8 wide): step / 2(M + 1) slots
+
+Two kinds of figure: *work* (compute, copies, per-byte and per-tensor host work: what a busy
+process does) and *latency* (:data:`LATENCY_KEYS`: the tiny instances of each protocol, which
+mostly wait for the other process to wake up). On a shared machine the first slows in proportion
+to the CPU other jobs take, which the probe before each step measures (:func:`slower`); the
+second is heavy-tailed (a wake-up waits behind whatever else is runnable) and no probe short
+enough to take before every step reads it, so it enters as its typical (median) value.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from benchmarks._scale_model import MIB, Costs, Link, Workload, contention
 __all__ = [
     "CALIB_BIG",
     "CALIB_SMALL",
+    "LATENCY_KEYS",
     "Cluster",
     "cluster_costs",
     "cluster_workload",
@@ -38,13 +48,11 @@ __all__ = [
 ]
 
 CALIB_SMALL, CALIB_BIG = 4096, 4 * MIB  # bytes of the calibration messages (see _scale_measure.calibrate)
+#: the calibration figures that are message latencies (median over repetitions); the rest are work (minimum)
+LATENCY_KEYS = frozenset(
+    {"exchange_small_s", "gloo_tiny_allreduce_s", "ring_tiny_s", "rpc_small_s", "ps_pair_tiny_s", "pipeline_tiny_s"}
+)
 RING_MIN_CHUNK_BYTES = 256 << 10  # comm.ring.MIN_CHUNK_BYTES: the ring strategy's buckets grow to P x this
-
-
-def _two_point(small_s: float, big_s: float, small: float, big: float) -> tuple[float, float]:
-    """(latency, bandwidth) of ``t = latency + bytes / bandwidth`` through two measured points."""
-    slope = max(big_s - small_s, 1e-12) / (big - small)
-    return max(0.0, small_s - small * slope), 1.0 / slope
 
 
 def effective_cores(world: int, alone_s: float, together_s: float) -> float:
@@ -54,19 +62,18 @@ def effective_cores(world: int, alone_s: float, together_s: float) -> float:
 
 
 def slower(costs: Costs, factor: float) -> Costs:
-    """``costs`` on a machine ``factor`` times slower for every piece of CPU work (compute, copies,
-    messages: on loopback all of it is CPU work)."""
+    """``costs`` on a machine ``factor`` times slower for every piece of CPU work: compute, copies (on
+    loopback a link's bandwidth is memory copies), host work per byte and per tensor. Latencies
+    (per message) are left as they are (see the module's docstring)."""
 
     def link(x: Link) -> Link:
-        return Link(x.latency_s * factor, x.bandwidth / factor)
+        return Link(x.latency_s, x.bandwidth / factor)
 
     return costs.with_(
         compute_s=costs.compute_s * factor,
         intra=link(costs.intra),
         inter=link(costs.inter),
-        p2p_overhead_s=costs.p2p_overhead_s * factor,
         reduce_s_per_byte=costs.reduce_s_per_byte * factor,
-        rpc_overhead_s=costs.rpc_overhead_s * factor,
         rpc_intra=link(costs.rpc_intra),
         rpc_inter=link(costs.rpc_inter),
         ps_client_s_per_byte=costs.ps_client_s_per_byte * factor,
@@ -75,7 +82,6 @@ def slower(costs: Costs, factor: float) -> Costs:
         ps_client_s_per_tensor=costs.ps_client_s_per_tensor * factor,
         ps_average_s_per_tensor=costs.ps_average_s_per_tensor * factor,
         ps_update_s_per_tensor=costs.ps_update_s_per_tensor * factor,
-        chunk_overhead_s=costs.chunk_overhead_s * factor,
     )
 
 
@@ -110,23 +116,19 @@ def machine_costs(
         world: the processes of the run (P).
         tensors: the tensors of the measured model (the ps figures are over them).
         grad_bytes: their bytes.
-        probe: what was measured just before the run to predict: ``alone_s`` and ``all_s``, the
-            stand-in on rank 0 alone and on all P at once, and optionally ``exchange_s`` and
-            ``rpc_s``, a 4 KiB exchange of ranks 0 and 1 and a 4 KiB RPC round trip. The costs are
-            scaled to the machine's speed of that moment (alone over the calibration's alone; the
-            messages' latencies by their own probes, since a loaded machine delays wake-ups more
-            than it slows compute), with that moment's contention.
+        probe: what was measured just before the step to predict: ``alone_s`` and ``all_s``, the
+            stand-in on rank 0 alone and on all P at once. The costs are scaled to the machine's
+            speed of that moment (alone over the calibration's alone; on loopback every message is
+            CPU work too), with that moment's contention.
         local_size: processes per simulated node (torchrun's ``--nproc-per-node``); default all.
     """
     alone, together = calib["compute_s"], calib["compute_all_s"]
     cores = effective_cores(world, alone, together)
     pair = contention(2, cores)
-    x_latency, x_bandwidth = _two_point(
-        calib["exchange_small_s"] / pair, calib["exchange_big_s"] / pair, CALIB_SMALL, CALIB_BIG
-    )
+    x_bandwidth = CALIB_BIG / (calib["exchange_big_s"] / pair)  # 4 MiB: latency is < 2% of it
     gloo_latency = calib["gloo_tiny_allreduce_s"] / 2 / pair  # one exchange per phase at P = 2
     link = Link(gloo_latency, x_bandwidth)
-    _, rpc_bandwidth = _two_point(calib["rpc_small_s"], calib["rpc_big_s"], 2 * CALIB_SMALL, 2 * CALIB_BIG)
+    rpc_bandwidth = 2 * CALIB_BIG / calib["rpc_big_s"]
     host = ps_host_costs(calib, tensors, grad_bytes)
     # the ps protocol's tiny push_pull of ranks 0 and 1 (2 shards): each rank's client work over
     # every tensor, its shard's update of half of them and averaging of both pushes, and 2 messages
@@ -134,16 +136,18 @@ def machine_costs(
     tiny_host += tensors * host["ps_average_s_per_tensor"]
     # never below a bare RPC's half round trip (the difference of two noisy figures can be)
     rpc_overhead = max(calib["rpc_small_s"] / 2, (calib["ps_pair_tiny_s"] / pair - tiny_host) / 2)
-    stage = calib.get("stage_s", 0.0)
     m = calib.get("microbatches", 1.0)
-    chunk = max(0.0, calib.get("solo_pipeline_s", 0.0) - m * stage) / (2 * m) if stage else 0.0
+    # the tiny 2-stage pipeline: M + 1 slots forward and backward, each one chunk of runtime work and
+    # one transfer; no compute to speak of
+    chunk = calib.get("pipeline_tiny_s", 0.0) / pair / (2 * (m + 1))
     costs = Costs(
         compute_s=alone,
         local_size=local_size or world,
         intra=link,
         inter=link,
         inter_shared=False,  # loopback: no NIC shared by a node's processes
-        p2p_overhead_s=max(0.0, x_latency - gloo_latency),
+        # a tiny ring call of the pair: 2 steps of one message each, the call's own work included
+        ring_overhead_s=max(0.0, calib["ring_tiny_s"] / pair / 2 - gloo_latency),
         reduce_s_per_byte=calib["add_big_s"] / CALIB_BIG,
         rpc_overhead_s=rpc_overhead,
         rpc_intra=Link(0.0, rpc_bandwidth),
@@ -155,17 +159,8 @@ def machine_costs(
     )
     if probe is None:
         return costs
-    now = slower(costs, probe["alone_s"] / alone).with_(cores=effective_cores(world, probe["alone_s"], probe["all_s"]))
-    if "exchange_s" in probe:
-        f = probe["exchange_s"] / calib["exchange_small_s"]
-        now = now.with_(
-            intra=Link(costs.intra.latency_s * f, now.intra.bandwidth),
-            inter=Link(costs.inter.latency_s * f, now.inter.bandwidth),
-            p2p_overhead_s=costs.p2p_overhead_s * f,
-        )
-    if "rpc_s" in probe:
-        now = now.with_(rpc_overhead_s=costs.rpc_overhead_s * probe["rpc_s"] / calib["rpc_small_s"])
-    return now
+    cores_now = effective_cores(world, probe["alone_s"], probe["all_s"])
+    return slower(costs, probe["alone_s"] / alone).with_(cores=cores_now)
 
 
 @dataclass(frozen=True)
@@ -187,7 +182,7 @@ class Cluster:
     tensors: int = 161  # ResNet-50's trainable tensors
     hbm_gbyte_s: float = 1500.0  # effective HBM bandwidth for reductions and copies, assumed (A100 80GB: 2039 peak)
     rpc_overhead_us: float = math.nan  # host work per RPC message; nan: this machine's calibrated figure
-    p2p_overhead_us: float = math.nan  # host work per Python send/recv (comm.ring's steps); nan: calibrated
+    ring_overhead_us: float = math.nan  # host work per comm.ring message (a Python send/recv); nan: calibrated
     chunk_overhead_us: float = math.nan  # pipeline runtime per chunk; nan: calibrated
     stages: int = 4  # pipeline stages (inside a node)
     microbatches: int = 8  # pipeline micro-batches per step
@@ -203,7 +198,7 @@ class Cluster:
         return replace(
             self,
             rpc_overhead_us=pick(self.rpc_overhead_us, calibrated.rpc_overhead_s),
-            p2p_overhead_us=pick(self.p2p_overhead_us, calibrated.p2p_overhead_s),
+            ring_overhead_us=pick(self.ring_overhead_us, calibrated.ring_overhead_s),
             chunk_overhead_us=pick(self.chunk_overhead_us, calibrated.chunk_overhead_s),
         )
 
@@ -213,7 +208,8 @@ class Cluster:
             "gpus_per_node": "gpus", "nvlink_gbyte_s": "GB/s", "nvlink_latency_us": "us", "nic_gbit_s": "Gb/s",
             "nic_latency_us": "us", "step_ms": "ms", "batch_per_gpu": "images", "params": "floats",
             "tensors": "tensors",
-            "hbm_gbyte_s": "GB/s", "rpc_overhead_us": "us", "p2p_overhead_us": "us", "chunk_overhead_us": "us",
+            "hbm_gbyte_s": "GB/s", "rpc_overhead_us": "us", "ring_overhead_us": "us",
+            "chunk_overhead_us": "us",
             "stages": "stages", "microbatches": "microbatches", "activation_per_image": "values", "overlap": "fraction",
         }  # fmt: skip
         return [(f.name, float(getattr(self, f.name)), units[f.name]) for f in fields(self)]
@@ -240,7 +236,7 @@ def cluster_costs(cluster: Cluster, calibrated: Costs) -> Costs:
         intra=nvlink,
         inter=nic,
         inter_shared=True,  # one NIC per node: the flows that leave a node at once share it
-        p2p_overhead_s=cluster.p2p_overhead_us * 1e-6,
+        ring_overhead_s=cluster.ring_overhead_us * 1e-6,
         gloo_segment_bytes=math.inf,
         ring_segment_bytes=math.inf,
         reduce_s_per_byte=3 / hbm,  # read two chunks, write one

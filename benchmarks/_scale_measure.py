@@ -179,9 +179,8 @@ class World:
             p.grad = torch.full_like(p, 1e-3)
         self.x, self.w = _standin_tensors()
         self.iters = int(cfg["iters"])
-        # ranks 0 and 1 alone (calibration), rank 0 alone (the one-stage pipeline)
+        # ranks 0 and 1 alone: the calibration's tiny instances of each protocol
         self.pair = _group([0, 1])
-        self.solo = _group([0])
         # simulated nodes (torchrun): the node layout; flat ring calls count their inter-node bytes
         local = int(cfg.get("local_size") or world)
         self.layout = NodeLayout.contiguous(world // local, local) if local < world else None
@@ -198,11 +197,14 @@ class World:
                 self.blocks, counts=[per_stage] * world, schedule="gpipe", microbatches=m, loss_fn=pipeline_loss,
                 group=_world_group(), device=torch.device("cpu"),
             )  # fmt: skip
-            self.solo_runtime: PipelineRuntime | None = None
-            if rank == 0:
-                self.solo_runtime = PipelineRuntime(
-                    self.stage_blocks, counts=[per_stage], schedule="gpipe", microbatches=m, loss_fn=pipeline_loss,
-                    group=self.solo, device=torch.device("cpu"),
+            # a 2-stage pipeline of the pair with blocks 8 wide: what the runtime and its transfers
+            # cost per chunk, without compute
+            self.tiny_runtime: PipelineRuntime | None = None
+            self.tx, self.ty = torch.randn(m * mb, 8, generator=g), torch.randn(m * mb, 8, generator=g)
+            if rank < 2:
+                self.tiny_runtime = PipelineRuntime(
+                    real_balanced(8, 2 * per_stage), counts=[per_stage] * 2, schedule="gpipe", microbatches=m,
+                    loss_fn=pipeline_loss, group=self.pair, device=torch.device("cpu"),
                 )  # fmt: skip
 
     def compute(self) -> None:
@@ -336,6 +338,15 @@ def calibrate(w: World) -> dict[str, float]:
             dist.all_reduce(tiny, group=w.pair)
 
     out["gloo_tiny_allreduce_s"] = _alone(tiny_allreduce, reps, ranks=(0, 1)) / 4
+    small_ring = torch.zeros(1024)
+
+    def tiny_ring() -> None:
+        for _ in range(4):
+            ring_all_reduce(small_ring, w.pair, check_peers=False)
+
+    if w.rank < 2:
+        tiny_ring()  # the pair's connections exist before the timing
+    out["ring_tiny_s"] = _alone(tiny_ring, reps, ranks=(0, 1)) / 4
     a, b = torch.ones(big // 4), torch.ones(big // 4)
     out["add_big_s"] = _alone(lambda: a.add_(b), reps)
     out["rpc_small_s"] = _rpc_round_trip(w, small, reps)
@@ -349,15 +360,15 @@ def calibrate(w: World) -> dict[str, float]:
         stage = float(sum(profile_blocks(w.stage_blocks, sample, repeats=reps))) if w.rank == 0 else 0.0
         out["stage_s"] = _max_over_ranks(stage)
 
-        def one_stage() -> None:
-            assert w.solo_runtime is not None
-            w.solo_runtime.step(w.px, w.py)
-            for p in w.solo_runtime.stage_parameters:
+        def tiny_pipeline() -> None:
+            assert w.tiny_runtime is not None
+            w.tiny_runtime.step(w.tx, w.ty)
+            for p in w.tiny_runtime.stage_parameters:
                 p.grad = None
 
-        if w.rank == 0:
-            one_stage()  # shapes inferred, buffers allocated
-        out["solo_pipeline_s"] = _alone(one_stage, reps)
+        if w.rank < 2:
+            tiny_pipeline()  # shapes inferred, buffers allocated
+        out["pipeline_tiny_s"] = _alone(tiny_pipeline, reps, ranks=(0, 1))
     # every rank returns the same figures (rank 0's were broadcast by the max-reductions above)
     return {k: _max_over_ranks(v) for k, v in sorted(out.items())}
 
@@ -496,14 +507,12 @@ def _setup(w: World, name: str) -> tuple[Callable[[], None], Callable[[], dict]]
 
 
 def _probe(w: World, reps: int) -> dict[str, float]:
-    """The machine at this moment: the stand-in on rank 0 alone and on every rank at once, a 4 KiB
-    exchange of ranks 0 and 1 and a 4 KiB RPC round trip."""
-    return {
-        "probe_alone_s": _alone(w.compute, reps),
-        "probe_all_s": _together(w.compute, reps),
-        "probe_exchange_s": _exchange(w, 4096, reps + 1),
-        "probe_rpc_s": _rpc_round_trip(w, 4096, reps + 1),
-    }
+    """The machine at this moment: the stand-in on rank 0 alone and on every rank at once.
+
+    (A 4 KiB exchange or RPC as a probe of message latency was tried: on a loaded machine its
+    wake-up delays are heavy-tailed, and one probe that short misreads the next step by 10-100x.)
+    """
+    return {"probe_alone_s": _alone(w.compute, reps), "probe_all_s": _together(w.compute, reps)}
 
 
 def run_strategy(w: World, name: str) -> dict[str, Any]:

@@ -83,8 +83,8 @@ class Costs:
         inter: the same between nodes.
         inter_shared: the inter-node bandwidth is the node's (one NIC shared by the flows that
             leave the node at once) rather than each flow's.
-        p2p_overhead_s: what a message sent from Python (``comm.ring``'s send/recv, the pipeline's
-            transfers) costs on top of the backend's own messages (the call and its wake-up).
+        ring_overhead_s: what a message of ``comm.ring`` (a Python send/recv, its loop per segment,
+            the call's own work) costs on top of the backend's own messages.
         gloo_segment_bytes: segment of the backend's ring (gloo: 1 MiB; NCCL on GPUs: its chunks,
             modelled as one message per step: ``math.inf``).
         ring_segment_bytes: segment of ``comm.ring`` (4 MiB on gloo; one message per step on NCCL).
@@ -113,7 +113,7 @@ class Costs:
     intra: Link
     inter: Link
     inter_shared: bool = False
-    p2p_overhead_s: float = 0.0
+    ring_overhead_s: float = 0.0
     gloo_segment_bytes: float = MIB
     ring_segment_bytes: float = 4 * MIB
     reduce_s_per_byte: float = 0.0
@@ -255,7 +255,7 @@ def _overlapped(phases: dict[str, float], costs: Costs) -> float:
 def _flat_ring(strategy: str, costs: Costs, world: int, work: Workload) -> Prediction:
     ring = strategy == "ring"
     segment = costs.ring_segment_bytes if ring else costs.gloo_segment_bytes
-    overhead = costs.p2p_overhead_s if ring else 0.0
+    overhead = costs.ring_overhead_s if ring else 0.0
     buckets = costs.buckets(work.grad_bytes, world, grow=ring)
     latency, bandwidth, reduce = _ring(costs, world, buckets, segment=segment, overhead=overhead)
     k = contention(world, costs.cores)
@@ -273,7 +273,7 @@ def _hier_ring(costs: Costs, world: int, work: Workload) -> Prediction:
         raise ValueError(f"ring_hier needs whole nodes: found P={world} with {local} per node")
     nodes = world // local
     buckets = costs.buckets(work.grad_bytes, world, grow=True)
-    seg, over = costs.ring_segment_bytes, costs.p2p_overhead_s
+    seg, over = costs.ring_segment_bytes, costs.ring_overhead_s
     flows = local if costs.inter_shared else 1  # the L inter-node rings leave the node at once
     latency = bandwidth = reduce = 0.0
     messages = 0.0
@@ -420,7 +420,9 @@ def _pipeline(costs: Costs, world: int, work: Workload) -> Prediction:
     overhead = sum(contention(replicas * b, costs.cores) * 2 * costs.chunk_overhead_s for b in slots)
     hops = 2 * (stages - 1)
     link = costs.intra if stages <= costs.local_size else costs.inter
-    transfer = hops * (link.seconds(work.activation_bytes) + costs.p2p_overhead_s)
+    # the runtime's per-chunk work (chunk_overhead_s) includes posting and waiting for its transfers;
+    # what remains on the critical path is the bytes of the 2(K-1) hops and their links' latency
+    transfer = hops * link.seconds(work.activation_bytes)
     phases = {"compute": compute, "chunk_overhead": overhead, "transfer": transfer}
     if replicas > 1:  # each stage's gradient reduced over the replicas holding that stage
         sub = costs.with_(local_size=max(1, costs.local_size // stages))

@@ -60,7 +60,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import header, line, load_average, load_line, median, pyplot, save_figure
-from benchmarks._scale_costs import STEP_SOURCE, Cluster, cluster_costs, cluster_workload, machine_costs
+from benchmarks._scale_costs import (
+    LATENCY_KEYS,
+    STEP_SOURCE,
+    Cluster,
+    cluster_costs,
+    cluster_workload,
+    machine_costs,
+)
 from benchmarks._scale_measure import standin_iters, world_worker
 from benchmarks._scale_model import Costs, Link, Workload, predict
 from benchmarks._workers import reserved_port, run_workers
@@ -159,15 +166,19 @@ def machine_workload(calib: dict[str, float], world: int, sizes: Sequence[int], 
 
 
 def quiet_calibration(rows_by_world: dict[str, list[dict]]) -> dict[str, float]:
-    """Every calibration figure's least disturbed value: its minimum over all repetitions of all worlds.
+    """The machine's calibration over all repetitions of all worlds (the figures are measured with one
+    or two processes busy and the others idle: they do not depend on P).
 
-    The figures are measured with one or two processes busy and the others idle, so they do not
-    depend on P; on a shared machine other jobs only ever add time, so the minimum is the best
-    estimate of the machine itself. Each run's probe then says how much slower the machine was at
-    that moment (:func:`compare`).
+    Work figures: their minimum, the least disturbed value (other jobs only ever add time; the probe
+    before each step says how much slower the machine is then, :func:`compare`). Latency figures
+    (``LATENCY_KEYS``): their median, the typical wake-up of the run.
     """
     calibs = [calib_of(row) for rows in rows_by_world.values() for row in rows]
-    return {k: min(c[k] for c in calibs if k in c) for k in calibs[0]}
+    out = {}
+    for k in calibs[0]:
+        values = [c[k] for c in calibs if k in c]
+        out[k] = float(statistics.median(values) if k in LATENCY_KEYS else min(values))
+    return out
 
 
 def compare(
@@ -181,9 +192,9 @@ def compare(
 ) -> tuple[dict[str, dict], list[Costs]]:
     """Per strategy: measured and predicted medians, the median ratio, and each run's costs.
 
-    A run's prediction: the machine's constants (``quiet``) scaled by the probe taken just before
-    the run (the stand-in alone, the 4 KiB exchange and RPC against their quiet values) with the
-    contention the probe measured (the stand-in on all P at once against alone).
+    A step's prediction: the machine's constants (``quiet``) scaled to the machine of that moment by
+    the probe taken just before the step: the stand-in alone against its quiet value (the speed of
+    CPU work, which on loopback messages are too) and on all P at once against alone (the contention).
     """
     out = {}
     costs_all: list[Costs] = []
@@ -197,7 +208,7 @@ def compare(
             if key not in row:
                 continue
             for i, seconds in enumerate(row[key]):  # every step beside the probe taken just before it
-                probe = {k: row[f"{s}/probe_{k}"][i] for k in ("alone_s", "all_s", "exchange_s", "rpc_s")}
+                probe = {k: row[f"{s}/probe_{k}"][i] for k in ("alone_s", "all_s")}
                 costs = machine_costs(
                     calib, world, probe=probe, local_size=local_size, tensors=work.tensors, grad_bytes=work.grad_bytes
                 )
@@ -241,7 +252,7 @@ def print_calibration(costs: Costs, tag: str = "") -> None:
     line(f"calib_effective_cores{tag}", costs.cores or 0.0, "cores")
     line(f"calib_gloo_latency_us{tag}", 1e6 * costs.intra.latency_s, "us")
     line(f"calib_gloo_bandwidth{tag}", costs.intra.bandwidth / 1e9, "GB/s")
-    line(f"calib_p2p_overhead_us{tag}", 1e6 * costs.p2p_overhead_s, "us")
+    line(f"calib_ring_overhead_us{tag}", 1e6 * costs.ring_overhead_s, "us")
     line(f"calib_reduce_ns_per_byte{tag}", 1e9 * costs.reduce_s_per_byte, "ns/B")
     line(f"calib_rpc_overhead_us{tag}", 1e6 * costs.rpc_overhead_s, "us")
     line(f"calib_rpc_bandwidth{tag}", costs.rpc_intra.bandwidth / 1e9, "GB/s")
