@@ -2,7 +2,7 @@
 
 Every module here sets ``pytestmark = pytest.mark.gpu``; ``tests/conftest.py`` skips those tests
 when CUDA is missing, so ``pytest -m gpu`` collects the suite everywhere and runs it only on a
-GPU machine (``benchmarks/gpu_check.sh`` runs it there). ``tests/unit/test_gpu_suite.py`` checks on
+GPU machine (``benchmarks/gpu_check.sh`` runs it there). ``tests/integration/test_gpu_check.py`` checks on
 CPU that the suite is collected, marked and covers every strategy. ``LS_GPU_SUITE_ON_CPU=1`` runs
 it on the CPU instead, to try the suite's own machinery without a GPU (see ``gpu_utils.py``).
 
