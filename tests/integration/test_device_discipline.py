@@ -72,24 +72,7 @@ class HostReadsPerStep(AssertionError):
     """Host reads in training steps that log nothing (apart from the device check's failures)."""
 
 
-PARAMS = [
-    pytest.param(
-        name,
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=HostReadsPerStep,
-            reason="PipelineRuntime.broadcast_from_last sends the outputs' shape with broadcast_object_list "
-            "every step (a size .item() and a .cpu() copy: two host syncs per step on CUDA); owned by the "
-            "pipeline work (issue 15): remove this mark with its fix",
-        ),
-    )
-    if name == "pipeline"
-    else name
-    for name in STRATEGIES
-]
-
-
-@pytest.mark.parametrize("name", PARAMS)
+@pytest.mark.parametrize("name", list(STRATEGIES))
 def test_collectives_on_the_device_and_no_host_read_per_step(name: str, tmp_path: Path) -> None:
     audits = _audited_fit(STRATEGIES[name](), tmp_path)
     # async ranks share the batches unevenly: the run has at least two logging windows in all
