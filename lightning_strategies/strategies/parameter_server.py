@@ -51,10 +51,10 @@ from lightning_strategies.comm.ps import (
     whole_tensor_slices,
 )
 from lightning_strategies.comm.rpc import (
-    free_port,
     init_rpc,
     local_shard,
     register_shard,
+    rendezvous_store,
     shutdown_rpc,
     unregister_shard,
     worker_name,
@@ -168,15 +168,16 @@ class ParameterServerStrategy(StrategyBase):
         self._start_rpc()
 
     def _start_rpc(self) -> None:
-        """Start the RPC agent with a rendezvous port of its own, picked by rank 0.
+        """Start the RPC agent, meeting in a store of its own that rank 0 serves.
 
-        ``MASTER_PORT`` already carries the process group's store, so rank 0 finds a free port
-        on its host and broadcasts it over the process group; every rank then meets there.
+        ``MASTER_PORT`` already carries the process group's store, so rank 0 serves RPC's on a
+        port the kernel picks as the store binds it, and broadcasts it over the process group
+        (:func:`~lightning_strategies.comm.rpc.rendezvous_store`).
         """
         assert self.cluster_environment is not None
-        port = [free_port("") if self.global_rank == 0 else 0]
-        dist.broadcast_object_list(port, src=0)
-        init_method = f"tcp://{self.cluster_environment.main_address}:{port[0]}"
+        store = rendezvous_store(
+            self.global_rank, self.world_size, self.cluster_environment.main_address, timeout=self.ps_timeout
+        )
         device_maps = None
         if self.root_device.type == "cuda":
             # TensorPipe moves CUDA tensors directly once told which device each peer uses
@@ -188,7 +189,7 @@ class ParameterServerStrategy(StrategyBase):
         init_rpc(
             self.global_rank,
             self.world_size,
-            init_method,
+            store,
             timeout=self.ps_timeout,
             num_threads=self._rpc_threads,
             device_maps=device_maps,
