@@ -683,11 +683,31 @@ class ParameterShard:
         self._pending = _PendingStep()
         return pending
 
-    def close(self) -> None:
-        """Stop the watchdog thread (the shard is being dropped); pending pushes stay pending."""
+    def close(self, reason: str | None = None) -> str | None:
+        """Stop the watchdog thread: the shard is being dropped.
+
+        Args:
+            reason: why, when the host failed (the failure's first line). The workers waiting
+                in the open step's barrier are then answered at once with an error that carries
+                it, so a survivor names the peer whose loss started the failure instead of
+                waiting for the barrier's timeout or the host's connection to drop. Without a
+                reason (a clean teardown) pending pushes stay pending.
+
+        Returns:
+            The error later pushes to this shard's id should get (``None`` without a reason).
+        """
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            if reason is None:
+                return None
+            if self._failure is None:
+                self._failure = f"parameter server shard {self.shard_id} stopped because its host failed: {reason}"
+            pending, self._pending = self._pending, _PendingStep()
+            failure = self._failure
+        for w in sorted(pending.futures):
+            pending.futures[w].set_result(ShardError(failure))
+        return failure
 
     # -- optimizer ----------------------------------------------------------------------------
 

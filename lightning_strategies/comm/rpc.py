@@ -194,19 +194,31 @@ def shutdown_rpc(*, failed: bool, timeout: timedelta, grace_seconds: float = 1.0
 # --------------------------------------------------------------------------------------------
 
 _SHARDS: dict[int, ParameterShard] = {}
+# shards dropped because their host failed, with the error late pushes get: a survivor's push
+# that arrives after the drop must name the failure, not suggest disagreeing sharding plans
+_STOPPED: dict[int, str] = {}
 _COORDINATORS: list[AsyncCoordinator] = []  # at most one, on rank 0 of an async run
 
 
 def register_shard(shard: ParameterShard) -> None:
     """Make ``shard`` reachable by RPC in this process (one process may host several)."""
+    _STOPPED.pop(shard.shard_id, None)
     _SHARDS[shard.shard_id] = shard
 
 
-def unregister_shard(shard_id: int) -> None:
-    """Forget the shard (at teardown), so a later fit in this process starts clean."""
+def unregister_shard(shard_id: int, *, reason: str | None = None) -> None:
+    """Forget the shard (at teardown), so a later fit in this process starts clean.
+
+    Args:
+        shard_id: the shard to drop.
+        reason: why, when this process failed (the failure's first line): pushes waiting in the
+            shard's barrier, and any that arrive until RPC shuts down, get an error carrying it.
+    """
     shard = _SHARDS.pop(shard_id, None)
     if shard is not None:
-        shard.close()  # its watchdog thread ends
+        failure = shard.close(reason)  # its watchdog thread ends
+        if failure is not None:
+            _STOPPED[shard_id] = failure
 
 
 def local_shard(shard_id: int) -> ParameterShard | None:
@@ -221,6 +233,8 @@ def hosted_shard(shard_id: int) -> ParameterShard:
         RuntimeError: when this process does not host it.
     """
     shard = _SHARDS.get(shard_id)
+    if shard is None and shard_id in _STOPPED:
+        raise RuntimeError(_STOPPED[shard_id])
     if shard is None:
         raise RuntimeError(
             f"parameter server shard {shard_id} is not hosted by {rpc.get_worker_info().name} "

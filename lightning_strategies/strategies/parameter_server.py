@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_strategies.comm.heartbeat import failure_reason
 from lightning_strategies.comm.ps import (
     OptimizerSpec,
     ParameterServerClient,
@@ -400,6 +401,18 @@ class ParameterServerStrategy(StrategyBase):
             shard.load_state_dict(full)
 
     # -- shutdown ------------------------------------------------------------------------------
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Close this rank's shard with the failure's reason before the lost-peer diagnosis waits.
+
+        Peers blocked in its barrier (or pushing to it until RPC stops) are answered at once with
+        an error that carries the reason, so each survivor names the peer whose loss started the
+        failure, instead of waiting for the barrier's timeout or reading "not hosted here".
+        """
+        if self._client is not None:
+            unregister_shard(self.global_rank, reason=failure_reason(exception))
+        super().on_exception(exception)
 
     @override
     def teardown(self) -> None:

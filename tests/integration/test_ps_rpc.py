@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_strategies.comm.heartbeat import failure_reason
 from lightning_strategies.comm.ps import OptimizerSpec, ParameterServerClient, ParameterShard, shard_parameters
 from lightning_strategies.comm.rpc import init_rpc, register_shard, rendezvous_store, shutdown_rpc, unregister_shard
 from tests.dist_utils import run_workers
@@ -34,7 +35,7 @@ def _train(rank: int, world: int, num_servers: int, steps: int, die_at: int | No
     timeout = timedelta(seconds=timeout_s)
     # RPC meets in a store rank 0 binds on a kernel-picked port, shared over the gloo group
     init_rpc(rank, world, rendezvous_store(rank, world, "127.0.0.1", timeout=timeout), timeout=timeout, num_threads=2)
-    failed = False
+    failure: str | None = None
     try:
         params = _params()
         opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
@@ -53,16 +54,18 @@ def _train(rank: int, world: int, num_servers: int, steps: int, die_at: int | No
                 p.grad = _grad(rank, step, i, p)
             try:
                 client.push_pull([0.1])
-            except RuntimeError:
-                failed = True  # peers are gone: shut down locally, then let run_workers see it
+            except RuntimeError as err:
+                # peers are gone: drop the shard with the reason (as the strategy's on_exception
+                # does), shut down locally, then let run_workers see it
+                failure = failure_reason(err)
                 raise
         dist.barrier()
         # numpy, not tensors: a tensor in the result queue is shared by file descriptor, which
         # dies with this process before the parent reads it
         return {"params": [p.detach().numpy().copy() for p in params], "stats": client.stats}
     finally:
-        unregister_shard(rank)
-        shutdown_rpc(failed=failed, timeout=timeout)
+        unregister_shard(rank, reason=failure)
+        shutdown_rpc(failed=failure is not None, timeout=timeout)
 
 
 @pytest.mark.parametrize(("world", "num_servers"), [(2, 2), (3, 1), (3, 3)])
@@ -86,7 +89,8 @@ def test_rpc_push_pull_equals_single_device_sgd(world: int, num_servers: int) ->
 @pytest.mark.parametrize(
     ("num_servers", "expected"),
     [
-        # rank 1 hosts shard 1: the push to it fails as soon as its connection drops
+        # rank 1 hosts shard 1: the push to it fails as soon as its connection drops; a survivor
+        # whose push to shard 0 arrives after rank 0 failed gets rank 0's reason, naming shard 1 too
         (2, r"parameter server shard 1 \(hosted by rank 1"),
         # rank 1 is only a worker: shard 0's barrier times out naming the missing worker
         (1, r"from worker\(s\) \[1\]"),
