@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_strategies.comm.amp import AgreedGradScaler
 from lightning_strategies.comm.heartbeat import failure_reason
 from lightning_strategies.comm.ps import (
     OptimizerSpec,
@@ -117,6 +118,10 @@ class ParameterServerStrategy(StrategyBase):
     # DDP's broadcast of rank 0's buffers before every forward; it pairs the ranks' steps, so a
     # strategy whose ranks take different numbers of steps turns it off
     broadcast_buffers_each_step: ClassVar[bool] = True
+    # Under 16-mixed every rank skips an overflowing step together (the found-inf flag is summed
+    # over the ranks before the scaler decides): a rank that skipped alone would never push, and
+    # the barrier would wait for it. Async, with no barrier, lets each rank skip alone.
+    agree_on_overflow: ClassVar[bool] = True
 
     wraps_ddp = False
 
@@ -280,6 +285,7 @@ class ParameterServerStrategy(StrategyBase):
     def _start_servers(self) -> None:
         """Build this rank's shard and its client; a barrier makes every shard reachable first."""
         optimizer, spec, params, plan = self._plan_servers()
+        self._share_overflow_decision()
         rank = self.global_rank
         if rank < self.num_servers:
             mine = plan[rank]
@@ -291,6 +297,15 @@ class ParameterServerStrategy(StrategyBase):
         self._server_step = _ServerStepOptimizer(optimizer, self._push_pull)
         assert self.model is not None
         self._buffers = [b for b in self.model.buffers() if self.world_size > 1]
+
+    def _share_overflow_decision(self) -> None:
+        """Replace a mixed-precision gradient scaler by an :class:`~lightning_strategies.comm.amp.AgreedGradScaler`
+        (same options and state) that decides as ``agree_on_overflow`` says and keeps its decision
+        on the device for the logs."""
+        plugin = self.precision_plugin
+        scaler = getattr(plugin, "scaler", None)
+        if isinstance(scaler, torch.amp.GradScaler):
+            plugin.scaler = AgreedGradScaler.from_scaler(scaler, agree=self.agree_on_overflow)  # type: ignore[attr-defined]
 
     def _make_shard(
         self, shard_id: int, slices: Sequence[Slice], params: Sequence[Tensor], spec: OptimizerSpec
@@ -324,6 +339,11 @@ class ParameterServerStrategy(StrategyBase):
         # per-step means over the steps since the last log; the busiest shard: the maximum
         self.metrics.add(**{"comm/bytes_sent": stats.bytes_sent, "comm/bytes_received": stats.bytes_received})
         self.metrics.peak(**{"ps/server_bytes_max": max(self._client.last_server_bytes, default=0)})
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if isinstance(scaler, AgreedGradScaler) and scaler.skipped is not None:
+            # a device tensor, read only when the window is logged
+            self.metrics.add(**{"amp/step_skipped": scaler.skipped})
+            scaler.skipped = None
         self._collect_own_metrics(stats)
         self.metrics.flush_if_due(self.lightning_module)
 
