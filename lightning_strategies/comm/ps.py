@@ -25,6 +25,15 @@ thread until the barrier opens, so a handful of RPC threads serve any number of 
 blocking handler deadlocks once the waiting pushes occupy every thread). The asynchronous
 variant (:mod:`.async_ps`) builds on the shard and client here; the RPC plumbing is :mod:`.rpc`.
 
+On a GPU the tensors stay on the device and TensorPipe moves them directly (the strategy sets
+its device maps). The shard's work is ordered by :class:`~lightning_strategies.comm.streams.StreamOrder`:
+the step runs on the shard's own stream after the streams the gradients came on, and every reply
+is a *snapshot* (a copy packed on that stream, never the live parameters) handed out through a
+stream-aware future, so the device follows the order the shard's lock gives the host. This was
+chosen over staging the traffic through pinned CPU buffers, which would add a device-to-host copy
+and a host wait to every push and reply; ``benchmarks/ps_snapshot.py`` measures what a snapshot
+costs (on CPU, mostly the first touch of its fresh memory).
+
 Bytes are counted as payload (tensor bytes), for the worker (``bytes_sent`` = gradients pushed,
 ``bytes_received`` = values pulled) and for the shard (``bytes_received`` = gradients,
 ``bytes_sent`` = values). A worker calls its own co-located shard directly instead of through

@@ -15,12 +15,16 @@ three rules, which together make the device order follow the host's lock order:
 - :meth:`StreamOrder.running`: the shard's own work (averaging, the optimizer step, the snapshot
   of its values for a reply) runs with the shard stream current, so consecutive steps, whichever
   thread enqueued them, are ordered on one stream as they were under the lock.
-- :meth:`StreamOrder.reply` / :meth:`StreamOrder.complete`: replies are futures created with
-  ``devices=[device]`` and completed while the shard stream is current. Such a future records an
-  event on that stream; whoever waits on it (``Future.wait``: the co-located worker, or
-  TensorPipe before it sends the response) has its current stream wait on the event and its
-  tensors recorded on that stream. A reply holds a *snapshot* (a copy made on the shard stream),
-  never the live parameters, so a later step cannot change a reply still being read or sent.
+- :meth:`StreamOrder.reply` / :meth:`StreamOrder.complete`: a reply completed later (the sync
+  barrier's, set by whichever thread pushed last) is a future created with ``devices=[device]``
+  and completed while the shard stream is current. Such a future records an event on that
+  stream; whoever waits on it (``Future.wait``: the co-located worker, or TensorPipe before it
+  sends the response of an ``async_execution`` handler) has its current stream wait on the event
+  and the value's tensors recorded on that stream. :meth:`StreamOrder.give`: a result returned
+  directly (an async push or pull, a state dict) makes the caller's current stream wait for the
+  shard stream instead; for an RPC handler that is the stream TensorPipe sends the response from.
+  Either way a reply holds a *snapshot* (a copy made on the shard stream), never the live
+  parameters, so a later step cannot change a reply still being read or sent.
 
 On the worker side no extra code is needed: ``rpc_async`` orders its send after the caller's
 current stream, and ``Future.wait`` orders the caller's stream after the reply's, which is where

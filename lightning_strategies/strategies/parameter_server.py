@@ -83,6 +83,13 @@ class ParameterServerStrategy(StrategyBase):
     shard's received + sent bytes in one step; the maximum) and ``ps/wait_seconds`` (from the
     first push to the last answer).
 
+    Under ``16-mixed`` the gradient scaler's skip decision is shared: the found-inf flag is summed
+    over the ranks before it decides (:class:`~lightning_strategies.comm.amp.AgreedGradScaler`,
+    which replaces Lightning's ``GradScaler`` with the same options and state), so an overflow on
+    any rank skips the step on every rank, as under DDP, and ``amp/step_skipped`` (the share of
+    skipped steps) is logged from the device flag. On CUDA the shards order their device work on
+    streams of their own (:mod:`lightning_strategies.comm.streams`); this has not run on a GPU yet.
+
     Not supported (each raises at setup, saying what to change): manual optimization and more
     than one optimizer (the servers run one optimizer inside Lightning's step), gradient
     clipping (DDP clips the averaged gradient, which no single shard holds whole), and an

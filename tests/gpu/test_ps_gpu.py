@@ -17,6 +17,8 @@ from gpu_utils import no_host_sync
 from torch.utils.data import DataLoader
 
 from benchmarks._workers import run_workers
+from lightning_strategies.comm.async_ps import AsyncParameterServerClient, AsyncParameterShard
+from lightning_strategies.comm.coordinator import AsyncCoordinator
 from lightning_strategies.comm.ps import (
     OptimizerSpec,
     ParameterServerClient,
@@ -24,7 +26,12 @@ from lightning_strategies.comm.ps import (
     partition_parameters,
     slice_of,
 )
-from lightning_strategies.comm.rpc import register_shard, unregister_shard
+from lightning_strategies.comm.rpc import (
+    register_coordinator,
+    register_shard,
+    unregister_coordinator,
+    unregister_shard,
+)
 from lightning_strategies.strategies.async_ps import AsyncParameterServerStrategy
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 from tests.lightning_utils import GlobalBatchSampler, TinyRegressor, regression_data
@@ -70,6 +77,29 @@ def test_one_worker_step_waits_for_its_late_gradients_and_never_syncs_the_host(c
         torch.testing.assert_close(got.detach().cpu(), ref, rtol=0, atol=ATOL)
 
 
+def test_one_async_worker_push_and_pull_never_sync_the_host(cuda: torch.device) -> None:
+    steps = 8
+    params = initial_params(cuda)
+    spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=LR))
+    plan = partition_parameters(list(SIZES), 1)
+    register_shard(AsyncParameterShard(0, plan[0], [slice_of(params[sl.tensor], sl) for sl in plan[0]], spec, 1))
+    register_coordinator(AsyncCoordinator(1, None))
+    try:
+        client = AsyncParameterServerClient(0, params, plan, coordinator_rank=0)
+        staged = [[grad(0, s, i).to(cuda) for i in range(len(SIZES))] for s in range(steps)]
+        with no_host_sync():  # the shard and the coordinator are local: no RPC, only device work
+            for step in range(steps):
+                torch.cuda._sleep(SLEEP_CYCLES)
+                client.push([g.mul(1.0) for g in staged[step]], [LR], pull=step % 2 == 1)
+        torch.cuda.synchronize()
+    finally:
+        unregister_coordinator()
+        unregister_shard(0)
+    want = _sgd_reference(lambda s, i: grad(0, s, i), steps, 0.0)
+    for got, ref in zip(params, want, strict=True):  # the last push pulled: the model holds every update
+        torch.testing.assert_close(got.detach().cpu(), ref, rtol=0, atol=ATOL)
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_two_ranks_on_one_gpu_equal_the_cpu_reference(mode: str) -> None:
     steps = 10
@@ -79,7 +109,8 @@ def test_two_ranks_on_one_gpu_equal_the_cpu_reference(mode: str) -> None:
         want = _sgd_reference(lambda s, i: (grad(0, s, i) + grad(1, s, i)) / 2, steps, 0.9)
     else:
         # plain SGD: every push is applied once, in whatever order, so the end is p0 - lr x (sum of all
-        # pushed gradients) up to rounding; a push applied on stale memory or twice would not be
+        # pushed gradients) up to rounding (1.4e-6 with the same ranks on CPU); a push applied on stale
+        # memory, lost or applied twice is off by LR x a gradient (~1e-2)
         p0 = initial_params()
         want = [
             (p.detach() - LR * sum(grad(r, s, i) for r in (0, 1) for s in range(steps))) for i, p in enumerate(p0)
