@@ -13,7 +13,7 @@ still covers every sample exactly once. The hooks changed relative to ``"ps"`` a
   different batch counts per rank (``max_steps``, batch-based validation).
 - ``process_dataloader``: replace the training loader's sampler by a :class:`DynamicBatchSampler`
   (Lightning's ``DistributedSampler``, if it injected one, is dropped; validation and test
-  loaders keep it).
+  loaders keep it); a :class:`~lightning_strategies.DevicePrefetcher` keeps wrapping the new loader.
 - ``setup_optimizers``: give ``Trainer.estimated_stepping_batches`` the mean batches per worker
   (the dynamic loader has no length) while ``configure_optimizers`` runs.
 - ``_make_shard`` / ``_make_client``: asynchronous shards and clients instead of ``"ps"``'s.
@@ -56,6 +56,7 @@ from lightning_strategies.comm.coordinator import AsyncCoordinator, DataPlan, Dr
 from lightning_strategies.comm.ps import OptimizerSpec, Slice, broadcast_from_rank0
 from lightning_strategies.comm.rpc import register_coordinator, unregister_coordinator
 from lightning_strategies.comm.stats import CommStats
+from lightning_strategies.data import DevicePrefetcher
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 
 __all__ = ["AsyncParameterServerStrategy", "DynamicBatchSampler"]
@@ -127,7 +128,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     every n epochs (``val_check_interval=1.0``), a map-style training dataset in a
     ``DataLoader`` with at least as many batches per epoch as processes, ``num_workers=0`` in the
     training loader when ``max_staleness`` is set (loader processes fetch indices ahead, which
-    would gate the wrong step), and everything ``"ps"`` requires. Checkpoints are consistent
+    would gate the wrong step; so does a CUDA :class:`~lightning_strategies.DevicePrefetcher`,
+    which the loader may otherwise be wrapped in), and everything ``"ps"`` requires. Checkpoints are consistent
     at epoch ends (where ``ModelCheckpoint`` saves by default); a mid-epoch checkpoint does not
     record the queue's position.
 
@@ -312,13 +314,25 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         if trainer is None or trainer.state.fn != TrainerFn.FITTING or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         name = type(self).__name__
+        if isinstance(dataloader, DevicePrefetcher):
+            # the copy ahead wraps the loader rebuilt below; on CUDA it takes each batch one step
+            # before Lightning does, so its indices are drawn a step early
+            if dataloader.active and self.max_staleness is not None:
+                raise ValueError(
+                    f"{name}(max_staleness={self.max_staleness}) found a DevicePrefetcher around the training "
+                    f"loader on {dataloader.device}: it draws each batch's indices one step before the step, so "
+                    "the staleness gate would hold back the wrong step. Expected no device prefetch with a "
+                    "staleness bound. Fix: data.device_prefetch=false, or max_staleness=None."
+                )
+            inner = self.process_dataloader(dataloader.loader)
+            return DevicePrefetcher(inner, dataloader.device, non_blocking=dataloader.non_blocking)  # type: ignore[arg-type]
         if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
             raise TypeError(
                 f"{name} found a training loader of type {type(dataloader).__qualname__}"
                 f"{' over an IterableDataset' if isinstance(dataloader, DataLoader) else ''}: expected a "
                 "torch DataLoader over a map-style dataset, because workers draw batch indices from a shared "
                 "queue. Fix: return a DataLoader(dataset, batch_size=..., shuffle=...) from train_dataloader() "
-                "(and no device-prefetch wrapper)."
+                "(optionally in a DevicePrefetcher)."
             )
         if dataloader.num_workers > 0 and self.max_staleness is not None:
             raise ValueError(
