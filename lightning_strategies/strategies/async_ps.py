@@ -163,6 +163,9 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     # validation and checkpoints (_pull_latest): ranks take different numbers of steps, so a
     # per-step collective would pair the steps of different ranks.
     broadcast_buffers_each_step: ClassVar[bool] = False
+    # Under 16-mixed a worker whose gradients overflow skips its own push and lowers its own
+    # scale (lightning_strategies.comm.amp); a per-step collective would pair different steps.
+    agree_on_overflow: ClassVar[bool] = False
 
     def __init__(
         self,

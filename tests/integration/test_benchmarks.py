@@ -92,6 +92,12 @@ GOALS: dict[str, list[tuple[str, float, float]]] = {
     ],
     # 3 epochs each: RSS grows < 0.3% (goal < 5%) after warm-up in quick runs; a per-step leak of a
     # batch-sized tensor would add more. Step drift compares thirds of 1 epoch: 0.6-1.9 at load 10.
+    # a reply's snapshot: 4 N bytes copied (accounting); its time over the optimizer step's is 2-8 on
+    # CPU (fresh pages), a sanity band only: 0 would mean no copy was made
+    "ps_snapshot.py": [
+        (r"snapshot_bytes_over_4N_N\d+", 1 - EXACT, 1 + EXACT),
+        (r"snapshot_over_step_N\d+", 0.01, 100.0),
+    ],
     "soak.py": [
         (r"soak_rss_growth_(ddp|ring|ps|async|pipeline)", -5.0, 5.0),
         (r"soak_step_drift_(ddp|ring|ps|async|pipeline)", 0.2, 5.0),
@@ -136,6 +142,9 @@ PAIRS: dict[str, list[tuple[str, str, float, float]]] = {
     # prefetching must save at least 10% of the unprefetched step: ~50% with load = compute in
     # theory, 40% measured quiet, 26% at load 14
     "prefetch.py": [(r"(load[0-9.]+x)_prefetch_step_ms", r"\1_no_prefetch_step_ms", 0.0, 0.9)],
+    # the same copy into a buffer touched before never costs much more than into fresh memory
+    # (0.06-0.12 measured): a ratio far above 1 means the two were swapped
+    "ps_snapshot.py": [(r"reused_ms_(N\d+)", r"snapshot_ms_\1", 0.0, 1.5)],
 }
 
 
