@@ -15,6 +15,7 @@ from torch import nn
 from lightning_strategies.optim import Lamb, Lars
 
 pytestmark = pytest.mark.gpu
+CPU_DRY_RUN = True  # LS_GPU_SUITE_ON_CPU=1 runs it on the CPU (gpu_utils.py)
 
 # fp32 on both sides: the elementwise updates are the same IEEE operations; the per-tensor norms
 # (and Lamb's global clip norm) are sums in another order, ~1e-7 relative for these sizes, and the

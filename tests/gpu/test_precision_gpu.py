@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning_strategies import AsyncParameterServerStrategy, ParameterServerStrategy, RingAllReduceStrategy
 
 pytestmark = pytest.mark.gpu
+CPU_DRY_RUN = True  # LS_GPU_SUITE_ON_CPU=1 runs it on the CPU (gpu_utils.py)
 
 ATOL = 2e-3
 INIT_SCALE = 2.0**8

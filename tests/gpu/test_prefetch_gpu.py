@@ -7,16 +7,12 @@ from typing import Any
 
 import pytest
 import torch
-from gpu_utils import ON_CPU
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_strategies.data as data_module
 from lightning_strategies.data import DevicePrefetcher, ResumableDataLoader
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(ON_CPU, reason="CUDA streams and pinned memory: nothing to try on the CPU"),
-]
+pytestmark = pytest.mark.gpu  # CUDA streams and pinned memory: not part of the CPU dry run
 
 
 def test_batches_equal_the_loaders_and_are_copied_on_a_side_stream(

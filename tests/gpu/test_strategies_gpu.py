@@ -32,6 +32,7 @@ from lightning_strategies import (
 )
 
 pytestmark = pytest.mark.gpu
+CPU_DRY_RUN = True  # LS_GPU_SUITE_ON_CPU=1 runs it on the CPU (gpu_utils.py)
 
 # fp32 on both sides (TF32 is off for matmuls by default): what differs is the order of the sums
 # inside GEMMs and reductions, ~1e-7 relative per op; six SGD steps of a 16-wide MLP stay well
