@@ -7,16 +7,21 @@ runs under every strategy.
 Two kinds of bad input stop a run with an error that says what was found and what to change,
 instead of training on silently:
 
-- **Non-finite values.** After every optimizer step, before any callback can save them, the
-  weights are checked (one fused norm over the parameters and one host sync per step). A NaN
-  or inf loss on any rank makes the update non-finite, and the update is the same on every
-  replica (DDP and the ring all-reduce the gradients, the parameter servers average them, a
-  pipeline's stages back-propagate the one loss), so every rank raises
-  :class:`FloatingPointError` at the same step and none is left waiting in a collective for a
-  peer that stopped. The loss itself is not checked: it is per rank, and a rank raising alone
-  would leave its peers in the next all-reduce until the timeout. Under ``async`` each rank
-  raises at its first step that pulls the broken weights. The last checkpoint, written before
-  that step, stays as it was.
+- **Non-finite values.** After every optimizer step the weights' largest magnitude (one fused
+  inf-norm, which a NaN or inf reaches and finite weights cannot overflow) is noted as a flag on
+  the device, without waiting for it. The flags are read in one transfer when Lightning writes
+  step metrics (``log_every_n_steps``), at each epoch's last batch, before every checkpoint is
+  written and at the end of fit: on CUDA the host waits for the device there only, not every
+  step. A NaN or inf loss on any rank makes the update non-finite, and the update is the same on
+  every replica (DDP and the ring all-reduce the gradients, the parameter servers average them,
+  a pipeline's stages back-propagate the one loss), and every rank reads its flags at the same
+  steps, so every rank raises :class:`FloatingPointError` together, naming the first step that
+  broke the weights, and none is left waiting in a collective for a peer that stopped. The cost
+  of the deferral: up to ``log_every_n_steps - 1`` steps train on after the weights broke
+  (nothing is saved from them). The loss itself is not checked: it is per rank, and a rank
+  raising alone would leave its peers in the next all-reduce until the timeout. Under ``async``
+  each rank raises at its first check after a step that pulled the broken weights. The last
+  checkpoint, written before the weights broke, stays as it was.
 - **A checkpoint of another model** (``ckpt_path`` of a different architecture, width, class or
   channel count): ``on_load_checkpoint`` compares the tensors' names and shapes before
   Lightning's strict load and names the first differences.
@@ -35,9 +40,11 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_strategies.scaling import ScalingConfig, ScalingPlan, replicas_of
+from lightning_strategies.strategies._base import log_due
 from recipes.models import as_blocks
 
 __all__ = ["ClassificationModule", "EpochThroughputMonitor"]
@@ -64,8 +71,9 @@ class ClassificationModule(pl.LightningModule):
         no_decay_norm_bias: put biases and norm weights in a group without weight decay or
             layer adaptation (Goyal et al. §5.1; You et al. 2020).
         label_smoothing: as in ``nn.CrossEntropyLoss``.
-        check_finite: raise :class:`FloatingPointError` at the first optimizer step that leaves
-            a weight NaN or inf (costs one pass over the weights and one host sync per step).
+        check_finite: raise :class:`FloatingPointError` once an optimizer step has left a weight
+            NaN or inf (costs one pass over the weights per step on the device, and one host read
+            per ``log_every_n_steps``, epoch end and checkpoint).
     """
 
     def __init__(
@@ -93,6 +101,8 @@ class ClassificationModule(pl.LightningModule):
         self.plan: ScalingPlan | None = plan  # the plan in use, known after configure_optimizers
         self.check_finite = check_finite
         self._last_loss: torch.Tensor | None = None
+        # (non-finite flag on the device, global step, epoch, batch, loss) of each step not yet read
+        self._unread_steps: list[tuple[torch.Tensor, int, int, int, torch.Tensor | None]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
@@ -122,28 +132,55 @@ class ClassificationModule(pl.LightningModule):
         optimizer_closure: Callable[[], Any] | None = None,
     ) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        # Here, not in on_train_batch_end: callbacks' hooks run before the module's, so a
-        # ModelCheckpoint(every_n_train_steps=...) would already have saved the broken weights.
         if self.check_finite:
-            self._check_finite_weights(batch_idx)
+            self._note_finite_weights(batch_idx)
+            if log_due(self._trainer) is not None:  # the same steps on every rank
+                self._raise_if_weights_broke()
 
-    def _check_finite_weights(self, batch_idx: int) -> None:
+    def _note_finite_weights(self, batch_idx: int) -> None:
         params = [p.detach() for p in self.parameters()]
-        if not params or bool(torch.isfinite(torch.nn.utils.get_total_norm(params))):
+        if not params:
             return
-        names = [name for name, p in self.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
-        if not names:
-            return  # the squares overflowed, the weights themselves are finite
-        loss = "n/a" if self._last_loss is None else f"{float(self._last_loss):.4g}"
+        # inf-norm: the largest |w|; NaN and inf reach it, finite weights cannot overflow it
+        peak = torch.nn.utils.get_total_norm(params, norm_type=math.inf)
+        if isinstance(peak, DTensor):  # tensor-parallel shards: every rank judges the whole weights
+            peak = peak.full_tensor()
         step = self.trainer.global_step + 1  # 1-based; Lightning counts the step once this hook returns
+        self._unread_steps.append((~torch.isfinite(peak), step, self.current_epoch, batch_idx, self._last_loss))
+
+    def _raise_if_weights_broke(self) -> None:
+        """Read the flags noted since the last read (one transfer) and raise at the first broken step."""
+        unread, self._unread_steps = self._unread_steps, []
+        if not unread:
+            return
+        broke = torch.stack([flag for flag, *_ in unread]).tolist()  # the host waits for the device here only
+        if not any(broke):
+            return
+        _, step, epoch, batch_idx, last_loss = unread[broke.index(True)]
+        params = list(self.parameters())
+        names = [name for name, p in self.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
+        loss = "n/a" if last_loss is None else f"{float(last_loss):.4g}"
         raise FloatingPointError(
             f"{type(self).__name__}: the weights are not finite after optimizer step {step} "
-            f"(epoch {self.current_epoch}, batch {batch_idx}): {len(names)} of {len(params)} parameter tensors "
-            f"hold NaN or inf (first: {names[0]}); this rank's loss at that step was {loss}. Expected finite "
-            "weights: a NaN or inf loss or gradient on some rank was applied. Fix: lower optimizer.lr or warm "
-            "up (scaling.warmup_epochs), clip gradients (trainer.gradient_clip_val=1.0), or look for NaN/inf in "
-            "the inputs; resume from the last checkpoint, written before this step."
+            f"(epoch {epoch}, batch {batch_idx}): {len(names)} of {len(params)} parameter tensors "
+            f"hold NaN or inf now (first: {names[0] if names else 'n/a'}); this rank's loss at that step was {loss}. "
+            "Expected finite weights: a NaN or inf loss or gradient on some rank was applied. Fix: lower "
+            "optimizer.lr or warm up (scaling.warmup_epochs), clip gradients (trainer.gradient_clip_val=1.0), or "
+            "look for NaN/inf in the inputs; resume from the last checkpoint, written before that step."
         )
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Called on every rank by Trainer.save_checkpoint, after the strategy's gathers and before
+        # anything is written: a checkpoint never holds weights a noted step broke.
+        if self.check_finite:
+            self._raise_if_weights_broke()
+
+    def on_train_end(self) -> None:
+        if self.check_finite:
+            self._raise_if_weights_broke()  # the steps after the last read (a fit stopped mid-epoch)
+
+    def on_train_start(self) -> None:
+        self._unread_steps = []  # a new fit
 
     def on_train_epoch_end(self) -> None:
         # Images the data skipped as unreadable (ImageFolderDataModule), summed over ranks; only

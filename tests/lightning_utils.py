@@ -8,7 +8,8 @@ Processes are fork-started (``start_method="fork"``), ~0.2 s to the first step i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +141,15 @@ def fit_weights(
     )
     trainer.fit(model, loader)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@contextmanager
+def one_process_group_cleanup() -> Iterator[None]:
+    """Destroy the default process group a one-process fit in the test process made (a fit that
+    fails at setup leaves it), so later tests start without one; a group that existed stays."""
+    initialized = dist.is_initialized()
+    try:
+        yield
+    finally:
+        if dist.is_initialized() and not initialized:
+            dist.destroy_process_group()

@@ -97,7 +97,10 @@ class AsyncParameterShard(ParameterShard):
         """Apply ``grads`` now; answer with the new values when ``pull``.
 
         Runs under the shard's lock, on the RPC thread that received the push (or on the
-        co-located worker's training thread); it never waits for another worker.
+        co-located worker's training thread); it never waits for another worker. On a GPU the
+        lock's order is the device's too: every push's step runs on the shard's one stream, after
+        the stream its gradients came on, and the caller's stream waits for the snapshot it gets
+        (:class:`~lightning_strategies.comm.streams.StreamOrder`).
         """
         nbytes = payload_bytes(grads)
         with self._lock:
@@ -109,13 +112,16 @@ class AsyncParameterShard(ParameterShard):
             staleness = self.version - self._version_pulled[worker]
             if self.staleness_lr == "inverse" and staleness:
                 lrs = [lr / (1 + staleness) for lr in lrs]
-            self._step([grads], lrs)
+            self._order.take(grads)
+            with self._order.running():
+                self._step([grads], lrs)
+                values, sent = self._snapshot(worker) if pull else (None, 0)
+            self._order.give(values.flats if values is not None else ())
             self.clocks[worker] += 1
             self.pushes += 1
             self.staleness_sum += staleness
             self.staleness_max = max(self.staleness_max, staleness)
             self.log.append((worker, self.clocks[worker], staleness))
-            values, sent = self._snapshot(worker) if pull else (None, 0)
             return AsyncReply(values, self.version, staleness, nbytes + sent)
 
     def pull(self, worker: int) -> AsyncReply | ShardError:
@@ -127,11 +133,14 @@ class AsyncParameterShard(ParameterShard):
                     f"a worker in [0, {self.num_workers})"
                 )
             self.stats.calls += 1
-            values, sent = self._snapshot(worker)
+            with self._order.running():
+                values, sent = self._snapshot(worker)
+            self._order.give(values.flats)
             return AsyncReply(values, self.version, -1, sent)
 
     def _snapshot(self, worker: int) -> tuple[Packed, int]:
-        # packing copies: the next push may update the tensors while this reply is being serialised
+        # a copy (packing copies), made on the shard stream: the next push may update the tensors
+        # while this reply is being read or serialised
         self._version_pulled[worker] = self.version
         self.stats.bytes_sent += self._values_bytes
         return pack(self.params), self._values_bytes

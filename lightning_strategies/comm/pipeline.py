@@ -19,6 +19,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -141,58 +142,110 @@ def profile_blocks(blocks: nn.Sequential, sample: Tensor, *, repeats: int = 3) -
 # -- the runtime ---------------------------------------------------------------------------------
 
 
+class _Timer:
+    """Seconds of marked spans of work on one device, read when asked, not when marked.
+
+    On CPU a span is the host's ``time.perf_counter()`` interval. On CUDA the host only enqueues
+    kernels, so its clock says nothing about the device: each span is a pair of CUDA events
+    recorded on the device's current stream, and the seconds are read (``elapsed_time``) by
+    :meth:`seconds`, which waits once for the last event. Marking never waits for the device.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = torch.device(device).type == "cuda"
+        self._device = torch.device(device)
+        self._seconds = 0.0
+        self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def start(self) -> tuple[float, Any]:
+        """Mark a span's start: the host time and, on CUDA, an event recorded on the current stream."""
+        if not self._cuda:
+            return time.perf_counter(), None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self._device))
+        return time.perf_counter(), event
+
+    def stop(self, start: tuple[float, Any]) -> tuple[float, float]:
+        """Mark the span's end; return its host start and end (enqueue times on CUDA)."""
+        t0, begun = start
+        t1 = time.perf_counter()
+        if begun is None:
+            self._seconds += t1 - t0
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self._device))
+            self._spans.append((begun, end))
+        return t0, t1
+
+    def seconds(self) -> float:
+        """Seconds of all spans since :meth:`reset` (on CUDA: waits for the last span's end event)."""
+        if self._spans:
+            self._spans[-1][1].synchronize()
+            self._seconds += sum(a.elapsed_time(b) for a, b in self._spans) / 1000.0
+            self._spans = []
+        return self._seconds
+
+    def reset(self) -> None:
+        self._seconds = 0.0
+        self._spans = []
+
+
 class _TimedStage(PipelineStage):
     """A ``PipelineStage`` that adds up the seconds it computes (forward and backward chunks, loss).
 
-    Transfers happen in the schedule, outside these calls, so ``busy_seconds`` is compute only:
-    the rest of a step's wall time is the stage waiting (the bubble) or communicating. The last
-    stage's loss, which the schedule computes between chunks, is compute too: the runtime
+    Transfers happen in the schedule, outside these calls, so its :attr:`timer` counts compute
+    only: the rest of a step's wall time is the stage waiting (the bubble) or communicating. The
+    last stage's loss, which the schedule computes between chunks, is compute too: the runtime
     records it with :meth:`record_loss`. When ``events`` is a list, each chunk also appends its
     :data:`Event`: the timeline from which :func:`analyse` separates the schedule's bubble from
-    transfer overhead.
+    transfer overhead (host times; on CUDA the times kernels were enqueued).
+
+    Backward chunks run with autocast off (``autocast_off``), as Lightning runs a single device's
+    backward outside ``training_step``'s autocast; the forward chunks run inside the step's.
     """
 
-    busy_seconds: float = 0.0
+    timer: _Timer
     events: list[Event] | None = None
+    autocast_off: Callable[[], AbstractContextManager[Any]] = nullcontext
     _awaiting_loss: int | None = None  # the micro-batch forwarded last, until its loss
 
-    def record_loss(self, t0: float) -> None:
-        """Count the loss of the micro-batch forwarded last, computed since ``t0``, as compute.
+    def record_loss(self, start: tuple[float, Any]) -> bool:
+        """Count the loss of the micro-batch forwarded last, computed since ``start``, as compute.
 
         A loss with no forward chunk before it (the schedule's shape inference on the first
         step, whose forward is not a chunk either) is not counted.
+
+        Returns:
+            Whether the loss was one of the step's micro-batches (not the shape inference's).
         """
-        if self._awaiting_loss is not None:
-            self._record("L", self._awaiting_loss, t0)
-            self._awaiting_loss = None
+        if self._awaiting_loss is None:
+            return False
+        self._record("L", self._awaiting_loss, start)
+        self._awaiting_loss = None
+        return True
 
-    def _sync(self) -> None:
-        if torch.device(self.device).type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def _record(self, kind: str, chunk: int, t0: float) -> None:
-        self._sync()
-        t1 = time.perf_counter()
-        self.busy_seconds += t1 - t0
+    def _record(self, kind: str, chunk: int, start: tuple[float, Any]) -> None:
+        t0, t1 = self.timer.stop(start)
         if self.events is not None:
             self.events.append((self.stage_index, kind, chunk, t0, t1))
 
     @override
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        start = self.timer.start()
         try:
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         finally:
-            self._record("F", fwd_chunk_id, t0)
+            self._record("F", fwd_chunk_id, start)
             self._awaiting_loss = fwd_chunk_id
 
     @override
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
-        t0 = time.perf_counter()
+        start = self.timer.start()
         try:
-            super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+            with self.autocast_off():
+                super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
         finally:
-            self._record("B", bwd_chunk_id, t0)
+            self._record("B", bwd_chunk_id, start)
 
 
 class PipelineRuntime:
@@ -210,6 +263,10 @@ class PipelineRuntime:
         loss_fn: the mean loss of a micro-batch, ``loss_fn(outputs, targets)``.
         group: the pipeline's process group (this replica's stages).
         device: where this rank's stages run.
+        autocast: a context for the forward chunks and the loss (mixed precision: the precision
+            plugin's autocast); backward chunks run outside it. ``None``: full precision.
+        loss_scaler: multiplies the last stage's loss before its backward (a gradient scaler's
+            ``scale``), so every stage's gradients carry the scale; ``None``: no scaling.
     """
 
     def __init__(
@@ -222,6 +279,8 @@ class PipelineRuntime:
         loss_fn: LossFn,
         group: dist.ProcessGroup,
         device: torch.device,
+        autocast: Callable[[], AbstractContextManager[Any]] | None = None,
+        loss_scaler: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         self.group = group
         self.group_size = dist.get_world_size(group)
@@ -233,10 +292,13 @@ class PipelineRuntime:
             raise ValueError(f"stage block counts {list(counts)} do not add up to the {len(blocks)} blocks")
         self.schedule_name = schedule
         self.microbatches = microbatches
-        self.device = device
+        self.device = torch.device(device)
         self.counts = list(counts)
         self._loss_fn = loss_fn
         self._loss_scale = 1.0
+        self._autocast = autocast
+        self._loss_scaler = loss_scaler
+        self._raw_losses: list[Tensor] = []
         bounds = [0]
         for c in counts:
             bounds.append(bounds[-1] + c)
@@ -253,7 +315,9 @@ class PipelineRuntime:
         # infers its buffers' shapes from its first batch, and switching one schedule between
         # train and eval mode would redo that inference (a forward pass) at every switch.
         self._eval: dict[int, tuple[Any, list[_TimedStage]]] = {}
-        self.last_step_seconds = 0.0
+        self._step_timer = _Timer(self.device)
+        self._steps = 0
+        self._output_meta: dict[Any, tuple[tuple[int, ...], torch.dtype]] = {}
         self.last_outputs: Tensor | None = None
 
     @property
@@ -275,16 +339,26 @@ class PipelineRuntime:
         return [g for g in groups if isinstance(g, dist.ProcessGroup)]
 
     def _make_stages(self) -> list[_TimedStage]:
-        return [
+        stages = [
             _TimedStage(m, s, self.num_stages, self.device, group=self.group)
             for m, s in zip(self.submodules, self.stage_indices, strict=True)
         ]
+        device_type = self.device.type
+        for stage in stages:
+            stage.timer = _Timer(self.device)
+            if self._autocast is not None:
+                stage.autocast_off = lambda: torch.autocast(device_type, enabled=False)
+        return stages
 
     def _scaled_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
-        t0 = time.perf_counter()
-        loss = self._loss_fn(outputs, targets) * self._loss_scale
+        start = self.train_stages[-1].timer.start()
+        raw = self._loss_fn(outputs, targets)
+        loss = raw * self._loss_scale
+        if self._loss_scaler is not None:
+            loss = self._loss_scaler(loss)
         # only the training schedule has a loss, on the rank that holds the last stage
-        self.train_stages[-1].record_loss(t0)
+        if self.train_stages[-1].record_loss(start):
+            self._raw_losses.append(raw.detach())
         return loss
 
     def _make_schedule(self, stages: list[_TimedStage], *, loss: bool) -> Any:
@@ -296,17 +370,40 @@ class PipelineRuntime:
             return cls(list[Any](stages), self.microbatches, loss_fn=loss_fn, scale_grads=False)
         return cls(stages[0], self.microbatches, loss_fn=loss_fn, scale_grads=False)
 
+    def _autocast_context(self) -> AbstractContextManager[Any]:
+        return self._autocast() if self._autocast is not None else nullcontext()
+
+    # -- timings --------------------------------------------------------------------------------
+
     def stage_seconds(self, stages: list[_TimedStage] | None = None) -> list[float]:
-        """Compute seconds of each local stage since the last :meth:`reset_timers`."""
-        return [s.busy_seconds for s in (stages or self.train_stages)]
+        """Compute seconds of each local stage since the last :meth:`reset_timers` (on CUDA, waits
+        for the device once)."""
+        return [s.timer.seconds() for s in (stages or self.train_stages)]
+
+    @property
+    def last_step_seconds(self) -> float:
+        """Wall seconds of the steps since the last :meth:`reset_timers` (CUDA: device time, read now)."""
+        return self._step_timer.seconds()
 
     def reset_timers(self) -> None:
         """Zero the compute and step seconds (and empty the timeline, when one is recorded)."""
         for s in self.train_stages:
-            s.busy_seconds = 0.0
+            s.timer.reset()
             if s.events is not None:
                 s.events = []
-        self.last_step_seconds = 0.0
+        self._step_timer.reset()
+        self._steps = 0
+
+    def read_timings(self) -> tuple[int, float, list[float]]:
+        """The steps since the last read, their wall seconds and each local stage's compute seconds
+        (totals), then zeroed timers: what the strategy logs, read once per logging step.
+
+        On CUDA the seconds come from events recorded around every chunk and step; this is the one
+        wait for the device, at Lightning's logging cadence rather than per chunk.
+        """
+        steps, wall, busy = self._steps, self.last_step_seconds, self.stage_seconds()
+        self.reset_timers()
+        return steps, wall, busy
 
     def record_events(self, on: bool = True) -> None:
         """Keep (or stop keeping) the timeline of the training chunks, read by :meth:`events`."""
@@ -316,6 +413,8 @@ class PipelineRuntime:
     def events(self) -> list[Event]:
         """This rank's chunks since :meth:`reset_timers`, by start."""
         return sorted((e for s in self.train_stages for e in s.events or ()), key=lambda e: e[3])
+
+    # -- steps ------------------------------------------------------------------------------------
 
     def step(self, inputs: Tensor | None, targets: Tensor | None, *, loss_scale: float = 1.0) -> Tensor | None:
         """Forward and backward of every micro-batch; gradients accumulate into ``.grad``.
@@ -331,16 +430,18 @@ class PipelineRuntime:
             micro-batches in order) are kept in :attr:`last_outputs` on that rank.
         """
         self._loss_scale = loss_scale / self.microbatches
-        losses: list[Tensor] = []
+        self._raw_losses = []
         args = (inputs,) if self.has_first else ()
         self.last_outputs = None
-        t0 = time.perf_counter()
-        out = self.train_schedule.step(*args, target=targets if self.has_last else None, losses=losses)
-        self.last_step_seconds += time.perf_counter() - t0
+        start = self._step_timer.start()
+        with self._autocast_context():
+            out = self.train_schedule.step(*args, target=targets if self.has_last else None)
+        self._step_timer.stop(start)
+        self._steps += 1
         if not self.has_last:
             return None
         self.last_outputs = out.detach()
-        return torch.stack([loss.detach() for loss in losses]).sum() / loss_scale
+        return torch.stack(self._raw_losses).mean()
 
     def forward(self, inputs: Tensor) -> Tensor | None:
         """The last stage's outputs for ``inputs``, without gradients (the schedule's eval mode).
@@ -361,24 +462,35 @@ class PipelineRuntime:
         schedule, stages = entry
         # Lightning evaluates under inference_mode; the stages' receive buffers stay ordinary
         # tensors, so a schedule first used there also serves a later call outside of it.
-        with torch.inference_mode(False), torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad(), self._autocast_context():
             x = inputs.clone() if inputs.is_inference() else inputs
             if padded != size:
                 x = torch.cat([x, x[-1:].expand(padded - size, *x.shape[1:])])
             out = schedule.eval(x) if self.has_first else schedule.eval()
         for s in stages:
-            s.busy_seconds = 0.0
+            s.timer.reset()
         return out[:size] if self.has_last else None
 
-    def broadcast_from_last(self, tensor: Tensor | None) -> Tensor:
-        """The last stage's tensor on every rank of the pipeline (shape and dtype travel first)."""
+    def broadcast_from_last(self, tensor: Tensor | None, key: Any = None) -> Tensor:
+        """The last stage's tensor on every rank of the pipeline.
+
+        The receivers need its shape and dtype: they travel once per ``key`` (an object every
+        rank of the group computes alike, e.g. the batch's shape and the mode), by
+        ``broadcast_object_list``, and are remembered, so a step with a known key costs one
+        tensor broadcast and no host round trip for metadata. ``key=None`` always sends them.
+        """
         if self.group_size == 1:
             assert tensor is not None
             return tensor
-        meta: list[Any] = [(tuple(tensor.shape), tensor.dtype) if tensor is not None else None]
         src = dist.get_global_rank(self.group, self.last_rank)
-        dist.broadcast_object_list(meta, src=src, group=self.group)
-        shape, dtype = meta[0]
+        meta = self._output_meta.get(key) if key is not None else None
+        if meta is None:
+            box: list[Any] = [(tuple(tensor.shape), tensor.dtype) if tensor is not None else None]
+            dist.broadcast_object_list(box, src=src, group=self.group, device=self.device)
+            meta = box[0]
+            if key is not None:
+                self._output_meta[key] = meta
+        shape, dtype = meta
         tensor = torch.empty(shape, dtype=dtype, device=self.device) if tensor is None else tensor.contiguous()
         dist.broadcast(tensor, src=src, group=self.group)
         return tensor
@@ -441,13 +553,14 @@ class PipelineRuntime:
             ``{stage: compute seconds}`` for every stage of the pipeline, and the bubble fraction:
             the mean over ranks of the share of a step's wall time the rank was not computing.
         """
+        # on the group's device (an NCCL group has no CPU backend), read back in one transfer
         mine = torch.tensor([wall, *busy], dtype=torch.float64, device=self.device)
         gathered = [torch.zeros_like(mine) for _ in range(self.group_size)]
         dist.all_gather(gathered, mine, group=self.group)
         seconds: dict[int, float] = {}
         idle = []
-        for rank, row in enumerate(gathered):
-            rank_wall, rank_busy = float(row[0]), row[1:].tolist()
+        for rank, row in enumerate(torch.stack(gathered).tolist()):
+            rank_wall, rank_busy = row[0], row[1:]
             idle.append(max(0.0, 1.0 - sum(rank_busy) / rank_wall) if rank_wall > 0 else 0.0)
             for v, stage_seconds in enumerate(rank_busy):
                 seconds[rank + v * self.group_size] = stage_seconds

@@ -8,20 +8,23 @@
   after fit, one way to reach the trainer, and one metrics window.
 - :class:`MetricsWindow`: per-step values collected between two of Lightning's logging steps
   and logged as means (or maxima, or the latest value) when Lightning writes step metrics, and
-  at the last batch of every epoch.
+  at the last batch of every epoch; tensor values stay on their device until then (no per-step
+  host synchronisation).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
 from torch._C._distributed_c10d import Backend
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn import Module
@@ -81,40 +84,54 @@ class MetricsWindow:
     """Values collected step by step and logged together at Lightning's step-logging cadence.
 
     Each ``self.log`` call costs about 0.3 ms on CPU, and on CUDA reading a value blocks the host
-    on the device, so strategies collect plain floats every step and log them only when Lightning
+    on the device, so strategies collect values every step and log them only when Lightning
     writes step metrics (:func:`should_update_logs`): means over the window for :meth:`add`,
     maxima for :meth:`peak`, the last value for :meth:`latest`.
+
+    A value is a Python number or a one-element tensor on any device. Tensors stay where they
+    are: sums and maxima are kept as float64 tensors on the value's device (float32 on MPS,
+    which has no float64), so :meth:`add` / :meth:`peak` / :meth:`latest` only enqueue work and
+    never wait for the device. :meth:`flush` reads every tensor of the window in one transfer
+    per device (a stack and one ``tolist``), the window's only host synchronisation.
     """
 
     def __init__(self) -> None:
-        self._sums: dict[str, float] = {}
+        self._sums: dict[str, float | Tensor] = {}
         self._counts: dict[str, int] = {}
-        self._peaks: dict[str, float] = {}
-        self._latest: dict[str, float] = {}
+        self._peaks: dict[str, float | Tensor] = {}
+        self._latest: dict[str, float | Tensor] = {}
 
-    def add(self, **values: float) -> None:
+    def add(self, **values: float | Tensor) -> None:
         """One sample of each value; :meth:`flush` reports their mean (per sample)."""
         for key, value in values.items():
-            self._sums[key] = self._sums.get(key, 0.0) + float(value)
+            sample = _sample(key, value)
+            total = self._sums.get(key)
+            self._sums[key] = sample if total is None else total + sample
             self._counts[key] = self._counts.get(key, 0) + 1
 
-    def peak(self, **values: float) -> None:
+    def peak(self, **values: float | Tensor) -> None:
         """Keep the largest value of each key over the window."""
         for key, value in values.items():
-            self._peaks[key] = max(self._peaks.get(key, float("-inf")), float(value))
+            sample = _sample(key, value)
+            top = self._peaks.get(key)
+            self._peaks[key] = sample if top is None else _maximum(top, sample)
 
-    def latest(self, **values: float) -> None:
+    def latest(self, **values: float | Tensor) -> None:
         """Keep the last value of each key."""
-        self._latest.update({key: float(value) for key, value in values.items()})
+        self._latest.update({key: _sample(key, value) for key, value in values.items()})
 
     def __bool__(self) -> bool:
         return bool(self._counts or self._peaks or self._latest)
 
     def flush(self) -> dict[str, float]:
-        """The window's values (means, maxima, latest), then an empty window."""
-        out = {key: total / self._counts[key] for key, total in self._sums.items()}
-        out.update(self._peaks)
-        out.update(self._latest)
+        """The window's values (means, maxima, latest) as floats, then an empty window.
+
+        Tensors are read here, all of a device's in one transfer (the only wait for the device).
+        """
+        sums, peaks, latest = _read_all(self._sums, self._peaks, self._latest)
+        out = {key: total / self._counts[key] for key, total in sums.items()}
+        out.update(peaks)
+        out.update(latest)
         self.clear()
         return out
 
@@ -139,6 +156,41 @@ class MetricsWindow:
             return False
         log_values(module, self.flush(), at_epoch_end=due == "epoch_end")
         return True
+
+
+def _sample(key: str, value: float | Tensor) -> float | Tensor:
+    """``value`` as the window keeps it: a float, or a detached 0-d tensor on its own device."""
+    if not isinstance(value, Tensor):
+        return float(value)
+    if value.numel() != 1:  # metadata only: no wait for the device
+        raise ValueError(
+            f"MetricsWindow found {key} with shape {tuple(value.shape)}: expected one value (a number or a "
+            f"one-element tensor). Fix: reduce it first, e.g. {key}=tensor.sum()."
+        )
+    dtype = torch.float32 if value.device.type == "mps" else torch.float64
+    return value.detach().reshape(()).to(dtype)
+
+
+def _maximum(a: float | Tensor, b: float | Tensor) -> float | Tensor:
+    """The larger of two samples, on the device when either is a tensor (no host read)."""
+    if isinstance(a, Tensor):
+        return torch.maximum(a, b) if isinstance(b, Tensor) else a.clamp_min(b)
+    return b.clamp_min(a) if isinstance(b, Tensor) else max(a, b)
+
+
+def _read_all(*windows: dict[str, float | Tensor]) -> list[dict[str, float]]:
+    """Each of ``windows`` as floats; all their tensors read with one device-to-host transfer per device."""
+    out: list[dict[str, float | Tensor]] = [dict(w) for w in windows]
+    by_device: dict[torch.device, list[tuple[int, str]]] = {}
+    for i, window in enumerate(windows):
+        for key, value in window.items():
+            if isinstance(value, Tensor):
+                by_device.setdefault(value.device, []).append((i, key))
+    for slots in by_device.values():
+        read = torch.stack([cast(Tensor, windows[i][key]) for i, key in slots]).tolist()
+        for (i, key), value in zip(slots, read, strict=True):
+            out[i][key] = value
+    return [{key: float(value) for key, value in window.items()} for window in out]
 
 
 def log_due(trainer: pl.Trainer | None) -> str | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import atexit
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_strategies.strategies._base import StrategyBase, divisors
 
-__all__ = ["GroupNormPrecision", "ModelParallelStrategy", "destroy_at_exit", "forget_at_exit"]
+__all__ = ["GroupNormClipping", "GroupNormPrecision", "ModelParallelStrategy", "destroy_at_exit", "forget_at_exit"]
 
 _GROUPS_AT_EXIT: list[dist.ProcessGroup] = []
 
@@ -133,13 +133,16 @@ class ModelParallelStrategy(StrategyBase):
             self._sync_replicas = True
 
 
-class GroupNormPrecision(Precision):
-    """32-bit precision whose clipping by norm uses the norm of the whole (split) model.
+class GroupNormClipping:
+    """Clipping by the norm of the whole (split) model, for a precision plugin (a mixin).
 
     Each rank holds only part of the model's gradients: the squared norms of the parts it alone
     holds (a pipeline stage's, a tensor-parallel shard's) are summed over ``group``, those every
     rank of the group holds alike (replicated parameters) count once. Every rank of the group
     takes part in the all-reduce, with or without gradients, so the collective always pairs up.
+    The norm is accumulated in float64 on the gradients' device (the group's backend needs it
+    there: an NCCL group has no CPU backend); reading it for the clip coefficient is the one
+    host synchronisation, and only when clipping is on.
 
     Args:
         group: returns the model-parallel process group (``None`` before it exists).
@@ -152,25 +155,26 @@ class GroupNormPrecision(Precision):
         self,
         group: Callable[[], dist.ProcessGroup | None],
         device: Callable[[], torch.device],
-        *,
+        *args: Any,
         is_split: Callable[[Tensor], bool] = lambda g: True,
         local: Callable[[Tensor], Tensor] = lambda g: g,
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
+        super().__init__(*args, **kwargs)
         self._group = group
         self._device = device
         self._is_split = is_split
         self._local = local
 
-    @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
+        """Scale this rank's gradients by ``min(1, clip_val / (norm + 1e-6))``, the norm of the whole model's."""
+        grads = [p.grad for p in Precision.main_params(cast(Precision, self), optimizer) if p.grad is not None]
         parts = [self._local(g) for g in grads]
-        device = parts[0].device if parts else self._device()
+        device = self._device()
         split = torch.zeros((), dtype=torch.float64, device=device)
         shared = torch.zeros((), dtype=torch.float64, device=device)
         for g, part in zip(grads, parts, strict=True):
-            squares = part.detach().double().pow(2).sum()
+            squares = part.detach().double().pow(2).sum().to(device)
             if self._is_split(g):
                 split += squares
             else:
@@ -183,3 +187,8 @@ class GroupNormPrecision(Precision):
         coef = min(1.0, float(clip_val) / (total + 1e-6))
         if coef < 1.0 and parts:
             torch._foreach_mul_(parts, coef)
+
+
+class GroupNormPrecision(GroupNormClipping, Precision):
+    """32-bit precision whose clipping by norm uses the norm of the whole (split) model
+    (:class:`GroupNormClipping`; the arguments are its)."""

@@ -1,6 +1,8 @@
-"""The Lightning plugins :class:`~lightning_strategies.strategies.pipeline.PipelineStrategy` installs
-besides :class:`~lightning_strategies.strategies._model_parallel.GroupNormPrecision`.
+"""The Lightning plugins :class:`~lightning_strategies.strategies.pipeline.PipelineStrategy` installs.
 
+- :class:`~lightning_strategies.strategies._model_parallel.GroupNormPrecision` (``32-true``) and
+  :class:`PipelineMixedPrecision` (``bf16-mixed``, ``16-mixed``): clipping by the norm of the
+  whole pipeline; under ``16-mixed`` one overflow verdict for every stage and replica.
 - :class:`StageSyncBatchNorm`: ``Trainer(sync_batchnorm=True)`` with batch-norm statistics synced
   over the replicas of a stage (its data-parallel group), not over the world.
 """
@@ -8,13 +10,99 @@ besides :class:`~lightning_strategies.strategies._model_parallel.GroupNormPrecis
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Literal
 
+import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
+from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
-__all__ = ["StageSyncBatchNorm", "convert_sync_batchnorm"]
+from lightning_strategies.comm.amp import agree_found_inf, ensure_scale
+from lightning_strategies.strategies._model_parallel import GroupNormClipping
+
+__all__ = ["PipelineMixedPrecision", "StageSyncBatchNorm", "convert_sync_batchnorm"]
+
+
+class PipelineMixedPrecision(GroupNormClipping, MixedPrecision):
+    """``bf16-mixed`` / ``16-mixed`` for a pipeline: autocast in the stages, one loss scale for all ranks.
+
+    The strategy runs each stage's forward chunks and the loss under :meth:`forward_context`
+    (autocast), and its backward chunks outside it, as Lightning runs a single device's
+    ``training_step`` and ``backward``. Under ``16-mixed`` the last stage multiplies its loss by
+    the scaler's scale, so every stage's gradients carry it; each rank's ``unscale_`` then sees
+    only its own stages' gradients, and :func:`~lightning_strategies.comm.amp.agree_found_inf`
+    makes the overflow verdict the maximum over the world (every stage, every replica): an inf
+    or nan on any rank skips the step on all of them, and every rank's scale is halved (or grown)
+    alike, so the next step scales every stage's gradients by the same factor.
+
+    Clipping by norm is :class:`~lightning_strategies.strategies._model_parallel.GroupNormClipping`'s,
+    after the gradients are unscaled (as Lightning's ``MixedPrecision``).
+
+    Args:
+        precision: ``"bf16-mixed"`` or ``"16-mixed"``.
+        device: the autocast device type (``"cuda"``, ``"cpu"``).
+        scaler: the gradient scaler (``16-mixed``; ``None`` makes torch's default one).
+        group: the pipeline's process group, for the clipping norm.
+        root_device: returns this rank's device (the all-reduced norm and overflow flag live there).
+    """
+
+    def __init__(
+        self,
+        precision: Literal["16-mixed", "bf16-mixed"],
+        device: str,
+        scaler: torch.amp.GradScaler | None,
+        *,
+        group: Callable[[], dist.ProcessGroup | None],
+        root_device: Callable[[], torch.device],
+    ) -> None:
+        super().__init__(group, root_device, precision, device, scaler)
+
+    def check_optimizer(self, optimizer: Optimizer) -> None:
+        """Refuse, under ``16-mixed``, an optimizer that unscales inside its own ``step`` (fused ones):
+        the overflow verdict could not be agreed before it steps."""
+        if self.scaler is not None and _optimizer_handles_unscaling(optimizer):
+            raise ValueError(
+                f"PipelineStrategy found {type(optimizer).__name__} with a fused step under precision='16-mixed': "
+                "expected an optimizer that the gradient scaler unscales before its step, since every stage "
+                "must agree on skipping an overflowing step first. Fix: pass fused=False, or use "
+                "precision='bf16-mixed' (no loss scaling)."
+            )
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Optimizer,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        # MixedPrecision.optimizer_step with the verdict agreed between unscale_ and step.
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        if isinstance(optimizer, LBFGS):
+            raise ValueError(
+                "PipelineStrategy found LBFGS under precision='16-mixed': expected another optimizer, since AMP "
+                "and LBFGS are not compatible. Fix: use precision='bf16-mixed' or another optimizer."
+            )
+        self.check_optimizer(optimizer)
+        closure_result = closure()
+        skip_unscaling = closure_result is None and model.automatic_optimization
+        if skip_unscaling:  # every rank skips alike: the closure result is the step's, known everywhere
+            self._after_closure(model, optimizer)
+            return closure_result
+        device = self._device()
+        ensure_scale(self.scaler, device)
+        self.scaler.unscale_(optimizer)
+        agree_found_inf(self.scaler, optimizer, device)
+        self._after_closure(model, optimizer)
+        step_output = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return step_output
 
 
 def convert_sync_batchnorm(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
@@ -25,10 +113,10 @@ def convert_sync_batchnorm(model: nn.Module, group: dist.ProcessGroup) -> nn.Mod
 class StageSyncBatchNorm(TorchSyncBatchNorm):
     """``sync_batchnorm=True`` for a pipeline: batch norm synced across the replicas of a stage.
 
-    Every rank holds the whole model but runs only its stages' blocks, so a layer's statistics can
-    only be reduced among the ranks that run it: the stage's data-parallel group. Lightning applies
-    this plugin at the start of fit and reverts it (to plain batch norm) at its end, as it does
-    its own :class:`~lightning.pytorch.plugins.TorchSyncBatchNorm`.
+    Each rank runs only its stages' blocks, so a layer's statistics can only be reduced among
+    the ranks that run it: the stage's data-parallel group. Lightning applies this plugin at the
+    start of fit and reverts it (to plain batch norm) at its end, as it does its own
+    :class:`~lightning.pytorch.plugins.TorchSyncBatchNorm`.
 
     Args:
         group: returns the data-parallel group of this rank's stages.

@@ -15,7 +15,8 @@ changed relative to ``"ps"`` are:
   per rank (``max_steps``, batch-based validation).
 - ``process_dataloader``: replace the training loader's sampler by a :class:`DynamicBatchSampler`
   that reads the lease (Lightning's ``DistributedSampler``, if it injected one, is dropped;
-  validation and test loaders keep it).
+  validation and test loaders keep it); a :class:`~lightning_strategies.DevicePrefetcher` keeps wrapping
+  the new loader.
 - ``training_step``: note which leased batch the step trains (its push acks it) and the
   staleness gap; pull first when the bound held the lease back.
 - ``setup_optimizers``: give ``Trainer.estimated_stepping_batches`` the mean batches per worker
@@ -62,6 +63,7 @@ from lightning_strategies.comm.lease import DEFAULT_LEASE, BatchLease, report_fa
 from lightning_strategies.comm.ps import OptimizerSpec, Slice, broadcast_from_rank0
 from lightning_strategies.comm.rpc import register_coordinator, unregister_coordinator
 from lightning_strategies.comm.stats import CommStats
+from lightning_strategies.data import DevicePrefetcher
 from lightning_strategies.strategies._base import is_last_batch
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 
@@ -178,6 +180,9 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     # validation and checkpoints (_pull_latest): ranks take different numbers of steps, so a
     # per-step collective would pair the steps of different ranks.
     broadcast_buffers_each_step: ClassVar[bool] = False
+    # Under 16-mixed a worker whose gradients overflow skips its own push and lowers its own
+    # scale (lightning_strategies.comm.amp); a per-step collective would pair different steps.
+    agree_on_overflow: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -352,13 +357,21 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         if trainer is None or trainer.state.fn != TrainerFn.FITTING or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         name = type(self).__name__
+        if isinstance(dataloader, DevicePrefetcher):
+            # the copy ahead wraps the loader rebuilt below; on CUDA it takes each batch one step
+            # before Lightning does: one more batch drawn ahead of the step (the bound is checked at
+            # the step, so nothing else changes)
+            inner = self.process_dataloader(dataloader.loader)
+            if dataloader.active and self._lease is not None:
+                self._lease.prefetch += 1
+            return DevicePrefetcher(inner, dataloader.device, non_blocking=dataloader.non_blocking)  # type: ignore[arg-type]
         if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
             raise TypeError(
                 f"{name} found a training loader of type {type(dataloader).__qualname__}"
                 f"{' over an IterableDataset' if isinstance(dataloader, DataLoader) else ''}: expected a "
                 "torch DataLoader over a map-style dataset, because workers draw batch indices from a shared "
                 "queue. Fix: return a DataLoader(dataset, batch_size=..., shuffle=...) from train_dataloader() "
-                "(and no device-prefetch wrapper)."
+                "(optionally in a DevicePrefetcher)."
             )
         plan = _plan_of(dataloader)
         if plan.num_batches < self.world_size:

@@ -15,8 +15,9 @@ The hooks changed (everything else, launching included, is ``DDPStrategy``'s):
 - ``_configure_launcher`` / ``setup_environment`` (``ModelParallelStrategy``'s, with the
   schedule's checks added): the options checked against the world size before any process
   starts; the ``("dp", "pp")`` mesh.
-- ``setup``: the clipping plugin (global norm); with ``Trainer(sync_batchnorm=True)``, batch norm
-  synced over a stage's replicas; the blocks, for every trainer function.
+- ``setup``: the precision plugin (global-norm clipping; autocast in the stages and one loss
+  scale under mixed precision); with ``Trainer(sync_batchnorm=True)``, batch norm synced over a
+  stage's replicas; the blocks, for every trainer function.
 - ``configure_ddp``: no DDP wrapper (each stage's replicas average its gradients in ``backward``);
   rank 0's weights everywhere.
 - ``training_step``: the schedule's ``step()`` (forward + backward of every micro-batch, one
@@ -41,15 +42,15 @@ The hooks changed (everything else, launching included, is ``DDPStrategy``'s):
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
-from typing import Any, cast
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext, suppress
+from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import _sync_module_states
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
@@ -68,7 +69,7 @@ from lightning_strategies.comm.pipeline import (
 from lightning_strategies.pipeline_protocol import check_pipeline_module
 from lightning_strategies.strategies._base import log_due, log_values, unwrap_optimizer
 from lightning_strategies.strategies._model_parallel import GroupNormPrecision, ModelParallelStrategy
-from lightning_strategies.strategies._pipeline_plugins import StageSyncBatchNorm
+from lightning_strategies.strategies._pipeline_plugins import PipelineMixedPrecision, StageSyncBatchNorm
 
 __all__ = ["BALANCES", "PipelineStrategy"]
 
@@ -103,15 +104,22 @@ class PipelineStrategy(ModelParallelStrategy):
 
     Logged every step that Lightning logs: ``pipeline/bubble_fraction`` (mean over stages of
     the share of a step's wall time a stage was not computing) and ``pipeline/stage_seconds/<k>``
-    (compute seconds of stage ``k`` per step).
+    (compute seconds of stage ``k`` per step), means over the steps since the last log. On CUDA
+    every chunk and step is timed with CUDA events on the compute stream, read once per logging
+    step (no host synchronisation per chunk or step); on CPU with the host clock.
+
+    Precision: ``32-true``, ``bf16-mixed`` and ``16-mixed``. Under mixed precision each stage's
+    forward chunks and the loss run under the plugin's autocast and the backward chunks outside
+    it, as on one device (activations cross stages in the autocast dtype). Under ``16-mixed`` the
+    last stage scales the loss, and the overflow verdict is agreed over the world after unscaling:
+    an inf or nan on any stage of any replica skips the step on every rank, and every rank's loss
+    scale moves alike (:class:`~lightning_strategies.strategies._pipeline_plugins.PipelineMixedPrecision`).
 
     On a fault: a stage that dies closes its connections, so the stages exchanging micro-batches
     with it fail at once, and the others at their next transfer or collective; a hung stage
     fails them after ``timeout``. The survivors' errors name the lost rank(s) from their
     heartbeats (``"pipeline: lost peer rank 1 of 4: ..."``, :mod:`lightning_strategies.faults`; a
     :class:`~lightning_strategies.PeerLostError` when a step failed, else a note on the error).
-
-    Only 32-bit precision is supported.
 
     Args:
         schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"`` (any case). 1F1B keeps at
@@ -133,7 +141,8 @@ class PipelineStrategy(ModelParallelStrategy):
 
     Raises:
         ValueError: for an unknown schedule or balance (the valid ones listed), or a
-            non-positive count; at setup, for ``Trainer(sync_batchnorm=True)`` on CPU.
+            non-positive count; at setup, for ``Trainer(sync_batchnorm=True)`` on CPU, or a
+            precision other than ``32-true``, ``bf16-mixed``, ``16-mixed``.
         TypeError: for DDP-wrapper options (``find_unused_parameters``, ...): there is no wrapper.
     """
 
@@ -246,13 +255,7 @@ class PipelineStrategy(ModelParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        if type(self.precision_plugin) not in (Precision, GroupNormPrecision):
-            raise ValueError(
-                f"PipelineStrategy found the precision plugin {type(self.precision_plugin).__name__}: only "
-                "32-bit precision is supported (the schedule runs backward itself, outside the plugin). "
-                "Fix: use Trainer(precision='32-true')."
-            )
-        self.precision_plugin = GroupNormPrecision(lambda: self._group("pp"), lambda: self.root_device)
+        self.precision_plugin = self._pipeline_precision(self.precision_plugin)
         self._configure_sync_batchnorm()
         super().setup(trainer)  # DDP's, with configure_ddp below
         module = self.lightning_module
@@ -260,6 +263,22 @@ class PipelineStrategy(ModelParallelStrategy):
         # for every trainer function: evaluation runs the stages too
         self._blocks = self._layers(module)
         self._check_blocks(len(self._blocks))
+
+    def _pipeline_precision(self, plugin: Precision) -> Precision:
+        """The Trainer's precision as a plugin that knows the pipeline (group-norm clipping, one loss scale)."""
+        group, device = (lambda: self._group("pp")), (lambda: self.root_device)
+        if isinstance(plugin, PipelineMixedPrecision) or type(plugin) is GroupNormPrecision:
+            return plugin
+        if type(plugin) is MixedPrecision:
+            mixed = cast(Literal["16-mixed", "bf16-mixed"], plugin.precision)
+            return PipelineMixedPrecision(mixed, plugin.device, plugin.scaler, group=group, root_device=device)
+        if type(plugin) is Precision:
+            return GroupNormPrecision(group, device)
+        raise ValueError(
+            f"PipelineStrategy found the precision plugin {type(plugin).__name__}: expected 32-true, bf16-mixed or "
+            "16-mixed (the schedule runs each stage's forward under the plugin's autocast and its backward "
+            "itself). Fix: use Trainer(precision='32-true' | 'bf16-mixed' | '16-mixed')."
+        )
 
     def _configure_sync_batchnorm(self) -> None:
         # Lightning's plugin would sync every batch norm over the world; a stage's layers run on
@@ -347,10 +366,13 @@ class PipelineStrategy(ModelParallelStrategy):
         assert module is not None and self._blocks is not None and pp_group is not None
         blocks = self._blocks
         total = self.num_stages * self._stages_per_rank
+        autocast, loss_scaler = self._autocast_and_scaler()
         if isinstance(self._balance, str) and self._balance == "time":
             sample = inputs[: max(1, inputs.shape[0] // self.microbatches)]
+            with autocast() if autocast is not None else nullcontext():
+                measured = profile_blocks(blocks, sample)
             # on the device: an NCCL group has no CPU backend
-            seconds = torch.tensor(profile_blocks(blocks, sample), dtype=torch.float64, device=self.root_device)
+            seconds = torch.tensor(measured, dtype=torch.float64, device=self.root_device)
             # every rank measured; all must cut the model the same way: average the measurements
             dist.all_reduce(seconds)
             counts = partition_blocks((seconds / self.world_size).tolist(), total)
@@ -367,9 +389,19 @@ class PipelineStrategy(ModelParallelStrategy):
             loss_fn=cast(LossFn, module.pipeline_loss),
             group=pp_group,
             device=self.root_device,
+            autocast=autocast,
+            loss_scaler=loss_scaler,
         )
         self._drop_foreign_optimizer_state()
         return self._runtime
+
+    def _autocast_and_scaler(self) -> tuple[Callable[[], Any] | None, Callable[[Tensor], Tensor] | None]:
+        """The stages' autocast context and the last stage's loss scaling, from the precision plugin."""
+        plugin = self.precision_plugin
+        if not isinstance(plugin, MixedPrecision):
+            return None, None
+        scaler = plugin.scaler
+        return plugin.forward_context, (scaler.scale if scaler is not None else None)
 
     def _drop_foreign_optimizer_state(self) -> None:
         # A restored optimizer state covers the whole model; keep only this rank's stages' part.
@@ -400,7 +432,7 @@ class PipelineStrategy(ModelParallelStrategy):
 
     def _last_stage_outputs(self, inputs: Tensor) -> Tensor:
         runtime = self._ensure_runtime(inputs)
-        return runtime.broadcast_from_last(runtime.forward(inputs))
+        return runtime.broadcast_from_last(runtime.forward(inputs), key=("eval", *inputs.shape, inputs.dtype))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -432,11 +464,7 @@ class PipelineStrategy(ModelParallelStrategy):
             finally:
                 for p, g in zip(params, earlier, strict=True):
                     p.grad = g
-            outputs = runtime.broadcast_from_last(runtime.last_outputs)
-        # this rank's own timings, per training step; gathered over the pipeline when logged
-        busy = {f"busy_seconds/{v}": seconds for v, seconds in enumerate(runtime.stage_seconds())}
-        self.metrics.add(step_seconds=runtime.last_step_seconds, **busy)
-        runtime.reset_timers()
+            outputs = runtime.broadcast_from_last(runtime.last_outputs, key=("train", *inputs.shape, inputs.dtype))
         with self.precision_plugin.train_step_context(), _forward_returns(module, outputs):
             return module.training_step(*args, **kwargs)
 
@@ -477,13 +505,15 @@ class PipelineStrategy(ModelParallelStrategy):
     def _after_optimizer_step(self) -> None:
         # Per-step means over the steps since the last log. Every rank agrees on whether they are
         # due (the global step, the batches every stage sees), so the all-gather pairs up.
+        # The runtime's timers (CUDA events on a GPU) are read here only, once per logging step.
         runtime = self._runtime
         due = log_due(self.trainer)
-        if runtime is None or not self.metrics or due is None:
+        if runtime is None or due is None:
             return
-        window = self.metrics.flush()
-        busy = [window[f"busy_seconds/{v}"] for v in range(len(runtime.train_stages))]
-        stage_seconds, bubble_fraction = runtime.gather_timings(window["step_seconds"], busy)
+        steps, wall, busy = runtime.read_timings()
+        if steps == 0:
+            return
+        stage_seconds, bubble_fraction = runtime.gather_timings(wall / steps, [b / steps for b in busy])
         metrics = {f"pipeline/stage_seconds/{stage}": seconds for stage, seconds in stage_seconds.items()}
         metrics["pipeline/bubble_fraction"] = bubble_fraction
         module = self.lightning_module

@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_strategies.comm.heartbeat import failure_reason
 from lightning_strategies.comm.ps import OptimizerSpec, ParameterServerClient, ParameterShard, shard_parameters
-from lightning_strategies.comm.rpc import free_port, init_rpc, register_shard, shutdown_rpc, unregister_shard
+from lightning_strategies.comm.rpc import init_rpc, register_shard, rendezvous_store, shutdown_rpc, unregister_shard
 from tests.dist_utils import run_workers
 
 pytestmark = pytest.mark.slow
@@ -30,10 +31,11 @@ def _grad(rank: int, step: int, i: int, like: torch.Tensor) -> torch.Tensor:
     return torch.randn(like.shape, generator=torch.Generator().manual_seed(100 * rank + 10 * step + i))
 
 
-def _train(rank: int, world: int, port: int, num_servers: int, steps: int, die_at: int | None, timeout_s: float) -> Any:
+def _train(rank: int, world: int, num_servers: int, steps: int, die_at: int | None, timeout_s: float) -> Any:
     timeout = timedelta(seconds=timeout_s)
-    init_rpc(rank, world, f"tcp://127.0.0.1:{port}", timeout=timeout, num_threads=2)
-    failed = False
+    # RPC meets in a store rank 0 binds on a kernel-picked port, shared over the gloo group
+    init_rpc(rank, world, rendezvous_store(rank, world, "127.0.0.1", timeout=timeout), timeout=timeout, num_threads=2)
+    failure: str | None = None
     try:
         params = _params()
         opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
@@ -52,22 +54,24 @@ def _train(rank: int, world: int, port: int, num_servers: int, steps: int, die_a
                 p.grad = _grad(rank, step, i, p)
             try:
                 client.push_pull([0.1])
-            except RuntimeError:
-                failed = True  # peers are gone: shut down locally, then let run_workers see it
+            except RuntimeError as err:
+                # peers are gone: drop the shard with the reason (as the strategy's on_exception
+                # does), shut down locally, then let run_workers see it
+                failure = failure_reason(err)
                 raise
         dist.barrier()
         # numpy, not tensors: a tensor in the result queue is shared by file descriptor, which
         # dies with this process before the parent reads it
         return {"params": [p.detach().numpy().copy() for p in params], "stats": client.stats}
     finally:
-        unregister_shard(rank)
-        shutdown_rpc(failed=failed, timeout=timeout)
+        unregister_shard(rank, reason=failure)
+        shutdown_rpc(failed=failure is not None, timeout=timeout)
 
 
 @pytest.mark.parametrize(("world", "num_servers"), [(2, 2), (3, 1), (3, 3)])
 def test_rpc_push_pull_equals_single_device_sgd(world: int, num_servers: int) -> None:
     steps = 4
-    out = run_workers(_train, world, free_port(), num_servers, steps, None, 30.0, timeout=90)
+    out = run_workers(_train, world, num_servers, steps, None, 30.0, timeout=90)
     params = _params()
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     for step in range(steps):
@@ -85,7 +89,8 @@ def test_rpc_push_pull_equals_single_device_sgd(world: int, num_servers: int) ->
 @pytest.mark.parametrize(
     ("num_servers", "expected"),
     [
-        # rank 1 hosts shard 1: the push to it fails as soon as its connection drops
+        # rank 1 hosts shard 1: the push to it fails as soon as its connection drops; a survivor
+        # whose push to shard 0 arrives after rank 0 failed gets rank 0's reason, naming shard 1 too
         (2, r"parameter server shard 1 \(hosted by rank 1"),
         # rank 1 is only a worker: shard 0's barrier times out naming the missing worker
         (1, r"from worker\(s\) \[1\]"),
@@ -95,7 +100,7 @@ def test_dead_worker_fails_the_others_within_the_timeout(num_servers: int, expec
     timeout_s = 4.0
     start = time.monotonic()
     with pytest.raises(RuntimeError) as info:
-        run_workers(_train, 3, free_port(), num_servers, 5, 2, timeout_s, timeout=60, pg_timeout_s=20)
+        run_workers(_train, 3, num_servers, 5, 2, timeout_s, timeout=60, pg_timeout_s=20)
     # the barrier timeout plus start-up and a non-graceful shutdown, far below run_workers' 60 s
     assert time.monotonic() - start < 30
     message = str(info.value)

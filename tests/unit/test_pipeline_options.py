@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning_utils import TinyRegressor, regression_data
+from lightning_utils import TinyRegressor, one_process_group_cleanup, regression_data
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -157,3 +157,13 @@ def test_profile_blocks_times_each_block_and_leaves_no_trace() -> None:
     assert all(p.grad is None for p in blocks.parameters())
     for a, b in zip(before, blocks.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_other_precisions_are_refused_with_the_supported_ones() -> None:
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=PipelineStrategy(), precision="bf16-true", max_steps=1,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    refused = r"found the precision plugin HalfPrecision: expected 32-true, bf16-mixed or 16-mixed.*Fix"
+    with one_process_group_cleanup(), pytest.raises(ValueError, match=refused):
+        trainer.fit(PipeRegressor(), DataLoader(regression_data(), batch_size=8))

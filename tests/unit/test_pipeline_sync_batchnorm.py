@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from lightning_utils import TinyRegressor, regression_data
+from lightning_utils import TinyRegressor, one_process_group_cleanup, regression_data
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -75,10 +75,6 @@ def test_sync_batchnorm_on_cpu_is_refused_at_setup_with_the_fix() -> None:
         enable_model_summary=False,
         enable_checkpointing=False,
     )
-    initialized = dist.is_initialized()
-    try:
-        with pytest.raises(ValueError, match=r"found Trainer\(sync_batchnorm=True\) on CPU: expected CUDA.*Fix: drop"):
-            trainer.fit(PipeBatchNormRegressor(), DataLoader(regression_data(), batch_size=8))
-    finally:
-        if dist.is_initialized() and not initialized:
-            dist.destroy_process_group()  # the fit's one-process group: later tests start without one
+    refused = r"found Trainer\(sync_batchnorm=True\) on CPU: expected CUDA.*Fix: drop"
+    with one_process_group_cleanup(), pytest.raises(ValueError, match=refused):
+        trainer.fit(PipeBatchNormRegressor(), DataLoader(regression_data(), batch_size=8))

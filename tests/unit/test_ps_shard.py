@@ -28,7 +28,7 @@ from lightning_strategies.comm.ps import (
     shard_parameters,
     slice_of,
 )
-from lightning_strategies.comm.rpc import ShardError, register_shard, unregister_shard
+from lightning_strategies.comm.rpc import ShardError, hosted_shard, register_shard, unregister_shard
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 
 # ResNet-50's 161 tensor sizes, grouped: the realistic case for balance
@@ -320,6 +320,36 @@ def test_barrier_starts_one_watchdog_thread_not_one_per_step() -> None:
     unregister_shard(0)  # dropping the shard ends its watchdog
     watchdog.join(timeout=5)
     assert not watchdog.is_alive()
+
+
+def test_a_shard_dropped_after_its_host_failed_answers_with_the_reason() -> None:
+    _, plan, shards = _shards(1, 2)
+    params = _model_params()
+    grads = [torch.ones_like(params[i]) for i in plan[0]]
+    waiting = shards[0].push(0, 0, grads, [0.1, 0.1])  # worker 1 never pushes: the barrier stays open
+    assert not waiting.done()
+    register_shard(shards[0])
+    reason = "RuntimeError: worker 0: parameter server shard 1 (hosted by rank 1) failed at step 0"
+    unregister_shard(0, reason=reason)
+    # the waiting worker is answered at once (not at the barrier's timeout), with the root cause
+    error = waiting.wait()
+    assert isinstance(error, ShardError) and not error.timed_out
+    assert error.message == f"parameter server shard 0 stopped because its host failed: {reason}"
+    # a push that reaches the host after the drop gets the same reason, not "plans disagree"
+    with pytest.raises(RuntimeError, match=re.escape(error.message)):
+        hosted_shard(0)
+    register_shard(shards[0])  # a later fit in the process hosts the id again
+    assert hosted_shard(0) is shards[0]
+    unregister_shard(0)
+
+
+def test_a_clean_drop_leaves_pending_pushes_pending() -> None:
+    _, plan, shards = _shards(1, 2)
+    params = _model_params()
+    waiting = shards[0].push(0, 0, [torch.ones_like(params[i]) for i in plan[0]], [0.1, 0.1])
+    register_shard(shards[0])
+    unregister_shard(0)
+    assert not waiting.done()
 
 
 def test_out_of_step_push_is_refused() -> None:

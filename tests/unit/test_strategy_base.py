@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 
 from lightning_strategies import (
@@ -39,6 +41,58 @@ def test_metrics_window_means_peaks_and_latest() -> None:
         "clock": 4.0,
     }
     assert not window and window.flush() == {}
+
+
+def _fill(window: MetricsWindow, wrap: Callable[[float], Any]) -> None:
+    """The same samples as test_metrics_window_means_peaks_and_latest, each passed through ``wrap``."""
+    for step in range(1, 5):
+        window.add(bytes=wrap(100.0 * step), seconds=wrap(0.5))
+        window.peak(server_max=wrap(step % 3))
+        window.latest(clock=wrap(step))
+    window.add(staleness=wrap(2.0), seconds=0.5)  # a float into a tensor sum, and the reverse below
+    window.add(staleness=4.0)
+    window.peak(server_max=1.5)
+
+
+def test_metrics_window_takes_tensors_with_the_float_paths_values() -> None:
+    floats, tensors = MetricsWindow(), MetricsWindow()
+    _fill(floats, float)
+    _fill(tensors, lambda v: torch.tensor(v, dtype=torch.float32))  # float32 in, float64 sums inside
+    want = floats.flush()
+    got = tensors.flush()
+    assert list(got) == list(want)  # same keys, same order
+    # float32 holds every sample exactly (multiples of 0.5 below 2**24) and the sums are float64:
+    # the same numbers as Python floats, not merely close
+    assert got == want
+    assert all(type(v) is float for v in got.values())
+    assert not tensors
+
+
+def test_metrics_window_reads_the_device_only_at_flush(monkeypatch: pytest.MonkeyPatch) -> None:
+    reads: list[str] = []
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "numpy", "cpu"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self: torch.Tensor, *args: Any, _name: str = name, _f: Any = original) -> Any:
+            reads.append(_name)
+            return _f(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    window = MetricsWindow()
+    for _ in range(3):  # several windows: each costs exactly one read, whatever its length
+        _fill(window, lambda v: torch.tensor(v))
+        assert reads == []  # add / peak / latest never read a tensor (on CUDA: never wait)
+        window.flush()
+        assert reads == ["tolist"]  # one stacked transfer for sums, maxima and latest together
+        reads.clear()
+
+
+def test_metrics_window_refuses_a_tensor_of_several_values() -> None:
+    with pytest.raises(ValueError, match=r"found loss with shape \(2,\): expected one value.*Fix: reduce"):
+        MetricsWindow().add(loss=torch.ones(2))
+    window = MetricsWindow()
+    window.add(loss=torch.ones(1, 1, requires_grad=True))  # one element of any shape, detached
+    assert window.flush() == {"loss": 1.0}
 
 
 def test_every_strategy_shares_the_base() -> None:
