@@ -34,8 +34,23 @@ On one machine every byte costs the same two memory copies whichever rank sends 
 naive reduce moves as many bytes in total as the ring (2(P-1) x N) and is not slower here;
 the ring's advantage is per-link bandwidth, which appears across machines (or NICs).
 
+The hierarchical ring, at P = 4 seen as 2 nodes x 2 processes (a ``NodeLayout`` over the same
+processes: ranks 0-1 and 2-3; the bytes are the algorithms' own accounting, the same on any
+machine, the times only what loopback says):
+
+    hier_inter_node_bytes_over_flat     the busiest process's bytes sent to the other node, hierarchical
+                                        / flat ring (the flat ring's node-crossing links carry
+                                        2(P-1)/P x N x 4 each, the hierarchical ring's
+                                        2(N-1)/N x N/L x 4): 1/3 at 2 x 2        goal <= 0.55
+    hier_inter_node_bytes_over_formula  that hierarchical count / (2(N-1)/N x N/L x 4)  goal 1.000
+    hier_node_egress_over_flat          bytes leaving a node, all its processes summed, hierarchical
+                                        / flat: 2/3 at 2 x 2 (a flat ring in node order already
+                                        sends one stream out of each node; the hierarchical one
+                                        splits it over L links and 2(N-1) instead of 2(NL-1) steps)
+    ring_hier_over_gloo_P4_N{N}         its time / gloo's (loopback: every link is the same memory copy)
+
     python benchmarks/allreduce.py            # P = 2, 3, 4; N = 1M, 25.6M float32 (~2-3 min)
-    python benchmarks/allreduce.py --quick    # P = 2, N = 64K, 3 repetitions (seconds, for CI)
+    python benchmarks/allreduce.py --quick    # P = 2 and 4, N = 64K, 3 repetitions (seconds, for CI)
 """
 
 from __future__ import annotations
@@ -55,9 +70,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import header, line, load_line, median
 from benchmarks._workers import run_workers
 from lightning_strategies.comm import ring_all_reduce
-from lightning_strategies.comm.ring import _SEGMENT_BYTES, _WINDOW, _WIRE_SEGMENT_BYTES
+from lightning_strategies.comm.ring import (
+    _SEGMENT_BYTES,
+    _WINDOW,
+    _WIRE_SEGMENT_BYTES,
+    NodeLayout,
+    hierarchical_all_reduce,
+    new_hierarchical_groups,
+)
 
 METHODS = ("gloo", "ring", "ring_bf16", "ps", "xfer", "xfer_bf16", "bf16_casts")
+HIER_NODES, HIER_LOCAL = 2, 2  # the hierarchical ring runs where P = 4, as 2 nodes x 2
 
 
 def _ps_all_reduce(t: torch.Tensor, scratch: list[torch.Tensor]) -> None:
@@ -135,8 +158,12 @@ def _bf16_casts(y: torch.Tensor, world: int, shadow: torch.Tensor, slot: torch.T
             y[a:b].copy_(slot[: b - a])
 
 
-def _measure(n: int, reps: int, warmup: int) -> dict[str, Any]:
-    """Median wall time of each method on N float32 elements, interleaved, on this rank."""
+def _measure(n: int, reps: int, warmup: int, hier: tuple[NodeLayout, Any, Any] | None) -> dict[str, Any]:
+    """Median wall time of each method on N float32 elements, interleaved, on this rank.
+
+    With ``hier`` (layout, intra-node group, inter-node group) the hierarchical ring runs too and
+    the flat ring splits its bytes by node on the same layout.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
     y = torch.empty_like(x)
@@ -149,8 +176,19 @@ def _measure(n: int, reps: int, warmup: int) -> dict[str, Any]:
     wire_slots = list(torch.empty((_WINDOW + 1) * wire_seg, dtype=torch.bfloat16).split(wire_seg))
     shadow, up = torch.empty(n, dtype=torch.bfloat16), torch.empty(wire_seg)
 
+    inter: dict[str, list[int]] = {"ring": [], "ring_hier": []}
+
     def ring() -> None:
-        bytes_sent.append(ring_all_reduce(y, check_peers=False).bytes_sent)
+        stats = ring_all_reduce(y, check_peers=False, layout=hier[0] if hier else None)
+        bytes_sent.append(stats.bytes_sent)
+        if stats.inter_node_bytes_sent is not None:
+            inter["ring"].append(stats.inter_node_bytes_sent)
+
+    def ring_hier() -> None:
+        assert hier is not None
+        stats = hierarchical_all_reduce(y, hier[1], hier[2], check_peers=False)
+        assert stats.inter_node_bytes_sent is not None
+        inter["ring_hier"].append(stats.inter_node_bytes_sent)
 
     def ring_bf16() -> None:
         ring_all_reduce(y, wire_dtype=torch.bfloat16, check_peers=False)
@@ -163,11 +201,13 @@ def _measure(n: int, reps: int, warmup: int) -> dict[str, Any]:
         "xfer": lambda: _transfer(fp32_buf, fp32_slots, fp32_seg, 2 * (world - 1)),
         "xfer_bf16": lambda: _transfer(wire_buf, wire_slots, wire_seg, 2 * (world - 1)),
         "bf16_casts": lambda: _bf16_casts(y, world, shadow, wire_slots[0], up),
+        "ring_hier": ring_hier,
     }
-    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    methods = (*METHODS, "ring_hier") if hier else METHODS
+    times: dict[str, list[float]] = {m: [] for m in methods}
     for rep in range(warmup + reps):
         # Rotate the order so no method always runs right after the same other one.
-        for name in METHODS[rep % len(METHODS) :] + METHODS[: rep % len(METHODS)]:
+        for name in methods[rep % len(methods) :] + methods[: rep % len(methods)]:
             y.copy_(x)
             dist.barrier()
             start = time.perf_counter()
@@ -181,12 +221,27 @@ def _measure(n: int, reps: int, warmup: int) -> dict[str, Any]:
     dist.all_reduce(sent, op=dist.ReduceOp.MAX)
     # Ratios per repetition (the methods ran seconds apart), then the median: load that drifts
     # over the run cancels out better than in a ratio of medians.
-    ratios = {m: median([t / g for t, g in zip(times[m], times["gloo"], strict=True)]) for m in METHODS}
-    return {"ms": {m: 1000 * median(v) for m, v in times.items()}, "ratio": ratios, "bytes_sent": int(sent)}
+    ratios = {m: median([t / g for t, g in zip(times[m], times["gloo"], strict=True)]) for m in methods}
+    out = {"ms": {m: 1000 * median(v) for m, v in times.items()}, "ratio": ratios, "bytes_sent": int(sent)}
+    if hier:
+        # this process's node-crossing bytes per call (the same every call); the busiest process,
+        # and every node's total (its processes summed: what leaves the node)
+        mine = torch.tensor([max(inter["ring"]), max(inter["ring_hier"])], dtype=torch.int64)
+        rows = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(rows, mine)
+        flat_per_rank, hier_per_rank = zip(*(r.tolist() for r in rows), strict=True)
+        per_node = [[sum(v[r] for r in ranks) for ranks in hier[0].nodes] for v in (flat_per_rank, hier_per_rank)]
+        out["inter"] = {"flat_max": max(flat_per_rank), "hier_max": max(hier_per_rank),
+                        "flat_node_max": max(per_node[0]), "hier_node_max": max(per_node[1])}  # fmt: skip
+    return out
 
 
 def _bench_worker(rank: int, world: int, sizes: Sequence[int], reps: int, warmup: int) -> Any:
-    return {n: _measure(n, reps, warmup) for n in sizes}
+    hier = None
+    if world == HIER_NODES * HIER_LOCAL:
+        layout = NodeLayout.contiguous(HIER_NODES, HIER_LOCAL)
+        hier = (layout, *new_hierarchical_groups(layout, backend="gloo"))
+    return {n: _measure(n, reps, warmup, hier) for n in sizes}
 
 
 def run_world(world: int, sizes: Sequence[int], reps: int, warmup: int, timeout: float) -> dict[int, Any]:
@@ -200,7 +255,7 @@ def _label(n: int) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="P=2, N=64K, 3 repetitions (CI smoke run)")
+    parser.add_argument("--quick", action="store_true", help="P=2 and 4, N=64K, 3 repetitions (CI smoke run)")
     parser.add_argument("--procs", type=int, nargs="+", default=[2, 3, 4], help="world sizes P")
     parser.add_argument("--sizes", type=float, nargs="+", default=[1e6, 25.6e6], help="float32 elements N")
     parser.add_argument("--reps", type=int, default=15, help="timed repetitions per method (median)")
@@ -208,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per world size")
     args = parser.parse_args(argv)
     if args.quick:
-        args.procs, args.sizes, args.reps, args.warmup = [2], [65536], 3, 1
+        args.procs, args.sizes, args.reps, args.warmup = [2, 4], [65536], 3, 1
     sizes = [int(s) for s in args.sizes]
     print(header("ring all-reduce vs gloo all_reduce vs naive PS (CPU, gloo, 1 thread/process)"), flush=True)
     print(load_line("start"), flush=True)
@@ -225,8 +280,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             line(f"xfer_bf16_over_gloo_{tag}", ratio["xfer_bf16"], "x")
             line(f"bf16_casts_over_gloo_{tag}", ratio["bf16_casts"], "x")
             line(f"bytes_over_formula_{tag}", results[n]["bytes_sent"] / formula, "x")
-            for m in METHODS:
+            if "ring_hier" in ratio:
+                line(f"ring_hier_over_gloo_{tag}", ratio["ring_hier"], "x")
+            for m in ms:
                 line(f"{m}_ms_{tag}", ms[m], "ms")
+        if world == HIER_NODES * HIER_LOCAL:
+            n = max(sizes)  # byte counts, not times: the same at every N up to uneven chunking
+            inter = results[n]["inter"]
+            formula = 2 * (HIER_NODES - 1) / HIER_NODES * n / HIER_LOCAL * 4
+            line("hier_inter_node_bytes_over_flat", inter["hier_max"] / inter["flat_max"], "x")
+            line("hier_inter_node_bytes_over_formula", inter["hier_max"] / formula, "x")
+            line("hier_node_egress_over_flat", inter["hier_node_max"] / inter["flat_node_max"], "x")
     print(load_line("end"), flush=True)
     return 0
 

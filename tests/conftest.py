@@ -33,7 +33,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
+    # LS_GPU_SUITE_ON_CPU=1: run the GPU suite on the CPU, to try its machinery (tests/gpu/gpu_utils.py)
+    if torch.cuda.is_available() or os.environ.get("LS_GPU_SUITE_ON_CPU") == "1":
         return
     skip = pytest.mark.skip(reason="needs CUDA; run benchmarks/gpu_check.sh on a GPU machine")
     for item in items:

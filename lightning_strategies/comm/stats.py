@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 __all__ = ["CommStats"]
+
+# Counters that are ``None`` until an algorithm that knows the node layout counts them.
+_SPLIT = ("inter_node_bytes_sent", "inter_node_bytes_received")
 
 
 @dataclass
@@ -14,44 +17,76 @@ class CommStats:
     Counts are what *this* process put on / took off the wire (payload bytes, not protocol
     overhead), so summing ``bytes_sent`` over ranks gives the total traffic of a collective.
 
+    The node split: ``inter_node_bytes_sent`` / ``inter_node_bytes_received`` are the part of
+    ``bytes_sent`` / ``bytes_received`` exchanged with processes on *other* nodes; the rest
+    (:attr:`intra_node_bytes_sent`, :attr:`intra_node_bytes_received`) stayed inside this
+    node. They are ``None`` ("not split") unless the algorithm was told the node layout (the ring,
+    flat with a ``layout`` or hierarchical); :meth:`as_dict` then adds the four keys
+    ``inter_node_bytes_sent``, ``inter_node_bytes_received``, ``intra_node_bytes_sent`` and
+    ``intra_node_bytes_received``.
+
     Attributes:
         bytes_sent: payload bytes this process sent.
         bytes_received: payload bytes this process received.
         calls: number of communication calls (collectives, pushes, pulls) counted.
-        seconds: wall-clock seconds spent inside those calls.
+        seconds: seconds spent inside those calls (wall time; device time where the counting
+            algorithm says so, e.g. the ring's reducer on CUDA).
+        inter_node_bytes_sent: of ``bytes_sent``, those sent to another node (``None``: not split).
+        inter_node_bytes_received: of ``bytes_received``, those from another node (``None``: not split).
     """
 
     bytes_sent: int = 0
     bytes_received: int = 0
     calls: int = 0
     seconds: float = 0.0
+    inter_node_bytes_sent: int | None = None
+    inter_node_bytes_received: int | None = None
+
+    @property
+    def intra_node_bytes_sent(self) -> int | None:
+        """Of ``bytes_sent``, those that stayed inside this node (``None``: not split)."""
+        return None if self.inter_node_bytes_sent is None else self.bytes_sent - self.inter_node_bytes_sent
+
+    @property
+    def intra_node_bytes_received(self) -> int | None:
+        """Of ``bytes_received``, those from this node (``None``: not split)."""
+        if self.inter_node_bytes_received is None:
+            return None
+        return self.bytes_received - self.inter_node_bytes_received
 
     def __add__(self, other: CommStats) -> CommStats:
         if not isinstance(other, CommStats):
             return NotImplemented
-        return CommStats(
-            bytes_sent=self.bytes_sent + other.bytes_sent,
-            bytes_received=self.bytes_received + other.bytes_received,
-            calls=self.calls + other.calls,
-            seconds=self.seconds + other.seconds,
-        )
+        out = CommStats(**{f.name: getattr(self, f.name) for f in fields(self)})
+        out += other
+        return out
 
     def __iadd__(self, other: CommStats) -> CommStats:
         if not isinstance(other, CommStats):
             return NotImplemented
-        self.bytes_sent += other.bytes_sent
-        self.bytes_received += other.bytes_received
-        self.calls += other.calls
-        self.seconds += other.seconds
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine is None or theirs is None:  # a split count plus an unsplit one: keep the split part
+                setattr(self, f.name, theirs if mine is None else mine)
+            else:
+                setattr(self, f.name, mine + theirs)
         return self
 
     def reset(self) -> CommStats:
-        """Zero every counter in place and return a copy of what was counted before."""
-        before = CommStats(**asdict(self))
+        """Zero every counter in place (a split one stays split, at 0) and return a copy of what was counted."""
+        before = self + CommStats()
         for f in fields(self):
-            setattr(self, f.name, type(getattr(self, f.name))())
+            value = getattr(self, f.name)
+            setattr(self, f.name, None if value is None else type(value)())
         return before
 
     def as_dict(self, prefix: str = "comm/") -> dict[str, float]:
-        """The counters as floats keyed ``prefix + name``, ready for ``LightningModule.log_dict``."""
-        return {f"{prefix}{k}": float(v) for k, v in asdict(self).items()}
+        """The counters as floats keyed ``prefix + name``, ready for ``LightningModule.log_dict``
+        (the four node-split keys only when the counts are split)."""
+        out = {f"{prefix}{f.name}": float(getattr(self, f.name)) for f in fields(self) if f.name not in _SPLIT}
+        if self.inter_node_bytes_sent is not None and self.inter_node_bytes_received is not None:
+            out[f"{prefix}inter_node_bytes_sent"] = float(self.inter_node_bytes_sent)
+            out[f"{prefix}inter_node_bytes_received"] = float(self.inter_node_bytes_received)
+            out[f"{prefix}intra_node_bytes_sent"] = float(self.bytes_sent - self.inter_node_bytes_sent)
+            out[f"{prefix}intra_node_bytes_received"] = float(self.bytes_received - self.inter_node_bytes_received)
+        return out

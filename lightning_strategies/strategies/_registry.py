@@ -83,6 +83,13 @@ STRATEGY_ROWS: tuple[StrategyRow, ...] = (
         init_params={"wire_dtype": "bf16"},
     ),
     StrategyRow(
+        "ring_hier",
+        "lightning_strategies.strategies.ring:RingAllReduceStrategy",
+        "'ring' hierarchical on any number of nodes: reduce-scatter inside each node, a ring across nodes on "
+        "1/local_size of the gradients, all-gather inside each node ('ring' does this itself on >1 node)",
+        init_params={"hierarchical": True},
+    ),
+    StrategyRow(
         "pipeline",
         "lightning_strategies.strategies.pipeline:PipelineStrategy",
         "Pipeline model parallelism (GPipe / 1F1B / interleaved 1F1B, torch.distributed.pipelining)"

@@ -6,6 +6,11 @@ soon as backward has produced it, so communication overlaps the rest of backward
 communication hook hands it to :class:`~lightning_strategies.comm.ring.RingBucketReducer`,
 which runs :func:`~lightning_strategies.comm.ring.ring_all_reduce` on a background thread and
 a process group of its own.
+
+On several nodes (Lightning's cluster environment says so: torchrun, SLURM, ...) the ring is
+hierarchical by default: reduce-scatter inside each node, one ring per local rank across the
+nodes on its L-th of the bucket, all-gather inside each node
+(:func:`~lightning_strategies.comm.ring.hierarchical_all_reduce`).
 """
 
 # No ``from __future__ import annotations`` here: DDP compares the hook's annotations with
@@ -18,11 +23,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.nn import Module
 from torch.nn.parallel.distributed import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_strategies.comm.ring import WIRE_DTYPES, RingBucketReducer, resolve_wire_dtype
-from lightning_strategies.strategies._base import StrategyBase
+from lightning_strategies.comm.ring import (
+    MIN_CHUNK_BYTES,
+    WIRE_DTYPES,
+    NodeLayout,
+    RingBucketReducer,
+    new_hierarchical_groups,
+    resolve_wire_dtype,
+    ring_bucket_cap_mb,
+)
+from lightning_strategies.strategies._base import StrategyBase, log_due
 
 __all__ = ["RingAllReduceStrategy"]
 
@@ -34,15 +49,25 @@ _DDP_HOOK_OPTIONS = ("ddp_comm_hook", "ddp_comm_wrapper", "ddp_comm_state", "mod
 class RingAllReduceStrategy(StrategyBase):
     """Data-parallel training whose gradients are averaged by a ring all-reduce.
 
-    Registered as ``"ring"`` (and ``"ring_bf16"`` = ``wire_dtype="bf16"``) on
-    ``import lightning_strategies``. Launching, multi-node cluster environments
-    (torchrun, SLURM, ...), ``no_sync`` gradient accumulation and checkpointing are DDP's.
+    Registered as ``"ring"`` (and ``"ring_bf16"`` = ``wire_dtype="bf16"``, ``"ring_hier"`` =
+    ``hierarchical=True``) on ``import lightning_strategies``. Launching, multi-node cluster
+    environments (torchrun, SLURM, ...), ``no_sync`` gradient accumulation and checkpointing are
+    DDP's.
+
+    Nodes: at setup every rank tells the others its node rank and local rank as Lightning's
+    cluster environment reports them (:class:`~lightning_strategies.comm.ring.NodeLayout`), so
+    node membership is the launcher's, not guessed from host names. With more than one node and
+    more than one process per node the ring is hierarchical unless ``hierarchical=False``.
 
     Logged at Lightning's step-logging cadence (``Trainer(log_every_n_steps=...)``), as per-step
     means over the optimizer steps since the last log: this rank's ``comm/bytes_sent``,
-    ``comm/bytes_received``, ``comm/calls`` and ``comm/seconds`` (time inside the ring, on the
-    reducer thread), through ``LightningModule.log``, so they reach ``trainer.callback_metrics``
-    and the logger (which writes rank 0's).
+    ``comm/bytes_received``, ``comm/calls`` and ``comm/seconds`` (time inside the ring: on CPU the
+    reducer thread's wall time; on CUDA device time from CUDA events, read at the logging step
+    for the calls the device has finished, so no step waits for the device), through
+    ``LightningModule.log``, so they reach ``trainer.callback_metrics`` and the logger (which
+    writes rank 0's). On more than one node also ``comm/inter_node_bytes_sent``,
+    ``comm/inter_node_bytes_received``, ``comm/intra_node_bytes_sent`` and
+    ``comm/intra_node_bytes_received`` (the node split of the first two).
 
     On a fault: a peer that dies closes its connections, so its ring neighbours fail at once
     (:class:`~lightning_strategies.comm.ring.RingPeerError`, naming the neighbour); a peer that
@@ -53,9 +78,17 @@ class RingAllReduceStrategy(StrategyBase):
 
     Args:
         bucket_cap_mb: DDP bucket size in MiB: each bucket is one ring call. Bigger buckets
-            mean fewer calls but later overlap with backward.
+            mean fewer calls but later overlap with backward. Grown to
+            ``world_size x min_chunk_bytes`` when that is larger.
         wire_dtype: ``None`` (send gradients in their own dtype), ``"bf16"`` or ``"fp16"``:
             send chunks in that type and accumulate in the gradient's dtype (compression).
+        hierarchical: ``None`` (default): hierarchical when the run spans more than one node
+            with more than one process on each; ``True``: the same, and with a single node or a
+            single process per node (where nothing is left to split) the flat ring, said in the
+            log; ``False``: always one flat ring over every process.
+        min_chunk_bytes: the smallest chunk a ring step should move; the bucket grows to
+            ``world_size x min_chunk_bytes`` (:func:`~lightning_strategies.comm.ring.ring_bucket_cap_mb`:
+            at 256 KiB, from 101 processes on for 25 MiB buckets). ``0`` keeps ``bucket_cap_mb``.
         timeout: process-group timeout, also of the ring's own group: a stuck peer fails the
             step after this long instead of hanging (default 30 minutes, as DDP; a dead one
             fails it at once).
@@ -63,8 +96,10 @@ class RingAllReduceStrategy(StrategyBase):
             ``find_unused_parameters``, ``static_graph``, ``process_group_backend``, ...).
 
     Raises:
-        ValueError: for an invalid ``wire_dtype`` or ``bucket_cap_mb``, or a DDP
-            communication-hook option (the ring *is* the hook).
+        ValueError: for an invalid ``wire_dtype``, ``bucket_cap_mb``, ``hierarchical`` or
+            ``min_chunk_bytes``, or a DDP communication-hook option (the ring *is* the hook);
+            at setup, for nodes that run different numbers of processes when the ring is to be
+            hierarchical, or node ranks that disagree with ``Trainer(num_nodes=...)``.
     """
 
     strategy_name = "ring"
@@ -74,11 +109,23 @@ class RingAllReduceStrategy(StrategyBase):
         *,
         bucket_cap_mb: float = 25.0,
         wire_dtype: str | None = None,
+        hierarchical: bool | None = None,
+        min_chunk_bytes: int = MIN_CHUNK_BYTES,
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
         if not bucket_cap_mb > 0:
             raise ValueError(f"Invalid bucket_cap_mb={bucket_cap_mb!r}: expected a positive number of MiB.")
+        if hierarchical is not None and type(hierarchical) is not bool:
+            raise ValueError(
+                f"Invalid hierarchical={hierarchical!r}: expected None (hierarchical on more than one node), "
+                "True or False."
+            )
+        if type(min_chunk_bytes) is not int or min_chunk_bytes < 0:
+            raise ValueError(
+                f"Invalid min_chunk_bytes={min_chunk_bytes!r}: expected an integer number of bytes >= 0 "
+                "(0: keep bucket_cap_mb)."
+            )
         if wire_dtype is not None and not isinstance(wire_dtype, str):
             raise ValueError(f"Invalid wire_dtype {wire_dtype!r}: expected None or one of {sorted(WIRE_DTYPES)}.")
         resolve_wire_dtype(wire_dtype)  # raises with the valid names listed
@@ -90,27 +137,92 @@ class RingAllReduceStrategy(StrategyBase):
             )
         super().__init__(timeout=timeout, bucket_cap_mb=bucket_cap_mb, **kwargs)
         self._wire_dtype = wire_dtype
+        self._hierarchical = hierarchical
+        self._bucket_cap_mb = float(bucket_cap_mb)
+        self._min_chunk_bytes = min_chunk_bytes
         self._reducer: RingBucketReducer | None = None
-        self._ring_group: dist.ProcessGroup | None = None
+        self._ring_groups: list[dist.ProcessGroup] = []
+        self._layout: NodeLayout | None = None
+        self._is_hierarchical = False
+        self._device_calls = [0, 0]  # CUDA: ring calls and optimizer steps since the last logged window
 
     @property
     def wire_dtype(self) -> str | None:
         """The wire dtype name gradients are sent in (``None``: their own dtype)."""
         return self._wire_dtype
 
+    @property
+    def hierarchical(self) -> bool | None:
+        """The ``hierarchical`` setting (``None``: decided from the node layout at setup)."""
+        return self._hierarchical
+
+    @property
+    def is_hierarchical(self) -> bool:
+        """Whether the ring set up for this fit is hierarchical (``False`` before setup)."""
+        return self._is_hierarchical
+
+    @property
+    def node_layout(self) -> NodeLayout | None:
+        """Which ranks share a node, from Lightning's cluster environment (``None`` before setup)."""
+        return self._layout
+
+    @override
+    def _setup_model(self, model: Module) -> DistributedDataParallel:
+        cap = ring_bucket_cap_mb(self._bucket_cap_mb, self.world_size, self._min_chunk_bytes)
+        if cap != self._bucket_cap_mb:
+            rank_zero_info(
+                f"ring: DDP buckets of {cap:g} MiB instead of {self._bucket_cap_mb:g}, so each of the ring's "
+                f"{self.world_size} chunks per bucket carries at least min_chunk_bytes={self._min_chunk_bytes}"
+            )
+        self._ddp_kwargs["bucket_cap_mb"] = cap
+        return super()._setup_model(model)
+
     @override
     def _register_ddp_hooks(self) -> None:
         # DDPStrategy registers a hook only on CUDA; the ring must run on CPU/gloo too.
         assert isinstance(self.model, DistributedDataParallel)
         self._close_reducer()
-        # Every rank reaches this line in the same order (setup of the fit), as new_group needs.
-        # A group of its own: the reducer thread's messages must never interleave with
-        # collectives that the main thread runs on the default group meanwhile.
-        group = dist.new_group(timeout=self._timeout, backend=self._get_process_group_backend())
-        assert isinstance(group, dist.ProcessGroup)
-        self._ring_group = group
-        self._reducer = RingBucketReducer(group, op="avg", wire_dtype=self._wire_dtype)
+        # Every rank reaches this line in the same order (setup of the fit), as the collective
+        # below and new_group need. Groups of its own: the reducer thread's messages must never
+        # interleave with collectives that the main thread runs on the default group meanwhile.
+        layout = self._gather_layout()
+        self._layout = layout
+        wanted = self._hierarchical is not False and layout.num_nodes > 1
+        if wanted:
+            layout.require_uniform()  # the same number of processes on every node, or a clear error
+        self._is_hierarchical = wanted and layout.local_size > 1
+        if self._hierarchical and not self._is_hierarchical:
+            rank_zero_info(
+                f"ring: hierarchical=True on {layout.num_nodes} node(s) of {len(layout.nodes[0])} process(es): "
+                "nothing to split, the ring is flat"
+            )
+        backend = self._get_process_group_backend()
+        if self._is_hierarchical:
+            intra, inter = new_hierarchical_groups(layout, backend=backend, timeout=self._timeout)
+            self._ring_groups = [intra, inter]
+            self._reducer = RingBucketReducer(intra, op="avg", wire_dtype=self._wire_dtype, inter_group=inter)
+        else:
+            group = dist.new_group(timeout=self._timeout, backend=backend)
+            assert isinstance(group, dist.ProcessGroup)
+            self._ring_groups = [group]
+            split = layout if layout.num_nodes > 1 else None  # on one node every byte stays inside it
+            self._reducer = RingBucketReducer(group, op="avg", wire_dtype=self._wire_dtype, layout=split)
         self.model.register_comm_hook(state=None, hook=self._ring_hook)
+
+    def _gather_layout(self) -> NodeLayout:
+        """Every rank's (node rank, local rank), as Lightning's cluster environment reports them."""
+        mine = torch.tensor([self.node_rank, self.local_rank], dtype=torch.int64, device=self.root_device)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(rows, mine)  # once per fit: the only host read of this setup
+        pairs = torch.stack(rows).tolist()
+        layout = NodeLayout.from_ranks([p[0] for p in pairs], [p[1] for p in pairs])
+        if layout.num_nodes != self.num_nodes:
+            raise ValueError(
+                f"ring: found node ranks 0..{layout.num_nodes - 1} in the cluster environment "
+                f"({type(self.cluster_environment).__name__}): expected Trainer(num_nodes={self.num_nodes}). Fix: "
+                "make num_nodes the number of nodes the launcher started (torchrun --nnodes, SLURM --nodes)."
+            )
+        return layout
 
     def _ring_hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """DDP communication hook: queue the bucket for the ring and return its future.
@@ -129,15 +241,31 @@ class RingAllReduceStrategy(StrategyBase):
         # nothing and are summed into the next optimizer step.
         if self._reducer is None:
             return
-        self.metrics.add(**self._reducer.pop_stats().as_dict("comm/"))
+        stats = self._reducer.pop_stats()
+        values = stats.as_dict("comm/")
+        if self.root_device.type == "cuda":
+            # Device time: read only at the logging step, and only for calls the device has
+            # finished (no wait); the window gets their mean per call times the calls per step.
+            del values["comm/seconds"]
+            self._device_calls[0] += stats.calls
+            self._device_calls[1] += 1
+            if log_due(self.trainer) is not None:
+                seconds, timed = self._reducer.pop_device_seconds()
+                calls, steps = self._device_calls
+                if timed:
+                    self.metrics.latest(**{"comm/seconds": seconds / timed * calls / steps})
+                self._device_calls = [0, 0]
+        self.metrics.add(**values)
         self.metrics.flush_if_due(self.lightning_module)
 
     def _close_reducer(self) -> None:
         stopped = self._reducer.close() if self._reducer is not None else True
         self._reducer = None
-        if self._ring_group is not None and stopped and dist.is_initialized():
-            dist.destroy_process_group(self._ring_group)
-        self._ring_group = None
+        if stopped and dist.is_initialized():
+            for group in self._ring_groups:
+                dist.destroy_process_group(group)
+        self._ring_groups = []
+        self._device_calls = [0, 0]
 
     @override
     def teardown(self) -> None:

@@ -44,11 +44,12 @@ def run_torchrun_nodes(
     max_restarts: int = 0,
     rdzv_backend: str = "static",
     timeout: float = 120.0,
+    script: Path = SCRIPT,
 ) -> list[str]:
-    """Run ``_torchrun_fit.py`` under ``nnodes`` torchrun invocations on 127.0.0.1.
+    """Run ``script`` (default ``_torchrun_fit.py``) under ``nnodes`` torchrun invocations on 127.0.0.1.
 
     Args:
-        script_args: the arguments of ``_torchrun_fit.py``.
+        script_args: the arguments of ``script``.
         nnodes: torchrun invocations, node ranks ``0 .. nnodes-1``, all on 127.0.0.1.
         nproc_per_node: worker processes per invocation.
         log_dir: where each invocation's stdout+stderr goes (``node<k>.log``).
@@ -58,6 +59,7 @@ def run_torchrun_nodes(
             under ``static`` a restarted group reads the dead attempt's gloo addresses from the
             reused store and fails to connect).
         timeout: seconds for all invocations together; past it their process groups are killed.
+        script: the worker script torchrun starts.
 
     Returns:
         Each node's output.
@@ -80,7 +82,7 @@ def run_torchrun_nodes(
             f"--nproc-per-node={nproc_per_node}",
             *rdzv,
             f"--max-restarts={max_restarts}",
-            str(SCRIPT),
+            str(script),
             *script_args,
         ]
         commands.append((cmd, child_env(), log_dir / f"node{node}.log"))

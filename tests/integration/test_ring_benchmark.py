@@ -34,3 +34,7 @@ def test_allreduce_benchmark_quick_mode(capsys: pytest.CaptureFixture[str]) -> N
     assert values["bytes_over_formula_P2_N65.536K"] == 1.0
     # Each diagnostic ran (a positive time, so a positive ratio).
     assert all(values[f"{name}_P2_N65.536K"] > 0 for name in diagnostics), lines
+    # The hierarchical ring at 2 nodes x 2 (P = 4): byte accounting, exact (see test_benchmarks.py).
+    assert values["ring_hier_over_gloo_P4_N65.536K"] > 0, lines
+    assert values["hier_inter_node_bytes_over_flat"] == pytest.approx(1 / 3, abs=1e-3), lines
+    assert values["hier_inter_node_bytes_over_formula"] == 1.0, lines
