@@ -118,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.quick:
-        args.ratios, args.steps, args.rounds, args.plot = "1", 5, 1, None
+        # three interleaved rounds, medians: one round's ratio moved 0.75-1.7 under load (a burst
+        # during the "ideal" loaders alone); a few seconds more
+        args.ratios, args.steps, args.rounds, args.plot = "1", 8, 3, None
     print(header("prefetch: step time vs simulated loading cost"))
     print(load_line("start"), flush=True)
     compute_s = measure_compute(args.batch_size, args.image_size)
