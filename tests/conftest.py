@@ -60,3 +60,24 @@ def _isolated_environ() -> Iterator[None]:
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _rank_zero_restored() -> Iterator[None]:
+    """Each test starts with the rank-zero gate as it found it.
+
+    Lightning's ``LightningEnvironment.set_global_rank`` (called by strategies and by tests that
+    build a cluster environment for rank 3 of 4) sets the process-wide ``rank_zero_only.rank``,
+    which silences every later ``rank_zero_warn`` / ``rank_zero_info`` in the pytest process:
+    ``test_async_ps``'s momentum-warning test failed when run after ``test_strategy_base``.
+    """
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    had = hasattr(rank_zero_only, "rank")
+    saved = getattr(rank_zero_only, "rank", None)
+    yield
+    if had:
+        rank_zero_only.rank = saved
+    elif hasattr(rank_zero_only, "rank"):
+        del rank_zero_only.rank
+
