@@ -101,14 +101,17 @@ def run_workers(
     *args: Any,
     timeout: float = 120.0,
     pg_timeout_s: float = 60.0,
+    start_method: str = "fork",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return results by rank.
 
-    ``fn`` must be picklable only in spirit: processes are forked, so closures work too.
+    ``fn`` must be picklable only in spirit: processes are forked, so closures work too. A process
+    that has used CUDA cannot fork one that uses it: GPU tests pass ``start_method="spawn"`` (then
+    ``fn`` and ``args`` must pickle: a module-level function).
     Raises ``RuntimeError`` with every failing rank's traceback, or ``TimeoutError`` (after
     killing the workers) when they do not all finish within ``timeout`` seconds.
     """
-    ctx = mp.get_context("fork")
+    ctx: Any = mp.get_context(start_method)  # fork, spawn or forkserver: one Process API
     results = ctx.Queue()
     port = reserved_port()  # a store port picked now, bound by rank 0 a moment later
     procs = [

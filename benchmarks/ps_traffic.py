@@ -70,10 +70,10 @@ from lightning_strategies.comm.ps import (
 )
 from lightning_strategies.comm.ring import ring_all_reduce
 from lightning_strategies.comm.rpc import (
-    free_port,
     init_rpc,
     local_shard,
     register_shard,
+    rendezvous_store,
     shutdown_rpc,
     unregister_shard,
 )
@@ -120,10 +120,10 @@ def balance(sizes: Sequence[int], servers: Sequence[int] = (8, 64, 256)) -> None
 # --------------------------------------------------------------------------------------------
 
 
-def _traffic_worker(rank: int, world: int, rpc_port: int, sizes: Sequence[int], num_servers: int, steps: int) -> Any:
+def _traffic_worker(rank: int, world: int, sizes: Sequence[int], num_servers: int, steps: int) -> Any:
     timeout = datetime.timedelta(seconds=120)
-    # RPC meets on a port of its own: the process group's store holds another
-    init_rpc(rank, world, f"tcp://127.0.0.1:{rpc_port}", timeout=timeout, num_threads=2)
+    # RPC meets in a store of its own: the process group's store holds MASTER_PORT
+    init_rpc(rank, world, rendezvous_store(rank, world, "127.0.0.1", timeout=timeout), timeout=timeout, num_threads=2)
     failed = True
     try:
         params = [torch.zeros(n, requires_grad=True) for n in sizes]
@@ -176,7 +176,7 @@ def traffic(sizes: Sequence[int], worlds: Sequence[int], steps: int) -> dict[str
         line(f"ring_bytes_over_formula_P{world}", ring_bytes / ring_formula, "x")
         series["ring"].append(ring_bytes)
         for num_servers in sorted({1, world}):
-            results = run_world(_traffic_worker, world, free_port(), list(sizes), num_servers, steps)
+            results = run_world(_traffic_worker, world, list(sizes), num_servers, steps)
             busiest = max(max(r["busiest_per_step"]) for r in results)
             # cross-check: the shards' own totals over all steps, busiest one per step
             shard_totals = [r["shard"].bytes_received + r["shard"].bytes_sent for r in results if r["shard"]]

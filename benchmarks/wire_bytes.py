@@ -100,10 +100,11 @@ from lightning_strategies.comm.ps import (
 )
 from lightning_strategies.comm.ring import ring_all_reduce
 from lightning_strategies.comm.rpc import (
-    free_port,
     init_rpc,
     register_shard,
+    rendezvous_store,
     shutdown_rpc,
+    store_url,
     unregister_shard,
     worker_name,
 )
@@ -237,12 +238,12 @@ def traffic(
 # --------------------------------------------------------------------------------------------
 
 
-def _init_rpc_tcp(rank: int, world: int, port: int, timeout: datetime.timedelta) -> None:
+def _init_rpc_tcp(rank: int, world: int, store: dist.Store, timeout: datetime.timedelta) -> None:
     """TensorPipe over TCP only (``uv`` transport, ``basic`` channel), as between two hosts."""
     options = rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=2,
         rpc_timeout=timeout.total_seconds(),
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=store_url(store),
         _transports=["uv"],
         _channels=["basic"],
     )
@@ -250,9 +251,9 @@ def _init_rpc_tcp(rank: int, world: int, port: int, timeout: datetime.timedelta)
 
 
 def _setup(
-    case: str, rank: int, world: int, sizes: Sequence[int], rpc_port: int
-) -> tuple[Callable[[], None], Callable[[bool], None]]:
-    """The step to measure and the teardown, for ``case`` on this rank."""
+    case: str, rank: int, world: int, sizes: Sequence[int]
+) -> tuple[Callable[[], None], Callable[[bool], None], int | None]:
+    """The step to measure, the teardown and RPC's rendezvous port (ps cases), for ``case`` on this rank."""
     n = sum(sizes)
     if case in ("ddp", "ring", "ring_bf16"):
         flat = torch.full((n,), 1e-3 * (rank + 1))
@@ -264,12 +265,13 @@ def _setup(
             else:
                 ring_all_reduce(flat, wire_dtype=wire, check_peers=False)
 
-        return reduce_step, (lambda failed: None)
+        return reduce_step, (lambda failed: None), None
     timeout = datetime.timedelta(seconds=_WAIT_S)
+    store = rendezvous_store(rank, world, "127.0.0.1", timeout=timeout)
     if case == "ps_shm":
-        init_rpc(rank, world, f"tcp://127.0.0.1:{rpc_port}", timeout=timeout, num_threads=2)
+        init_rpc(rank, world, store, timeout=timeout, num_threads=2)
     else:
-        _init_rpc_tcp(rank, world, rpc_port, timeout)
+        _init_rpc_tcp(rank, world, store, timeout)
     num_servers = 1 if case == "ps_1" else world
     params = [torch.zeros(s, requires_grad=True) for s in sizes]
     for p in params:
@@ -285,16 +287,16 @@ def _setup(
         unregister_shard(rank)
         shutdown_rpc(failed=failed, timeout=timeout)
 
-    return (lambda: client.push_pull([0.1])), teardown
+    return (lambda: client.push_pull([0.1])), teardown, store.port
 
 
 def _worker(
-    rank: int, world: int, case: str, sizes: Sequence[int], steps: int, rpc_port: int, bar: Any, pids: Any
+    rank: int, world: int, case: str, sizes: Sequence[int], steps: int, bar: Any, pids: Any
 ) -> dict[str, Any]:
     pids[rank] = os.getpid()
     # rpc.init_rpc's internal all_gather_object warns about a deprecated group type, not ours to fix
     warnings.filterwarnings("ignore", message="You are using a Backend")
-    step, teardown = _setup(case, rank, world, sizes, rpc_port)
+    step, teardown, rpc_port = _setup(case, rank, world, sizes)
     failed = True
     try:
         step()  # warm-up: gloo pairs and TensorPipe pipes open lazily, on first use
@@ -309,7 +311,13 @@ def _worker(
         after = read_sockets() if rank == 0 else {}
         bar.wait(_WAIT_S)
         failed = False
-        return {"before": before, "after": after, "seconds": seconds / steps, "master_port": os.environ["MASTER_PORT"]}
+        return {
+            "before": before,
+            "after": after,
+            "seconds": seconds / steps,
+            "master_port": os.environ["MASTER_PORT"],
+            "rpc_port": rpc_port,
+        }
     finally:
         teardown(failed)
 
@@ -317,12 +325,10 @@ def _worker(
 def measure(case: str, world: int, sizes: Sequence[int], steps: int) -> Traffic:
     ctx = mp.get_context("fork")
     bar, pids = ctx.Barrier(world), ctx.Array("i", world)
-    rpc_port = free_port()
-    results = run_workers(_worker, world, case, list(sizes), steps, rpc_port, bar, pids, timeout=600.0)
+    results = run_workers(_worker, world, case, list(sizes), steps, bar, pids, timeout=600.0)
     r0 = results[0]
-    return traffic(
-        r0["before"], r0["after"], [pids[r] for r in range(world)], {r0["master_port"], str(rpc_port)}, steps
-    )
+    stores = {r0["master_port"]} | ({str(r0["rpc_port"])} if r0["rpc_port"] is not None else set())
+    return traffic(r0["before"], r0["after"], [pids[r] for r in range(world)], stores, steps)
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,15 +11,35 @@ and ``update`` moves every rank's scale the same way.
 
 Used by the pipeline's precision plugin (``strategies/_pipeline_plugins.py``); any strategy whose
 ranks hold different gradients can call it between ``unscale_`` and ``step``.
+
+:class:`AgreedGradScaler` is a ``GradScaler`` that does so itself, for the parameter servers,
+whose precision plugin is Lightning's own (the strategy swaps the plugin's scaler for one with the
+same options and state):
+
+- ``agree=True`` (synchronous ``"ps"``): a rank that skipped alone would never push, and the
+  shards' barrier would wait for it until its timeout. With the verdict shared, an overflow on
+  any rank skips the step everywhere, as under DDP (which decides from averaged gradients), and
+  no gradient with an inf reaches a shard.
+- ``agree=False`` (``"async"``, where ranks step at their own pace and a per-step collective
+  would pair different steps): a rank whose gradients overflow skips its own push and lowers its
+  own scale; the others go on. Pushes never carry an inf into the shards, and no one waits for
+  the skipped push (async has no barrier; the staleness gate counts pushes, so a bounded run
+  waits only until the skipping worker's next push).
+
+Either way :attr:`AgreedGradScaler.skipped` holds the last step's verdict as a device tensor (1.0
+skipped, 0.0 stepped), which the strategies log at Lightning's cadence without reading it per
+step.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-__all__ = ["agree_found_inf", "ensure_scale"]
+__all__ = ["AgreedGradScaler", "agree_found_inf", "ensure_scale"]
 
 
 def ensure_scale(scaler: torch.amp.GradScaler, device: torch.device) -> None:
@@ -74,3 +94,69 @@ def agree_found_inf(
         return
     for value in found.values():
         value.copy_(flag.to(value.device, non_blocking=True))
+
+
+class AgreedGradScaler(torch.amp.GradScaler):
+    """A ``torch.amp.GradScaler`` whose skip verdict is shared by every rank (or kept per rank).
+
+    Args:
+        device: the device of the gradients (``"cuda"``, ``"cpu"``).
+        agree: run :func:`agree_found_inf` over ``group`` after every ``unscale_``.
+        group: the process group to agree over (default: the default group).
+        **kwargs: as ``torch.amp.GradScaler`` (``init_scale``, ``growth_factor``,
+            ``backoff_factor``, ``growth_interval``, ``enabled``).
+    """
+
+    def __init__(self, device: str = "cuda", *, agree: bool = True, group: Any = None, **kwargs: Any) -> None:
+        super().__init__(device, **kwargs)
+        self.agree = agree
+        self.group = group
+        self.skipped: torch.Tensor | None = None
+
+    @classmethod
+    def from_scaler(cls, scaler: torch.amp.GradScaler, *, agree: bool = True, group: Any = None) -> AgreedGradScaler:
+        """The same scaler (options, scale and growth tracker) with the verdict shared (``agree``).
+
+        Raises:
+            TypeError: for a subclass of ``GradScaler`` other than this one, whose own behaviour
+                replacing it would drop.
+        """
+        if isinstance(scaler, AgreedGradScaler):
+            scaler.agree, scaler.group = agree, group
+            return scaler
+        if type(scaler) not in (torch.amp.GradScaler, torch.cuda.amp.GradScaler):
+            raise TypeError(
+                f"the parameter servers found a gradient scaler of type {type(scaler).__qualname__}: expected a "
+                "torch.amp.GradScaler, which they replace by an AgreedGradScaler with the same options and state "
+                "so every rank skips an overflowing step together. Fix: pass a plain torch.amp.GradScaler to "
+                "MixedPrecision (or none: Lightning makes one), or subclass "
+                "lightning_strategies.comm.amp.AgreedGradScaler."
+            )
+        new = cls(
+            scaler._device,
+            agree=agree,
+            group=group,
+            init_scale=scaler._init_scale,
+            growth_factor=scaler._growth_factor,
+            backoff_factor=scaler._backoff_factor,
+            growth_interval=scaler._growth_interval,
+            enabled=scaler.is_enabled(),
+        )
+        if scaler.is_enabled():
+            new.load_state_dict(scaler.state_dict())
+        return new
+
+    def unscale_(self, optimizer: Optimizer) -> None:
+        """Unscale, then share the verdict (``agree``) and keep it on the device in :attr:`skipped`."""
+        super().unscale_(optimizer)
+        if not self.is_enabled():
+            return
+        assert self._scale is not None  # unscale_ made it
+        device = self._scale.device
+        if self.agree:
+            agree_found_inf(self, optimizer, device, self.group)
+        flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        for value in flags:
+            found = torch.maximum(found, value.to(device=device, dtype=torch.float32, non_blocking=True))
+        self.skipped = found  # 1.0 when GradScaler.step will skip, else 0.0 (flags are 0 or 1)

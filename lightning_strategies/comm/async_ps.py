@@ -9,25 +9,25 @@ shards, byte counting) and :mod:`lightning_strategies.comm.rpc`, with no Lightni
   ``staleness_lr="inverse"`` it divides that gradient's learning rate by ``1 + staleness``
   (Zhang et al. 2016, "Staleness-aware async-SGD"). It also counts every worker's pushes.
 - :class:`AsyncParameterServerClient`, the worker's side: push (optionally with a pull in the
-  same round trip), pull, and draw its next batch from the
+  same round trip) and pull. Its batches come from a lease
+  (:class:`~lightning_strategies.comm.lease.BatchLease`) of the
   :class:`~lightning_strategies.comm.coordinator.AsyncCoordinator` (rank 0), which keeps the
-  workers' clocks, the staleness gate and the epoch's data queue.
+  workers' clocks, the staleness bound and the epoch's data queue.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from torch import Tensor
-from torch.futures import Future
 
-from lightning_strategies.comm.coordinator import RECORD_LIMIT, DataPlan, Draw, draw_batch, send_tick
+from lightning_strategies.comm.coordinator import RECORD_LIMIT
 from lightning_strategies.comm.ps import Packed, ParameterServerClient, ParameterShard, pack, payload_bytes
-from lightning_strategies.comm.rpc import ShardError, hosted_shard, wait_reply
+from lightning_strategies.comm.rpc import ShardError, hosted_shard
 
 __all__ = [
     "STALENESS_LR",
@@ -97,7 +97,10 @@ class AsyncParameterShard(ParameterShard):
         """Apply ``grads`` now; answer with the new values when ``pull``.
 
         Runs under the shard's lock, on the RPC thread that received the push (or on the
-        co-located worker's training thread); it never waits for another worker.
+        co-located worker's training thread); it never waits for another worker. On a GPU the
+        lock's order is the device's too: every push's step runs on the shard's one stream, after
+        the stream its gradients came on, and the caller's stream waits for the snapshot it gets
+        (:class:`~lightning_strategies.comm.streams.StreamOrder`).
         """
         nbytes = payload_bytes(grads)
         with self._lock:
@@ -109,13 +112,16 @@ class AsyncParameterShard(ParameterShard):
             staleness = self.version - self._version_pulled[worker]
             if self.staleness_lr == "inverse" and staleness:
                 lrs = [lr / (1 + staleness) for lr in lrs]
-            self._step([grads], lrs)
+            self._order.take(grads)
+            with self._order.running():
+                self._step([grads], lrs)
+                values, sent = self._snapshot(worker) if pull else (None, 0)
+            self._order.give(values.flats if values is not None else ())
             self.clocks[worker] += 1
             self.pushes += 1
             self.staleness_sum += staleness
             self.staleness_max = max(self.staleness_max, staleness)
             self.log.append((worker, self.clocks[worker], staleness))
-            values, sent = self._snapshot(worker) if pull else (None, 0)
             return AsyncReply(values, self.version, staleness, nbytes + sent)
 
     def pull(self, worker: int) -> AsyncReply | ShardError:
@@ -127,11 +133,14 @@ class AsyncParameterShard(ParameterShard):
                     f"a worker in [0, {self.num_workers})"
                 )
             self.stats.calls += 1
-            values, sent = self._snapshot(worker)
+            with self._order.running():
+                values, sent = self._snapshot(worker)
+            self._order.give(values.flats)
             return AsyncReply(values, self.version, -1, sent)
 
     def _snapshot(self, worker: int) -> tuple[Packed, int]:
-        # packing copies: the next push may update the tensors while this reply is being serialised
+        # a copy (packing copies), made on the shard stream: the next push may update the tensors
+        # while this reply is being read or serialised
         self._version_pulled[worker] = self.version
         self.stats.bytes_sent += self._values_bytes
         return pack(self.params), self._values_bytes
@@ -169,25 +178,20 @@ def _rpc_async_pull(shard_id: int, worker: int) -> AsyncReply | ShardError:
 
 
 class AsyncParameterServerClient(ParameterServerClient):
-    """A worker's handle on the asynchronous shards and on the coordinator (rank 0).
+    """A worker's handle on the asynchronous shards.
 
     ``step`` of the base class is this worker's clock: the pushes it has made.
 
     Args:
         *args: as :class:`~lightning_strategies.comm.ps.ParameterServerClient` (``worker``,
             ``params``, ``plan``).
-        coordinator_rank: the rank hosting the
-            :class:`~lightning_strategies.comm.coordinator.AsyncCoordinator`.
         **kwargs: as :class:`~lightning_strategies.comm.ps.ParameterServerClient` (``timeout``:
-            also the bound on a gated draw; the RPC timeout is a little longer).
+            the RPC timeout is a little longer).
     """
 
-    def __init__(self, *args: Any, coordinator_rank: int = 0, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.coordinator_rank = coordinator_rank
         self.last_staleness: list[int] = []
-        self.gate_seconds = 0.0
-        self._ticks: deque[Future[None]] = deque()
 
     @property
     def clock(self) -> int:
@@ -198,7 +202,7 @@ class AsyncParameterServerClient(ParameterServerClient):
         """Push ``grads`` (flat optimizer order) to every shard; copy the answers in when ``pull``.
 
         Each shard applies the push on arrival; this waits only for the shards' answers, never
-        for another worker. Afterwards the coordinator learns the new clock (without waiting).
+        for another worker.
         """
         start = time.perf_counter()
         replies = self._call_shards(
@@ -209,7 +213,6 @@ class AsyncParameterServerClient(ParameterServerClient):
             self._apply_reply(s, reply)
             self.last_staleness.append(reply.staleness)
         self._end_step(start)
-        self._tick()
 
     def pull(self) -> None:
         """Copy every shard's current values into the local parameters."""
@@ -217,38 +220,3 @@ class AsyncParameterServerClient(ParameterServerClient):
         for s, reply in self._call_shards(_rpc_async_pull, lambda idx: (self.worker,)).items():
             self._apply_reply(s, reply)
         self.stats.seconds += time.perf_counter() - start
-
-    def _tick(self) -> None:
-        # fire and forget: the next draw carries the clock too; only a failure is reported
-        while self._ticks and self._ticks[0].done():
-            wait_reply(
-                self._ticks.popleft(),
-                f"worker {self.worker}: telling the async coordinator (rank {self.coordinator_rank}) its clock failed",
-            )
-        self._ticks.append(
-            send_tick(self.worker, self.step, coordinator_rank=self.coordinator_rank, rpc_timeout=self.rpc_timeout)
-        )
-
-    def draw(
-        self, epoch: int, plan: DataPlan, *, ahead: bool = False, should_stop: Callable[[], bool] | None = None
-    ) -> Draw:
-        """The next batch of indices of ``epoch`` (``indices`` is ``None``: the epoch is over).
-
-        Blocks while the staleness gate holds this worker back; the time is added to
-        ``gate_seconds``, the rest of the round trip to ``stats.seconds``. ``should_stop``: as
-        for :func:`~lightning_strategies.comm.coordinator.draw_batch`.
-        """
-        start = time.perf_counter()
-        draw = draw_batch(
-            self.worker,
-            epoch,
-            self.step,
-            plan,
-            coordinator_rank=self.coordinator_rank,
-            rpc_timeout=self.rpc_timeout,
-            ahead=ahead,
-            should_stop=should_stop,
-        )
-        self.gate_seconds += draw.waited
-        self.stats.seconds += max(0.0, time.perf_counter() - start - draw.waited)
-        return draw

@@ -25,6 +25,15 @@ thread until the barrier opens, so a handful of RPC threads serve any number of 
 blocking handler deadlocks once the waiting pushes occupy every thread). The asynchronous
 variant (:mod:`.async_ps`) builds on the shard and client here; the RPC plumbing is :mod:`.rpc`.
 
+On a GPU the tensors stay on the device and TensorPipe moves them directly (the strategy sets
+its device maps). The shard's work is ordered by :class:`~lightning_strategies.comm.streams.StreamOrder`:
+the step runs on the shard's own stream after the streams the gradients came on, and every reply
+is a *snapshot* (a copy packed on that stream, never the live parameters) handed out through a
+stream-aware future, so the device follows the order the shard's lock gives the host. This was
+chosen over staging the traffic through pinned CPU buffers, which would add a device-to-host copy
+and a host wait to every push and reply; ``benchmarks/ps_snapshot.py`` measures what a snapshot
+costs (on CPU, mostly the first touch of its fresh memory).
+
 Bytes are counted as payload (tensor bytes), for the worker (``bytes_sent`` = gradients pushed,
 ``bytes_received`` = values pulled) and for the shard (``bytes_received`` = gradients,
 ``bytes_sent`` = values). A worker calls its own co-located shard directly instead of through
@@ -64,6 +73,7 @@ from lightning_strategies.comm.rpc import (
     worker_name,
 )
 from lightning_strategies.comm.stats import CommStats
+from lightning_strategies.comm.streams import StreamBackend, StreamOrder
 
 __all__ = [
     "PARTITION_ALIGN",
@@ -512,6 +522,8 @@ class ParameterShard:
         num_workers: workers that push every step (the barrier's width).
         timeout: how long the barrier waits for the last worker of a step before failing every
             waiting worker with an error that names the missing ones.
+        streams: the stream operations of :class:`~lightning_strategies.comm.streams.StreamOrder`
+            (default: CUDA streams for tensors on a GPU, none on CPU; tests pass a fake).
     """
 
     def __init__(
@@ -523,6 +535,7 @@ class ParameterShard:
         num_workers: int,
         *,
         timeout: timedelta = timedelta(minutes=30),
+        streams: StreamBackend | None = None,
     ) -> None:
         if len(slices) != len(params):
             raise ValueError(f"{len(slices)} slices for {len(params)} tensors")
@@ -536,6 +549,9 @@ class ParameterShard:
         self.shard_id = shard_id
         self.flat_indices = [sl.tensor for sl in self.slices]
         self.params = [p.detach().clone().requires_grad_(True) for p in params]
+        # the shard's device work runs on a stream of its own, after the clones above (see .streams)
+        self._order = StreamOrder.for_tensors(self.params, streams)
+        self._order.take(self.params)
         self.spec = spec
         self.num_workers = num_workers
         self.timeout = timeout
@@ -567,7 +583,8 @@ class ParameterShard:
             grads: one gradient (or ``None`` for an unused tensor) per slice of this shard.
             lrs: the worker's current learning rate of every param group of its optimizer.
         """
-        fut: Future[ShardReply | ShardError] = Future()
+        # completed later, maybe on another thread: a stream-aware future set on the shard stream
+        fut: Future[ShardReply | ShardError] = self._order.future()
         nbytes = payload_bytes(grads)
         with self._lock:
             self.stats.bytes_received += nbytes
@@ -576,6 +593,8 @@ class ParameterShard:
             if error is not None:
                 fut.set_result(ShardError(error))
                 return fut
+            # the gradients were made (or received) on this thread's stream: the step waits for them
+            self._order.take(grads)
             pending = self._pending
             pending.grads[worker] = grads
             pending.futures[worker] = fut
@@ -588,13 +607,14 @@ class ParameterShard:
             if len(pending.grads) < self.num_workers:
                 return fut
             self._pending = _PendingStep()  # the watchdog finds no deadline: nothing to fail
-            self._step([pending.grads[w] for w in range(self.num_workers)], pending.lrs)
             sent = self.num_workers * self._values_bytes
             self.stats.bytes_sent += sent
-            # one payload for every worker: packing copies once per step, not once per worker
-            reply = ShardReply(pack(self.params), self.version, pending.bytes_in + sent)
-        for w in sorted(pending.futures):
-            pending.futures[w].set_result(reply)
+            with self._order.running():
+                self._step([pending.grads[w] for w in range(self.num_workers)], pending.lrs)
+                # a snapshot, one for every worker: packing copies once per step, not once per worker,
+                # and no later step can change a reply still being read or sent
+                reply = ShardReply(pack(self.params), self.version, pending.bytes_in + sent)
+        self._order.complete([pending.futures[w] for w in sorted(pending.futures)], reply)
         return fut
 
     def _check_push(self, worker: int, grads: list[Tensor | None], lrs: list[float]) -> str | None:
@@ -731,8 +751,12 @@ class ParameterShard:
     # -- state ---------------------------------------------------------------------------------
 
     def values(self) -> list[Tensor]:
-        """The shard's current tensors (not copies)."""
-        return list(self.params)
+        """Copies of the shard's current tensors, ordered for the caller's stream."""
+        with self._lock:
+            with self._order.running():
+                copies = [p.detach().clone() for p in self.params]
+            self._order.give(copies)
+        return copies
 
     def unpack(self, packed: Packed) -> list[Tensor | None]:
         """A pushed payload as one gradient (or ``None``) per slice."""
@@ -749,9 +773,13 @@ class ParameterShard:
         with self._lock:
             if self.optimizer is None:
                 return {"state": {}, "param_groups": {}, "version": self.version}
-            sd = self.optimizer.state_dict()
+            with self._order.running():
+                sd = self.optimizer.state_dict()
+                # copies, like the replies: the caller reads (or an RPC sends) them after the lock
+                state = {self.slices[i]: _copy_state(st) for i, st in sd["state"].items()}
+            self._order.give(v for st in state.values() for v in st.values() if isinstance(v, Tensor))
             return {
-                "state": {self.slices[i]: s for i, s in sd["state"].items()},
+                "state": state,
                 "param_groups": {
                     g: _group_options(group) for g, group in zip(self._group_ids, sd["param_groups"], strict=True)
                 },
@@ -780,23 +808,32 @@ class ParameterShard:
                 options = _group_options(full_state["param_groups"][g])
                 groups.append({**options, "params": [k for k, gk in enumerate(self._groups) if gk == g]})
             by_tensor = {int(f): s for f, s in full_state["state"].items()}
-            state = {
-                k: _slice_state(by_tensor[sl.tensor], sl, p)
-                for k, (sl, p) in enumerate(zip(self.slices, self.params, strict=True))
-                if sl.tensor in by_tensor
-            }
-            self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+            self._order.take(v for st in by_tensor.values() for v in st.values() if isinstance(v, Tensor))
+            with self._order.running():
+                state = {
+                    k: _slice_state(by_tensor[sl.tensor], sl, p)
+                    for k, (sl, p) in enumerate(zip(self.slices, self.params, strict=True))
+                    if sl.tensor in by_tensor
+                }
+                self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def load_values(self, values: Sequence[Tensor]) -> None:
         """Overwrite the shard's tensors (e.g. with the weights of a restored checkpoint)."""
         with self._lock, torch.no_grad():
-            for p, v in zip(self.params, values, strict=True):
-                p.copy_(v.reshape(p.shape))
+            self._order.take(values)
+            with self._order.running():
+                for p, v in zip(self.params, values, strict=True):
+                    p.copy_(v.reshape(p.shape))
 
 
 def _as_slice(item: Slice | int, numel: int) -> Slice:
     """A :class:`Slice`; a bare tensor index means the whole tensor of ``numel`` elements."""
     return item if isinstance(item, Slice) else Slice(int(item), 0, numel)
+
+
+def _copy_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with every tensor copied."""
+    return {key: v.clone() if isinstance(v, Tensor) else v for key, v in state.items()}
 
 
 def _slice_state(state: Mapping[str, Any], sl: Slice, param: Tensor) -> dict[str, Any]:

@@ -1,8 +1,12 @@
 """RPC plumbing shared by the parameter servers (:mod:`.ps`, :mod:`.async_ps`) and the async
 coordinator (:mod:`.coordinator`), with no Lightning import.
 
-- Names, ports, start and stop: :func:`worker_name`, :func:`free_port`, :func:`init_rpc`,
-  :func:`shutdown_rpc`.
+- Names, rendezvous, start and stop: :func:`worker_name`, :func:`rendezvous_store`,
+  :func:`init_rpc`, :func:`shutdown_rpc`. RPC meets in a TCP store of its own (the process
+  group's store holds ``MASTER_PORT``), which rank 0 binds on a port the kernel picks *while*
+  binding it: no port is chosen first and bound later, so no other socket can take it in between
+  (an ephemeral port picked by ``bind(0)`` and released is free for any outgoing connection or
+  ``bind(0)`` of another process until RPC binds it again).
 - What this process hosts: the shards it serves (``register_shard`` ...) and, on rank 0 of an
   async run, the coordinator (``register_coordinator`` ...). RPC entry points find the object
   they serve here, so they stay plain module-level functions, as RPC requires.
@@ -14,16 +18,21 @@ coordinator (:mod:`.coordinator`), with no Lightning import.
 
 from __future__ import annotations
 
-import socket
+import itertools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlparse
 
 import torch
+import torch.distributed as dist
 import torch.distributed.rpc as rpc
+from torch.distributed.rendezvous import register_rendezvous_handler
 from torch.futures import Future
+
+from lightning_strategies.comm.heartbeat import PeerDiagnosis, add_abort_hook
 
 if TYPE_CHECKING:  # the hosted objects' modules import this one
     from lightning_strategies.comm.coordinator import AsyncCoordinator
@@ -33,7 +42,6 @@ __all__ = [
     "ShardError",
     "call_host",
     "completed",
-    "free_port",
     "hosted_coordinator",
     "hosted_shard",
     "init_rpc",
@@ -42,7 +50,9 @@ __all__ = [
     "local_shard",
     "register_coordinator",
     "register_shard",
+    "rendezvous_store",
     "shutdown_rpc",
+    "store_url",
     "unregister_coordinator",
     "unregister_shard",
     "wait_reply",
@@ -62,17 +72,71 @@ def worker_name(rank: int) -> str:
     return f"ps_worker{rank}"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nothing listens on right now (for RPC's rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def rendezvous_store(
+    rank: int,
+    world_size: int,
+    host: str,
+    *,
+    timeout: timedelta,
+    share: Callable[[int], int] | None = None,
+) -> dist.TCPStore:
+    """The store RPC's processes meet in: rank 0 serves it on a port bound as it is chosen.
+
+    Rank 0's store binds port 0, so the kernel picks a free port and the store holds it from that
+    moment; ``share`` hands its number to every rank, and the others connect to ``host`` there.
+
+    Args:
+        rank: global rank.
+        world_size: number of processes.
+        host: rank 0's address as the other ranks reach it (the process group's ``MASTER_ADDR``).
+        timeout: how long a rank waits for the store (and the store for its peers).
+        share: called by every rank with rank 0's port (0 elsewhere), returns rank 0's port; by
+            default a broadcast over the default process group, which must then be initialized.
+
+    Returns:
+        The store, for :func:`init_rpc`.
+    """
+    store = dist.TCPStore(host, 0, world_size, True, timeout=timeout, wait_for_workers=False) if rank == 0 else None
+    port = (share or _broadcast_port)(store.port if store is not None else 0)
+    if store is None:
+        store = dist.TCPStore(host, port, world_size, False, timeout=timeout)
+    return store
+
+
+def _broadcast_port(port: int) -> int:
+    box = [port]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
+
+
+# torch's RPC takes its rendezvous as a URL: a store made here is handed over through a scheme of
+# this module's, by a key naming it in _STORES (kept until shutdown_rpc)
+_STORE_SCHEME = "lightning-strategies-store"
+_STORES: dict[str, dist.Store] = {}
+_store_keys = itertools.count()
+
+
+def _store_rendezvous(url: str, **kwargs: Any) -> Iterator[tuple[dist.Store, int, int]]:
+    parsed = urlparse(url)
+    query = dict(pair.split("=") for pair in parsed.query.split("&") if pair)
+    yield _STORES[parsed.netloc], int(query["rank"]), int(query["world_size"])
+
+
+register_rendezvous_handler(_STORE_SCHEME, _store_rendezvous)
+
+
+def store_url(store: dist.Store) -> str:
+    """An ``init_method`` for ``rpc.TensorPipeRpcBackendOptions`` that meets in ``store`` (kept
+    until :func:`shutdown_rpc`)."""
+    key = f"s{next(_store_keys)}"
+    _STORES[key] = store
+    return f"{_STORE_SCHEME}://{key}"
 
 
 def init_rpc(
     rank: int,
     world_size: int,
-    init_method: str,
+    init_method: str | dist.Store,
     *,
     timeout: timedelta,
     num_threads: int = 4,
@@ -80,18 +144,22 @@ def init_rpc(
 ) -> None:
     """Start this process's TensorPipe RPC agent as :func:`worker_name` ``(rank)``.
 
-    Rank and world size are explicit and the rendezvous is ``init_method`` (a ``tcp://`` address
-    of its own), so it does not collide with the process group's store on ``MASTER_PORT``.
+    Rank and world size are explicit and the rendezvous is ``init_method``, a store of its own
+    (:func:`rendezvous_store`), so it does not collide with the process group's store on
+    ``MASTER_PORT``.
 
     Args:
         rank: global rank.
         world_size: number of processes.
-        init_method: ``tcp://host:port`` of the rendezvous, the same on every rank.
+        init_method: the store to meet in (:func:`rendezvous_store`), or a URL torch's RPC takes
+            (``tcp://host:port``: a port picked beforehand may be taken before it is bound).
         timeout: default timeout of every RPC (and of the rendezvous).
         num_threads: RPC server threads. Handlers never block (async execution), so a few
             suffice; more threads only compete for cores with training.
         device_maps: per peer name, how this process's devices map to the peer's (CUDA only).
     """
+    if isinstance(init_method, dist.Store):
+        init_method = store_url(init_method)
     options = rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=num_threads,
         rpc_timeout=timeout.total_seconds(),
@@ -113,11 +181,14 @@ def shutdown_rpc(*, failed: bool, timeout: timedelta, grace_seconds: float = 1.0
         timeout: bound on the graceful shutdown's wait for the peers.
         grace_seconds: the grace before a local shutdown.
     """
-    if failed:
-        time.sleep(grace_seconds)
-        rpc.shutdown(graceful=False)
-        return
-    rpc.shutdown(graceful=True, timeout=timeout.total_seconds())
+    try:
+        if failed:
+            time.sleep(grace_seconds)
+            rpc.shutdown(graceful=False)
+            return
+        rpc.shutdown(graceful=True, timeout=timeout.total_seconds())
+    finally:
+        _STORES.clear()  # the rendezvous stores go with the agent (rank 0's closes its port)
 
 
 # --------------------------------------------------------------------------------------------
@@ -150,6 +221,18 @@ def unregister_shard(shard_id: int, *, reason: str | None = None) -> None:
         failure = shard.close(reason)  # its watchdog thread ends
         if failure is not None:
             _STOPPED[shard_id] = failure
+
+
+def stop_hosted_shards(diagnosis: PeerDiagnosis | None) -> None:
+    """Drop every hosted shard, answering the workers waiting in its barrier with the loss: the
+    heartbeat's abort hook (a frozen worker's push never comes, and no connection ends that wait)."""
+    text = diagnosis.describe("parameter_server") if diagnosis is not None else None
+    reason = f"PeerLostError: {text.splitlines()[0]}" if text else "PeerLostError: a peer is gone"
+    for shard_id in list(_SHARDS):
+        unregister_shard(shard_id, reason=reason)
+
+
+add_abort_hook(stop_hosted_shards)
 
 
 def local_shard(shard_id: int) -> ParameterShard | None:

@@ -4,34 +4,40 @@ The synchronous strategy (:mod:`.parameter_server`) makes every worker wait for 
 at every step. Here no step waits for another worker: each push is applied by the shards on
 arrival (:mod:`lightning_strategies.comm.async_ps`), optionally held back only by a
 stale-synchronous bound on the workers' clocks (``max_staleness``). For that to pay off the data
-must be shared dynamically too: every worker draws its next batch from one queue per epoch
-(hosted by rank 0), so a fast worker trains on more batches than a slow one while the epoch
-still covers every sample exactly once. The hooks changed relative to ``"ps"`` are:
+must be shared dynamically too: every worker takes its batches from one queue per epoch (hosted
+by rank 0), a few at a time (a lease, refilled in the background), so a fast worker trains on
+more batches than a slow one while the epoch still covers every sample exactly once. The hooks
+changed relative to ``"ps"`` are:
 
-- ``setup``: host the coordinator (clocks, gate, queue;
-  :mod:`lightning_strategies.comm.coordinator`) on rank 0; refuse what cannot work with
-  different batch counts per rank (``max_steps``, batch-based validation).
+- ``setup``: host the coordinator (clocks, bound, queue;
+  :mod:`lightning_strategies.comm.coordinator`) on rank 0 and give every rank its lease
+  (:mod:`lightning_strategies.comm.lease`); refuse what cannot work with different batch counts
+  per rank (``max_steps``, batch-based validation).
 - ``process_dataloader``: replace the training loader's sampler by a :class:`DynamicBatchSampler`
-  (Lightning's ``DistributedSampler``, if it injected one, is dropped; validation and test
-  loaders keep it); a :class:`~lightning_strategies.DevicePrefetcher` keeps wrapping the new loader.
+  that reads the lease (Lightning's ``DistributedSampler``, if it injected one, is dropped;
+  validation and test loaders keep it); a :class:`~lightning_strategies.DevicePrefetcher` keeps wrapping
+  the new loader.
+- ``training_step``: note which leased batch the step trains (its push acks it) and the
+  staleness gap; pull first when the bound held the lease back.
 - ``setup_optimizers``: give ``Trainer.estimated_stepping_batches`` the mean batches per worker
   (the dynamic loader has no length) while ``configure_optimizers`` runs.
 - ``_make_shard`` / ``_make_client``: asynchronous shards and clients instead of ``"ps"``'s.
 - ``optimizer_step`` (through ``_push_pull``): accumulate ``push_every`` steps, push, pull
-  every ``pull_every`` steps; flush at the epoch's last batch. ``_collect_own_metrics``: the
-  staleness, the gate's wait and the clock.
+  every ``pull_every`` steps, tell the lease; flush at the epoch's last batch.
+  ``_collect_own_metrics``: the staleness, the bound's wait, the lease's wait and the clock.
 - ``broadcast_buffers_each_step = False``: no per-step collective (the ranks' step counts
   differ here, so a per-step collective would pair steps of different ranks).
 - ``on_validation_start`` / ``on_train_end`` / ``lightning_module_state_dict``: a barrier (all
   pushes are in), then every worker pulls the latest weights and rank 0's buffers, so
   validation, the checkpoint and the returned model see one consistent state.
-- ``on_exception``: tell the coordinator, so no draw waits on this worker's clock.
+- ``on_exception``: tell the coordinator, so no refill waits on this worker's clock.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -52,11 +58,13 @@ from lightning_strategies.comm.async_ps import (
     AsyncParameterShard,
     StalenessLR,
 )
-from lightning_strategies.comm.coordinator import AsyncCoordinator, DataPlan, Draw, draw_batch, report_failure
+from lightning_strategies.comm.coordinator import AsyncCoordinator, DataPlan, LeasedBatch
+from lightning_strategies.comm.lease import DEFAULT_LEASE, BatchLease, report_failure
 from lightning_strategies.comm.ps import OptimizerSpec, Slice, broadcast_from_rank0
 from lightning_strategies.comm.rpc import register_coordinator, unregister_coordinator
 from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.data import DevicePrefetcher
+from lightning_strategies.strategies._base import is_last_batch
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 
 __all__ = ["AsyncParameterServerStrategy", "DynamicBatchSampler"]
@@ -67,7 +75,7 @@ _COORDINATOR_RANK = 0
 
 
 class DynamicBatchSampler(Sampler[list[int]]):
-    """A batch sampler that asks a shared queue for each next batch and stops when it is empty.
+    """A batch sampler that takes each next batch from a shared queue and stops when it is empty.
 
     It has no ``__len__`` on purpose: each rank takes as many batches as it can process, so
     Lightning treats the loader as of unknown length (fetching one batch ahead to find the
@@ -75,7 +83,8 @@ class DynamicBatchSampler(Sampler[list[int]]):
 
     Args:
         plan: how the epoch is batched (the same on every rank).
-        draw: ``draw(epoch, plan)`` returns the next indices, or ``None`` at the end.
+        draw: ``draw(epoch, plan)`` returns the next indices, or ``None`` at the end (it runs in
+            the training process, also with loader processes: they receive indices from it).
         epoch: returns the current epoch when an iteration starts.
     """
 
@@ -100,20 +109,28 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
 
     Every worker pushes its gradients to the shards, which apply them at once with the user's
     optimizer (the worker's learning rate travels with each push), and pulls the weights back,
-    without waiting for any other worker. Batches come from one shared queue per epoch, so a
-    fast worker processes more of them than a slow one; each epoch still covers every sample
-    exactly once.
+    without waiting for any other worker. Batches come from one shared queue per epoch, leased a
+    few at a time (``lease``) and refilled in the background, so a fast worker processes more of
+    them than a slow one and no step waits for the coordinator while its lease lasts; each epoch
+    still covers every sample exactly once.
 
     A worker's *clock* is the number of pushes it has made. With ``max_staleness=s`` no worker
     starts step ``c+1`` before every worker has pushed step ``c-s`` (stale-synchronous
-    parallel): ``s=0`` is a bulk-synchronous schedule, ``None`` never waits. A gradient's
+    parallel): ``s=0`` is a bulk-synchronous schedule, ``None`` never waits. The bound is applied
+    when batches are leased (a worker is leased no more than it may train), so it holds with
+    loader processes (``num_workers > 0``) too; the cost is smaller leases near the bound (with
+    ``s=0`` one batch per refill). At an epoch's end a worker whose lease is used up no longer
+    holds the others back (it has nothing left to push in the epoch). A gradient's
     *staleness* is the number of updates a shard applied between the worker's pull of the
     weights it used and its push; with ``P`` equally fast workers it averages about ``P-1``.
 
     Logged at Lightning's step-logging cadence, as per-step means since the last log:
     ``comm/bytes_sent``, ``comm/bytes_received``, ``ps/server_bytes_max`` (as for ``"ps"``),
     ``async/staleness_mean``, ``async/staleness_max`` (over the pushes since the last log),
-    ``async/wait_seconds`` (time held by the staleness gate) and ``async/clock``.
+    ``async/wait_seconds`` (time the staleness bound held the lease back), ``async/lease_wait_seconds``
+    (time a step waited for its lease: the coordinator on the critical path), ``async/clock`` and,
+    with a bound, ``async/clock_gap_max`` (this worker's clock at a step minus the others' lowest
+    clock when its batch was leased: at most ``max_staleness``).
 
     Learning rate and momentum: each worker's push is one optimizer step on its *own* batch (not
     the average of ``P`` batches), so use the per-worker batch's learning rate (no linear scaling
@@ -126,10 +143,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     Requirements (each checked at setup, with the fix in the message): epochs, not steps
     (``max_steps=-1``; the ranks take different numbers of steps), validation once per epoch or
     every n epochs (``val_check_interval=1.0``), a map-style training dataset in a
-    ``DataLoader`` with at least as many batches per epoch as processes, ``num_workers=0`` in the
-    training loader when ``max_staleness`` is set (loader processes fetch indices ahead, which
-    would gate the wrong step; so does a CUDA :class:`~lightning_strategies.DevicePrefetcher`,
-    which the loader may otherwise be wrapped in), and everything ``"ps"`` requires. Checkpoints are consistent
+    ``DataLoader`` with at least as many batches per epoch as processes, and everything ``"ps"``
+    requires. Checkpoints are consistent
     at epoch ends (where ``ModelCheckpoint`` saves by default); a mid-epoch checkpoint does not
     record the queue's position.
 
@@ -138,7 +153,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     ``timeout``) or an RPC to it (after ``timeout`` + max(5 s, 10%)) gives up. The error names the
     lost rank(s) (``"async: lost peer rank 1 of 4: ..."``; :class:`~lightning_strategies.PeerLostError`
     when a step failed). A rank that fails on its own error first tells the coordinator, so no
-    draw waits on its clock.
+    refill waits on its clock.
 
     Args:
         max_staleness: the bound ``s`` on the workers' clock gap; ``None`` for none.
@@ -146,6 +161,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         pull_every: fetch the weights every this many steps (with the push when both are due).
         staleness_lr: ``"none"``, or ``"inverse"`` to divide each gradient's learning rate by
             ``1 + staleness`` on the shard.
+        lease: batches a worker leases at a time (refilled when half are used; the coordinator
+            leases fewer as the epoch's queue drains).
         **kwargs: everything :class:`~lightning_strategies.ParameterServerStrategy` takes
             (``num_servers``: shards, one per process by default; ``timeout``: how long
             collectives and a gated draw wait for a slow or hung peer before failing, 30 minutes
@@ -153,7 +170,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
             the plugins the Trainer sets).
 
     Raises:
-        ValueError: for an invalid ``max_staleness``, ``push_every``, ``pull_every`` or
+        ValueError: for an invalid ``max_staleness``, ``push_every``, ``pull_every``, ``lease`` or
             ``staleness_lr``.
         TypeError: for a ``timeout`` that is not a ``datetime.timedelta``.
     """
@@ -163,6 +180,9 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     # validation and checkpoints (_pull_latest): ranks take different numbers of steps, so a
     # per-step collective would pair the steps of different ranks.
     broadcast_buffers_each_step: ClassVar[bool] = False
+    # Under 16-mixed a worker whose gradients overflow skips its own push and lowers its own
+    # scale (lightning_strategies.comm.amp); a per-step collective would pair different steps.
+    agree_on_overflow: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -171,18 +191,24 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         push_every: int = 1,
         pull_every: int = 1,
         staleness_lr: StalenessLR = "none",
+        lease: int = DEFAULT_LEASE,
         **kwargs: Any,
     ) -> None:
-        _check_options(max_staleness, push_every, pull_every, kwargs.get("timeout"), staleness_lr)
+        _check_options(max_staleness, push_every, pull_every, kwargs.get("timeout"), staleness_lr, lease)
         super().__init__(**kwargs)
         self.max_staleness = max_staleness
         self.push_every = push_every
         self.pull_every = pull_every
         self.staleness_lr: StalenessLR = staleness_lr
+        self.lease = lease
         self._coordinator: AsyncCoordinator | None = None
+        self._lease: BatchLease | None = None
         self._plan: DataPlan | None = None
-        self._ahead = True  # Lightning fetches one batch ahead (the loader has no length)
-        self._epoch_over = False
+        self._limit: int | None = None  # Trainer(limit_train_batches=n): batches per rank and epoch
+        self._drawn: deque[LeasedBatch] = deque()  # drawn from the lease, not trained yet (in order)
+        self._unpushed: list[LeasedBatch] = []  # trained since the last push
+        self._gap_max: int | None = None
+        self._lease_waited = (0.0, 0.0)  # the lease's (wait, gate) seconds at the last log
         self._local_steps = 0
         self._accumulated: list[Tensor | None] = []
         self._accumulated_steps = 0
@@ -193,8 +219,13 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
 
     @property
     def coordinator(self) -> AsyncCoordinator | None:
-        """The clocks, gate and data queue (on rank 0 while fitting; ``None`` elsewhere)."""
+        """The clocks, bound and data queue (on rank 0 while fitting; ``None`` elsewhere)."""
         return self._coordinator
+
+    @property
+    def batch_lease(self) -> BatchLease | None:
+        """This worker's lease of batches (``None`` outside of fitting)."""
+        return self._lease
 
     @property
     def async_client(self) -> AsyncParameterServerClient | None:
@@ -209,13 +240,30 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_loop(trainer)
             self._local_steps, self._accumulated, self._accumulated_steps = 0, [], 0
+            self._drawn.clear()
+            self._unpushed, self._gap_max, self._lease_waited = [], None, (0.0, 0.0)
             # the training loader draws its first batch while the optimizers are configured
             if self.global_rank == _COORDINATOR_RANK:
-                self._coordinator = AsyncCoordinator(self.world_size, self.max_staleness, timeout=self.ps_timeout)
+                self._coordinator = AsyncCoordinator(
+                    self.world_size, self.max_staleness, timeout=self.ps_timeout, push_every=self.push_every
+                )
                 register_coordinator(self._coordinator)
+            self._lease = BatchLease(
+                self.global_rank,
+                coordinator_rank=_COORDINATOR_RANK,
+                rpc_timeout=self._rpc_timeout,
+                lease=self.lease,
+                max_staleness=self.max_staleness,
+            )
             self.barrier("async_coordinator_ready")
             _without_per_step_collective(trainer)
         super().setup(trainer)
+
+    @property
+    def _rpc_timeout(self) -> float:
+        # as the shards' clients: the coordinator's own error (after `timeout`) arrives first
+        seconds = self.ps_timeout.total_seconds()
+        return seconds + max(5.0, 0.1 * seconds)
 
     def _check_loop(self, trainer: pl.Trainer) -> None:
         name = type(self).__name__
@@ -298,9 +346,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
 
     @override
     def _make_client(self, params: Sequence[Tensor], plan: Sequence[Sequence[Slice]]) -> AsyncParameterServerClient:
-        return AsyncParameterServerClient(
-            self.global_rank, params, plan, timeout=self.ps_timeout, coordinator_rank=_COORDINATOR_RANK
-        )
+        return AsyncParameterServerClient(self.global_rank, params, plan, timeout=self.ps_timeout)
 
     # -- data ----------------------------------------------------------------------------------
 
@@ -313,15 +359,11 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         name = type(self).__name__
         if isinstance(dataloader, DevicePrefetcher):
             # the copy ahead wraps the loader rebuilt below; on CUDA it takes each batch one step
-            # before Lightning does, so its indices are drawn a step early
-            if dataloader.active and self.max_staleness is not None:
-                raise ValueError(
-                    f"{name}(max_staleness={self.max_staleness}) found a DevicePrefetcher around the training "
-                    f"loader on {dataloader.device}: it draws each batch's indices one step before the step, so "
-                    "the staleness gate would hold back the wrong step. Expected no device prefetch with a "
-                    "staleness bound. Fix: data.device_prefetch=false, or max_staleness=None."
-                )
+            # before Lightning does: one more batch drawn ahead of the step (the bound is checked at
+            # the step, so nothing else changes)
             inner = self.process_dataloader(dataloader.loader)
+            if dataloader.active and self._lease is not None:
+                self._lease.prefetch += 1
             return DevicePrefetcher(inner, dataloader.device, non_blocking=dataloader.non_blocking)  # type: ignore[arg-type]
         if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
             raise TypeError(
@@ -330,13 +372,6 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
                 "torch DataLoader over a map-style dataset, because workers draw batch indices from a shared "
                 "queue. Fix: return a DataLoader(dataset, batch_size=..., shuffle=...) from train_dataloader() "
                 "(optionally in a DevicePrefetcher)."
-            )
-        if dataloader.num_workers > 0 and self.max_staleness is not None:
-            raise ValueError(
-                f"{name}(max_staleness={self.max_staleness}) found a training DataLoader with num_workers="
-                f"{dataloader.num_workers}: loader processes fetch batch indices ahead of the steps, so the "
-                "staleness gate would hold back the wrong step. Expected num_workers=0 with a staleness bound. "
-                "Fix: num_workers=0, or max_staleness=None."
             )
         plan = _plan_of(dataloader)
         if plan.num_batches < self.world_size:
@@ -347,8 +382,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
                 "Fix: a smaller batch size, or fewer processes."
             )
         limit = trainer.limit_train_batches
-        # Lightning fetches one batch ahead only when the loader has no length, i.e. no batch limit
-        self._ahead = isinstance(limit, float) and limit == 1.0
+        self._limit = limit if isinstance(limit, int) else None
         if isinstance(limit, int) and plan.num_batches < limit * self.world_size:
             raise ValueError(
                 f"{name} found Trainer(limit_train_batches={limit}) with {self.world_size} processes and "
@@ -357,6 +391,10 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
                 f"limit_train_batches <= {plan.num_batches // self.world_size}."
             )
         self._plan = plan
+        if self._lease is not None:
+            # Lightning draws one batch ahead of its step, loader processes prefetch_factor each more
+            workers = dataloader.num_workers
+            self._lease.prefetch = 1 + (workers * (dataloader.prefetch_factor or 2) if workers > 0 else 0)
         sampler = DynamicBatchSampler(plan, self._draw, self._current_epoch)
         kwargs: dict[str, Any] = {}
         if dataloader.num_workers > 0:
@@ -384,27 +422,13 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         return int(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
 
     def _draw(self, epoch: int, plan: DataPlan) -> list[int] | None:
-        """The next batch from the coordinator; runs on the training thread, between steps."""
-        client = self.async_client
-        draw: Draw
-        if client is not None:
-            draw = client.draw(epoch, plan, ahead=self._ahead, should_stop=self._told_to_stop)
-        else:  # the loader's first batch, drawn while the optimizers (and the client) are set up
-            draw = draw_batch(
-                self.global_rank,
-                epoch,
-                0,
-                plan,
-                coordinator_rank=_COORDINATOR_RANK,
-                rpc_timeout=self.ps_timeout.total_seconds() + 5.0,
-                ahead=self._ahead,
-                should_stop=self._told_to_stop,
-            )
-        # the batch drawn at the start of the epoch's last step comes back empty: flush then
-        self._epoch_over = draw.indices is None
-        if draw.blocked and draw.indices is not None and client is not None and self.pull_every == 1:
-            client.pull()  # the gate waited for slower workers' pushes: train on them
-        return draw.indices
+        """The next batch of the lease; runs in the training process (the sampler's ``next``)."""
+        assert self._lease is not None
+        batch = self._lease.next(epoch, plan, limit=self._limit, should_stop=self._told_to_stop)
+        if batch is None:
+            return None
+        self._drawn.append(batch)  # loaders keep the sampler's order: the steps train them in this order
+        return batch.indices
 
     def _told_to_stop(self) -> bool:
         return bool(getattr(self.trainer, "received_sigterm", False))
@@ -412,12 +436,35 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     # -- steps ---------------------------------------------------------------------------------
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Note the leased batch this step trains, admit the step under the bound, then step.
+
+        The bound is applied here, where the step starts, not in the sampler (which runs ahead of
+        the steps, by the loader's prefetch). When it held the step (or a refill) back, the slower
+        workers pushed meanwhile: pull their updates first (with ``pull_every=1``), as a gated
+        synchronous step would see them.
+        """
+        if self._fitting() and self._drawn:
+            batch = self._drawn.popleft()
+            self._unpushed.append(batch)
+            lease, client = self._lease, self.async_client
+            if lease is not None and client is not None:
+                with self._peer_watch():
+                    gap = lease.admit(batch, client.clock, should_stop=self._told_to_stop)
+                    if gap is not None:
+                        self._gap_max = gap if self._gap_max is None else max(self._gap_max, gap)
+                    if lease.take_held() and self.pull_every == 1:
+                        client.pull()
+        return super().training_step(*args, **kwargs)
+
+    @override
     def _push_pull(self, optimizer: Optimizer) -> None:
         client = self.async_client
         assert client is not None
         grads: list[Tensor | None] = [p.grad for p in client.params]
         self._local_steps += 1
-        flush = self._epoch_over
+        trainer = self.trainer
+        flush = trainer is not None and is_last_batch(trainer)
         push_due = self._local_steps % self.push_every == 0 or flush
         pull_due = self._local_steps % self.pull_every == 0 or flush
         if self.push_every > 1:
@@ -425,10 +472,15 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         if push_due and grads is not None:
             client.push(grads, [float(g["lr"]) for g in optimizer.param_groups], pull=pull_due)
             self._step_staleness = client.last_staleness
+            if self._lease is not None:
+                self._lease.pushed(client.clock, self._unpushed)
+            self._unpushed = []
         elif pull_due:
             client.pull()
         if flush:
-            self._local_steps, self._epoch_over = 0, False
+            self._local_steps = 0
+            if self._lease is not None:
+                self._lease.flush()  # the epoch's clock and acks reach the coordinator before its end
 
     def _accumulate(self, grads: list[Tensor | None], *, take: bool) -> list[Tensor | None]:
         """Add this step's gradients to the local sums; when ``take``, return their mean and reset."""
@@ -455,8 +507,14 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         staleness, self._step_staleness = self._step_staleness, []
         self._staleness_sum += sum(staleness)
         self._staleness_count += len(staleness)
-        self.metrics.add(**{"async/wait_seconds": client.gate_seconds})
-        client.gate_seconds = 0.0
+        lease = self._lease
+        if lease is not None:
+            (wait, gate), self._lease_waited = self._lease_waited, (lease.wait_seconds, lease.gate_seconds)
+            self.metrics.add(**{"async/wait_seconds": lease.gate_seconds - gate})
+            self.metrics.add(**{"async/lease_wait_seconds": lease.wait_seconds - wait})
+        if self._gap_max is not None:
+            self.metrics.peak(**{"async/clock_gap_max": self._gap_max})
+            self._gap_max = None
         self.metrics.peak(**{"async/staleness_max": max(staleness, default=0)})
         mean = self._staleness_sum / self._staleness_count if self._staleness_count else 0.0
         self.metrics.latest(**{"async/staleness_mean": mean, "async/clock": client.clock})
@@ -504,7 +562,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Fail the draws that wait on this worker's clock at once (the gate would wait ``timeout``)."""
+        """Fail the refills that wait on this worker's clock at once (the bound would wait ``timeout``)."""
         if self._rpc_started and self._fitting():
             reason = f"{type(exception).__name__}: {exception}"
             report_failure(self.global_rank, reason, coordinator_rank=_COORDINATOR_RANK)
@@ -514,14 +572,18 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     def teardown(self) -> None:
         if self._coordinator is not None:
             unregister_coordinator()
+            self._coordinator.shutdown()
             self._coordinator = None
+        self._lease = None
+        self._drawn.clear()
+        self._unpushed = []
         self._accumulated = []
         self._staleness_sum = self._staleness_count = 0
         super().teardown()
 
 
 def _check_options(
-    max_staleness: int | None, push_every: int, pull_every: int, timeout: object, staleness_lr: str
+    max_staleness: int | None, push_every: int, pull_every: int, timeout: object, staleness_lr: str, lease: int
 ) -> None:
     name = "AsyncParameterServerStrategy"
     if max_staleness is not None and (
@@ -537,6 +599,11 @@ def _check_options(
                 f"{name}({key}={value!r}): expected an integer >= 1 (steps between exchanges). Fix: pass "
                 f"{key}=1 to exchange every step."
             )
+    if isinstance(lease, bool) or not isinstance(lease, int) or lease < 1:
+        raise ValueError(
+            f"{name}(lease={lease!r}): expected an integer >= 1 (batches a worker leases at a time). Fix: pass "
+            f"lease={DEFAULT_LEASE}, or 1 to take one batch per request."
+        )
     if timeout is not None and not isinstance(timeout, timedelta):
         raise TypeError(
             f"{name}(timeout={timeout!r}): expected a datetime.timedelta, as DDPStrategy takes. Fix: pass "

@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_strategies.comm.amp import AgreedGradScaler
 from lightning_strategies.comm.heartbeat import failure_reason
 from lightning_strategies.comm.ps import (
     OptimizerSpec,
@@ -52,10 +53,10 @@ from lightning_strategies.comm.ps import (
     whole_tensor_slices,
 )
 from lightning_strategies.comm.rpc import (
-    free_port,
     init_rpc,
     local_shard,
     register_shard,
+    rendezvous_store,
     shutdown_rpc,
     unregister_shard,
     worker_name,
@@ -81,6 +82,13 @@ class ParameterServerStrategy(StrategyBase):
     (this worker's gradients pushed and values pulled), ``ps/server_bytes_max`` (the busiest
     shard's received + sent bytes in one step; the maximum) and ``ps/wait_seconds`` (from the
     first push to the last answer).
+
+    Under ``16-mixed`` the gradient scaler's skip decision is shared: the found-inf flag is summed
+    over the ranks before it decides (:class:`~lightning_strategies.comm.amp.AgreedGradScaler`,
+    which replaces Lightning's ``GradScaler`` with the same options and state), so an overflow on
+    any rank skips the step on every rank, as under DDP, and ``amp/step_skipped`` (the share of
+    skipped steps) is logged from the device flag. On CUDA the shards order their device work on
+    streams of their own (:mod:`lightning_strategies.comm.streams`); this has not run on a GPU yet.
 
     Not supported (each raises at setup, saying what to change): manual optimization and more
     than one optimizer (the servers run one optimizer inside Lightning's step), gradient
@@ -117,6 +125,10 @@ class ParameterServerStrategy(StrategyBase):
     # DDP's broadcast of rank 0's buffers before every forward; it pairs the ranks' steps, so a
     # strategy whose ranks take different numbers of steps turns it off
     broadcast_buffers_each_step: ClassVar[bool] = True
+    # Under 16-mixed every rank skips an overflowing step together (the found-inf flag is summed
+    # over the ranks before the scaler decides): a rank that skipped alone would never push, and
+    # the barrier would wait for it. Async, with no barrier, lets each rank skip alone.
+    agree_on_overflow: ClassVar[bool] = True
 
     wraps_ddp = False
 
@@ -169,15 +181,16 @@ class ParameterServerStrategy(StrategyBase):
         self._start_rpc()
 
     def _start_rpc(self) -> None:
-        """Start the RPC agent with a rendezvous port of its own, picked by rank 0.
+        """Start the RPC agent, meeting in a store of its own that rank 0 serves.
 
-        ``MASTER_PORT`` already carries the process group's store, so rank 0 finds a free port
-        on its host and broadcasts it over the process group; every rank then meets there.
+        ``MASTER_PORT`` already carries the process group's store, so rank 0 serves RPC's on a
+        port the kernel picks as the store binds it, and broadcasts it over the process group
+        (:func:`~lightning_strategies.comm.rpc.rendezvous_store`).
         """
         assert self.cluster_environment is not None
-        port = [free_port("") if self.global_rank == 0 else 0]
-        dist.broadcast_object_list(port, src=0)
-        init_method = f"tcp://{self.cluster_environment.main_address}:{port[0]}"
+        store = rendezvous_store(
+            self.global_rank, self.world_size, self.cluster_environment.main_address, timeout=self.ps_timeout
+        )
         device_maps = None
         if self.root_device.type == "cuda":
             # TensorPipe moves CUDA tensors directly once told which device each peer uses
@@ -189,7 +202,7 @@ class ParameterServerStrategy(StrategyBase):
         init_rpc(
             self.global_rank,
             self.world_size,
-            init_method,
+            store,
             timeout=self.ps_timeout,
             num_threads=self._rpc_threads,
             device_maps=device_maps,
@@ -279,6 +292,7 @@ class ParameterServerStrategy(StrategyBase):
     def _start_servers(self) -> None:
         """Build this rank's shard and its client; a barrier makes every shard reachable first."""
         optimizer, spec, params, plan = self._plan_servers()
+        self._share_overflow_decision()
         rank = self.global_rank
         if rank < self.num_servers:
             mine = plan[rank]
@@ -290,6 +304,15 @@ class ParameterServerStrategy(StrategyBase):
         self._server_step = _ServerStepOptimizer(optimizer, self._push_pull)
         assert self.model is not None
         self._buffers = [b for b in self.model.buffers() if self.world_size > 1]
+
+    def _share_overflow_decision(self) -> None:
+        """Replace a mixed-precision gradient scaler by an :class:`~lightning_strategies.comm.amp.AgreedGradScaler`
+        (same options and state) that decides as ``agree_on_overflow`` says and keeps its decision
+        on the device for the logs."""
+        plugin = self.precision_plugin
+        scaler = getattr(plugin, "scaler", None)
+        if isinstance(scaler, torch.amp.GradScaler):
+            plugin.scaler = AgreedGradScaler.from_scaler(scaler, agree=self.agree_on_overflow)  # type: ignore[attr-defined]
 
     def _make_shard(
         self, shard_id: int, slices: Sequence[Slice], params: Sequence[Tensor], spec: OptimizerSpec
@@ -323,6 +346,11 @@ class ParameterServerStrategy(StrategyBase):
         # per-step means over the steps since the last log; the busiest shard: the maximum
         self.metrics.add(**{"comm/bytes_sent": stats.bytes_sent, "comm/bytes_received": stats.bytes_received})
         self.metrics.peak(**{"ps/server_bytes_max": max(self._client.last_server_bytes, default=0)})
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if isinstance(scaler, AgreedGradScaler) and scaler.skipped is not None:
+            # a device tensor, read only when the window is logged
+            self.metrics.add(**{"amp/step_skipped": scaler.skipped})
+            scaler.skipped = None
         self._collect_own_metrics(stats)
         self.metrics.flush_if_due(self.lightning_module)
 

@@ -1,6 +1,7 @@
 """``Trainer(strategy="async")`` on 2 and 3 fork-started CPU processes: digits accuracy, the
-staleness bound asserted from the coordinator's recorded clocks, dynamic batches that cover
-every sample once per epoch, checkpoint and resume, logs, failures and the setup errors."""
+staleness bound asserted from the coordinator's recorded clocks and from every worker's steps
+(also with loader processes), leased batches that cover every sample once per epoch, checkpoint
+and resume, logs, failures and the setup errors."""
 
 from __future__ import annotations
 
@@ -88,6 +89,12 @@ def test_digits_reach_93_percent(devices: int) -> None:
     ):
         assert key in metrics, sorted(metrics)
     assert metrics["async/wait_seconds"] == 0.0  # no bound: never held back
+    # off rank 0's critical path: one refill of the lease per 2 steps (a lease of 4 is refilled at
+    # half) plus the epoch tails' smaller leases, and no clock report per push without a bound;
+    # the old design sent a draw and a tick per step (2 RPCs)
+    steps, refills, reports = metrics["rec/steps"], metrics["rec/refills"], metrics["rec/reports"]
+    print(f"rank 0: {refills:.0f} refills and {reports:.0f} reports for {steps:.0f} steps")
+    assert 0 < refills <= 0.7 * steps and reports == 4  # one flush per epoch
     # mean and maximum over the same window's pushes (the last logged one)
     assert 0.0 <= metrics["async/staleness_mean"] <= metrics["async/staleness_max"], metrics
 
@@ -96,13 +103,21 @@ def test_bulk_synchronous_schedule_stays_within_one_step_and_trains_like_ps() ->
     metrics = _digits_fit(strategy(max_staleness=0), 2)
     clocks = metrics["rec/clock_log"]
     assert len(clocks) > 50
-    # s = 0: every worker's clock within one step of the others at all times ...
-    assert int((clocks.max(1).values - clocks.min(1).values).max()) <= 1
+    # s = 0: every worker's clock within one step of the others training the epoch at all times
+    # (-1: a worker that has finished the epoch's batches, which holds nobody back) ...
+    assert _spread(clocks) <= 1
     # ... and no step started before every other worker had pushed the previous one
     admissions = metrics["rec/admissions"]
     assert int((admissions[:, 1] - admissions[:, 2]).max()) <= 0
+    assert int(metrics["rec/step_gaps"].max()) <= 0  # checked at every step of both workers
     # the "ps" accuracy band of this setup (ps: 0.97-0.99 on these 270 test digits)
     assert metrics["test_acc"] >= 0.93, metrics
+
+
+def _spread(clock_log: torch.Tensor) -> int:
+    """The largest gap between the clocks of the workers training the epoch (-1: finished it)."""
+    rows = [[c for c in row if c >= 0] for row in clock_log.tolist()]
+    return max(max(row) - min(row) for row in rows if row)
 
 
 class _Records(pl.Callback):
@@ -113,6 +128,15 @@ class _Records(pl.Callback):
         strategy = trainer.strategy
         if not isinstance(strategy, AsyncParameterServerStrategy):
             return
+        lease = strategy.batch_lease
+        assert lease is not None
+        # every rank's steps: (its clock at the step, the others' lowest clock when its batch was leased)
+        steps: list[Any] = [None] * trainer.world_size
+        dist.all_gather_object(steps, list(lease.admissions))
+        trainer.callback_metrics["rec/step_gaps"] = torch.tensor([c - low for s in steps for c, low in s])
+        trainer.callback_metrics["rec/refills"] = torch.tensor(float(lease.refills))
+        trainer.callback_metrics["rec/reports"] = torch.tensor(float(lease.reports))
+        trainer.callback_metrics["rec/steps"] = torch.tensor(float(len(lease.admissions) or trainer.global_step))
         strategy.barrier()  # every rank has pushed its last step
         coordinator = strategy.coordinator
         if coordinator is None:
@@ -120,7 +144,7 @@ class _Records(pl.Callback):
         metrics = trainer.callback_metrics
         metrics["rec/clock_log"] = torch.tensor(list(coordinator.clock_log))
         metrics["rec/admissions"] = torch.tensor(list(coordinator.admissions)).reshape(-1, 3)
-        metrics["rec/blocked"] = torch.tensor(coordinator.blocked_draws)
+        metrics["rec/blocked"] = torch.tensor(coordinator.held_refills)
         metrics["rec/wait"] = torch.tensor(coordinator.wait_seconds)
         metrics["rec/clocks"] = torch.tensor(coordinator.clocks)
         shard = local_shard(0)
@@ -193,13 +217,35 @@ def _assert_each_sample_once_per_epoch(metrics: dict[str, Any], epochs: int, fir
 def test_clock_gap_never_exceeds_the_bound_with_a_straggler(max_staleness: int) -> None:
     metrics = _slow_fit(max_staleness)
     admissions = metrics["rec/admissions"]
-    # every step started with the worker's clock at most s ahead of the slowest other worker
+    # every step started with the worker's clock at most s ahead of the slowest other worker: as
+    # the coordinator leased its batch, and as the worker saw it at the step
     assert int((admissions[:, 1] - admissions[:, 2]).max()) <= max_staleness
-    # so the clocks never drift more than s + 1 apart (the step in flight)
-    clocks = metrics["rec/clock_log"]
-    assert int((clocks.max(1).values - clocks.min(1).values).max()) <= max_staleness + 1
+    assert int(metrics["rec/step_gaps"].max()) <= max_staleness
+    # so the clocks of the workers training the epoch never drift more than s + 1 apart (the step
+    # in flight; -1: a worker that has finished the epoch's batches)
+    assert _spread(metrics["rec/clock_log"]) <= max_staleness + 1
     assert int(metrics["rec/blocked"][0]) > 0  # the fast worker was indeed held back
     _assert_each_sample_once_per_epoch(metrics, 3)
+
+
+def test_bound_holds_with_loader_processes(tmp_path: Path) -> None:
+    """The bound admits leased batches, not steps, so loader processes that take indices ahead
+    (``num_workers=2``) train only admitted batches: asserted from every worker's steps and from
+    rank 0's logged ``async/clock_gap_max`` (a CSV row per step)."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    train, val = _indexed_loaders()
+    train = DataLoader(train.dataset, batch_size=8, shuffle=True, num_workers=2, persistent_workers=True)
+    logger = CSVLogger(tmp_path, name="", version="")
+    trainer = _trainer(strategy(max_staleness=1), 2, 2, callbacks=[_Records()], logger=logger, log_every_n_steps=1)
+    trainer.fit(_IndexedRegressor(slow_seconds=0.03), train, val)
+    metrics = trainer.callback_metrics
+    assert int(metrics["rec/step_gaps"].max()) <= 1 and len(metrics["rec/step_gaps"]) == 24
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()
+    column = rows[0].split(",").index("async/clock_gap_max")
+    logged = [float(r.split(",")[column]) for r in rows[1:] if r.split(",")[column]]
+    assert logged and max(logged) <= 1
+    _assert_each_sample_once_per_epoch(metrics, 2)
 
 
 def test_unbounded_fast_worker_never_waits_and_takes_more_batches() -> None:
@@ -208,9 +254,11 @@ def test_unbounded_fast_worker_never_waits_and_takes_more_batches() -> None:
     # its batches. (30 ms was not enough at load 6-9: counts of (56, 40) in epoch 0.)
     metrics = _slow_fit(None, slow_seconds=0.1)
     assert int(metrics["rec/blocked"][0]) == 0 and float(metrics["rec/wait"][0]) == 0.0
-    for e in range(3):
-        fast, slow = metrics[f"rec/count_{e}"].tolist()
-        assert fast >= 2 * slow, (e, fast, slow)
+    counts = [metrics[f"rec/count_{e}"].tolist() for e in range(3)]
+    print("samples per worker and epoch", counts)
+    for e, (fast, slow) in enumerate(counts):
+        # epoch 0 leases equal shares (the speeds are not measured yet); from then on by speed
+        assert fast >= (2 * slow if e > 0 else slow + 8), (e, fast, slow)
     _assert_each_sample_once_per_epoch(metrics, 3)
     # a gradient of the slow worker missed the fast worker's updates made in between
     fast, slow = metrics["rec/shard0_staleness_max"].tolist()
@@ -348,13 +396,6 @@ def test_unsupported_loops_raise_clear_errors(trainer_kwargs: dict[str, Any], me
     train, val = _indexed_loaders()
     with pytest.raises(Exception, match=message):
         _trainer(strategy(), 2, 1, **trainer_kwargs).fit(_IndexedRegressor(), train, val)
-
-
-def test_loader_processes_with_a_bound_raise_a_clear_error() -> None:
-    _, val = _indexed_loaders()
-    train = DataLoader(val.dataset, batch_size=8, num_workers=1)
-    with pytest.raises(Exception, match=r"max_staleness=1\) found a training DataLoader with num_workers=1"):
-        _trainer(strategy(max_staleness=1), 2, 1).fit(_IndexedRegressor(), train, val)
 
 
 # --------------------------------------------------------------------------------------------

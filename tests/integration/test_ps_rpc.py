@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from lightning_strategies.comm.heartbeat import failure_reason
 from lightning_strategies.comm.ps import OptimizerSpec, ParameterServerClient, ParameterShard, shard_parameters
-from lightning_strategies.comm.rpc import free_port, init_rpc, register_shard, shutdown_rpc, unregister_shard
+from lightning_strategies.comm.rpc import init_rpc, register_shard, rendezvous_store, shutdown_rpc, unregister_shard
 from tests.dist_utils import run_workers
 
 pytestmark = pytest.mark.slow
@@ -31,9 +31,10 @@ def _grad(rank: int, step: int, i: int, like: torch.Tensor) -> torch.Tensor:
     return torch.randn(like.shape, generator=torch.Generator().manual_seed(100 * rank + 10 * step + i))
 
 
-def _train(rank: int, world: int, port: int, num_servers: int, steps: int, die_at: int | None, timeout_s: float) -> Any:
+def _train(rank: int, world: int, num_servers: int, steps: int, die_at: int | None, timeout_s: float) -> Any:
     timeout = timedelta(seconds=timeout_s)
-    init_rpc(rank, world, f"tcp://127.0.0.1:{port}", timeout=timeout, num_threads=2)
+    # RPC meets in a store rank 0 binds on a kernel-picked port, shared over the gloo group
+    init_rpc(rank, world, rendezvous_store(rank, world, "127.0.0.1", timeout=timeout), timeout=timeout, num_threads=2)
     failure: str | None = None
     try:
         params = _params()
@@ -70,7 +71,7 @@ def _train(rank: int, world: int, port: int, num_servers: int, steps: int, die_a
 @pytest.mark.parametrize(("world", "num_servers"), [(2, 2), (3, 1), (3, 3)])
 def test_rpc_push_pull_equals_single_device_sgd(world: int, num_servers: int) -> None:
     steps = 4
-    out = run_workers(_train, world, free_port(), num_servers, steps, None, 30.0, timeout=90)
+    out = run_workers(_train, world, num_servers, steps, None, 30.0, timeout=90)
     params = _params()
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     for step in range(steps):
@@ -99,7 +100,7 @@ def test_dead_worker_fails_the_others_within_the_timeout(num_servers: int, expec
     timeout_s = 4.0
     start = time.monotonic()
     with pytest.raises(RuntimeError) as info:
-        run_workers(_train, 3, free_port(), num_servers, 5, 2, timeout_s, timeout=60, pg_timeout_s=20)
+        run_workers(_train, 3, num_servers, 5, 2, timeout_s, timeout=60, pg_timeout_s=20)
     # the barrier timeout plus start-up and a non-graceful shutdown, far below run_workers' 60 s
     assert time.monotonic() - start < 30
     message = str(info.value)

@@ -1,0 +1,191 @@
+"""CUDA stream order for the parameter servers' tensors, with no Lightning import.
+
+A shard's tensors are touched by many host threads: RPC threads deliver pushes, the co-located
+worker calls its shard directly, and a lock orders them on the host only. On a GPU each of those
+threads enqueues work on its own *current stream* (TensorPipe runs a handler on the pool streams
+that received its message; the training thread uses the default stream), and kernels on
+different streams run in any order. :class:`StreamOrder` gives a shard one stream of its own and
+three rules, which together make the device order follow the host's lock order:
+
+- :meth:`StreamOrder.take`: before the shard uses tensors that a caller produced (gradients
+  packed by the co-located worker) or that arrived on the caller's stream (an RPC's tensors), the
+  shard stream waits for the caller's current stream, and each tensor's memory is recorded on the
+  shard stream (``record_stream``) so the caching allocator does not hand it out again while the
+  shard's kernels still read it.
+- :meth:`StreamOrder.running`: the shard's own work (averaging, the optimizer step, the snapshot
+  of its values for a reply) runs with the shard stream current, so consecutive steps, whichever
+  thread enqueued them, are ordered on one stream as they were under the lock.
+- :meth:`StreamOrder.reply` / :meth:`StreamOrder.complete`: a reply completed later (the sync
+  barrier's, set by whichever thread pushed last) is a future created with ``devices=[device]``
+  and completed while the shard stream is current. Such a future records an event on that
+  stream; whoever waits on it (``Future.wait``: the co-located worker, or TensorPipe before it
+  sends the response of an ``async_execution`` handler) has its current stream wait on the event
+  and the value's tensors recorded on that stream. :meth:`StreamOrder.give`: a result returned
+  directly (an async push or pull, a state dict) makes the caller's current stream wait for the
+  shard stream instead; for an RPC handler that is the stream TensorPipe sends the response from.
+  Either way a reply holds a *snapshot* (a copy made on the shard stream), never the live
+  parameters, so a later step cannot change a reply still being read or sent.
+
+On the worker side no extra code is needed: ``rpc_async`` orders its send after the caller's
+current stream, and ``Future.wait`` orders the caller's stream after the reply's, which is where
+:class:`~lightning_strategies.comm.ps.ParameterServerClient` copies the values into the model.
+
+On CPU (and with no backend) every rule is a no-op and replies are plain futures. The rules call
+a :class:`StreamBackend`; :class:`CudaStreams` is torch's, and tests pass a fake one to check,
+without a GPU, which stream waits on which and where each future is completed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Protocol, TypeVar
+
+import torch
+from torch import Tensor
+from torch.futures import Future
+
+__all__ = ["CudaStreams", "StreamBackend", "StreamOrder"]
+
+T = TypeVar("T")
+
+
+class StreamBackend(Protocol):
+    """The stream operations :class:`StreamOrder` needs (torch's are :class:`CudaStreams`)."""
+
+    def new_stream(self, device: torch.device) -> Any:
+        """A new stream on ``device``."""
+        ...
+
+    def current_stream(self, device: torch.device) -> Any:
+        """This thread's current stream on ``device``."""
+        ...
+
+    def use(self, stream: Any) -> AbstractContextManager[Any]:
+        """A context in which ``stream`` is this thread's current stream."""
+        ...
+
+    def wait(self, waiter: Any, producer: Any) -> None:
+        """Work enqueued on ``waiter`` from now on runs after the work already on ``producer``."""
+        ...
+
+    def keep(self, tensor: Tensor, stream: Any) -> None:
+        """``tensor``'s memory is not reused before the work enqueued on ``stream`` so far is done."""
+        ...
+
+    def future(self, device: torch.device) -> Future[Any]:
+        """An empty future that may hold tensors on ``device`` (stream-aware)."""
+        ...
+
+
+class CudaStreams:
+    """:class:`StreamBackend` over ``torch.cuda``."""
+
+    def new_stream(self, device: torch.device) -> torch.cuda.Stream:
+        return torch.cuda.Stream(device)
+
+    def current_stream(self, device: torch.device) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(device)
+
+    def use(self, stream: Any) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def wait(self, waiter: Any, producer: Any) -> None:
+        if waiter != producer:
+            waiter.wait_stream(producer)  # an event recorded on producer, waited on by waiter: no host sync
+
+    def keep(self, tensor: Tensor, stream: Any) -> None:
+        if tensor.is_cuda:
+            tensor.record_stream(stream)
+
+    def future(self, device: torch.device) -> Future[Any]:
+        return Future(devices=[device])
+
+
+class StreamOrder:
+    """A shard's stream and the rules that order its device work (see the module docstring).
+
+    Args:
+        device: where the shard's tensors live.
+        backend: the stream operations; default :class:`CudaStreams` for a CUDA ``device`` and
+            none (every rule a no-op) otherwise.
+    """
+
+    def __init__(self, device: torch.device, backend: StreamBackend | None = None) -> None:
+        self.device = device
+        if backend is None and device.type == "cuda":
+            backend = CudaStreams()
+        self.backend = backend
+        self.stream: Any = backend.new_stream(device) if backend is not None else None
+
+    @classmethod
+    def for_tensors(cls, tensors: Sequence[Tensor], backend: StreamBackend | None = None) -> StreamOrder:
+        """The order for a shard holding ``tensors`` (on one device; CPU when there are none)."""
+        devices = {t.device for t in tensors}
+        if len(devices) > 1:
+            raise ValueError(
+                f"a parameter server shard found tensors on {sorted(map(str, devices))}: expected one device. "
+                "Fix: move the whole model to one device before fitting (Lightning does)."
+            )
+        return cls(devices.pop() if devices else torch.device("cpu"), backend)
+
+    @property
+    def active(self) -> bool:
+        """Whether there are streams to order (a CUDA device, or a test's backend)."""
+        return self.backend is not None
+
+    def take(self, tensors: Iterable[Tensor | None] = ()) -> None:
+        """Order the shard stream after the caller's current stream and keep ``tensors`` alive for it.
+
+        Call it on the caller's thread, before the shard uses ``tensors`` (and under the shard's
+        lock, so the waits are enqueued in the lock's order).
+        """
+        if self.backend is None:
+            return
+        self.backend.wait(self.stream, self.backend.current_stream(self.device))
+        for t in _one_per_storage(tensors):
+            self.backend.keep(t, self.stream)
+
+    def running(self) -> AbstractContextManager[Any]:
+        """A context in which the shard stream is the current stream."""
+        return self.backend.use(self.stream) if self.backend is not None else nullcontext()
+
+    def future(self) -> Future[Any]:
+        """An empty reply future (stream-aware on a device)."""
+        return self.backend.future(self.device) if self.backend is not None else Future()
+
+    def complete(self, futures: Iterable[Future[Any]], value: Any) -> None:
+        """Set ``value`` on ``futures`` with the shard stream current: each records an event there."""
+        with self.running():
+            for fut in futures:
+                fut.set_result(value)
+
+    def reply(self, value: T) -> Future[T]:
+        """A future holding ``value``, completed on the shard stream."""
+        fut: Future[T] = self.future()
+        self.complete([fut], value)
+        return fut
+
+    def give(self, tensors: Iterable[Tensor | None] = ()) -> None:
+        """Order the caller's current stream after the shard stream, and keep ``tensors`` (made on the
+        shard stream) alive for the caller's stream: for a result returned to the caller directly.
+
+        Call it on the caller's thread after the shard's work. An RPC handler's caller stream is the
+        one TensorPipe sends the response from, so a plain handler's reply is ordered too.
+        """
+        if self.backend is None:
+            return
+        caller = self.backend.current_stream(self.device)
+        self.backend.wait(caller, self.stream)
+        for t in _one_per_storage(tensors):
+            self.backend.keep(t, caller)
+
+
+def _one_per_storage(tensors: Iterable[Tensor | None]) -> list[Tensor]:
+    """One tensor per distinct storage: the slices of a packed payload share one, and recording
+    it once covers them all."""
+    seen: dict[int, Tensor] = {}
+    for t in tensors:
+        if t is not None:
+            seen.setdefault(t.untyped_storage().data_ptr(), t)
+    return list(seen.values())
