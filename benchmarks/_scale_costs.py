@@ -152,11 +152,10 @@ def machine_costs(
         rpc_overhead_s=rpc_overhead,
         rpc_intra=Link(0.0, rpc_bandwidth),
         rpc_inter=Link(0.0, rpc_bandwidth),
-        **host,
         chunk_overhead_s=chunk,
         cores=cores,
         min_chunk_bytes=RING_MIN_CHUNK_BYTES,
-    )
+    ).with_(**host)
     if probe is None:
         return costs
     cores_now = effective_cores(world, probe["alone_s"], probe["all_s"])

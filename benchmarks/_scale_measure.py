@@ -13,8 +13,9 @@ The strategies are the comm layer of the package, driven directly with a compute
     ring_hier  the same with ``hierarchical=True`` (torchrun, 2 nodes x 2 only; when comm.ring has it)
     ps         compute; ``ParameterServerClient.push_pull`` to P shards (``partition_parameters``, SGD)
     ps_1       the same with one shard on rank 0
-    async      draw a batch from the ``AsyncCoordinator`` (rank 0), compute, ``push(pull=True)``
-               to P ``AsyncParameterShard`` s; per worker, timed over a window (no lockstep)
+    async      a batch from the worker's ``BatchLease`` (refilled from the ``AsyncCoordinator`` on
+               rank 0 in the background), compute, ``push(pull=True)`` to P ``AsyncParameterShard`` s;
+               per worker, timed over a window (no lockstep)
     pipeline   ``PipelineRuntime`` of K = P stages of Linear + tanh blocks, GPipe, M micro-batches
 
 The compute stand-in is a fixed number of 256 x 256 matmuls + tanh: real CPU work, so P processes
@@ -40,6 +41,7 @@ from benchmarks._pipeline_models import real_balanced
 from benchmarks._scale_model import ddp_buckets
 from lightning_strategies.comm.async_ps import AsyncParameterServerClient, AsyncParameterShard
 from lightning_strategies.comm.coordinator import AsyncCoordinator, DataPlan
+from lightning_strategies.comm.lease import BatchLease
 from lightning_strategies.comm.pipeline import PipelineRuntime, profile_blocks
 from lightning_strategies.comm.ps import (
     OptimizerSpec,
@@ -437,26 +439,32 @@ def _ps_setup(w: World, num_servers: int) -> tuple[Callable[[], None], Callable[
 
 
 def _async_step(w: World, window_s: float) -> tuple[float, float]:
-    """Seconds per worker step of async (mean over workers), timed over a window, and bytes sent."""
+    """Seconds per worker step of async (mean over workers), timed over a window, and bytes sent.
+
+    As the ``async`` strategy of main runs it: batches from a local :class:`BatchLease` (refilled
+    from the coordinator on rank 0 in the background, off the step's critical path), compute, a
+    push with pull to every shard, the push noted in the lease (its acks ride on the next refill).
+    """
     plan = partition_parameters(w.sizes, w.world)
-    shard = AsyncParameterShard(
-        w.rank, plan[w.rank], [slice_of(w.params[sl.tensor], sl) for sl in plan[w.rank]], w.spec, w.world,
-        timeout=_TIMEOUT,
-    )  # fmt: skip
+    values = [slice_of(w.params[sl.tensor], sl) for sl in plan[w.rank]]
+    shard = AsyncParameterShard(w.rank, plan[w.rank], values, w.spec, w.world, timeout=_TIMEOUT)
     register_shard(shard)
     coordinator = None
     if w.rank == 0:
         coordinator = AsyncCoordinator(w.world, None, timeout=_TIMEOUT)
         register_coordinator(coordinator)
     dist.barrier()
-    client = AsyncParameterServerClient(w.rank, w.params, plan, timeout=_TIMEOUT, coordinator_rank=0)
-    data = DataPlan(num_samples=10_000, batch_size=1, shuffle=False)  # more than a window's draws
+    client = AsyncParameterServerClient(w.rank, w.params, plan, timeout=_TIMEOUT)
+    lease = BatchLease(w.rank, coordinator_rank=0, rpc_timeout=_TIMEOUT.total_seconds() + 10)
+    data = DataPlan(num_samples=10_000, batch_size=1, shuffle=False)  # more than a window's batches
     grads = [p.grad for p in w.params]
 
     def step() -> None:
-        client.draw(0, data)
+        batch = lease.next(0, data)
+        assert batch is not None
         w.compute()
         client.push(grads, _LR, pull=True)
+        lease.pushed(client.clock, [batch])
 
     step()
     dist.barrier()
@@ -470,7 +478,7 @@ def _async_step(w: World, window_s: float) -> tuple[float, float]:
     elapsed = time.perf_counter() - t0
     dist.barrier()  # every push has been answered (and counted by its shard) before the counts are read
     sent = client.stats.bytes_sent + shard.stats.bytes_sent - before
-    time.sleep(0.05)  # the last ticks
+    time.sleep(0.05)  # refills in flight are answered
     dist.barrier()
     if coordinator is not None:
         unregister_coordinator()

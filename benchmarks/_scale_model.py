@@ -29,9 +29,11 @@ B bytes in ``latency + B / bandwidth``.
                ring, but 2(P-1) RPC messages per rank and per step
     ps_1       one server (rank 0): it receives (P-1) x D and sends (P-1) x D, the seed's bottleneck,
                growing linearly with P
-    async      ps's messages without the barrier, each push applied alone on arrival, plus a draw
-               round trip to the coordinator (rank 0) per step (the ``async`` of main at the time of
-               writing: one draw RPC per step on the worker's critical path, one tick after each push)
+    async      ps's messages without the barrier, each push applied alone on arrival; batches from a
+               local lease of L (4) refilled by the coordinator (rank 0) when half is used: one
+               refill round trip per L/2 steps, in the background (the ``async`` of main since its
+               lease: nothing per step on rank 0's critical path; the coordinator serves (P-1)
+               refill messages per round of steps)
     pipeline   K stages x R = P/K replicas, M micro-batches: (M+K-1) slots forward and backward in
                which b_j = min(j+1, K, M, M+K-1-j) stages are busy, plus 2(K-1) activation transfers
                on the critical path and, with R > 1, a ring all-reduce of D/K over the replicas
@@ -106,6 +108,7 @@ class Costs:
             256 KiB): its buckets grow to P x this once that exceeds ``bucket_bytes``; 0: fixed buckets.
         overlap_s: seconds of the all-reduce (ddp, ring, ring_hier) hidden under the backward pass;
             0: compute, then communicate (what the validation runs do).
+        async_lease: batches an async worker leases at a time (``comm.lease.DEFAULT_LEASE``).
     """
 
     compute_s: float
@@ -132,6 +135,7 @@ class Costs:
     first_bucket_bytes: float = MIB
     min_chunk_bytes: float = 0.0
     overlap_s: float = 0.0
+    async_lease: int = 4
 
     def buckets(self, grad_bytes: float, world: int = 1, *, grow: bool = False) -> list[float]:
         """DDP's buckets of ``grad_bytes``; with ``grow``, the ring strategy's (at least P x min chunk)."""
@@ -378,13 +382,15 @@ def _ps_1(costs: Costs, world: int, work: Workload) -> Prediction:
 
 def _async(costs: Costs, world: int, work: Workload) -> Prediction:
     """ps's traffic without the barrier: each push is applied alone (an optimizer step on D/P per
-    push, so D per rank per round of pushes, instead of averaging), plus a draw and a tick RPC."""
+    push, so D per rank per round of pushes, instead of averaging); a lease refill round trip every
+    L/2 steps, off the critical path but host work all the same."""
     d, p = work.grad_bytes, world
     local = min(costs.local_size, p)
     nodes = math.ceil(p / local)
     off, on = p - local, local - 1
     k = contention(p, costs.cores)
-    messages = 2 * (p - 1) + (2 if p > 1 else 0)  # pushes and replies; a draw and a tick to rank 0
+    refill = 4 / costs.async_lease if p > 1 else 0.0  # 2 messages per refill, one refill per L/2 steps
+    messages = 2 * (p - 1) + refill
     wire = 2 * _rpc_bytes_seconds(costs, p, d / p, off, on)
     link = costs.rpc_inter if nodes > 1 else costs.rpc_intra
     phases = {
@@ -392,13 +398,13 @@ def _async(costs: Costs, world: int, work: Workload) -> Prediction:
         "host": k * (_client_host(costs, work) + _shard_host(costs, work, 1 / p, p, averaged=False)),
         "messages": k * messages * costs.rpc_overhead_s,
         "bandwidth": k * wire,
-        "latency": (4 * link.latency_s) if p > 1 else 0.0,  # push/reply and draw round trips
+        "latency": (2 * link.latency_s) if p > 1 else 0.0,  # the push and its reply
     }
     step = sum(phases.values())
     bound = "worker"
-    # rank 0's host also serves every other worker's draw and tick (one lock, one GIL): once that
-    # and its own messages take longer than a step, the draws queue and every worker waits for them
-    rank0 = k * (messages + 2 * (p - 1)) * costs.rpc_overhead_s
+    # rank 0's host also answers every other worker's refills (one lock, one GIL): once that and its
+    # own messages take longer than a step, the leases run dry and every worker waits for them
+    rank0 = k * (messages + (p - 1) * refill) * costs.rpc_overhead_s
     if rank0 > step:
         phases["coordinator_wait"] = rank0 - step
         step, bound = rank0, "coordinator"

@@ -171,16 +171,19 @@ def test_sharded_ps_across_nodes_puts_l_times_a_rings_bytes_on_the_nic() -> None
     assert ps.nic_bytes / ring.nic_bytes == pytest.approx(8 * (world - 8) / (world - 1), rel=REL)
 
 
-def test_async_is_bound_by_rank_0_once_it_serves_the_draws_slower_than_a_step() -> None:
+def test_async_refills_its_lease_every_half_lease_and_rank_0_serves_every_workers_refills() -> None:
     o = 1e-3
     c = costs(rpc_overhead_s=o, compute_s=0.05)
     small = predict("async", c, 4, one_bucket())
     assert small.bound == "worker"
-    assert small.step_s == pytest.approx(0.05 + (2 * 3 + 2) * o, rel=REL)  # pushes, replies, draw, tick
-    big = predict("async", c, 1024, one_bucket())
+    # pushes and replies, and a refill (request + answer) every 2 steps of a 4-batch lease
+    assert small.step_s == pytest.approx(0.05 + (2 * 3 + 1) * o, rel=REL)
+    assert predict("async", c.with_(async_lease=8), 4, one_bucket()).messages == 2 * 3 + 0.5
+    c0 = c.with_(compute_s=0.0)
+    big = predict("async", c0, 1024, one_bucket())
     assert big.bound == "coordinator"
-    # rank 0: its own 2(P-1) + 2 messages and the other workers' 2(P-1) draws and ticks
-    assert big.step_s == pytest.approx((4 * 1023 + 2) * o, rel=REL)
+    # rank 0: its own 2(P-1) + 1 messages and the other workers' refills, 1 message each per step
+    assert big.step_s == pytest.approx((2 * 1023 + 1 + 1023) * o, rel=REL)
 
 
 # -- pipeline -------------------------------------------------------------------------------
