@@ -165,19 +165,20 @@ def machine_workload(calib: dict[str, float], world: int, sizes: Sequence[int], 
     )
 
 
-def quiet_calibration(rows_by_world: dict[str, list[dict]]) -> dict[str, float]:
+def quiet_calibration(rows_by_world: dict[str, list[dict]], *, latency_median: bool = True) -> dict[str, float]:
     """The machine's calibration over all repetitions of all worlds (the figures are measured with one
     or two processes busy and the others idle: they do not depend on P).
 
     Work figures: their minimum, the least disturbed value (other jobs only ever add time; the probe
     before each step says how much slower the machine is then, :func:`compare`). Latency figures
-    (``LATENCY_KEYS``): their median, the typical wake-up of the run.
+    (``LATENCY_KEYS``): their median, the typical wake-up of the run (``latency_median=False``: their
+    minimum too, a host that no other job shares, for the projection).
     """
     calibs = [calib_of(row) for rows in rows_by_world.values() for row in rows]
     out = {}
     for k in calibs[0]:
         values = [c[k] for c in calibs if k in c]
-        out[k] = float(statistics.median(values) if k in LATENCY_KEYS else min(values))
+        out[k] = float(statistics.median(values) if latency_median and k in LATENCY_KEYS else min(values))
     return out
 
 
@@ -495,9 +496,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     worst = max(errors, key=lambda k: errors[k])
     print(f"# goal: scale_model_error_max <= {GOAL}; worst: {worst}", flush=True)
     cluster = Cluster(**{f.name: getattr(args, f.name) for f in fields(Cluster)})
-    # the projection's host overheads: the quiet machine's (a cluster host is not shared with other jobs)
-    proj = project(cluster, calibrated)
-    print_projection(cluster, calibrated, proj)
+    # the projection's host overheads: every figure's least disturbed value (a cluster's host is not
+    # shared with other jobs)
+    unshared = machine_costs(
+        {**quiet_calibration(rows, latency_median=False), "microbatches": float(cfg["pipeline"]["microbatches"])},
+        2, tensors=len(sizes), grad_bytes=4.0 * n,
+    )  # fmt: skip
+    proj = project(cluster, unshared)
+    print_projection(cluster, unshared, proj)
     if not args.quick:
         plot_projection(cluster, proj, RESULTS / "scale.png")
         plot_traffic(cluster, proj, RESULTS / "scale_traffic.png")
