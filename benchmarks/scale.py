@@ -69,7 +69,7 @@ from benchmarks._scale_costs import (
     machine_costs,
 )
 from benchmarks._scale_measure import standin_iters, world_worker
-from benchmarks._scale_model import Costs, Link, Workload, predict
+from benchmarks._scale_model import Costs, Link, Prediction, Workload, predict
 from benchmarks._workers import reserved_port, run_workers
 from benchmarks.ps_traffic import resnet50_sizes
 
@@ -291,6 +291,7 @@ def print_projection(cluster: Cluster, calibrated: Costs, proj: dict[str, dict[i
             line(f"projected_scaling_efficiency_{s}_P{p}", cluster.step_ms / 1e3 / pred.step_s, "x")
             line(f"projected_link_bytes_{s}_P{p}", pred.link_bytes, "bytes")
             line(f"projected_nic_bytes_{s}_P{p}", pred.nic_bytes, "bytes")
+            line(f"projected_worker_bytes_{s}_P{p}", pred.busiest_sent_bytes, "bytes")
             if s == "ps_1":
                 line(f"projected_server_bytes_ps_1_P{p}", pred.busiest_sent_bytes, "bytes")
             if pred.bound and pred.bound != "worker":
@@ -383,13 +384,46 @@ def plot_validation(results: Sequence[tuple[str, str, dict]], path: Path) -> Non
         ax.plot([], [], "o", color=STYLE[s], label=s)
     for tag, m in markers.items():
         ax.plot([], [], m, color="gray", fillstyle="none", label=tag)
+    from matplotlib.ticker import NullFormatter
+
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("measured seconds per step (median)")
     ax.set_ylabel("predicted (median ratio x measured)")
     ax.set_title("scale model on this machine (band: +-15%)", fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     save_figure(fig, path)
+
+
+def plot_from(path: Path) -> None:
+    """Draw the three figures again from a stored output (``--plot-from results/scale.txt``): no
+    measurement, the printed lines only."""
+    values: dict[str, float] = {}
+    for text in path.read_text().splitlines():
+        parts = text.split()
+        if len(parts) == 3 and not text.startswith("#"):
+            values[parts[0]] = float(parts[1])
+    defaults = Cluster()
+    cluster = Cluster(**{f.name: type(getattr(defaults, f.name))(values[f"cluster_{f.name}"]) for f in fields(Cluster)})
+    proj: dict[str, dict[int, Any]] = {s: {} for s in PROJECTED_STRATEGIES}
+    for s in PROJECTED_STRATEGIES:
+        for p in PROJECTED:
+            proj[s][p] = Prediction(
+                values[f"projected_step_s_{s}_P{p}"], {}, values[f"projected_worker_bytes_{s}_P{p}"],
+                values[f"projected_link_bytes_{s}_P{p}"], values[f"projected_nic_bytes_{s}_P{p}"], 0.0,
+            )  # fmt: skip
+    results = []
+    for name, measured in values.items():
+        if name.startswith("scale_measured_step_s_"):
+            tag = name.removeprefix("scale_measured_step_s_")
+            s, _, world = tag.rpartition("_")
+            ratio = values[f"scale_predicted_over_measured_{tag}"]
+            results.append((s, world, {"measured": measured, "ratio": ratio}))
+    plot_projection(cluster, proj, path.parent / "scale.png")
+    plot_traffic(cluster, proj, path.parent / "scale_traffic.png")
+    plot_validation(results, path.parent / "scale_validation.png")
 
 
 # --------------------------------------------------------------------------------------------
@@ -415,6 +449,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--torchrun", action="store_true", help="run the 2 nodes x 2 torchrun run with --quick too")
     parser.add_argument("--no-wire", action="store_true", help="skip the kernel byte counts")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per world")
+    parser.add_argument("--plot-from", type=Path, default=None, help="only redraw the figures from a stored output")
     for f in fields(Cluster):
         default = f.default
         parser.add_argument(
@@ -434,6 +469,7 @@ def report(tag: str, got: dict[str, dict], errors: dict[str, float], results: li
         name = f"{s}_{tag}"
         line(f"scale_measured_step_s_{name}", r["measured"], "s")
         line(f"scale_predicted_step_s_{name}", r["predicted"], "s")
+        line(f"scale_predicted_over_measured_{name}", r["ratio"], "x")
         errors[name] = abs(r["ratio"] - 1)
         line(f"scale_model_error_{name}", errors[name], "fraction")
         parts = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in r["phases"].items())
@@ -448,6 +484,9 @@ def report(tag: str, got: dict[str, dict], errors: dict[str, float], results: li
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
+    if args.plot_from is not None:
+        plot_from(args.plot_from)
+        return 0
     torch.set_num_threads(1)
     start = time.perf_counter()
     print(header("scale: a calibrated model of step time and bytes per link (CPU, gloo + TensorPipe)"), flush=True)
@@ -507,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.quick:
         plot_projection(cluster, proj, RESULTS / "scale.png")
         plot_traffic(cluster, proj, RESULTS / "scale_traffic.png")
-        plot_validation(results, RESULTS / "scale_validation.png")
+        plot_validation(results, RESULTS / "scale_validation.png")  # (--plot-from redraws them from the output)
     print(load_line("end"), flush=True)
     print(f"# wall {time.perf_counter() - start:.0f} s", flush=True)
     return 0
