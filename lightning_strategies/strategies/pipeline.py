@@ -857,7 +857,7 @@ class PipelineStrategy(ModelParallelStrategy):
         if path is None or not os.path.isfile(path) or not isinstance(io, TorchCheckpointIO):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         try:
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=bool(weights_only))
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
         except Exception:  # not a zip archive, an old format: the IO's own load and its diagnosis
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
