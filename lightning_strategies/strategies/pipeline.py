@@ -65,6 +65,7 @@ from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
@@ -630,8 +631,11 @@ class PipelineStrategy(ModelParallelStrategy):
         trainer = self.trainer
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         params = runtime.stage_parameters
-        # Lightning zeroes after this step exactly when batch_idx starts a window (its closure's rule)
-        earlier = [None if batch_idx % accumulate == 0 else p.grad for p in params]
+        # Lightning zeroes after this step exactly when batch_idx starts a window (its closure's
+        # rule), unless the module decides itself how gradients are zeroed
+        own_zeroing = is_overridden("optimizer_zero_grad", module, pl.LightningModule)
+        zeroed_next = batch_idx % accumulate == 0 and not own_zeroing
+        earlier = [None if zeroed_next else p.grad for p in params]
         for p in params:
             p.grad = None
         # the transfers run here, also outside optimizer_step (micro-steps that only accumulate)
