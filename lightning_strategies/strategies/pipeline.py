@@ -65,6 +65,7 @@ from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
@@ -134,7 +135,9 @@ class PipelineStrategy(ModelParallelStrategy):
     ``configure_model``: under this strategy it runs on ``meta`` (as does
     ``Trainer.init_module()``), and rank 0 materialises and initialises one block at a time
     (each submodule's ``reset_parameters()``, in block order, from rank 0's CPU RNG: the weights
-    of an unsplit model built on CPU after the same seed) before sending it on. After fit a rank's
+    of an unsplit model built on CPU after the same seed) before sending it on. Build only the
+    layers there: other state created in that context (a torchmetrics metric's) would be ``meta``
+    too, so metrics belong in ``__init__``. After fit a rank's
     module holds its own stages only (a fork- or spawn-launched fit hands the whole trained model
     to the caller); the checkpoint holds the whole model.
 
@@ -250,6 +253,7 @@ class PipelineStrategy(ModelParallelStrategy):
         self._runtime: PipelineRuntime | None = None
         self._step_grads: list[Tensor | None] | None = None
         self._model_at_fit_end: dict[str, Any] | None = None
+        self._metric_groups: list[tuple[nn.Module, Any]] = []  # torchmetrics metrics and their own groups
 
     # -- options in effect -------------------------------------------------------------------
 
@@ -627,8 +631,11 @@ class PipelineStrategy(ModelParallelStrategy):
         trainer = self.trainer
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         params = runtime.stage_parameters
-        # Lightning zeroes after this step exactly when batch_idx starts a window (its closure's rule)
-        earlier = [None if batch_idx % accumulate == 0 else p.grad for p in params]
+        # Lightning zeroes after this step exactly when batch_idx starts a window (its closure's
+        # rule), unless the module decides itself how gradients are zeroed
+        own_zeroing = is_overridden("optimizer_zero_grad", module, pl.LightningModule)
+        zeroed_next = batch_idx % accumulate == 0 and not own_zeroing
+        earlier = [None if zeroed_next else p.grad for p in params]
         for p in params:
             p.grad = None
         # the transfers run here, also outside optimizer_step (micro-steps that only accumulate)
@@ -766,11 +773,19 @@ class PipelineStrategy(ModelParallelStrategy):
 
     def _metrics_over_replicas(self, module: nn.Module) -> None:
         # torchmetrics metrics sync their states over the world by default; a pipeline's ranks
-        # update them with the same samples, so they sync over the replicas (the data they differ in).
+        # update them with the same samples, so they sync over the replicas (the data they differ
+        # in). The metrics' own groups come back at teardown, when the mesh's groups are destroyed.
         dp_group = self._group("dp")
         for m in module.modules():
             if type(m).__module__.startswith("torchmetrics") and hasattr(m, "process_group"):
+                if all(m is not seen for seen, _ in self._metric_groups):
+                    self._metric_groups.append((m, m.__dict__.get("process_group")))
                 m.__dict__["process_group"] = dp_group
+
+    def _restore_metric_groups(self) -> None:
+        for m, group in self._metric_groups:
+            m.__dict__["process_group"] = group
+        self._metric_groups = []
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -846,7 +861,7 @@ class PipelineStrategy(ModelParallelStrategy):
         if path is None or not os.path.isfile(path) or not isinstance(io, TorchCheckpointIO):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         try:
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=bool(weights_only))
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
         except Exception:  # not a zip archive, an old format: the IO's own load and its diagnosis
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
@@ -920,6 +935,7 @@ class PipelineStrategy(ModelParallelStrategy):
         self._runtime = None
         self._step_grads = None
         self._blocks = None
+        self._restore_metric_groups()
         if not self.failed and dist.is_available() and dist.is_initialized():
             for group in groups:
                 with suppress(ValueError):  # destroyed already (the caller tore everything down)

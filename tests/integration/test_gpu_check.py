@@ -28,6 +28,10 @@ REQUIRED = {
     "bf16-mixed": "test_precision_gpu.py::test_bf16_mixed_on_the_gpu_is_close_to_fp32_on_the_cpu[ring]",
     "16-mixed": "test_precision_gpu.py::test_16_mixed_on_the_gpu_is_close_to_fp32_on_the_cpu[ps]",
     "metrics without host syncs": "test_metrics_window_gpu.py::test_metrics_window_never_waits_for_the_gpu",
+    "pipeline stages on one GPU": "test_pipeline_gpu.py::test_two_stages_on_one_gpu_equal_the_cpu",
+    "pipeline mixed precision": "test_pipeline_gpu.py::test_mixed_precision_stages_on_one_gpu_are_close_to_fp32",
+    "pipeline fp16 overflow": "test_pipeline_gpu.py::test_16_mixed_overflow_skips_the_step_and_halves_the_scale",
+    "pipeline step without host syncs": "test_pipeline_gpu.py::test_a_step_never_waits_for_the_gpu",
 }  # fmt: skip
 
 

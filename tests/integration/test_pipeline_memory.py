@@ -207,3 +207,33 @@ def test_predict_returns_each_sample_once_from_the_last_stage(world: int, num_st
     assert len(rows) == len(want)  # each sample once: 30 rows, not 30 x stages
     got = torch.tensor(sorted(rows))
     torch.testing.assert_close(got, torch.tensor(sorted(want.tolist())), rtol=1e-6, atol=1e-7)
+
+
+class _Counting(PipeRegressor):
+    """Counts validation samples two ways: a summed, synced self.log and a torchmetrics SumMetric."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import torchmetrics
+
+        self.seen = torchmetrics.SumMetric()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, _ = batch
+        self(x)
+        self.log("samples", float(len(x)), reduce_fx="sum", sync_dist=True, batch_size=len(x))
+        self.seen.update(torch.ones(len(x)))
+        self.log("seen", self.seen, batch_size=len(x))
+
+
+@pytest.mark.parametrize(("devices", "num_stages"), [(2, 2), (4, 2)], ids=["2stages", "2x2"])
+def test_validation_counts_each_sample_once(devices: int, num_stages: int) -> None:
+    """Every stage rank runs validation_step on the last stage's outputs (so all log the same
+    keys), but synced logs and torchmetrics states reduce over the replicas: 30 samples count 30,
+    not 30 x stages (a world-wide sum gives 60)."""
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=PipelineStrategy(num_stages=num_stages, start_method="fork"),
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    (result,) = trainer.validate(_Counting(), DataLoader(regression_data(n=30, seed=1), batch_size=8), verbose=False)
+    assert (result["samples"], result["seen"]) == (30.0, 30.0), result

@@ -276,6 +276,31 @@ def test_fit_equals_single_device(kwargs: dict[str, Any], devices: int, single_d
     assert "train_loss" in metrics  # the module's own self.log, on the last stage's outputs
 
 
+class MetaRegressor(PipeRegressor):
+    """The same net, built in configure_model: on the meta device under the pipeline."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = None  # type: ignore[assignment]
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = deep_net()  # seeds 0, then builds: under the pipeline nothing is drawn here
+
+
+def test_model_built_in_configure_model_starts_from_the_unsplit_models_weights(
+    single_device: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    """Built on meta, rank 0 initialises each block at setup with reset_parameters() from its RNG
+    (seeded 0 in configure_model, nothing drawn since): the unsplit model's weights, so the fit
+    ends where one device's does (the tolerance of this file). The caller's module never built its
+    net (configure_model ran in the ranks), so the trained weights are read from the checkpoint."""
+    callback = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=4)
+    strategy = PipelineStrategy(start_method="fork")
+    fit(strategy, 2, model=MetaRegressor(), callbacks=[callback], enable_checkpointing=True)
+    assert_weights_close(torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"], single_device)
+
+
 def test_fit_with_clipping_accumulation_and_weight_decay_equals_single_device() -> None:
     """Global-norm clipping across stages; accumulation; decay must not touch other stages' weights."""
     kwargs: dict[str, Any] = {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2, "max_steps": 2}

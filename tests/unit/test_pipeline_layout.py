@@ -100,3 +100,19 @@ def test_split_refuses_a_tensor_shared_across_ranks_and_meta_tensors_outside_the
     module = WithHead()
     with pytest.raises(ValueError, match=r"found head.weight outside pipeline_layers\(\) on the meta device"):
         PipelineStrategy._check_split(module, module.body, StageLayout((1, 1), 2))
+
+
+def _mapped_from(t: torch.Tensor, path: Path) -> bool:
+    with open("/proc/self/maps") as f:
+        spans = [line.split()[0] for line in f if line.rstrip().endswith(str(path))]
+    return any(int(a, 16) <= t.data_ptr() < int(b, 16) for a, b in (s.split("-") for s in spans))
+
+
+def test_resume_reads_the_checkpoint_memory_mapped(tmp_path: Path) -> None:
+    """The strategy loads a local checkpoint with mmap: its tensors are pages of the file, and each
+    rank copies only its own stages' out of it (load_model_state_dict), never the whole model."""
+    path = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {"w": torch.arange(4096.0)}, "epoch": 1}, path)
+    loaded = PipelineStrategy().load_checkpoint(path)
+    assert loaded["epoch"] == 1 and _mapped_from(loaded["state_dict"]["w"], path)
+    torch.testing.assert_close(loaded["state_dict"]["w"], torch.arange(4096.0), rtol=0, atol=0)
