@@ -84,8 +84,10 @@ def effective_cores(world: int, alone_s: float, together_s: float) -> float:
 
 def slower(costs: Costs, factor: float) -> Costs:
     """``costs`` on a machine ``factor`` times slower for every piece of CPU work: compute, copies (on
-    loopback a link's bandwidth is memory copies), host work per byte and per tensor. Latencies
-    (per message) are left as they are (see the module's docstring)."""
+    loopback a link's bandwidth is memory copies), host work per byte and per tensor, and the
+    pipeline's hops (a message to a waiting stage waits for a core, behind whatever else is
+    runnable). Per-message latencies of the links are left as they are (see the module's
+    docstring)."""
 
     def link(x: Link) -> Link:
         return Link(x.latency_s, x.bandwidth / factor)
@@ -100,6 +102,8 @@ def slower(costs: Costs, factor: float) -> Costs:
         # a transport on loopback is copies: CPU work
         rpc_exchange_s=None if costs.rpc_exchange_s is None else costs.rpc_exchange_s * factor,
         rpc_gather_s=None if costs.rpc_gather_s is None else costs.rpc_gather_s * factor,
+        # a hop waits for a core behind the same runnable processes that slow the work down
+        hop_s=tuple(h * factor for h in costs.hop_s),
         ps_client_s_per_byte=costs.ps_client_s_per_byte * factor,
         ps_average_s_per_byte=costs.ps_average_s_per_byte * factor,
         ps_update_s_per_byte=costs.ps_update_s_per_byte * factor,

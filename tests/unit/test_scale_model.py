@@ -254,6 +254,8 @@ def test_a_hop_waits_by_the_processes_busy_when_it_is_sent() -> None:
     assert c.hop(0, Link(0.0, 1e6), nbytes=1e5) == 0.1  # measured at the run's size: its bytes are in it
     assert costs().hop(0, Link(1e-3, 1e6), nbytes=1e5) == pytest.approx(1e-3 + 0.1, rel=REL)
     assert costs().hop(2, Link(3e-6, math.inf)) == 3e-6  # no table: the link's
+    # a hop waits for a core behind the machine's other runnable work: slowed as the work is
+    assert slower(c, 2.0).hop_s == pytest.approx((0.2, 0.4), rel=REL)
 
 
 def test_chunk_overhead_is_the_pipeline_model_inverted_on_the_tiny_pipeline() -> None:
@@ -432,6 +434,10 @@ def test_calibration_pools_pair_figures_over_worlds_without_rpc_and_not_with_it(
         "compute_all_s": 0.04, "gloo_tiny_allreduce_s": pytest.approx(5e-4), "wake_0_s": pytest.approx(1.5e-4),
     }  # fmt: skip
     assert pooled_calibration(rows["coll/P2"], latency_median=False)["wake_0_s"] == 1e-4
+    # a repetition's hops are taken at the quietest repetition's speed (its compute alone against
+    # the least disturbed), as the probe before each step scales them back
+    slow = [{**rows["coll/P2"][0], "calib/compute_s": 0.02}, {**rows["coll/P2"][1], "calib/compute_s": 0.04}]
+    assert pooled_calibration(slow)["wake_0_s"] == pytest.approx((1e-4 + 2e-4 / 2) / 2)
     coll = world_calibration(rows, "coll", 4)
     assert coll["compute_all_s"] == 0.08  # all P at once: the world's own
     assert coll["gloo_tiny_allreduce_s"] == pytest.approx(2.5e-4)  # a pair's: median over both coll worlds
