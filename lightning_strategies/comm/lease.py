@@ -5,11 +5,12 @@ the :class:`~lightning_strategies.comm.coordinator.AsyncCoordinator` (rank 0). W
 low (half of ``lease``) it asks for more without waiting (``rpc_async``: the answer fills the
 lease from an RPC thread), so the worker waits for the coordinator only when the lease is empty:
 at an epoch's first batch, or when the staleness bound holds leases back. Each refill carries the
-worker's clock and the batches it has pushed since the last message (acks); with a bound the
-clock is also reported after each push, at most one report in flight (later clocks are coalesced
-into the next one), so the slow workers' progress reaches the coordinator without a message per
-step, and each step is admitted by :meth:`BatchLease.admit` in the training process: at once when
-the others' clocks known when its batch was leased allow it, else after a gate round trip.
+worker's clock and the batches it has pushed since the last message (acks); with a bound (or
+while a refill is held) the clock is also reported after each push, at most one report in flight
+(later clocks are coalesced into the next one), so the slow workers' progress reaches the
+coordinator without a message per step, and each step is admitted by :meth:`BatchLease.admit`
+in the training process: at once when the others' clocks known when its batch was leased allow
+it, else after a gate round trip.
 
 Every wait is bounded (the RPC timeout exceeds the coordinator's own) and polls ``should_stop``,
 so a process told to stop (SIGTERM) does not sit out the timeout. No Lightning import.
@@ -318,13 +319,29 @@ class BatchLease:
         with self._cond:
             self._clock = clock
             self._acks.extend((b.epoch, b.index) for b in batches)
-            if self.report_clock:
+            # with a bound the others wait for this clock; and while a refill is held, its acks are
+            # the only way the coordinator learns of the batches pushed meanwhile (with membership,
+            # an epoch ends only once every batch is acked)
+            if self.report_clock or (self._refill is not None and self._acks):
                 if self._report is None:
                     self._send_report()
                 else:
                     self._report_due = True  # coalesced into the next report
 
-    def _send_report(self, *, finished: bool = False) -> Future[Any]:
+    def give_back(self, batches: Sequence[LeasedBatch]) -> None:
+        """Return leased batches this worker will not train (its loop dropped them): the coordinator
+        puts them back in the queue. Waits for the answer."""
+        with self._cond:
+            fut = self._send_report(returned=[(b.epoch, b.index) for b in batches])
+        wait_reply(fut, f"worker {self.worker}: giving batches back to the async coordinator failed")
+
+    def _send_report(
+        self,
+        *,
+        finished: bool = False,
+        publish: dict[str, Any] | None = None,
+        returned: Sequence[tuple[int, int]] = (),
+    ) -> Future[Any]:
         acks, self._acks = self._acks, []
         self._unconfirmed = acks
         self._report_due = False
@@ -337,6 +354,8 @@ class BatchLease:
             acks,
             self.incarnation,
             finished,
+            publish,
+            list(returned),
             local=_local(self.coordinator_rank, self.worker),
             timeout=self.rpc_timeout,
         )
@@ -363,10 +382,11 @@ class BatchLease:
             if self._report_due:
                 self._send_report()
 
-    def flush(self, *, finished: bool = True) -> None:
+    def flush(self, *, finished: bool = True, publish: dict[str, Any] | None = None) -> None:
         """Send the clock and acks now and wait for the answer (at an epoch's last step), so the
         coordinator counts every batch of the epoch before the worker moves on; ``finished``: the
-        worker has no batch of the epoch left, so it no longer holds the others back."""
+        worker has no batch of the epoch left, so it no longer holds the others back; ``publish``:
+        values for the chief (membership runs: the worker's buffers)."""
         with self._cond:
             if self._error is not None:
                 raise self._error
@@ -376,7 +396,7 @@ class BatchLease:
                 pending.wait()
         with self._cond:
             self._report = None
-            fut = self._send_report(finished=finished)
+            fut = self._send_report(finished=finished, publish=publish)
         fut.wait()
         with self._cond:
             if self._error is not None:

@@ -357,29 +357,35 @@ def test_a_dropped_workers_batches_are_redrawn_and_counted_once() -> None:
     assert sorted(c.accounting(0)["redrawn"]) == sorted(x.index for x in b.batches[1:])
 
 
-def test_over_once_per_epoch_then_wait_for_redraws_or_the_next_epoch() -> None:
+def test_over_while_holding_batches_then_wait_for_redraws_or_the_next_epoch() -> None:
     c = _elastic((1, 2))
-    taken: dict[int, list[LeasedBatch]] = {1: [], 2: []}
+    taken: list[LeasedBatch] = []
     while (reply := _refill(c, 1, 4)) is not None and not reply.over:
-        taken[1] += reply.batches
-    assert len(taken[1]) == 12  # nobody else drew: worker 1 takes the whole epoch
-    held = c.refill(1, 1, 4, clock=6, acks=[(b.epoch, b.index) for b in taken[1][:6]], plan=PLAN)
-    assert not held.done()  # told "over" once; now it waits for work
+        taken += reply.batches
+    assert len(taken) == 12  # nobody else drew: worker 1 takes the whole epoch
+    # no work left and worker 1 still holds 6 unpushed batches: "over" (its loop draws one ahead of
+    # its step, so it could not finish them while a refill waits)
+    assert _refill(c, 1, 4, clock=6, acks=[(b.epoch, b.index) for b in taken[:6]]).over  # type: ignore[union-attr]
     assert c.done_count(0) == 6
-    # worker 1 is lost with 6 batches unpushed: they are redrawn, the held refill of worker 2... gets them
-    over2 = _refill(c, 2, 4)
-    assert over2 is not None and over2.over  # nothing left in the queue for worker 2: its loop epoch ends
-    w2 = c.refill(2, 1, 4, clock=0, plan=PLAN)
+    w2 = c.refill(2, 1, 4, clock=0, plan=PLAN)  # worker 2 holds nothing: it waits for work
     assert not w2.done()
-    c.drop(1, "SIGKILL")  # worker 1 is lost with 6 batches unpushed: worker 2's held refill gets them
+    held = c.refill(1, 2, 4, clock=7, acks=[(0, taken[6].index)], plan=PLAN)
+    assert held.done()  # worker 1 still holds 5: over again, its next loop epoch starts
+    c.drop(1, "SIGKILL")  # lost with 5 batches unpushed: worker 2's held refill gets them
     reply2 = w2.wait()
-    assert isinstance(reply2, LeaseReply) and len(reply2.batches) == 3  # guided: ceil(6 / (2 x 1 alive))
-    assert [b.index for b in reply2.batches] == [6, 7, 8]
-    assert isinstance(held.wait(), ShardError)  # the dropped worker's own refill fails
-    # the chief opens the next epoch: a held refill is answered with its batches
-    w2b = c.refill(2, 2, 4, clock=1, acks=[(b.epoch, b.index) for b in reply2.batches], plan=PLAN)
-    assert w2b.done() and len(w2b.value().batches) > 0  # type: ignore[union-attr]
+    assert isinstance(reply2, LeaseReply) and len(reply2.batches) == 3  # guided: ceil(5 / (2 x 1 alive))
+    assert [b.index for b in reply2.batches] == [b.index for b in taken[7:10]]
+    assert c.batches_redrawn == 5
+    # the chief opens the next epoch only once every batch is pushed
+    rest = _refill(c, 2, 4, clock=3, acks=[(b.epoch, b.index) for b in reply2.batches])
+    assert rest is not None and len(rest.batches) == 1  # ceil(2 / 2)
+    last = _refill(c, 2, 4, clock=4, acks=[(b.epoch, b.index) for b in rest.batches])
+    assert last is not None and len(last.batches) == 1
+    final = c.refill(2, 3, 4, clock=5, acks=[(b.epoch, b.index) for b in last.batches], plan=PLAN)
+    assert not final.done() and c.done_count(0) == 12 and c.accounting(0)["done"][taken[0].index] == 1
     c.open_epoch(1, DataPlan(24, 2, shuffle=False))
+    answer = final.wait()
+    assert isinstance(answer, LeaseReply) and answer.batches and answer.batches[0].epoch == 1
     assert c.current_epoch == 1
 
 
