@@ -203,7 +203,7 @@ class DedicatedServers:
 
     @property
     def world(self) -> int:
-        return int(self.strategy.world_size)
+        return int(self.strategy.num_nodes * self.strategy.num_processes)
 
     @property
     def is_chief(self) -> bool:

@@ -261,7 +261,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     @property
     def _num_workers(self) -> int:
         """The training ranks: every rank with shared hosting, the non-servers with dedicated ones."""
-        return len(self._members.workers) if self._members is not None else self.world_size
+        processes = self.num_nodes * self.num_processes
+        return len(self._members.workers) if self._members is not None else processes
 
     # -- environment (dedicated servers: a process group per process, RPC with joins) -----------
 
