@@ -56,7 +56,16 @@ from lightning_strategies.comm.rpc import register_coordinator, register_shard, 
 
 log = logging.getLogger(__name__)
 
+#: Seconds between two heartbeats of a member of a run with dedicated servers (and between two
+#: reads of them on the chief): a lost worker's batches wait for its drop, so it is noticed fast.
+MEMBERSHIP_INTERVAL = 0.5
+#: Seconds of silence before the chief pings a member. Short, because the ping decides: a live
+#: member answers it (it is only slow), a killed one refuses at once, a frozen one never answers.
+MEMBERSHIP_GRACE = 1.0
+
 __all__ = [
+    "MEMBERSHIP_GRACE",
+    "MEMBERSHIP_INTERVAL",
     "DedicatedServers",
     "ElasticRestartMixin",
     "ElasticScriptLauncher",
@@ -314,6 +323,7 @@ class DedicatedServers:
             dist.PrefixStore(run_prefix(), clone),
             self.rank,
             self.world,
+            interval=MEMBERSHIP_INTERVAL,
             store_host=f"{tcp.host}:{tcp.port}",
             store_rank=None if agent else 0,
         ).start()
@@ -353,6 +363,8 @@ class DedicatedServers:
                 drop=coordinator.drop,
                 fail=self._server_lost,
                 timeout=self.timeout,
+                interval=MEMBERSHIP_INTERVAL,
+                grace=MEMBERSHIP_GRACE,
             ).start()
             store.set("coordinator_ready", "1")
         else:
@@ -531,6 +543,10 @@ class DedicatedServers:
         if self.join is not None and not self._left:
             self._left = True
             leave_run(self.rank, self.incarnation, coordinator_rank=0, rpc_timeout=self.strategy._rpc_timeout)
+            beat = self.strategy._peer_heartbeat
+            if beat is not None:  # done: no beat may reach the store after the chief closes it
+                beat.stop()
+                self.strategy._peer_heartbeat = None
 
     # -- metrics and shutdown -------------------------------------------------------------------
 

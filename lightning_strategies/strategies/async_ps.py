@@ -29,8 +29,14 @@ changed relative to ``"ps"`` are:
   differ here, so a per-step collective would pair steps of different ranks).
 - ``on_validation_start`` / ``on_train_end`` / ``lightning_module_state_dict``: a barrier (all
   pushes are in), then every worker pulls the latest weights and rank 0's buffers, so
-  validation, the checkpoint and the returned model see one consistent state.
+  validation, the checkpoint and the returned model see one consistent state (with dedicated
+  servers: the chief, once the epoch's every batch is pushed, with the latest worker's buffers).
 - ``on_exception``: tell the coordinator, so no refill waits on this worker's clock.
+- with ``dedicated_servers``: ``setup_distributed`` / ``_start_rpc`` (the job's store, a process
+  group per process, RPC with joins), ``setup`` / ``_start_servers`` (roles, the coordinator and
+  the membership monitor on the chief, joins), ``process_dataloader`` (the servers' loop follows
+  the workers' progress), ``distributed_sampler_kwargs`` / ``barrier`` / ``reduce_boolean_decision``
+  (nothing spans processes), ``on_train_end`` / ``teardown`` (leave, no graceful RPC shutdown).
 """
 
 from __future__ import annotations
@@ -124,11 +130,14 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
 
     A worker's *clock* is the number of pushes it has made. With ``max_staleness=s`` no worker
     starts step ``c+1`` before every worker has pushed step ``c-s`` (stale-synchronous
-    parallel): ``s=0`` is a bulk-synchronous schedule, ``None`` never waits. The bound is applied
-    when batches are leased (a worker is leased no more than it may train), so it holds with
-    loader processes (``num_workers > 0``) too; the cost is smaller leases near the bound (with
-    ``s=0`` one batch per refill). At an epoch's end a worker whose lease is used up no longer
-    holds the others back (it has nothing left to push in the epoch). A gradient's
+    parallel): ``s=0`` is a bulk-synchronous schedule, ``None`` never waits. The bound is checked
+    where each step starts, in the training process (not in the sampler, which loader processes
+    and Lightning's one-batch prefetch run ahead of the steps), so it holds with
+    ``DataLoader(num_workers > 0)`` too: at once when the clocks known when the step's batch was
+    leased allow it, else after a round trip to the coordinator's gate; leases are also held back
+    near the bound, so a waiting worker does not hoard the queue (with ``s=0``, about one gate
+    round trip per step). At an epoch's end a worker whose batches are used up no longer holds
+    the others back until the next epoch starts (it has nothing left to push). A gradient's
     *staleness* is the number of updates a shard applied between the worker's pull of the
     weights it used and its push; with ``P`` equally fast workers it averages about ``P-1``.
 
@@ -146,7 +155,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     2016, "Asynchrony begets momentum"), so lower the optimizer's momentum (the digits ResNet
     diverges at 0.9 with ``P=2`` and trains at 0.5) or the learning rate; ``staleness_lr=
     "inverse"`` damps stale gradients further. LR schedules run on each worker's own step count,
-    estimated as the mean batches per worker (a fast worker reaches the schedule's end early).
+    estimated as the mean batches per worker (a fast worker reaches the schedule's end early);
+    with dedicated servers on the chief's, which follows the mean worker's.
 
     Requirements (each checked at setup, with the fix in the message): epochs, not steps
     (``max_steps=-1``; the ranks take different numbers of steps), validation once per epoch or
@@ -157,11 +167,25 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     record the queue's position.
 
     On a fault: as for ``"ps"``, a dead rank's shard (and, for rank 0, the coordinator) fails the
-    survivors' next push, pull or draw at once; a hung rank fails them when the gate (after
+    survivors' next push, pull or refill at once; a hung rank fails them when the gate (after
     ``timeout``) or an RPC to it (after ``timeout`` + max(5 s, 10%)) gives up. The error names the
     lost rank(s) (``"async: lost peer rank 1 of 4: ..."``; :class:`~lightning_strategies.PeerLostError`
     when a step failed). A rank that fails on its own error first tells the coordinator, so no
     refill waits on its clock.
+
+    With ``dedicated_servers=True`` (``"async_elastic"``) the run survives its workers: ranks
+    ``0 .. num_servers-1`` serve the shards and do not train, rank 0 (the chief) also serves the
+    job's store and the coordinator, validates on the whole validation set, writes the
+    checkpoints and logs ``async/workers_alive``, ``async/workers_lost``, ``async/workers_joined``
+    and ``async/batches_redrawn``. A worker killed, frozen past ``timeout`` or preempted (SIGTERM)
+    is dropped and its leased, unpushed batches are trained by the others (every batch of an epoch
+    counted once); a worker started again with the same rank rejoins, pulls the current weights
+    and trains. Each process has a process group of its own, so no Lightning collective
+    (barrier, broadcast, ``sync_dist``, the checkpoint's barrier) waits for another process; the
+    LR schedule runs on the chief (its steps follow the mean worker's) and travels with the
+    leases; BatchNorm statistics are the latest worker's. Servers are not replicated: a lost server
+    fails every worker (naming it), and ``ckpt_path`` of the last checkpoint restores the shards
+    exactly. (:mod:`lightning_strategies.strategies._elastic`, :mod:`lightning_strategies.comm.elastic`.)
 
     Args:
         max_staleness: the bound ``s`` on the workers' clock gap; ``None`` for none.
@@ -254,6 +278,17 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     def members(self) -> DedicatedServers | None:
         """The dedicated-servers layout (``None`` with shared hosting)."""
         return self._members
+
+    def epoch_samples(self, epoch: int) -> int | None:
+        """With dedicated servers, on the chief: the samples of epoch ``epoch``'s batches the workers
+        have pushed so far (throughput is counted there; the servers train nothing), else ``None``."""
+        coordinator, plan = self._coordinator, self._plan
+        if self._members is None or coordinator is None or plan is None:
+            return None
+        done = coordinator.done_count(epoch)
+        full = done if done < plan.num_batches or plan.drop_last else done - 1
+        last = plan.num_samples - (plan.num_batches - 1) * plan.batch_size if full < done else 0
+        return full * plan.batch_size + last
 
     def _is_server_only(self) -> bool:
         return self._members is not None and self._members.is_server

@@ -151,7 +151,7 @@ class _Record(Callback):
 
 def run_rank(rank: int, world: int, *, out_dir: str, epochs: int = 4, timeout_s: float = 20.0, fault: str = "",
              victim: int = -1, step: int = 10**9, slot: int = -1, world_size: int = 0, checkpoint: bool = False,
-             resume: str = "", step_sleep: float = 0.0) -> None:  # fmt: skip
+             resume: str = "", step_sleep: float = 0.0, num_servers: int = 1) -> None:  # fmt: skip
     """Fit (and, on the chief, test).
 
     ``slot``: this process relaunches rank ``slot`` of a ``world_size`` run once the victim is
@@ -179,7 +179,7 @@ def run_rank(rank: int, world: int, *, out_dir: str, epochs: int = 4, timeout_s:
     )
     record = _Record(out)
     callbacks: list[Callback] = [record]
-    if step_sleep and rank > 0:
+    if step_sleep and rank >= num_servers:
         callbacks.append(_Sleep(step_sleep))
     if rank == victim and slot < 0:
         callbacks.append(_Fault(fault, step, out))
@@ -190,7 +190,7 @@ def run_rank(rank: int, world: int, *, out_dir: str, epochs: int = 4, timeout_s:
         devices=1,
         num_nodes=world,
         strategy=AsyncParameterServerStrategy(
-            dedicated_servers=True, num_servers=1, timeout=timedelta(seconds=timeout_s)
+            dedicated_servers=True, num_servers=num_servers, timeout=timedelta(seconds=timeout_s)
         ),
         max_epochs=epochs,
         logger=False,

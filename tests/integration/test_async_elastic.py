@@ -13,6 +13,8 @@ Cases, ``PARALLEL`` at a time, against an uninterrupted run of the same setup:
 - a worker SIGKILLed at its step 3 and relaunched (same rendezvous, same rank) rejoins and trains: its new
   incarnation's step count grows, the other processes never restart (their pids stay, exit 0),
   ``async/workers_joined == 1``;
+- two servers (ranks 0 and 1, half of the parameters each) and two workers, one SIGKILLed: the
+  other finishes the run alone (3 epochs);
 - the server (rank 0: the store, shard 0, the coordinator) SIGKILLed at its step 20 (epoch 1): every
   worker fails within the timeout plus the diagnosis, naming rank 0; a rerun with ``resume=`` the
   last checkpoint starts from exactly the checkpoint's shard values and momentum (atol 0) and
@@ -41,6 +43,7 @@ from dist_utils import reserved_port
 from fault_utils import Job, Zygote
 
 import lightning_strategies.faults as faults
+from lightning_strategies.strategies._elastic import MEMBERSHIP_INTERVAL
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +57,7 @@ PARALLEL = 3
 JOB_TIMEOUT_S = 240.0
 SLACK_S = 10.0  # scheduling on a loaded 2-vCPU machine
 BAND = 0.05
-CASES = ("relaunch", "kill", "stop", "term", "server", "base")
+CASES = ("relaunch", "kill", "stop", "term", "server", "base", "two_servers")
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,7 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Case]]
             _job(dirs["term"], fault="term", victim=2, step=STEP),
             _job(dirs["server"], fault="kill", victim=0, step=SERVER_STEP, checkpoint=True),
             _job(dirs["base"]),
+            _job(dirs["two_servers"], fault="kill", victim=3, step=STEP, num_servers=2, epochs=3),
         ]
         start = time.monotonic()
         answers = zygote.run_many(jobs, parallel=PARALLEL)
@@ -174,7 +178,7 @@ def test_a_lost_worker_is_dropped_its_batches_redrawn_and_the_others_finish(
     elif fault == "stop":
         # silent for the timeout since its last beat, which came up to one interval before it froze
         assert reason.startswith("frozen: no heartbeat"), reason
-        assert dropped >= TIMEOUT_S - faults.DEFAULT_INTERVAL, (reason, dropped)
+        assert dropped >= TIMEOUT_S - MEMBERSHIP_INTERVAL, (reason, dropped)
     else:
         assert reason.startswith("it failed: ") and ("SIGTERM" in reason or "told to stop" in reason), reason
     _assert_in_band(chief, base.record(0))
@@ -246,4 +250,18 @@ def test_a_lost_server_fails_every_worker_in_time_naming_it_and_resume_restores_
         torch.testing.assert_close(state["momentum_buffer"].flatten(), expected, rtol=0, atol=0)
     chief = resumed.record(0)
     assert len(chief["val_acc"]) == EPOCHS - 1  # epochs 1, 2, 3: it continued where the checkpoint was
+    _assert_in_band(chief, base.record(0))
+
+
+def test_two_servers_go_on_with_one_worker_left(cases: dict[str, Case]) -> None:
+    case, base = cases["two_servers"], cases["base"]
+    exits = _exits(case)
+    assert case.answers[0]["timed_out"] == [], case.context()
+    assert exits[3] == -9 and all(exits[r] == 0 for r in (0, 1, 2)), (exits, case.context())
+    chief = case.record(0)
+    assert chief["workers_lost"] == 1 and chief["batches_redrawn"] > 0
+    for epoch, acc in chief["accounting"].items():  # the surviving worker pushed everything after the loss
+        assert sorted(int(i) for i in acc["done"]) == list(range(BATCHES)), epoch
+    assert case.record(1)["steps"] > 0  # the second server followed the epochs (its marker steps)
+    assert case.record(2)["steps"] > BATCHES  # the survivor trained more than its share
     _assert_in_band(chief, base.record(0))

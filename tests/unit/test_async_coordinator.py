@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from datetime import timedelta
@@ -501,3 +502,54 @@ def test_lease_limit_and_stop_polling(hosted: AsyncCoordinator) -> None:
     lease.flush(finished=False)  # clock 1 with 3 batches unpushed: no credit left at s = 0
     with pytest.raises(RuntimeError, match="told to stop while waiting for a lease of epoch 1"):
         lease.next(1, plan, should_stop=lambda: True)
+
+
+def test_given_back_batches_go_to_the_front_and_are_not_counted_as_redrawn() -> None:
+    c = _elastic((1, 2))
+    reply = _refill(c, 1, 8)
+    assert reply is not None and len(reply.batches) == 3  # guided: ceil(12 / (2 x 2))
+    c.report(1, 1, [(0, reply.batches[0].index)], returned=[(0, b.index) for b in reply.batches[1:]])
+    assert c.batches_returned == 2 and c.batches_redrawn == 0
+    again = _refill(c, 2, 8)
+    assert again is not None and [b.index for b in again.batches[:2]] == [b.index for b in reply.batches[1:]]
+
+
+# --------------------------------------------------------------------------------------------
+# Membership monitor (on the chief): a reported failure, a worker that never joined
+# --------------------------------------------------------------------------------------------
+
+
+def test_monitor_drops_a_worker_that_reported_a_failure_or_never_joined() -> None:
+    import torch.distributed as dist
+
+    from lightning_strategies.comm.elastic import MembershipMonitor, member_id, member_name
+    from lightning_strategies.comm.heartbeat import Heartbeat
+
+    store = dist.HashStore()
+    chief = Heartbeat(store, 0, 3)
+    failing = Heartbeat(store, 1, 3).start()
+    failing.report_failure("RuntimeError: out of memory")
+    dropped: list[tuple[int, str]] = []
+    monitor = MembershipMonitor(
+        chief,
+        workers=[1, 2],
+        servers=[],
+        name_of=lambda r: f"w{r}",
+        alive=lambda: [r for r in (1, 2) if r not in {d for d, _ in dropped}],
+        joined=lambda r: r == 1,  # worker 2 never joined
+        drop=lambda r, why: dropped.append((r, why)),
+        fail=lambda r, why: None,
+        timeout=timedelta(seconds=0.2),
+    )
+    monitor._poll()  # worker 2 is given until the timeout to join
+    assert dropped == [(1, "it reported a failure (RuntimeError: out of memory)")]
+    time.sleep(0.3)
+    monitor._poll()
+    assert dropped[1] == (2, "it did not join the run within the timeout (0 s)")
+    assert [r for r, _, _ in monitor.events] == [1, 2]
+    failing.stop(finished=False)
+    # a relaunch gets a name and an id of its own; ids of the dead are not reused
+    assert member_name(2, 0) == "ps_worker2" and member_name(2, 3) == "ps_worker2_3"
+    assert member_id(2, 3, 4) == 14
+    with pytest.raises(ValueError, match=r"its RPC id 32770 is past TensorPipe's 32767"):
+        member_id(2, 8192, 4)
