@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -156,9 +157,10 @@ def _wait(procs: list[subprocess.Popen[bytes]], timeout: float) -> list[int]:
 
 def run_case(kind: str, *, kill: bool, epochs: int, base_ms: float, work: Path) -> dict[str, Any]:
     """One run; returns ``{"seconds_to": {target: s}, "curve": [(s, acc)], "samples_per_s", "exits"}``."""
-    work.mkdir(parents=True, exist_ok=True)
+    if work.exists():
+        shutil.rmtree(work)  # a checkpoint left by an earlier run would be resumed from
+    work.mkdir(parents=True)
     events = work / "events.jsonl"
-    events.unlink(missing_ok=True)
     steps_per_worker = epochs * 1257 // 32 // WORKERS  # 39 batches per epoch, shared by 3 workers
     settings = {
         "kind": "ps" if kind == "ps" else "async",

@@ -136,6 +136,8 @@ class LeaseReply:
         offset: added to this worker's clock in the staleness bound (a joined worker starts at
             the others' lowest clock).
         lrs: the chief's learning rates, per param group (membership runs), else ``None``.
+        pace: the worker's speed over the mean worker's (1 until speeds are measured): a slow
+            worker holds a smaller lease, so the epoch's last batches do not wait in it.
     """
 
     batches: list[LeasedBatch]
@@ -144,6 +146,7 @@ class LeaseReply:
     waited: float = 0.0
     offset: int = 0
     lrs: list[float] | None = None
+    pace: float = 1.0
 
 
 @dataclass
@@ -607,7 +610,8 @@ class AsyncCoordinator:
                 return None
             n = min(n, credit)
         leased = self._lease(w, sources, n, low)
-        return LeaseReply(leased, waited=self._waited(pending), offset=w.offset, lrs=self._lrs)
+        pace = self._share(w) * max(1, self._alive_count)
+        return LeaseReply(leased, waited=self._waited(pending), offset=w.offset, lrs=self._lrs, pace=pace)
 
     def _sources(self, w: _Worker, pending: _Pending) -> list[tuple[_Epoch, int]] | None:
         """(epoch, batches it may give ``w``), oldest first; ``[]``: over; ``None``: wait for work."""

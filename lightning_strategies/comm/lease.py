@@ -19,6 +19,7 @@ so a process told to stop (SIGTERM) does not sit out the timeout. No Lightning i
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections import deque
@@ -67,7 +68,8 @@ class BatchLease:
         rpc_timeout: seconds an RPC to the coordinator may take; it must exceed the coordinator's
             own bound on a held refill (its ``timeout``), so that its error, naming the workers it
             waited for, arrives first.
-        lease: batches to hold (refilled when half are used).
+        lease: batches to hold (refilled when half are used); a worker slower than the mean holds
+            fewer (:attr:`size`).
         max_staleness: the bound ``s`` (``None``: none; then no clock is reported per push and no
             step is gated).
         prefetch: batches the training loop draws ahead of the step it runs (Lightning's one, plus
@@ -113,6 +115,7 @@ class BatchLease:
         self._report: Future[Any] | None = None
         self._report_due = False
         self._taken = 0  # batches drawn in the current loop epoch
+        self._pace = 1.0  # this worker's speed over the mean worker's, as the coordinator measures it
         self.offset = 0
         self.lrs: list[float] | None = None
         self.min_other: int | None = None
@@ -189,14 +192,20 @@ class BatchLease:
         self._taken = 0
         self._known_min = None  # the next epoch counts workers that finished this one again
 
+    @property
+    def size(self) -> int:
+        """The lease held now: ``lease``, scaled down for a worker slower than the mean (at
+        least one batch), so that a straggler does not keep the epoch's last batches."""
+        return max(1, min(self.lease, math.ceil(self.lease * self._pace)))
+
     def _want(self, limit: int | None) -> int:
-        want = self.lease - len(self._batches)
+        want = self.size - len(self._batches)
         if limit is not None:
             want = min(want, limit - self._taken - len(self._batches))
         return want
 
     def _maybe_refill(self, epoch: int, plan: DataPlan, limit: int | None) -> None:
-        if self._refill is not None or self._over or self._stop or len(self._batches) > self.lease // 2:
+        if self._refill is not None or self._over or self._stop or len(self._batches) > self.size // 2:
             return
         want = self._want(limit)
         if want > 0:
@@ -243,6 +252,7 @@ class BatchLease:
             self._over = self._over or reply.over
             self._stop = self._stop or reply.stop
             self.offset = reply.offset
+            self._pace = reply.pace
             if reply.lrs is not None:
                 self.lrs = reply.lrs
             if reply.waited > 0 and reply.batches and self.max_staleness is not None:

@@ -521,7 +521,8 @@ class DedicatedServers:
 
     def train_end(self) -> None:
         """The chief ends the run and waits for the workers to take the last weights and leave;
-        a worker takes them and leaves; the other servers wait for the chief's word."""
+        a worker takes them and leaves; the other servers wait for the chief's word
+        (:meth:`after_train_end`)."""
         strategy = self.strategy
         deadline = time.monotonic() + self.timeout.total_seconds()
         store = self._store()
@@ -530,10 +531,11 @@ class DedicatedServers:
             coordinator.close()
             while not coordinator.left_or_lost() and time.monotonic() < deadline:
                 time.sleep(0.05)
-            store.wait([f"server_done/{k}" for k in range(1, self.num_servers)], self.timeout)
             return
         if self.is_server:
-            store.set(f"server_done/{self.rank}", "1")
+            # the chief gathers every shard's optimizer state after this (for a save after fit):
+            # this server's shard stays up until then
+            store.wait(["chief_done"], self.timeout)
             return
         if strategy.async_client is not None:
             self.pull_latest()
@@ -547,6 +549,11 @@ class DedicatedServers:
             if beat is not None:  # done: no beat may reach the store after the chief closes it
                 beat.stop()
                 self.strategy._peer_heartbeat = None
+
+    def after_train_end(self) -> None:
+        """The chief has gathered what it keeps of the shards: the other servers may go."""
+        if self.is_chief and self.store is not None:
+            self.store.set("chief_done", "1")
 
     # -- metrics and shutdown -------------------------------------------------------------------
 

@@ -720,8 +720,10 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     def on_train_end(self) -> None:
         if self._members is not None:
             self._members.train_end()
-        else:
-            self._pull_latest("async_train_end", last=True)
+            super().on_train_end()  # the chief gathers the shards' optimizer state here
+            self._members.after_train_end()
+            return
+        self._pull_latest("async_train_end", last=True)
         super().on_train_end()
 
     @override
