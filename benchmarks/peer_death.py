@@ -10,6 +10,8 @@ from a pre-imported zygote (``tests/fault_utils.py``), and the victim, rank 1 un
     kill_comm   SIGKILLs itself inside the strategy's communication of step 3, its peers in theirs
     stop        SIGSTOPs itself at the start of step 3 (sockets open, heartbeat silent): only the
                 strategy's ``timeout`` ends the wait (ring, pipeline, async)
+    freeze      the same SIGSTOP under a 60 s ``timeout`` and a 3 s heartbeat watch grace: the
+                watch aborts the survivors' communication (ring, ps, pipeline, ddp)
 
 plus ddp on 3 ranks (kill_step) and async losing rank 0 (the store's host; kill_step). The
 strategies' ``timeout`` is 10 s in the SIGKILL cases and 3 s in the SIGSTOP ones (as the test's).
@@ -28,7 +30,7 @@ each as the median over rounds and survivors, with ``_min`` and ``_max`` lines, 
 Cases run ``--parallel`` at a time (they mostly wait on heartbeats and timeouts); on a loaded
 2-core machine the exit times (interpreter exit) grow with the load, printed at start and end.
 
-    python benchmarks/peer_death.py              # 15 cases x 2 rounds, 2 at a time (~3 min at load 10)
+    python benchmarks/peer_death.py              # 19 cases x 2 rounds, 2 at a time (~4 min at load 10)
     python benchmarks/peer_death.py --quick      # ring kill_step, 1 round (CI, ~1 min at load 10)
 """
 
@@ -52,12 +54,14 @@ from benchmarks._workers import free_port  # noqa: E402
 
 TIMEOUT_S = 10.0  # the strategies' timeout in the SIGKILL cases (test_peer_death.TIMEOUT_S)
 HANG_TIMEOUT_S = 3.0  # ... and in the SIGSTOP ones
+FREEZE_TIMEOUT_S, FREEZE_WATCH_S = 60.0, 3.0  # ... and in the watched ones (test_peer_death's)
 STEP = 3
 LABELS = {"ring": "ring", "ps": "parameter_server", "async": "async", "pipeline": "pipeline", "ddp": "ddp"}
-FAULTS = {"step": "kill_step", "comm": "kill_comm", "hang": "stop"}
+FAULTS = {"step": "kill_step", "comm": "kill_comm", "hang": "stop", "freeze": "stop_watched"}
 # (strategy, fault, world size, victim), the longest first; test_peer_death's cases
 CASES = [
     *[(name, "hang", 2, 1) for name in ("async", "ring", "pipeline")],
+    *[(name, "freeze", 2, 1) for name in ("ring", "ps", "pipeline", "ddp")],
     *[(name, fault, 2, 1) for name in LABELS for fault in ("step", "comm")],
     ("ddp", "step", 3, 1),
     ("async", "step", 2, 0),
@@ -79,9 +83,11 @@ def _job(case: tuple[str, str, int, int], out: Path) -> Any:
     name, fault, world, victim = case
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
            "NODE_RANK": "{rank}", "LOCAL_RANK": "0"}  # fmt: skip
-    kwargs = {"strategy": name, "fault": fault, "victim": victim, "step": STEP,
-              "timeout_s": HANG_TIMEOUT_S if fault == "hang" else TIMEOUT_S, "out_dir": str(out)}  # fmt: skip
-    return Job("_peer_death_fit:run_rank", world, env, kwargs, out, timeout=120.0, kill_stopped=fault == "hang")
+    timeout_s = {"hang": HANG_TIMEOUT_S, "freeze": FREEZE_TIMEOUT_S}.get(fault, TIMEOUT_S)
+    kwargs = {"strategy": name, "fault": fault, "victim": victim, "step": STEP, "timeout_s": timeout_s,
+              "out_dir": str(out), "watch_grace_s": FREEZE_WATCH_S if fault == "freeze" else None}  # fmt: skip
+    return Job("_peer_death_fit:run_rank", world, env, kwargs, out, timeout=120.0,
+               kill_stopped=fault in ("hang", "freeze"))  # fmt: skip
 
 
 def _first_events(path: Path) -> dict[str, float]:

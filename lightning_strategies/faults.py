@@ -5,7 +5,12 @@ The heartbeats and the diagnosis itself live in :mod:`lightning_strategies.comm.
 (:class:`PeerFailureMixin`), raise :class:`PeerLostError` when a training step fails because a
 peer is gone, and add the diagnosis as a note (``BaseException.add_note``) to any other error
 Lightning re-raises, such as a failed barrier or checkpoint broadcast. For any other strategy
-(Lightning's ``ddp``, FSDP, ...) the callback :class:`PeerFailureReport` does the same.
+(Lightning's ``ddp``, FSDP, ...) the callback :class:`PeerFailureReport` does the same. Both also
+start the heartbeat's watch (:meth:`~lightning_strategies.comm.heartbeat.Heartbeat.watch`): a peer
+silent for ``DEFAULT_WATCH_GRACE`` seconds while the job runs (frozen, or dead where NCCL does not
+notice) makes every survivor abort its communication
+(:func:`~lightning_strategies.comm.heartbeat.abort_communication`), so the blocked operation fails
+and the step raises :class:`PeerLostError` long before the process group's timeout.
 
 The heartbeat's public names are re-exported here, so ``from lightning_strategies.faults import
 PeerLostError`` (or ``Heartbeat``, ...) keeps working.
@@ -24,10 +29,12 @@ from typing_extensions import override
 from lightning_strategies.comm.heartbeat import (
     DEFAULT_INTERVAL,
     DEFAULT_STORE_TIMEOUT,
+    DEFAULT_WATCH_GRACE,
     GRACE_INTERVALS,
     Heartbeat,
     PeerDiagnosis,
     PeerLostError,
+    abort_communication,
     annotate_peer_failure,
     failure_reason,
     is_reported,
@@ -38,12 +45,14 @@ from lightning_strategies.comm.heartbeat import (
 __all__ = [
     "DEFAULT_INTERVAL",
     "DEFAULT_STORE_TIMEOUT",
+    "DEFAULT_WATCH_GRACE",
     "GRACE_INTERVALS",
     "Heartbeat",
     "PeerDiagnosis",
     "PeerFailureMixin",
     "PeerFailureReport",
     "PeerLostError",
+    "abort_communication",
     "annotate_peer_failure",
     "start_heartbeat",
     "strategy_label",
@@ -64,9 +73,16 @@ class PeerFailureMixin(DDPStrategy):
     or ``training_step`` fails because a peer is gone, adds the diagnosis as a note to any other
     error (``on_exception``), and stops the heartbeat at teardown. A subclass whose
     ``optimizer_step`` does not call ``super()`` wraps its body in ``with self._peer_watch():``.
+
+    The heartbeat's watch aborts this rank's communication when a peer has been silent for
+    :attr:`peer_watch_grace` seconds; the step then raises :class:`PeerLostError`.
     """
 
     _peer_heartbeat: Heartbeat | None = None
+    #: Seconds a peer may stay silent while the job runs before this rank aborts its communication
+    #: (``None``: ``DEFAULT_WATCH_GRACE``, 60 s; ``0``: no watch, a frozen peer waits out ``timeout``).
+    #: Keep it below the strategy's ``timeout``, or NCCL's watchdog acts first, naming nobody.
+    peer_watch_grace: float | None = None
 
     @property
     def peer_heartbeat(self) -> Heartbeat | None:
@@ -82,7 +98,7 @@ class PeerFailureMixin(DDPStrategy):
         super().setup_environment()
         if self._peer_heartbeat is not None:
             self._peer_heartbeat.stop(finished=False)
-        self._peer_heartbeat = start_heartbeat(self.global_rank, self.world_size)
+        self._peer_heartbeat = start_heartbeat(self.global_rank, self.world_size, watch_grace=self.peer_watch_grace)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -118,12 +134,18 @@ class PeerFailureReport(Callback):
     heartbeat for 2.5 s ..."``. With a strategy of this package (which keeps its own heartbeat)
     it does nothing, so adding it to every run is safe.
 
+    Its heartbeat watches the peers as the strategies' do: a peer silent for ``watch_grace``
+    seconds makes this rank abort its communication, so a blocked collective fails (and Lightning
+    re-raises it with the diagnosis as its note) instead of waiting for the process group's timeout.
+
     Args:
         interval: seconds between heartbeats.
+        watch_grace: see :attr:`PeerFailureMixin.peer_watch_grace` (``None``: 60 s; ``0``: no watch).
     """
 
-    def __init__(self, interval: float = DEFAULT_INTERVAL) -> None:
+    def __init__(self, interval: float = DEFAULT_INTERVAL, watch_grace: float | None = None) -> None:
         self.interval = interval
+        self.watch_grace = watch_grace
         self._heartbeat: Heartbeat | None = None
 
     @override
@@ -132,7 +154,9 @@ class PeerFailureReport(Callback):
             self._heartbeat.stop(finished=False)
             self._heartbeat = None
         if not isinstance(trainer.strategy, PeerFailureMixin):
-            self._heartbeat = start_heartbeat(trainer.global_rank, trainer.world_size, interval=self.interval)
+            self._heartbeat = start_heartbeat(
+                trainer.global_rank, trainer.world_size, interval=self.interval, watch_grace=self.watch_grace
+            )
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

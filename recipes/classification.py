@@ -138,7 +138,8 @@ class ClassificationModule(pl.LightningModule):
                 self._raise_if_weights_broke()
 
     def _note_finite_weights(self, batch_idx: int) -> None:
-        params = [p.detach() for p in self.parameters()]
+        # this rank's weights: a pipeline rank holds only its stages (the others are meta placeholders)
+        params = [p.detach() for p in self.parameters() if not p.is_meta]
         if not params:
             return
         # inf-norm: the largest |w|; NaN and inf reach it, finite weights cannot overflow it
@@ -157,8 +158,10 @@ class ClassificationModule(pl.LightningModule):
         if not any(broke):
             return
         _, step, epoch, batch_idx, last_loss = unread[broke.index(True)]
-        params = list(self.parameters())
-        names = [name for name, p in self.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
+        params = [p for p in self.parameters() if not p.is_meta]
+        names = [
+            name for name, p in self.named_parameters() if not p.is_meta and not bool(torch.isfinite(p.detach()).all())
+        ]
         loss = "n/a" if last_loss is None else f"{float(last_loss):.4g}"
         raise FloatingPointError(
             f"{type(self).__name__}: the weights are not finite after optimizer step {step} "

@@ -33,7 +33,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
+    # LS_GPU_SUITE_ON_CPU=1: run the GPU suite on the CPU, to try its machinery (tests/gpu/gpu_utils.py)
+    if torch.cuda.is_available() or os.environ.get("LS_GPU_SUITE_ON_CPU") == "1":
         return
     skip = pytest.mark.skip(reason="needs CUDA; run benchmarks/gpu_check.sh on a GPU machine")
     for item in items:
@@ -59,3 +60,24 @@ def _isolated_environ() -> Iterator[None]:
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _rank_zero_restored() -> Iterator[None]:
+    """Each test starts with the rank-zero gate as it found it.
+
+    Lightning's ``LightningEnvironment.set_global_rank`` (called by strategies and by tests that
+    build a cluster environment for rank 3 of 4) sets the process-wide ``rank_zero_only.rank``,
+    which silences every later ``rank_zero_warn`` / ``rank_zero_info`` in the pytest process:
+    ``test_async_ps``'s momentum-warning test failed when run after ``test_strategy_base``.
+    """
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    had = hasattr(rank_zero_only, "rank")
+    saved = getattr(rank_zero_only, "rank", None)
+    yield
+    if had:
+        rank_zero_only.rank = saved
+    elif hasattr(rank_zero_only, "rank"):
+        del rank_zero_only.rank
+

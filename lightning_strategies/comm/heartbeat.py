@@ -26,6 +26,22 @@ costs one small store request per rank per ``interval``. :func:`raise_peer_lost`
 of a failed step into :class:`PeerLostError` when a peer is gone, and
 :func:`annotate_peer_failure` adds the diagnosis to any other error as a note. The Lightning
 side (a strategy mixin and a callback) is :mod:`lightning_strategies.faults`.
+
+**The watch** (:meth:`Heartbeat.watch`) is for the faults nothing else reports in time: a peer that
+froze (its sockets stay open, so gloo waits out the process-group timeout), and on NCCL a peer
+that died or froze (``Work.wait()`` does not raise on a dead peer; the watchdog kills the process
+at the timeout, naming nobody). While the job runs, each rank watches one peer, its successor
+(rank + 1, skipping finished ones), and an alarm counter, in one request of three keys per
+``interval``: the store's load grows with P, not P^2. A watched peer silent for ``grace``
+(default :data:`DEFAULT_WATCH_GRACE`, far below the 30-minute default timeout and above any
+pause of a live process's heartbeat thread) or marked failed that long raises the alarm; every
+rank seeing it diagnoses as above and, when a peer is really gone, calls ``on_lost`` once:
+:func:`abort_communication`, which aborts the NCCL communicators (``ProcessGroup.abort()``: the
+blocked kernels and the ops after them fail) and, where gloo runs, shuts this process's TCP
+connections down (what the lost peer's death would have done to them, since gloo's ``abort()``
+does not unblock an operation), the store's excepted. The blocked operation then raises, and
+:func:`raise_peer_lost` turns that into :class:`PeerLostError` with the watch's diagnosis, or
+raises it at the end of a step that completed on aborted communicators.
 """
 
 from __future__ import annotations
@@ -34,6 +50,7 @@ import atexit
 import contextlib
 import logging
 import os
+import socket
 import threading
 import time
 import weakref
@@ -47,10 +64,13 @@ import torch.distributed as dist
 __all__ = [
     "DEFAULT_INTERVAL",
     "DEFAULT_STORE_TIMEOUT",
+    "DEFAULT_WATCH_GRACE",
     "GRACE_INTERVALS",
     "Heartbeat",
     "PeerDiagnosis",
     "PeerLostError",
+    "abort_communication",
+    "add_abort_hook",
     "annotate_peer_failure",
     "failure_reason",
     "is_reported",
@@ -69,6 +89,11 @@ GRACE_INTERVALS = 2.5
 _GRACE_POLLS = 4.0
 #: Timeout of the heartbeat's own store connection: a frozen store host must not freeze a diagnosis.
 DEFAULT_STORE_TIMEOUT = timedelta(seconds=5)
+#: Seconds a watched peer may stay silent (or marked failed) while the job runs before the survivors
+#: abort their communication (:meth:`Heartbeat.watch`). Long enough for a live process whose
+#: heartbeat thread waits for the GIL behind a long native call (a large checkpoint write); far
+#: below the process groups' 30-minute default timeout.
+DEFAULT_WATCH_GRACE = 60.0
 
 _PREFIX = "lightning_strategies/peers"
 _FAILED, _FINISHED = 1, 2
@@ -129,6 +154,11 @@ class PeerDiagnosis:
         if self.store_error is not None and self.store_rank is not None and self.store_rank != self.rank:
             ranks.add(self.store_rank)
         return tuple(sorted(ranks))
+
+    @property
+    def broken(self) -> bool:
+        """Whether the job cannot go on: a peer lost or failed, or the store gone (finished peers are not)."""
+        return bool(self.lost or self.failed or self.store_error is not None)
 
     def describe(self, strategy: str) -> str | None:
         """The diagnosis as lines starting with ``"<strategy>: "``, or ``None`` when every peer is alive."""
@@ -199,6 +229,23 @@ class Heartbeat:
         self._stop = threading.Event()
         self._marked = False
         self._thread: threading.Thread | None = None
+        self._watcher: threading.Thread | None = None
+        self._found: PeerDiagnosis | None = None
+        self._diagnosing = threading.Lock()  # one diagnosis at a time: the watch's or the failed step's
+
+    @property
+    def found(self) -> PeerDiagnosis | None:
+        """The diagnosis the watch acted on (it called ``on_lost`` with it), else ``None``."""
+        return self._found
+
+    def diagnosis(self) -> PeerDiagnosis:
+        """The watch's diagnosis if it found a peer gone, waiting for one it is making; else
+        :meth:`diagnose` now. A step that failed because the watch aborted its communication (or
+        because a peer's abort ended a shared connection) takes the watch's finding rather than
+        watching the heartbeats for another grace, by when the finding's store host may be gone.
+        """
+        with self._diagnosing:
+            return self._found or self.diagnose()
 
     def start(self) -> Heartbeat:
         """Clear this rank's mark of an earlier run, beat once, and keep beating on a daemon thread."""
@@ -225,13 +272,118 @@ class Heartbeat:
         self._mark(_FAILED, reason)
 
     def stop(self, *, finished: bool = True) -> None:
-        """Stop beating; with ``finished`` (and no failure reported) tell the peers this rank is done."""
+        """Stop beating and watching; with ``finished`` (and no failure reported) tell the peers this
+        rank is done."""
         if finished:
             self._mark(_FINISHED, "finished")
         self._stop.set()
         _RUNNING.discard(self)
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.interval + 1.0)
+        for thread in (self._thread, self._watcher):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=self.interval + 1.0)
+
+    def watch(
+        self,
+        on_lost: Callable[[PeerDiagnosis], object],
+        *,
+        grace: float = DEFAULT_WATCH_GRACE,
+        store: dist.Store | None = None,
+    ) -> None:
+        """Watch the peers while this rank runs, and call ``on_lost`` once if one is found gone.
+
+        On a thread of its own, every ``interval`` (or ``grace / 4`` if shorter) this rank reads its
+        watched peer's counter and mark and the alarm counter in one request. The watched peer is
+        the next rank after this one that has not finished. When it has stayed silent for ``grace``
+        seconds, or been marked failed that long (its own error path had that long to end the
+        job), this rank raises the alarm; when the alarm moves (this rank's or another's), or the
+        store has not answered for ``grace``, it runs :meth:`diagnose`, and if the diagnosis finds
+        the job broken (:attr:`PeerDiagnosis.broken`) keeps it as :attr:`found`, logs it and calls
+        ``on_lost(diagnosis)`` on the watch thread; otherwise (the peer beat again) it goes on
+        watching. The watch ends once this rank reports a failure of its own or finishes, at
+        :meth:`stop`, or after acting.
+
+        Args:
+            on_lost: what to do about a lost peer, typically :func:`abort_communication`.
+            grace: seconds of silence (or of a failed mark) before the alarm; positive.
+            store: a connection of its own for the watch's requests (default: the heartbeat's).
+        """
+        if not grace > 0:
+            raise ValueError(f"Heartbeat.watch(grace={grace!r}): expected a positive number of seconds.")
+        if self.world < 2:
+            return
+        watched = dist.PrefixStore(_PREFIX, store) if store is not None else self.store
+        self._watcher = threading.Thread(
+            target=self._watch, args=(watched, on_lost, float(grace)), name=f"peer-watch-rank{self.rank}", daemon=True
+        )
+        self._watcher.start()
+
+    def _watch(self, store: dist.Store, on_lost: Callable[[PeerDiagnosis], object], grace: float) -> None:
+        try:
+            self._watch_loop(store, on_lost, grace)
+        except Exception as err:  # the watch must never take the process down; the failure paths still diagnose
+            log.warning(f"rank {self.rank}: the peer watch stopped ({type(err).__name__}: {err})")
+
+    def _watch_loop(self, store: dist.Store, on_lost: Callable[[PeerDiagnosis], object], grace: float) -> None:
+        order = [(self.rank + k) % self.world for k in range(1, self.world)]  # successors, in ring order
+        poll = min(self.interval, grace / 4)
+        seen = int(store.add("alarm", 0))  # creates the counter: multi_get waits for a missing key
+        watched = 0
+        _create_keys(store, order[watched])
+        beat: int | None = None
+        changed = time.monotonic()
+        failed_since: float | None = None
+        down_since: float | None = None
+        while not self._stop.wait(poll):
+            if self._marked:  # this rank failed or finished: its own error path reports
+                return
+            now = time.monotonic()
+            target = order[watched]
+            try:
+                count, mark, alarm = (int(v) for v in store.multi_get([f"beat/{target}", f"mark/{target}", "alarm"]))
+                down_since = None
+            except Exception:
+                down_since = now if down_since is None else down_since
+                if now - down_since >= grace and self._act(on_lost):
+                    return
+                continue
+            if alarm != seen:
+                seen = alarm
+                if self._act(on_lost):
+                    return
+                beat, changed = None, time.monotonic()  # a false alarm: the watched peer gets its grace again
+                continue
+            if mark == _FINISHED:
+                watched += 1
+                if watched == len(order):
+                    return  # every peer finished
+                _create_keys(store, order[watched])
+                beat, changed, failed_since = None, now, None
+                continue
+            if count != beat:
+                beat, changed = count, now
+            if mark == _FAILED and failed_since is None:
+                failed_since = now
+            if now - changed >= grace or (failed_since is not None and now - failed_since >= grace):
+                seen = int(store.add("alarm", 1))
+                if self._act(on_lost):
+                    return
+                beat, changed, failed_since = None, time.monotonic(), None
+
+    def _act(self, on_lost: Callable[[PeerDiagnosis], object]) -> bool:
+        """Diagnose; if the job is broken, keep the diagnosis and call ``on_lost``. Whether it acted."""
+        with self._diagnosing:
+            if self._marked or self._stop.is_set():
+                return True  # failed, finished or stopped: the rank's own error path diagnoses
+            diagnosis = self.diagnose()
+            if not diagnosis.broken:
+                return False
+            self._found = diagnosis  # a failed step waiting for the lock takes this one
+        log.error(
+            f"rank {self.rank}: aborting communication, a peer is gone:\n"
+            f"{diagnosis.describe(f'rank {self.rank}') or diagnosis}"
+        )
+        on_lost(diagnosis)
+        return True
 
     def _mark(self, code: int, reason: str) -> None:
         if self._marked:
@@ -329,6 +481,13 @@ class Heartbeat:
         return {r: reasons.get(r, "") for r in ranks}
 
 
+def _create_keys(store: dist.Store, rank: int) -> None:
+    """Create ``rank``'s beat and mark keys (0) if it has not started its heartbeat yet, as its start
+    would: ``multi_get`` waits for a missing key."""
+    store.add(f"beat/{rank}", 0)
+    store.add(f"mark/{rank}", 0)
+
+
 # Heartbeats still beating when the interpreter exits (a run that failed outside Lightning's
 # teardown): stopped at exit, since a daemon thread inside a store request delays the exit by seconds.
 _RUNNING: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
@@ -346,13 +505,25 @@ def start_heartbeat(
     *,
     interval: float = DEFAULT_INTERVAL,
     store_timeout: timedelta = DEFAULT_STORE_TIMEOUT,
+    watch_grace: float | None = None,
+    on_lost: Callable[[PeerDiagnosis], object] | None = None,
 ) -> Heartbeat | None:
-    """Start this rank's heartbeat in the default process group's store.
+    """Start this rank's heartbeat in the default process group's store, and its watch.
 
     The heartbeat gets a connection of its own (a clone of the ``TCPStore`` client, with
     ``store_timeout``), so it never waits behind the process group's own store requests and a
-    frozen store host stalls a diagnosis for at most ``store_timeout``. Its keys sit under the
-    group's prefixes, so a torchrun restart (a new prefix per attempt) starts afresh.
+    frozen store host stalls a diagnosis for at most ``store_timeout``; the watch gets another.
+    Its keys sit under the group's prefixes, so a torchrun restart (a new prefix per attempt)
+    starts afresh.
+
+    Args:
+        rank: this rank.
+        world: the number of ranks.
+        interval: seconds between beats.
+        store_timeout: the timeout of the heartbeat's store connections.
+        watch_grace: seconds of a watched peer's silence before the survivors act
+            (:meth:`Heartbeat.watch`); ``None``: :data:`DEFAULT_WATCH_GRACE`; ``0``: no watch.
+        on_lost: what the watch does about a lost peer; default :func:`abort_communication`.
 
     Returns:
         The running heartbeat, or ``None`` without an initialised process group, with one rank,
@@ -363,16 +534,165 @@ def start_heartbeat(
     try:
         store = dist.distributed_c10d._get_default_store()
         base = getattr(store, "_underlying_non_prefix_store", store)  # below the PrefixStores
+        tcp = isinstance(base, dist.TCPStore)
         host = f"{base.host}:{base.port}" if isinstance(base, dist.TCPStore) else ""
-        if isinstance(base, dist.TCPStore):
-            store = store.clone()  # a connection of its own, under the same prefixes
-            store.set_timeout(store_timeout)
+
+        def connection() -> dist.Store:
+            if not tcp:
+                return store
+            clone = store.clone()  # a connection of its own, under the same prefixes
+            clone.set_timeout(store_timeout)
+            return clone
+
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        beat = Heartbeat(store, rank, world, interval=interval, store_host=host, store_rank=None if agent else 0)
-        return beat.start()
+        beat = Heartbeat(connection(), rank, world, interval=interval, store_host=host, store_rank=None if agent else 0)
+        beat.start()
     except Exception as err:
         log.warning(f"rank {rank}: no heartbeat ({err}); a lost peer will not be named")
         return None
+    grace = DEFAULT_WATCH_GRACE if watch_grace is None else watch_grace
+    if grace:
+        try:
+            beat.watch(on_lost or abort_communication, grace=grace, store=connection())
+        except Exception as err:
+            log.warning(f"rank {rank}: no peer watch ({err}); a frozen peer is noticed at the process-group timeout")
+    return beat
+
+
+# What abort_communication also runs: waits that are local, not on a connection (a parameter-server
+# shard's barrier waiting for a frozen worker's push), registered by the modules that own them.
+_ABORT_HOOKS: list[Callable[[PeerDiagnosis | None], object]] = []
+
+
+def add_abort_hook(hook: Callable[[PeerDiagnosis | None], object]) -> Callable[[], None]:
+    """Have :func:`abort_communication` also call ``hook(diagnosis)``; returns a remover."""
+    _ABORT_HOOKS.append(hook)
+    return lambda: _ABORT_HOOKS.remove(hook) if hook in _ABORT_HOOKS else None
+
+
+def abort_communication(diagnosis: PeerDiagnosis | None = None) -> list[str]:
+    """Make this process's blocked and later communication fail at once, because a peer is gone.
+
+    - NCCL: every process group with an NCCL backend is aborted (``ProcessGroup.abort()``,
+      subgroups first, as ``torch.distributed`` aborts a world): its kernels stop and its
+      ``Work`` and later calls fail; its watchdog ends without killing the process.
+    - gloo (where any group uses it; TensorPipe's RPC then too): gloo's ``abort()`` does not
+      unblock an operation waiting for a frozen peer, so this process's connected TCP sockets are
+      shut down in both directions (the
+      file descriptors stay open, so nothing is reused under gloo's event loop), except those to
+      or from the store's port, which the heartbeats and the other survivors' diagnoses still need.
+      Blocked operations then fail as they would had the peer died. Linux only (``/proc``). Other
+      TCP connections the process opened itself are shut down too (it is about to fail); those it
+      inherited from its parent at a fork (a notebook kernel's) are left alone.
+    - then every hook of :func:`add_abort_hook` (waits that no connection ends, such as the
+      hosted parameter-server shards' barriers).
+
+    Args:
+        diagnosis: why (for the log); its store address is kept when given.
+
+    Returns:
+        What was aborted, one line each.
+    """
+    done: list[str] = []
+    groups = _process_groups()
+    backends = {group: str(dist.get_backend(group)) for group in groups}
+    for group in [g for g in reversed(groups) if "nccl" in backends[g]]:
+        try:
+            group.abort()
+            done.append(f"NCCL process group {getattr(group, 'group_name', '?')} aborted")
+        except Exception as err:
+            log.warning(f"could not abort an NCCL process group: {err}")
+    if any("gloo" in b for b in backends.values()):
+        port = _store_port(diagnosis)
+        count = _shutdown_tcp_connections(set() if port is None else {port})
+        done.append(f"{count} TCP connection(s) shut down (the store's kept)")
+    for hook in list(_ABORT_HOOKS):
+        try:
+            hook(diagnosis)
+            done.append(f"{getattr(hook, '__qualname__', hook)} called")
+        except Exception as err:
+            log.warning(f"abort hook {hook} failed: {err}")
+    return done
+
+
+def _process_groups() -> list[dist.ProcessGroup]:
+    """Every process group of this process in creation order (the default one first)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return []
+    world = dist.distributed_c10d._world
+    groups = sorted(world.pg_names, key=lambda g: world.pg_names[g]) if hasattr(world, "pg_names") else []
+    default = dist.group.WORLD
+    if default is not None and default not in groups:
+        groups.insert(0, default)
+    return [g for g in groups if isinstance(g, dist.ProcessGroup)]
+
+
+def _store_port(diagnosis: PeerDiagnosis | None) -> int | None:
+    """The port of the default store (or the diagnosis's store address)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        base = getattr(store, "_underlying_non_prefix_store", store)
+        if isinstance(base, dist.TCPStore):
+            return int(base.port)
+    except Exception:  # no default group (a direct caller): fall back to the diagnosis's address
+        pass
+    if diagnosis is not None and diagnosis.store_host.rpartition(":")[2].isdigit():
+        return int(diagnosis.store_host.rpartition(":")[2])
+    return None
+
+
+def _sockets_of(pid: int | str) -> dict[str, str]:
+    """``{fd: "socket:[inode]"}`` for the sockets of process ``pid`` ({} where /proc does not tell)."""
+    fds = f"/proc/{pid}/fd"
+    out = {}
+    try:
+        names = os.listdir(fds)
+    except OSError:
+        return {}
+    for name in names:
+        try:
+            target = os.readlink(f"{fds}/{name}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:"):
+            out[name] = target
+    return out
+
+
+def _shutdown_tcp_connections(keep_ports: set[int]) -> int:
+    """Shut down this process's connected TCP sockets but those with a local or remote port in
+    ``keep_ports`` and those it shares with its parent; return how many.
+
+    A socket shared with the parent was inherited at a fork (Lightning's ``ddp_fork`` and notebook
+    launchers fork from the user's process, say a Jupyter kernel with its own connections): it is
+    not this process's to end. Each socket is reached through a duplicate of its descriptor, closed
+    again afterwards: the owner's descriptor stays valid and sees the connection end.
+    """
+    if not os.path.isdir("/proc/self/fd"):
+        log.warning("cannot shut down the TCP connections: no /proc/self/fd (not Linux)")
+        return 0
+    inherited = set(_sockets_of(os.getppid()).values()) if os.getppid() > 1 else set()
+    count = 0
+    for name, target in _sockets_of("self").items():
+        if target in inherited:
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue  # closed meanwhile, or not a socket we can wrap
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                continue
+            peer = sock.getpeername()  # OSError for a listening socket: nothing to shut down
+            if sock.getsockname()[1] in keep_ports or peer[1] in keep_ports:
+                continue
+            sock.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError:
+            continue
+        finally:
+            sock.close()
+    return count
 
 
 def failure_reason(exception: BaseException) -> str:
@@ -406,7 +726,7 @@ def annotate_peer_failure(exception: BaseException, heartbeat: Heartbeat | None,
     heartbeat.report_failure(failure_reason(exception))
     if isinstance(exception, PeerLostError):
         return  # its message is the diagnosis
-    text = heartbeat.diagnose().describe(strategy)
+    text = heartbeat.diagnosis().describe(strategy)
     if text is not None:
         exception.add_note(text)
 
@@ -415,13 +735,16 @@ def annotate_peer_failure(exception: BaseException, heartbeat: Heartbeat | None,
 def raise_peer_lost(heartbeat: Callable[[], Heartbeat | None], strategy: Callable[[], str]) -> Iterator[None]:
     """Turn an error of the block into :class:`PeerLostError` when a peer turns out to be gone.
 
-    On an error this rank reports its failure, diagnoses the peers and raises
-    :class:`PeerLostError` (the error as its ``__cause__``) when the diagnosis names a gone peer;
-    otherwise the error propagates unchanged (with the diagnosis as a note when only the store
-    is gone). An error already diagnosed, or a block run without a heartbeat, is left alone.
+    On an error this rank reports its failure, diagnoses the peers (or takes the diagnosis the
+    watch already acted on, :attr:`Heartbeat.found`) and raises :class:`PeerLostError` (the error
+    as its ``__cause__``) when the diagnosis names a gone peer; otherwise the error propagates
+    unchanged (with the diagnosis as a note when only the store is gone). An error already
+    diagnosed, or a block run without a heartbeat, is left alone. A block that ends without an
+    error after the watch aborted the communication raises :class:`PeerLostError` too: on NCCL an
+    aborted operation may return without raising, with results that must not be used.
 
     Args:
-        heartbeat: returns this rank's heartbeat (or ``None``), read only when the block fails.
+        heartbeat: returns this rank's heartbeat (or ``None``), read when the block ends.
         strategy: returns the name that starts each line of the diagnosis (``"ring"``, ``"ddp"``).
     """
     try:
@@ -433,8 +756,10 @@ def raise_peer_lost(heartbeat: Callable[[], Heartbeat | None], strategy: Callabl
         if beat is None or is_reported(err):
             raise
         _set_reported(err)
-        beat.report_failure(failure_reason(err))
-        diagnosis = beat.diagnose()
+        found = beat.found
+        # tell the peers first (they may be diagnosing now): the watch's finding when it caused this error
+        beat.report_failure(failure_reason(err) if found is None else _lost_reason(found, strategy()))
+        diagnosis = beat.diagnosis()
         text = diagnosis.describe(strategy())
         if text is None or not diagnosis.gone:
             if text is not None:  # the store is gone, but no rank can be named
@@ -443,3 +768,17 @@ def raise_peer_lost(heartbeat: Callable[[], Heartbeat | None], strategy: Callabl
         lost = PeerLostError(text, ranks=diagnosis.gone, strategy=strategy(), diagnosis=diagnosis)
         _set_reported(lost)
         raise lost from err
+    beat = heartbeat()
+    found = beat.found if beat is not None else None
+    if beat is not None and found is not None:
+        text = found.describe(strategy()) or f"{strategy()}: the peer watch aborted the communication"
+        lost = PeerLostError(text, ranks=found.gone, strategy=strategy(), diagnosis=found)
+        beat.report_failure(_lost_reason(found, strategy()))
+        _set_reported(lost)
+        raise lost
+
+
+def _lost_reason(diagnosis: PeerDiagnosis, strategy: str) -> str:
+    """What a rank whose watch aborted its communication tells its peers."""
+    text = diagnosis.describe(strategy) or ""
+    return f"PeerLostError: {text.splitlines()[0] if text else strategy + ': a peer is gone'}"

@@ -3,9 +3,10 @@
 - :func:`partition_blocks` / :func:`profile_blocks`: how a model's ordered blocks are cut into
   stages (by any cost: parameters, or the seconds :func:`profile_blocks` measures).
 - :class:`PipelineRuntime`: one rank's stages and their ``torch.distributed.pipelining``
-  schedules (training and forward-only), with compute timers per stage, an optional timeline
-  of chunks (:data:`Event`), and the collectives over the pipeline's group that a strategy needs
-  around it (the full model and optimizer state from the stages, the stages' timings).
+  schedules (training and forward-only), with compute timers per stage (CUDA events on a GPU),
+  an optional timeline of chunks (:data:`Event`), and the collectives over the pipeline's group
+  that a strategy needs around it (the last stage's outputs, the stages' timings). Which blocks a
+  rank holds, and checkpoints of a split model, are :mod:`~lightning_strategies.comm.pipeline_stages`.
 - :func:`average_gradients`: the replicas of a stage average its gradients.
 - :func:`replay`, :func:`typical_durations`, :func:`analyse`: a step's recorded timeline cut into
   the schedule's bubble, stalls and transfer overhead.
@@ -26,7 +27,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.optim import Optimizer
 from typing_extensions import override
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "average_gradients",
     "partition_blocks",
     "profile_blocks",
+    "profile_blocks_with_output",
     "replay",
     "typical_durations",
 ]
@@ -108,35 +109,54 @@ def profile_blocks(blocks: nn.Sequential, sample: Tensor, *, repeats: int = 3) -
     the RNG, the buffers (batch-norm statistics) and the parameters' gradients are restored
     afterwards, so profiling leaves no trace on training.
     """
+    return profile_blocks_with_output(blocks, sample, repeats=repeats)[0]
+
+
+def profile_blocks_with_output(
+    blocks: nn.Sequential, sample: Tensor, *, repeats: int = 3
+) -> tuple[list[float], Tensor]:
+    """:func:`profile_blocks`, and the last block's (detached) output: the next stage's sample.
+
+    On CUDA each block is timed with a pair of events and the host waits once per round, after
+    the last block (a one-time measurement at the first batch).
+    """
     params = [p for p in blocks.parameters()]
     grads = [p.grad for p in params]
     buffers = [b.detach().clone() for b in blocks.buffers()]
     times: list[list[float]] = [[] for _ in blocks]
-    sync = sample.device.type == "cuda"
-    devices = [sample.device] if sync else []
+    cuda = sample.device.type == "cuda"
+    devices = [sample.device] if cuda else []
+    x = sample
     try:
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
             for _ in range(repeats + 1):  # the first round warms up allocators and kernels
                 x = sample
+                events: list[tuple[Any, Any]] = []
                 for i, block in enumerate(blocks):
                     inp = x.detach().requires_grad_(x.is_floating_point())
-                    if sync:
-                        torch.cuda.synchronize(sample.device)
+                    if cuda:
+                        events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                        events[-1][0].record()
                     t0 = time.perf_counter()
                     out = block(inp)
                     if out.requires_grad:
                         torch.autograd.backward(out, torch.ones_like(out))
-                    if sync:
-                        torch.cuda.synchronize(sample.device)
-                    times[i].append(time.perf_counter() - t0)
+                    if cuda:
+                        events[-1][1].record()
+                    else:
+                        times[i].append(time.perf_counter() - t0)
                     x = out.detach()
+                if cuda:
+                    events[-1][1].synchronize()
+                    for i, (start, end) in enumerate(events):
+                        times[i].append(start.elapsed_time(end) / 1000.0)
     finally:
         with torch.no_grad():
             for b, saved in zip(blocks.buffers(), buffers, strict=True):
                 b.copy_(saved)
         for p, g in zip(params, grads, strict=True):
             p.grad = g
-    return [sorted(t[1:])[len(t[1:]) // 2] for t in times]
+    return [sorted(t[1:])[len(t[1:]) // 2] for t in times], x
 
 
 # -- the runtime ---------------------------------------------------------------------------------
@@ -306,6 +326,13 @@ class PipelineRuntime:
         self.bounds = bounds
         self.stage_indices = list(range(self.group_rank, self.num_stages, self.group_size))
         self.submodules = [nn.Sequential(*blocks[bounds[s] : bounds[s + 1]]) for s in self.stage_indices]
+        for stage, submodule in zip(self.stage_indices, self.submodules, strict=True):
+            if any(t.is_meta for t in (*submodule.parameters(), *submodule.buffers())):
+                raise ValueError(
+                    f"PipelineRuntime found stage {stage}'s blocks on the meta device on group rank {self.group_rank}, "
+                    "which holds that stage: expected its tensors materialised here. Fix: distribute the blocks "
+                    "first (lightning_strategies.comm.pipeline_stages.distribute_blocks)."
+                )
         self.has_first = 0 in self.stage_indices
         self.has_last = self.num_stages - 1 in self.stage_indices
         self.last_rank = (self.num_stages - 1) % self.group_size
@@ -324,13 +351,6 @@ class PipelineRuntime:
     def stage_parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (of all its stages), the ones it computes gradients for."""
         return [p for m in self.submodules for p in m.parameters()]
-
-    def all_stages(self) -> list[tuple[nn.Sequential, int]]:
-        """Every stage's blocks (all ranks hold the whole model) with the group rank that trains it."""
-        return [
-            (nn.Sequential(*self.blocks[self.bounds[s] : self.bounds[s + 1]]), s % self.group_size)
-            for s in range(self.num_stages)
-        ]
 
     def stage_groups(self) -> list[dist.ProcessGroup]:
         """The per-direction point-to-point groups the stages made (training and forward-only), if any."""
@@ -496,51 +516,6 @@ class PipelineRuntime:
         return tensor
 
     # -- collectives over the pipeline's group (every rank of the group calls them) -----------------
-
-    def gather_full_model(self) -> None:
-        """Broadcast each stage's parameters and buffers from the rank that trains it.
-
-        Every rank holds the whole model but keeps only its own stages current; afterwards every
-        rank of the group holds the current weights of all stages.
-        """
-        if self.group_size == 1:
-            return
-        with torch.no_grad():
-            for stage, rank in self.all_stages():
-                src = dist.get_global_rank(self.group, rank)
-                for t in [*stage.parameters(), *stage.buffers()]:
-                    dist.broadcast(t.data, src=src, group=self.group)
-
-    def gather_optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The full optimizer state of the pipeline, on group rank 0; ``{}`` on the other ranks.
-
-        Args:
-            state: this rank's ``optimizer.state_dict()``, of an optimizer over the whole model
-                that holds state for this rank's stages only. Its indices are those of the whole
-                model, so the merged state also loads into a single-device run.
-        """
-        if self.group_size == 1:
-            return state
-        parts: list[Any] = [None] * self.group_size if self.group_rank == 0 else []
-        dist.gather_object(
-            state["state"],
-            parts if self.group_rank == 0 else None,
-            dst=dist.get_global_rank(self.group, 0),
-            group=self.group,
-        )
-        if self.group_rank != 0:
-            return {}
-        merged: dict[int, Any] = {}
-        for part in parts:
-            merged.update(part)
-        return {"state": dict(sorted(merged.items())), "param_groups": state["param_groups"]}
-
-    def keep_own_optimizer_state(self, optimizer: Optimizer) -> None:
-        """Drop the state of parameters other ranks train (a full state restored into ``optimizer``)."""
-        own = {id(p) for p in self.stage_parameters}
-        for p in list(optimizer.state):
-            if id(p) not in own:
-                del optimizer.state[p]
 
     def gather_timings(self, wall: float, busy: Sequence[float]) -> tuple[dict[int, float], float]:
         """Every stage's compute seconds and the pipeline's bubble fraction, on every rank of the group.

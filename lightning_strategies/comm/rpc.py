@@ -32,6 +32,8 @@ import torch.distributed.rpc as rpc
 from torch.distributed.rendezvous import register_rendezvous_handler
 from torch.futures import Future
 
+from lightning_strategies.comm.heartbeat import PeerDiagnosis, add_abort_hook
+
 if TYPE_CHECKING:  # the hosted objects' modules import this one
     from lightning_strategies.comm.coordinator import AsyncCoordinator
     from lightning_strategies.comm.ps import ParameterShard
@@ -219,6 +221,18 @@ def unregister_shard(shard_id: int, *, reason: str | None = None) -> None:
         failure = shard.close(reason)  # its watchdog thread ends
         if failure is not None:
             _STOPPED[shard_id] = failure
+
+
+def stop_hosted_shards(diagnosis: PeerDiagnosis | None) -> None:
+    """Drop every hosted shard, answering the workers waiting in its barrier with the loss: the
+    heartbeat's abort hook (a frozen worker's push never comes, and no connection ends that wait)."""
+    text = diagnosis.describe("parameter_server") if diagnosis is not None else None
+    reason = f"PeerLostError: {text.splitlines()[0]}" if text else "PeerLostError: a peer is gone"
+    for shard_id in list(_SHARDS):
+        unregister_shard(shard_id, reason=reason)
+
+
+add_abort_hook(stop_hosted_shards)
 
 
 def local_shard(shard_id: int) -> ParameterShard | None:

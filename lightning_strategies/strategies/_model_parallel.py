@@ -182,10 +182,10 @@ class GroupNormClipping:
         group = self._group()
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(split, group=group)
-        total = float((split + shared).sqrt())
-        # torch.nn.utils.clip_grad_norm_'s rule: scale by clip / (norm + 1e-6), never up
-        coef = min(1.0, float(clip_val) / (total + 1e-6))
-        if coef < 1.0 and parts:
+        # torch.nn.utils.clip_grad_norm_'s rule: scale by clip / (norm + 1e-6), never up; on the
+        # device, always applied (a factor of 1 included), so the host never waits for the norm
+        coef = (float(clip_val) / ((split + shared).sqrt() + 1e-6)).clamp(max=1.0)
+        if parts:
             torch._foreach_mul_(parts, coef)
 
 

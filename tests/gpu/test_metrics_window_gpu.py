@@ -9,6 +9,7 @@ from gpu_utils import no_host_sync
 from lightning_strategies.strategies._base import MetricsWindow
 
 pytestmark = pytest.mark.gpu
+CPU_DRY_RUN = True  # LS_GPU_SUITE_ON_CPU=1 runs it on the CPU (gpu_utils.py)
 
 
 def test_metrics_window_never_waits_for_the_gpu_before_flush(cuda: torch.device) -> None:

@@ -11,6 +11,8 @@ and ``hang`` cases the survivors wait for that file at the start of the same ste
 - ``fault="step"``: at the start of training step ``step`` (mid-epoch).
 - ``fault="hang"``: the same with SIGSTOP: the process freezes with its sockets open, so only the
   strategy's ``timeout`` ends the survivors' wait (the test's zygote SIGKILLs it afterwards).
+- ``fault="freeze"``: the same SIGSTOP under a long ``timeout`` and a short ``watch_grace_s``: the
+  heartbeat's watch, not the timeout, ends the survivors' wait (it aborts their communication).
 - ``fault="comm"``: from step ``step`` on, inside the strategy's communication, while its peers
   are inside theirs: ring, in the ring all-reduce after the first segment of a bucket arrived;
   ddp, in a DDP communication hook registered on the victim only (after a pause, so the peers
@@ -224,24 +226,31 @@ class _KillInComm(Callback):
 
 
 def run_rank(rank: int, world: int, *, strategy: str, fault: str, victim: int, step: int, timeout_s: float,
-             out_dir: str) -> None:  # fmt: skip
-    """Fit until the end (3 epochs) or until the victim's death fails this rank."""
+             out_dir: str, watch_grace_s: float | None = None) -> None:  # fmt: skip
+    """Fit until the end (3 epochs) or until the victim's death fails this rank.
+
+    ``watch_grace_s``: the heartbeat watch's grace (the strategy's ``peer_watch_grace``, the
+    callback's ``watch_grace`` for ``ddp``); ``None``: the default (60 s).
+    """
     torch.set_num_threads(1)
     out = Path(out_dir)
-    callbacks: list[Callback] = [_Timeline(out / f"rank{rank}.events"), PeerFailureReport()]
+    callbacks: list[Callback] = [_Timeline(out / f"rank{rank}.events"), PeerFailureReport(watch_grace=watch_grace_s)]
     if rank == victim:
         if fault == "comm":
             callbacks.append(_KillInComm(strategy, step, out))
         else:
-            callbacks.append(_KillAtStep(step, out, hang=fault == "hang"))
+            callbacks.append(_KillAtStep(step, out, hang=fault in ("hang", "freeze")))
     elif fault != "comm":
         callbacks.append(_WaitForVictim(step, out))
     model = PipeTinyRegressor() if strategy == "pipeline" else TinyRegressor()
+    chosen = make_strategy(strategy, timedelta(seconds=timeout_s))
+    if isinstance(chosen, faults.PeerFailureMixin):
+        chosen.peer_watch_grace = watch_grace_s
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
         num_nodes=world,
-        strategy=make_strategy(strategy, timedelta(seconds=timeout_s)),
+        strategy=chosen,
         max_epochs=MAX_EPOCHS,
         logger=False,
         enable_checkpointing=False,

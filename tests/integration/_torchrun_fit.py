@@ -146,7 +146,10 @@ def fit(
         callbacks=callbacks,
     )
     trainer.fit(model, make_loader(name, devices * num_nodes), ckpt_path=ckpt_path)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # A pipeline rank's module holds its own stages only; the whole trained model is what the
+    # strategy gathered on rank 0 at the end of fit (what a checkpoint saved after fit holds).
+    state = trainer.strategy.lightning_module_state_dict() if name == "pipeline" else model.state_dict()
+    return {k: v.detach().clone() for k, v in state.items()}
 
 
 def main() -> None:

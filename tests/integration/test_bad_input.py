@@ -368,11 +368,16 @@ def equals_uninterrupted_single_run(ended: list[Ended], tmp: Path) -> None:
     # rounds differently in the last bits: 1e-5 relative covers 8 steps of that, far below the
     # weights' change per step (~1e-2).
     reference = _state(_regression_fit(0, "single", epochs=2))
+    held: set[str] = set()
     for e in ended:
         got = _state(e.value)
         assert got.keys() == reference.keys()
         for k in reference:
+            if got[k].is_meta:  # a pipeline rank holds its own stages only; together, all of them
+                continue
+            held.add(k)
             torch.testing.assert_close(got[k], reference[k], rtol=1e-5, atol=1e-6, msg=f"rank {e.rank}: {k}")
+    assert held == set(reference)
 
 
 def other_model_recipe(tmp: Path) -> list[Ended]:
@@ -838,14 +843,15 @@ ROWS: list[Row] = [
     Row(
         "non-finite-async-NaN",
         "NaN inputs at step 3 on rank 1 only, async",
-        "FloatingPointError on every rank, each at its first step that pulls the broken weights",
+        "FloatingPointError on every rank, each at its first check after a step that pulled the broken weights",
         non_finite("async", float("nan"), (1,)),
         "FloatingPointError",
         (r"not finite after optimizer step \d+", FIX),
         slow=True,
-        # rank 0 may fail on a collective or RPC with rank 1 first (rank 1 raised and left): then
-        # its error carries the diagnosis naming rank 1 (lost, or stopped on its error)
-        races=(r"async: (lost )?peer rank 1 of 2",),
+        # each rank reads its finite-weights flags at its own logging steps, so either may raise
+        # first; the other may then fail on an RPC or a draw, its error naming the peer (lost, or
+        # stopped on its error)
+        races=(r"async: (lost )?peer rank [01] of 2",),
     ),
     *[
         Row(

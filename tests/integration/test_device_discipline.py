@@ -9,8 +9,10 @@
   schedule there).
 
 The fit is the recipe's ``ClassificationModule`` (its finite-weights check included) on a small MLP
-that every strategy can split. What the audit cannot see (tensors made in TensorPipe's RPC threads,
-an explicit but wrong ``device=``) is listed in ``device_audit.py``.
+that every strategy can split, with gradient clipping by norm where the strategy allows it (the
+model-parallel strategies' whole-model norm included; ps and async refuse clipping). What the audit
+cannot see (tensors made in TensorPipe's RPC threads, an explicit but wrong ``device=``) is listed in
+``device_audit.py``.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ STRATEGIES: dict[str, Callable[[], Any]] = {
 }
 
 
-def _audited_fit(strategy: Any, out: Path) -> list[Audit]:
+def _audited_fit(name: str, out: Path) -> list[Audit]:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 1, 8, 8, generator=g), torch.randint(0, 4, (64,), generator=g))
@@ -60,7 +62,8 @@ def _audited_fit(strategy: Any, out: Path) -> list[Audit]:
         optimizer=functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
     )
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, log_every_n_steps=LOG_EVERY,
+        accelerator="cpu", devices=2, strategy=STRATEGIES[name](), max_epochs=1, log_every_n_steps=LOG_EVERY,
+        gradient_clip_val=None if name in ("ps", "async") else 1.0,
         limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[AuditCallback(out)],
     )  # fmt: skip
@@ -74,7 +77,7 @@ class HostReadsPerStep(AssertionError):
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_collectives_on_the_device_and_no_host_read_per_step(name: str, tmp_path: Path) -> None:
-    audits = _audited_fit(STRATEGIES[name](), tmp_path)
+    audits = _audited_fit(name, tmp_path)
     # async ranks share the batches unevenly: the run has at least two logging windows in all
     assert sum(len(a.due) for a in audits) >= 4 * LOG_EVERY
     for rank, audit in enumerate(audits):

@@ -14,6 +14,10 @@ pre-imported zygote (``fault_utils``), ~0.2 s per rank instead of ~5 s of import
 - ``hang``: SIGSTOPs itself at the start of step 3 (its sockets stay open, its heartbeat stops):
   only the strategy's ``timeout`` can end the survivors' wait. Run for ring (its own process
   group), pipeline (the device mesh's groups) and async (RPC, whose timeout is ``timeout`` + 5 s).
+- ``freeze``: the same SIGSTOP under a ``timeout`` of ``FREEZE_TIMEOUT_S`` (60 s) and a heartbeat
+  watch grace of ``FREEZE_WATCH_S`` (3 s): the watch ends the survivors' wait by aborting their
+  communication (gloo: their TCP connections shut down), long before the timeout. Run for ring,
+  ps (RPC), pipeline and Lightning's ddp (through ``PeerFailureReport``).
 
 Two more cases: ``ddp`` on 3 ranks (both survivors name rank 1 and not each other: the second
 survivor to fail sees the first one's error reported as such, not as a loss), and ``async`` losing
@@ -27,7 +31,8 @@ the interpreter began to exit):
 - the victim died (or froze) where the case meant (its ``killed.json``);
 - every survivor exited with code 1; it noticed a SIGKILLed peer before ``timeout`` (closed
   connections) and a frozen one not before 0.9 x ``timeout`` (so the strategy's own ``timeout``,
-  not the 30-minute default, ended the wait); it named the loss within ``timeout`` (+ 5 s for
+  not the 30-minute default, ended the wait), or under ``freeze`` within the watch's grace + a poll
+  + ``SLACK_S`` (the watch ended it); it named the loss within ``timeout`` (+ 5 s for
   async's RPC) + the diagnosis (2.5 s) + ``SLACK_S``; its teardown took less than ``SLACK_S``
   (half the SIGKILL cases' ``timeout``: no wait for the dead peer); and its process was gone
   within ``EXIT_MARGIN_S`` more (interpreter exit is slow on a loaded machine, never a hang);
@@ -61,6 +66,8 @@ pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 10.0
 HANG_TIMEOUT_S = 3.0
+FREEZE_TIMEOUT_S = 60.0
+FREEZE_WATCH_S = 3.0  # the watch polls every second: it notices by FREEZE_WATCH_S + 1 s
 ASYNC_RPC_MARGIN_S = 5.0  # comm.ps: RPCs time out after timeout + max(5 s, 10%)
 DIAGNOSIS_S = faults.GRACE_INTERVALS * faults.DEFAULT_INTERVAL  # watching a silent peer's heartbeat
 SLACK_S = 5.0  # scheduling on a loaded machine; half the SIGKILL cases' timeout, so no timeout fits in it
@@ -71,6 +78,7 @@ LABELS = {"ring": "ring", "ps": "parameter_server", "async": "async", "pipeline"
 # (strategy, fault, world size, victim); the longest first, as they run PARALLEL at a time
 CASES = [
     *[(name, "hang", 2, 1) for name in ("async", "ring", "pipeline")],
+    *[(name, "freeze", 2, 1) for name in ("ring", "ps", "pipeline", "ddp")],
     *[(name, fault, 2, 1) for name in LABELS for fault in ("step", "comm")],
     ("ddp", "step", 3, 1),
     ("async", "step", 2, 0),
@@ -102,13 +110,18 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple[st
         assert zygote.leftovers() == [], "processes left in the zygote's session after it closed"
 
 
+def _timeout_s(fault: str) -> float:
+    return {"hang": HANG_TIMEOUT_S, "freeze": FREEZE_TIMEOUT_S}.get(fault, TIMEOUT_S)
+
+
 def _job(name: str, fault: str, world: int, victim: int, out: Path) -> Job:
-    timeout_s = HANG_TIMEOUT_S if fault == "hang" else TIMEOUT_S
+    timeout_s = _timeout_s(fault)
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(reserved_port()), "WORLD_SIZE": str(world),
            "NODE_RANK": "{rank}", "LOCAL_RANK": "0"}  # fmt: skip
     kwargs = {"strategy": name, "fault": fault, "victim": victim, "step": STEP, "timeout_s": timeout_s,
-              "out_dir": str(out)}  # fmt: skip
-    return Job("_peer_death_fit:run_rank", world, env, kwargs, out, timeout=120.0, kill_stopped=fault == "hang")
+              "out_dir": str(out), "watch_grace_s": FREEZE_WATCH_S if fault == "freeze" else None}  # fmt: skip
+    return Job("_peer_death_fit:run_rank", world, env, kwargs, out, timeout=120.0,
+               kill_stopped=fault in ("hang", "freeze"))  # fmt: skip
 
 
 def _events(path: Path) -> dict[str, float]:
@@ -129,7 +142,7 @@ def test_survivors_fail_in_time_naming_the_lost_rank(
 ) -> None:
     outcome = outcomes[(name, fault, world, victim)]
     answer, out = outcome.answer, outcome.out
-    timeout_s = HANG_TIMEOUT_S if fault == "hang" else TIMEOUT_S
+    timeout_s = _timeout_s(fault)
     ranks: dict[int, Any] = answer["ranks"]
     logs = {r: (out / f"rank{r}.log").read_text(errors="replace") for r in range(world)}
     context = "\n".join(f"--- rank {r} (exit {ranks[r]['returncode']}):\n{logs[r][-4000:]}" for r in logs)
@@ -145,6 +158,8 @@ def test_survivors_fail_in_time_naming_the_lost_rank(
     label = LABELS[name]
     # the strategy's own bound on noticing the fault: RPCs to a frozen async shard wait a little longer
     wait_s = timeout_s + (ASYNC_RPC_MARGIN_S if name == "async" and fault == "hang" else 0.0)
+    if fault == "freeze":  # the watch's bound: silent for its grace, noticed at its next poll
+        wait_s = FREEZE_WATCH_S + faults.DEFAULT_INTERVAL
     survivors = [r for r in range(world) if r != victim]
     for r in survivors:
         events = {k: t - killed["time"] for k, t in _events(out / f"rank{r}.events").items()}
@@ -158,6 +173,9 @@ def test_survivors_fail_in_time_naming_the_lost_rank(
         assert ranks[r]["returncode"] == 1, context
         if fault == "hang":
             assert noticed >= 0.9 * timeout_s, context  # the strategy's timeout ended the wait
+        elif fault == "freeze":
+            # the watch ended it: its grace runs from the victim's last beat, up to an interval before the stop
+            assert FREEZE_WATCH_S - faults.DEFAULT_INTERVAL <= noticed < wait_s + SLACK_S < timeout_s, context
         else:
             assert noticed < timeout_s, context  # closed connections, not a timeout
         assert diagnosed < wait_s + DIAGNOSIS_S + SLACK_S, context

@@ -276,6 +276,31 @@ def test_fit_equals_single_device(kwargs: dict[str, Any], devices: int, single_d
     assert "train_loss" in metrics  # the module's own self.log, on the last stage's outputs
 
 
+class MetaRegressor(PipeRegressor):
+    """The same net, built in configure_model: on the meta device under the pipeline."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = None  # type: ignore[assignment]
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = deep_net()  # seeds 0, then builds: under the pipeline nothing is drawn here
+
+
+def test_model_built_in_configure_model_starts_from_the_unsplit_models_weights(
+    single_device: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    """Built on meta, rank 0 initialises each block at setup with reset_parameters() from its RNG
+    (seeded 0 in configure_model, nothing drawn since): the unsplit model's weights, so the fit
+    ends where one device's does (the tolerance of this file). The caller's module never built its
+    net (configure_model ran in the ranks), so the trained weights are read from the checkpoint."""
+    callback = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=4)
+    strategy = PipelineStrategy(start_method="fork")
+    fit(strategy, 2, model=MetaRegressor(), callbacks=[callback], enable_checkpointing=True)
+    assert_weights_close(torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"], single_device)
+
+
 def test_fit_with_clipping_accumulation_and_weight_decay_equals_single_device() -> None:
     """Global-norm clipping across stages; accumulation; decay must not touch other stages' weights."""
     kwargs: dict[str, Any] = {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2, "max_steps": 2}
@@ -438,15 +463,50 @@ def test_teardown_destroys_the_groups_it_made_and_keeps_the_default() -> None:
         assert result == {"before": 1, "after": [1, 1], "initialized": True}
 
 
+def _fit_then_validate(rank: int, world: int) -> dict[str, Any]:
+    os.environ["LOCAL_RANK"] = str(rank)  # the processes exist already (as under torchrun)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=PipelineStrategy(), max_steps=4, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        use_distributed_sampler=False,
+    )  # fmt: skip
+    model = PipeRegressor()
+    trainer.fit(model, DataLoader(regression_data(), batch_size=16))
+    held = sorted(k for k, v in model.state_dict().items() if not v.is_meta)
+    result = trainer.validate(model, DataLoader(regression_data(n=30, seed=1), batch_size=6), verbose=False)
+    return {"val_loss": result[0]["val_loss"], "held": held}
+
+
+def test_validate_after_fit_in_the_same_processes_keeps_the_split(single_device: dict[str, torch.Tensor]) -> None:
+    """Under torchrun a rank's module keeps its own stages after fit (the others stay meta), and a
+    validate() of the same module in the same processes runs on that split: the validation loss
+    of the fitted weights, as one device computes it (rel 1e-5: the tolerance of this file)."""
+    results = run_workers(_fit_then_validate, 2, timeout=120)
+    model = PipeRegressor()
+    model.load_state_dict(single_device)
+    x, y = regression_data(n=30, seed=1).tensors
+    with torch.no_grad():
+        want = float(nn.functional.mse_loss(model(x), y))
+    assert results[0]["held"] == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"]
+    assert results[1]["held"] == ["net.4.bias", "net.4.weight", "net.5.bias", "net.5.weight"]
+    for r in results:
+        assert r["val_loss"] == pytest.approx(want, rel=1e-5)
+
+
 # -- checkpoints -----------------------------------------------------------------------------------
 
 
 def test_checkpoint_resumes_and_loads_into_a_single_device_model(tmp_path: Path) -> None:
-    """1 epoch (4 steps) under the pipeline, saved; then resumed to 2 epochs, and loaded on one device.
+    """1 epoch (4 steps) under a 2-stage pipeline, saved; loaded on one device, resumed to 2 epochs.
 
-    The reference is the same save-and-resume on one device (Lightning's resume is compared with
-    itself). The pipeline's checkpoint must equal the single device's (gathered weights and every
-    stage's momentum buffers), resume to the same weights, and resume under another split too.
+    The pipeline's checkpoint must equal the single device's (gathered weights and every stage's
+    momentum buffers, indexed as on one device) and load with torch.load + load_state_dict into
+    the unsplit module. Resumed on one device, and under 2 stages, it ends where one device's own
+    save-and-resume ends (pipeline vs one device: the tolerance of this file; Lightning's resume
+    is compared with itself, see README "How to resume" on max_steps). Resumed under 3 stages
+    with the same 4 micro-batches, it ends bit-identical to the 2-stage resume: each block
+    computes the same micro-batches in the same order whatever the split. The other way round,
+    one device's checkpoint resumes under 3 stages.
     """
 
     def save(strategy: Any, devices: int, name: str) -> dict[str, Any]:
@@ -454,8 +514,11 @@ def test_checkpoint_resumes_and_loads_into_a_single_device_model(tmp_path: Path)
         fit(strategy, devices, max_steps=4, callbacks=[callback], enable_checkpointing=True)
         return torch.load(tmp_path / name / "last.ckpt", weights_only=False)
 
+    def pipeline() -> PipelineStrategy:
+        return PipelineStrategy(start_method="fork", microbatches=4)
+
     single_ckpt = save("auto", 1, "single")
-    pipe_ckpt = save(PipelineStrategy(start_method="fork"), 2, "pipe")
+    pipe_ckpt = save(pipeline(), 2, "pipe")
     assert_weights_close(pipe_ckpt["state_dict"], single_ckpt["state_dict"])
     single_state, pipe_state = single_ckpt["optimizer_states"][0]["state"], pipe_ckpt["optimizer_states"][0]["state"]
     assert pipe_state.keys() == single_state.keys()  # every stage's part, indexed as on one device
@@ -467,10 +530,13 @@ def test_checkpoint_resumes_and_loads_into_a_single_device_model(tmp_path: Path)
     single = PipeRegressor()
     single.load_state_dict(pipe_ckpt["state_dict"])  # the full model, loadable on one device
     assert_weights_close(fit("auto", 1, max_steps=8, model=single, ckpt_path=pipe_path)[0], ref)
-    assert_weights_close(fit(PipelineStrategy(start_method="fork"), 2, max_steps=8, ckpt_path=pipe_path)[0], ref)
-    # another split of the same checkpoint (3 stages) resumes as well
-    resplit = PipelineStrategy(start_method="fork", microbatches=4)
-    assert_weights_close(fit(resplit, 3, max_steps=8, ckpt_path=pipe_path)[0], ref)
+    resumed, _ = fit(pipeline(), 2, max_steps=8, ckpt_path=pipe_path)
+    assert_weights_close(resumed, ref)
+    resplit, _ = fit(pipeline(), 3, max_steps=8, ckpt_path=pipe_path)  # another split of the same file
+    for k, v in resumed.items():
+        torch.testing.assert_close(resplit[k], v, rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+    single_path = str(tmp_path / "single" / "last.ckpt")
+    assert_weights_close(fit(pipeline(), 3, max_steps=8, ckpt_path=single_path)[0], ref)
 
 
 # -- a real model ------------------------------------------------------------------------------------

@@ -17,6 +17,10 @@ nodes, reduces hierarchically. Checked:
 - ``hierarchical_all_reduce`` on that layout equals ``dist.all_reduce`` (float64: 1e-14 of the
   value scale, a few ulps of P-1 additions in another order), identical on every process, with
   2(N-1)/N x numel/L elements sent across nodes by each (up to 3 elements of uneven chunking).
+
+One launch serves the three tests (a module fixture): two torchrun agents and four workers that
+import Lightning take 25-40 s on 2 loaded cores, the price of the only test in which the node
+layout comes from a real launcher's environment rather than a layout built by hand.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""PrefetchConfig validation, the device prefetcher, the resumable loader, and the recipes' DataModules."""
+"""PrefetchConfig validation, the device prefetcher, the resumable loader, and the recipes' DataModules.
+
+The prefetcher's CUDA copies are tested in ``tests/gpu/test_prefetch_gpu.py``."""
 
 from __future__ import annotations
 
@@ -53,14 +55,6 @@ def test_device_prefetcher_is_a_pass_through_on_cpu() -> None:
     assert prefetched.sampler is loader.sampler
     for a, b in zip(prefetched, loader, strict=True):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-
-
-@pytest.mark.gpu
-def test_device_prefetcher_copies_ahead_on_cuda() -> None:
-    loader = DataLoader(TensorDataset(torch.arange(64.0).view(16, 4)), batch_size=4, pin_memory=True)
-    out = [b[0] for b in DevicePrefetcher(loader, "cuda")]
-    assert all(t.is_cuda for t in out)
-    assert torch.equal(torch.cat(out).cpu(), torch.arange(64.0).view(16, 4))
 
 
 def test_digits_split_is_deterministic_disjoint_and_complete() -> None:
@@ -242,16 +236,6 @@ def test_device_prefetcher_passes_the_loader_state_through_on_cpu() -> None:
     other.load_state_dict(prefetched.state_dict())
     assert [b[0].tolist() for b in other] == [[6, 7, 8], [9, 10, 11]]
     assert DevicePrefetcher(DataLoader(data), "cpu").state_dict() == {}
-
-
-@pytest.mark.gpu
-def test_device_prefetcher_state_excludes_the_batch_copied_ahead() -> None:
-    loader = ResumableDataLoader(TensorDataset(torch.arange(12)), batch_size=3, pin_memory=True)
-    prefetched = DevicePrefetcher(loader, "cuda")
-    it = iter(prefetched)
-    next(it), next(it)
-    assert loader.state_dict()["batches"] == 3  # batch 3 is on its way to the GPU
-    assert prefetched.state_dict() == {"epoch": None, "batches": 2, "complete": False}
 
 
 # -- ResumableDataLoader under Lightning, one device --------------------------------------------

@@ -45,7 +45,9 @@ def test_a_frozen_peer_is_lost_and_named(beats: list[Heartbeat]) -> None:
     found = ranks[0].diagnose()
     waited = time.monotonic() - start
     assert found.lost == (1,) and found.failed == {} and found.finished == () and found.gone == (1,)
-    assert GRACE_S <= waited < GRACE_S + 2.0  # the frozen peer is watched for the whole grace
+    # the frozen peer is watched for the whole grace (a lower bound on a monotonic clock: exact);
+    # the upper bound only says it ends, with room for a loaded machine's late wake-ups
+    assert GRACE_S <= waited < GRACE_S + 20.0
     text = found.describe("ring")
     assert text is not None and text.startswith("ring: lost peer rank 1 of 3: no heartbeat for 1.0 s")
     assert "how rank 0 noticed" in text
@@ -53,9 +55,12 @@ def test_a_frozen_peer_is_lost_and_named(beats: list[Heartbeat]) -> None:
 
 def test_live_peers_are_not_named_and_the_diagnosis_returns_early(beats: list[Heartbeat]) -> None:
     ranks = _ranks(dist.HashStore(), [LIVE_S, LIVE_S, LIVE_S], beats)
+    grace = 60.0  # returning early means well before this; a diagnosis that waits it out fails
     start = time.monotonic()
-    found = ranks[2].diagnose()
-    assert time.monotonic() - start < GRACE_S / 2  # both peers beat within a few intervals
+    found = ranks[2].diagnose(grace=grace)
+    # both peers beat every 20 ms: the diagnosis returns at their next beats. A bound of half a
+    # 1 s grace failed at load 21 (1.8 s); half of 60 s holds under any load seen here
+    assert time.monotonic() - start < grace / 2
     assert found.gone == () and found.describe("ddp") is None
 
 

@@ -1,0 +1,464 @@
+"""The scale model of ``benchmarks/scale.py``: step time and bytes per link of every strategy.
+
+Pure arithmetic (no torch), one function per strategy, so ``tests/unit/test_scale_model.py`` holds
+the formulas to hand-computed values. A strategy's step is a list of *phases*; a phase is work that
+``busy`` processes do at once, and costs ``contention(busy) x seconds``:
+
+    contention(b) = max(1, b / cores)
+
+``cores`` is the number of cores the processes effectively get (``Costs.cores``): on the 2-vCPU
+development machine, where P = 3 or 4 CPU processes (and other jobs) share the cores, a phase in
+which every process computes or copies bytes takes b / cores times longer than alone. On a GPU
+cluster every process has its own device and NIC queue: ``cores=None``, no contention.
+
+Notation: P processes, L per node (``Costs.local_size``), M = P / L nodes; D = gradient bytes
+(``Workload.grad_bytes``); buckets D_b (DDP's: 1 MiB first, then 25 MiB); a link moves a message of
+B bytes in ``latency + B / bandwidth``.
+
+    ddp        the backend's ring all-reduce per bucket (gloo's on CPU, NCCL's ring on GPUs):
+               2(P-1) steps of D_b / P, in segments; every rank sends 2(P-1)/P x D; across nodes a
+               flat ring's every step waits for the inter-node hop
+    ring       the same schedule run by ``comm.ring`` (Python send/recv per segment: its own
+               per-message cost)
+    ring_hier  reduce-scatter in the node (L-1 steps of D_b/L), L rings across the M nodes on D_b/L
+               (2(M-1) steps of D_b/(L M), sharing the node's NIC), all-gather in the node: per
+               worker 2(L-1)/L x D intra and 2(M-1)/M x D/L inter-node bytes; latency terms
+               2(L-1) + 2(M-1) instead of the flat ring's 2(P-1)
+    ps         sharded servers, shard s on rank s: every worker sends each of the P-1 remote shards
+               its D/P and each shard answers P-1 remote workers: 2(P-1)/P x D sent per rank, as the
+               ring, but 2(P-1) RPC messages per rank and per step
+    ps_1       one server (rank 0): it receives (P-1) x D and sends (P-1) x D, the seed's bottleneck,
+               growing linearly with P
+    async      ps's messages without the barrier, each push applied alone on arrival; batches from a
+               local lease of L (4) refilled by the coordinator (rank 0) when half is used: one
+               refill round trip per L/2 steps, in the background (the ``async`` of main since its
+               lease: nothing per step on rank 0's critical path; the coordinator serves (P-1)
+               refill messages per round of steps)
+    pipeline   K stages x R = P/K replicas, M micro-batches: (M+K-1) slots forward and backward in
+               which b_j = min(j+1, K, M, M+K-1-j) stages are busy, plus 2(K-1) activation transfers
+               on the critical path and, with R > 1, a ring all-reduce of D/K over the replicas
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+__all__ = [
+    "MIB",
+    "STRATEGIES",
+    "Costs",
+    "Link",
+    "Prediction",
+    "Workload",
+    "contention",
+    "ddp_buckets",
+    "pipeline_busy",
+    "predict",
+]
+
+MIB = 1 << 20
+STRATEGIES = ("ddp", "ring", "ring_hier", "ps", "ps_1", "async", "pipeline")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One direction of a link: ``messages x latency_s + nbytes / bandwidth`` seconds."""
+
+    latency_s: float
+    bandwidth: float  # bytes per second
+
+    def seconds(self, nbytes: float, messages: float = 1.0) -> float:
+        return messages * self.latency_s + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The measured (or stated) constants of a machine or a cluster.
+
+    Attributes:
+        compute_s: forward + backward of one worker's step on its own device (or core), alone.
+        local_size: processes per node (L).
+        intra: the collective backend's link inside a node; ``latency_s`` per message of its own
+            all-reduce (gloo's C++ segments; NCCL's hop).
+        inter: the same between nodes.
+        inter_shared: the inter-node bandwidth is the node's (one NIC shared by the flows that
+            leave the node at once) rather than each flow's.
+        ring_overhead_s: what a message of ``comm.ring`` (a Python send/recv, its loop per segment,
+            the call's own work) costs on top of the backend's own messages.
+        gloo_segment_bytes: segment of the backend's ring (gloo: 1 MiB; NCCL on GPUs: its chunks,
+            modelled as one message per step: ``math.inf``).
+        ring_segment_bytes: segment of ``comm.ring`` (4 MiB on gloo; one message per step on NCCL).
+        reduce_s_per_byte: adding a received chunk into the local one, per byte.
+        rpc_overhead_s: host work of one RPC message (TensorPipe, the Python handler), per message.
+        rpc_intra: an RPC payload's wire inside a node (latency: the wire's alone).
+        rpc_inter: the same between nodes.
+        ps_client_s_per_byte: a ps worker packing its gradients and copying the pulled values back,
+            per gradient byte.
+        ps_average_s_per_byte: a shard averaging one worker's gradient (divide, add), per byte.
+        ps_update_s_per_byte: a shard's optimizer step and reply packing, per byte it holds.
+        ps_client_s_per_tensor, ps_average_s_per_tensor, ps_update_s_per_tensor: the same per
+            tensor (the Python loops over the model's tensors, whatever their size).
+        chunk_overhead_s: the pipeline runtime's host work per micro-batch chunk (forward or backward).
+        cores: cores the processes effectively share (contention); ``None``: one device each.
+        bucket_bytes: DDP's bucket cap (``bucket_cap_mb``, 25 MiB).
+        first_bucket_bytes: DDP's first, smaller bucket (1 MiB).
+        min_chunk_bytes: the ring strategy's smallest chunk per step (``comm.ring.MIN_CHUNK_BYTES``,
+            256 KiB): its buckets grow to P x this once that exceeds ``bucket_bytes``; 0: fixed buckets.
+        overlap_s: seconds of the all-reduce (ddp, ring, ring_hier) hidden under the backward pass;
+            0: compute, then communicate (what the validation runs do).
+        async_lease: batches an async worker leases at a time (``comm.lease.DEFAULT_LEASE``).
+    """
+
+    compute_s: float
+    local_size: int
+    intra: Link
+    inter: Link
+    inter_shared: bool = False
+    ring_overhead_s: float = 0.0
+    gloo_segment_bytes: float = MIB
+    ring_segment_bytes: float = 4 * MIB
+    reduce_s_per_byte: float = 0.0
+    rpc_overhead_s: float = 0.0
+    rpc_intra: Link = field(default_factory=lambda: Link(0.0, math.inf))
+    rpc_inter: Link = field(default_factory=lambda: Link(0.0, math.inf))
+    ps_client_s_per_byte: float = 0.0
+    ps_average_s_per_byte: float = 0.0
+    ps_update_s_per_byte: float = 0.0
+    ps_client_s_per_tensor: float = 0.0
+    ps_average_s_per_tensor: float = 0.0
+    ps_update_s_per_tensor: float = 0.0
+    chunk_overhead_s: float = 0.0
+    cores: float | None = None
+    bucket_bytes: float = 25 * MIB
+    first_bucket_bytes: float = MIB
+    min_chunk_bytes: float = 0.0
+    overlap_s: float = 0.0
+    async_lease: int = 4
+
+    def buckets(self, grad_bytes: float, world: int = 1, *, grow: bool = False) -> list[float]:
+        """DDP's buckets of ``grad_bytes``; with ``grow``, the ring strategy's (at least P x min chunk)."""
+        cap = max(self.bucket_bytes, world * self.min_chunk_bytes) if grow else self.bucket_bytes
+        return ddp_buckets(grad_bytes, cap, self.first_bucket_bytes)
+
+    def with_(self, **changes: object) -> Costs:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step moves and computes.
+
+    Attributes:
+        grad_bytes: D, the gradient (= parameter) bytes every data-parallel worker reduces.
+        tensors: the model's trainable tensors (ps and async loop over them; 161 in ResNet-50).
+        stages: pipeline stages K (the pipeline strategy only).
+        microbatches: pipeline micro-batches M per step.
+        activation_bytes: one micro-batch's activation at a stage boundary (its gradient comes
+            back the same size).
+        stage_compute_s: forward + backward of one stage on one micro-batch; ``None``: the
+            worker's ``compute_s / microbatches`` (each stage does 1/K of the model for K times the
+            batch, as much work per device as a data-parallel worker).
+    """
+
+    grad_bytes: float
+    tensors: int = 1
+    stages: int = 2
+    microbatches: int = 4
+    activation_bytes: float = 0.0
+    stage_compute_s: float | None = None
+
+
+@dataclass
+class Prediction:
+    """A strategy's step at P processes.
+
+    Attributes:
+        step_s: seconds per step (for ``async``: per worker step, workers not in lockstep).
+        phases: seconds of each part of the step, contention included; they add up to ``step_s``
+            (for ``async``, ``bound`` says which resource sets the pace).
+        busiest_sent_bytes: bytes the busiest process sends per step, every link together.
+        link_bytes: bytes on the busiest single link (one direction) per step.
+        nic_bytes: bytes leaving the busiest node per step (0 on one node).
+        messages: messages the busiest process sends per step.
+        bound: what sets the pace when it is not the worker's own step (``async``: ``"coordinator"``).
+        inter_sent_bytes: bytes the busiest process sends to other nodes per step.
+    """
+
+    step_s: float
+    phases: dict[str, float]
+    busiest_sent_bytes: float
+    link_bytes: float
+    nic_bytes: float
+    messages: float
+    bound: str = ""
+    inter_sent_bytes: float = 0.0
+
+
+def contention(busy: float, cores: float | None) -> float:
+    """How much longer CPU-bound work takes when ``busy`` processes share ``cores`` cores."""
+    if cores is None or busy <= 0:
+        return 1.0
+    return max(1.0, busy / cores)
+
+
+def ddp_buckets(grad_bytes: float, cap: float = 25 * MIB, first: float = MIB) -> list[float]:
+    """DDP's gradient buckets: a 1 MiB first bucket (``first``), then ``cap`` each, the rest last."""
+    buckets, left = [], float(grad_bytes)
+    size = min(first, cap)
+    while left > 0:
+        buckets.append(min(size, left))
+        left -= buckets[-1]
+        size = cap
+    return buckets
+
+
+def pipeline_busy(stages: int, microbatches: int) -> list[int]:
+    """Stages busy in each of the M + K - 1 slots of a pipelined pass (fill, steady state, drain)."""
+    k, m = stages, microbatches
+    return [min(j + 1, k, m, m + k - 1 - j) for j in range(m + k - 1)]
+
+
+def _segments(nbytes: float, segment: float) -> float:
+    return 1.0 if math.isinf(segment) or nbytes <= 0 else max(1.0, math.ceil(nbytes / segment))
+
+
+def _ring(
+    costs: Costs, world: int, buckets: Sequence[float], *, segment: float, overhead: float, rings: int = 1
+) -> tuple[float, float, float]:
+    """(latency, bandwidth, reduce) seconds of a flat ring all-reduce of ``buckets`` over ``world`` ranks.
+
+    Across nodes every step waits for the slowest hop, the inter-node one; the ring enters and
+    leaves each node once, so one flow per node crosses it (``rings`` flows when that many rings
+    run at once and the node's NIC is shared: ``Costs.inter_shared``).
+    """
+    if world <= 1:
+        return 0.0, 0.0, 0.0
+    across = world > costs.local_size
+    link = costs.inter if across else costs.intra
+    flows = rings if across and costs.inter_shared else 1
+    latency = bandwidth = reduce = 0.0
+    for b in buckets:
+        chunk = b / world
+        latency += 2 * (world - 1) * _segments(chunk, segment) * (link.latency_s + overhead)
+        bandwidth += 2 * (world - 1) * flows * chunk / link.bandwidth
+        reduce += (world - 1) * chunk * costs.reduce_s_per_byte
+    return latency, bandwidth, reduce
+
+
+def _overlapped(phases: dict[str, float], costs: Costs) -> float:
+    """The step: compute, plus the communication not hidden under the backward pass (``overlap_s``)."""
+    comm = sum(v for k, v in phases.items() if k != "compute")
+    hidden = min(comm, costs.overlap_s)
+    if hidden:
+        phases["overlapped"] = -hidden
+    return phases["compute"] + comm - hidden
+
+
+def _flat_ring(strategy: str, costs: Costs, world: int, work: Workload) -> Prediction:
+    ring = strategy == "ring"
+    segment = costs.ring_segment_bytes if ring else costs.gloo_segment_bytes
+    overhead = costs.ring_overhead_s if ring else 0.0
+    buckets = costs.buckets(work.grad_bytes, world, grow=ring)
+    latency, bandwidth, reduce = _ring(costs, world, buckets, segment=segment, overhead=overhead)
+    k = contention(world, costs.cores)
+    phases = {"compute": k * costs.compute_s, "latency": k * latency, "bandwidth": k * bandwidth, "reduce": k * reduce}
+    sent = 2 * (world - 1) / world * work.grad_bytes
+    messages = sum(2 * (world - 1) * _segments(b / world, segment) for b in buckets) if world > 1 else 0.0
+    nodes = math.ceil(world / costs.local_size)
+    across = sent if nodes > 1 else 0.0  # the rank before each node boundary sends all of it across
+    return Prediction(_overlapped(phases, costs), phases, sent, sent, across, messages, inter_sent_bytes=across)
+
+
+def _hier_ring(costs: Costs, world: int, work: Workload) -> Prediction:
+    local = min(costs.local_size, world)
+    if world % local:
+        raise ValueError(f"ring_hier needs whole nodes: found P={world} with {local} per node")
+    nodes = world // local
+    buckets = costs.buckets(work.grad_bytes, world, grow=True)
+    seg, over = costs.ring_segment_bytes, costs.ring_overhead_s
+    flows = local if costs.inter_shared else 1  # the L inter-node rings leave the node at once
+    latency = bandwidth = reduce = 0.0
+    messages = 0.0
+    for b in buckets:
+        if local > 1:  # reduce-scatter then all-gather inside the node: L-1 steps of b/L each
+            n = 2 * (local - 1) * _segments(b / local, seg)
+            latency += n * (costs.intra.latency_s + over)
+            bandwidth += 2 * (local - 1) * (b / local) / costs.intra.bandwidth
+            reduce += (local - 1) * (b / local) * costs.reduce_s_per_byte
+            messages += n
+        if nodes > 1:  # a ring over the nodes on this rank's 1/L of the bucket
+            piece = b / local / nodes
+            n = 2 * (nodes - 1) * _segments(piece, seg)
+            latency += n * (costs.inter.latency_s + over)
+            bandwidth += 2 * (nodes - 1) * flows * piece / costs.inter.bandwidth
+            reduce += (nodes - 1) * piece * costs.reduce_s_per_byte
+            messages += n
+    k = contention(world, costs.cores)
+    phases = {"compute": k * costs.compute_s, "latency": k * latency, "bandwidth": k * bandwidth, "reduce": k * reduce}
+    d = work.grad_bytes
+    intra_bytes = 2 * (local - 1) / local * d
+    inter_bytes = 2 * (nodes - 1) / nodes * d / local  # per worker
+    nic = local * inter_bytes if nodes > 1 else 0.0
+    return Prediction(
+        _overlapped(phases, costs), phases, intra_bytes + inter_bytes, max(intra_bytes, nic), nic, messages,
+        inter_sent_bytes=inter_bytes,
+    )  # fmt: skip
+
+
+def _rpc_bytes_seconds(costs: Costs, world: int, per_peer: float, peers_off_node: float, peers_on_node: float) -> float:
+    """Seconds for one process to send ``per_peer`` bytes to each of its peers, inside and across
+    nodes at once (the larger of the two), the node's NIC shared by its L processes when
+    ``inter_shared``."""
+    intra = peers_on_node * per_peer / costs.rpc_intra.bandwidth
+    flows = min(costs.local_size, world) if costs.inter_shared else 1
+    inter = flows * peers_off_node * per_peer / costs.rpc_inter.bandwidth
+    return max(intra, inter)
+
+
+def _client_host(costs: Costs, work: Workload) -> float:
+    """A ps worker's packing of its gradients and copying back of the values, every tensor."""
+    return work.tensors * costs.ps_client_s_per_tensor + work.grad_bytes * costs.ps_client_s_per_byte
+
+
+def _shard_host(costs: Costs, work: Workload, share: float, pushes: int, averaged: bool) -> float:
+    """A shard holding ``share`` of the model: ``pushes`` workers' gradients averaged (sync) and one
+    update, or (async, ``averaged=False``) ``pushes`` updates, one per push."""
+    tensors, nbytes = share * work.tensors, share * work.grad_bytes
+    update = tensors * costs.ps_update_s_per_tensor + nbytes * costs.ps_update_s_per_byte
+    if not averaged:
+        return pushes * update
+    average = tensors * costs.ps_average_s_per_tensor + nbytes * costs.ps_average_s_per_byte
+    return update + (pushes * average if pushes > 1 else 0.0)
+
+
+def _ps(costs: Costs, world: int, work: Workload) -> Prediction:
+    d, p = work.grad_bytes, world
+    local = min(costs.local_size, p)
+    nodes = math.ceil(p / local)
+    off, on = p - local, local - 1
+    # each rank: P-1 pushes of D/P out, P-1 replies of D/P out (and as many in)
+    messages = 2 * (p - 1)
+    wire = 2 * _rpc_bytes_seconds(costs, p, d / p, off, on)
+    wire_latency = 2 * (costs.rpc_inter if nodes > 1 else costs.rpc_intra).latency_s if p > 1 else 0.0
+    k = contention(p, costs.cores)
+    phases = {
+        "compute": k * costs.compute_s,
+        "host": k * (_client_host(costs, work) + _shard_host(costs, work, 1 / p, p, averaged=True)),
+        "messages": k * messages * costs.rpc_overhead_s,
+        "bandwidth": k * wire,
+        "latency": wire_latency,
+    }
+    sent = 2 * (p - 1) / p * d
+    nic = 2 * local * off / p * d if nodes > 1 else 0.0
+    link = max(2 * d / p, nic)  # one peer's pair of messages, or the node's NIC
+    return Prediction(sum(phases.values()), phases, sent, link if p > 1 else 0.0, nic, messages)
+
+
+def _ps_1(costs: Costs, world: int, work: Workload) -> Prediction:
+    """One server on rank 0: every push to it, then (after the barrier) every reply from it."""
+    d, p = work.grad_bytes, world
+    local = min(costs.local_size, p)
+    nodes = math.ceil(p / local)
+    off, on = p - local, local - 1
+    k = contention(p, costs.cores)
+    server = contention(1, costs.cores)
+    # the server's link carries (P-1) D in, then (P-1) D out: no flow shares its own NIC with it
+    shared = costs.with_(inter_shared=False)
+    wire = 2 * _rpc_bytes_seconds(shared, p, d, off, on)
+    wire_latency = 2 * (costs.rpc_inter if nodes > 1 else costs.rpc_intra).latency_s if p > 1 else 0.0
+    phases = {
+        "compute": k * costs.compute_s,
+        "host": k * _client_host(costs, work) + server * _shard_host(costs, work, 1.0, p, averaged=True),
+        "messages": server * 2 * (p - 1) * costs.rpc_overhead_s,
+        "bandwidth": server * wire,
+        "latency": wire_latency,
+    }
+    sent = (p - 1) * d
+    nic = off * d if nodes > 1 else 0.0
+    return Prediction(sum(phases.values()), phases, sent, max(d if p > 1 else 0.0, nic), nic, 2 * (p - 1))
+
+
+def _async(costs: Costs, world: int, work: Workload) -> Prediction:
+    """ps's traffic without the barrier: each push is applied alone (an optimizer step on D/P per
+    push, so D per rank per round of pushes, instead of averaging); a lease refill round trip every
+    L/2 steps, off the critical path but host work all the same."""
+    d, p = work.grad_bytes, world
+    local = min(costs.local_size, p)
+    nodes = math.ceil(p / local)
+    off, on = p - local, local - 1
+    k = contention(p, costs.cores)
+    refill = 4 / costs.async_lease if p > 1 else 0.0  # 2 messages per refill, one refill per L/2 steps
+    messages = 2 * (p - 1) + refill
+    wire = 2 * _rpc_bytes_seconds(costs, p, d / p, off, on)
+    link = costs.rpc_inter if nodes > 1 else costs.rpc_intra
+    phases = {
+        "compute": k * costs.compute_s,
+        "host": k * (_client_host(costs, work) + _shard_host(costs, work, 1 / p, p, averaged=False)),
+        "messages": k * messages * costs.rpc_overhead_s,
+        "bandwidth": k * wire,
+        "latency": (2 * link.latency_s) if p > 1 else 0.0,  # the push and its reply
+    }
+    step = sum(phases.values())
+    bound = "worker"
+    # rank 0's host also answers every other worker's refills (one lock, one GIL): once that and its
+    # own messages take longer than a step, the leases run dry and every worker waits for them
+    rank0 = k * (messages + (p - 1) * refill) * costs.rpc_overhead_s
+    if rank0 > step:
+        phases["coordinator_wait"] = rank0 - step
+        step, bound = rank0, "coordinator"
+    sent = 2 * (p - 1) / p * d
+    nic = 2 * local * off / p * d if nodes > 1 else 0.0
+    return Prediction(step, phases, sent, max(2 * d / p, nic) if p > 1 else 0.0, nic, messages, bound)
+
+
+def _pipeline(costs: Costs, world: int, work: Workload) -> Prediction:
+    stages = work.stages
+    if world % stages:
+        raise ValueError(f"pipeline: P={world} is not a multiple of K={stages} stages")
+    replicas = world // stages
+    m = work.microbatches
+    chunk = work.stage_compute_s if work.stage_compute_s is not None else costs.compute_s / m
+    slots = pipeline_busy(stages, m)
+    # forward and backward passes have the same fill/drain shape; R replicas run side by side
+    compute = sum(contention(replicas * b, costs.cores) * chunk for b in slots)
+    overhead = sum(contention(replicas * b, costs.cores) * 2 * costs.chunk_overhead_s for b in slots)
+    hops = 2 * (stages - 1)
+    link = costs.intra if stages <= costs.local_size else costs.inter
+    # the runtime's per-chunk work (chunk_overhead_s) includes posting and waiting for its transfers;
+    # what remains on the critical path is the bytes of the 2(K-1) hops and their links' latency
+    transfer = hops * link.seconds(work.activation_bytes)
+    phases = {"compute": compute, "chunk_overhead": overhead, "transfer": transfer}
+    if replicas > 1:  # each stage's gradient reduced over the replicas holding that stage
+        sub = costs.with_(local_size=max(1, costs.local_size // stages))
+        buckets = costs.buckets(work.grad_bytes / stages)
+        latency, bandwidth, reduce = _ring(
+            sub, replicas, buckets, segment=costs.gloo_segment_bytes, overhead=0.0, rings=stages
+        )
+        kr = contention(world, costs.cores)
+        phases["allreduce"] = kr * (latency + bandwidth + reduce)
+    act = 2 * m * work.activation_bytes  # forward activations and backward gradients
+    dp = 2 * (replicas - 1) / replicas * work.grad_bytes / stages if replicas > 1 else 0.0
+    nodes = math.ceil(world / costs.local_size)
+    nic = stages * dp if nodes > 1 and replicas > costs.local_size // stages else 0.0  # each stage's ring leaves once
+    return Prediction(sum(phases.values()), phases, act + dp, max(act, nic, dp), nic, 2 * m)
+
+
+def predict(strategy: str, costs: Costs, world: int, work: Workload) -> Prediction:
+    """The step of ``strategy`` (one of :data:`STRATEGIES`) at ``world`` processes."""
+    if world < 1:
+        raise ValueError(f"world size must be >= 1, found {world}")
+    if strategy in ("ddp", "ring"):
+        return _flat_ring(strategy, costs, world, work)
+    if strategy == "ring_hier":
+        return _hier_ring(costs, world, work)
+    if strategy == "ps":
+        return _ps(costs, world, work)
+    if strategy == "ps_1":
+        return _ps_1(costs, world, work)
+    if strategy == "async":
+        return _async(costs, world, work)
+    if strategy == "pipeline":
+        return _pipeline(costs, world, work)
+    raise ValueError(f"unknown strategy {strategy!r}: expected one of {list(STRATEGIES)}")

@@ -1,0 +1,556 @@
+"""A scale model: step time and bytes per link of every strategy, calibrated here, validated, projected.
+
+The model (``benchmarks/_scale_model.py``, formulas in its docstring) predicts a step of ddp, ring
+(flat and hierarchical), ps (P shards and one server), async and pipeline from a few constants:
+per-message latency and bandwidth of the links (inside and between nodes), host work per message
+and per byte, compute time, and the cores the processes share. On this 2-vCPU machine P = 3 or 4
+processes (and other jobs) share the cores, so the model has a contention term, calibrated:
+``contention(b) = max(1, b / cores)`` multiplies work that b processes do at once, with ``cores``
+= P x (stand-in alone) / (stand-in on all P at once), measured in the same repetition.
+
+1. Calibration and validation (``_scale_measure.py``): P = 2, 3, 4 fork-started CPU processes (gloo,
+   TensorPipe RPC, 1 thread each) run the package's comm layer directly with a compute stand-in
+   (fixed matmul work), not Lightning fits: the model is of the communication and its composition
+   with compute; a fit adds Lightning's per-step hooks, logging and heartbeats, the same for every
+   strategy and not a function of P, and at a few steps it would be all start-up. Each repetition
+   runs the micro-benchmarks the constants come from and one timed run of every strategy, in a
+   rotated order; worlds alternate P in rounds. Per repetition the model predicts each strategy
+   from that repetition's constants; the error of a (strategy, P) is |median(predicted / measured)
+   - 1| over the repetitions, and
+
+       scale_model_error_max            the largest of them (goal <= 0.15)
+       scale_model_error_<s>_P<n>       per run; scale_measured_step_s_ / scale_predicted_step_s_ medians
+       scale_bytes_error_<s>_P<n>       bytes each worker sends per step, model vs measured: the
+                                        strategies' own CommStats (ring, ps, ps_1, async) and the
+                                        kernel's socket counters (wire_bytes.py's helpers: ddp, ring, ps_1)
+       calib_*                          the calibrated constants (medians over repetitions)
+
+   Two simulated nodes x 2 processes (two ``torchrun`` invocations on 127.0.0.1) run ddp, ring and,
+   where ``comm.ring`` has it, the hierarchical ring: ``..._2x2`` lines.
+2. Projection: ResNet-50 (25.6M fp32 gradients) on a stated cluster (``Cluster``: 8 GPUs per node,
+   NVLink 300 GB/s, 100 Gb/s per node, latencies, A100 compute per step from NVIDIA's figure; every
+   figure a flag, printed as ``cluster_*`` lines), host overheads (RPC, Python send/recv, pipeline
+   chunks) as calibrated here unless given: ``projected_step_s_<s>_P<n>``, ``projected_link_bytes_``
+   (busiest link, one direction, per step), ``projected_nic_bytes_`` (busiest node's NIC) and
+   ``projected_server_bytes_ps_1_P<n>`` for P = 8 ... 1024. Plots: ``results/scale.png`` (step time
+   and scaling efficiency vs P), ``results/scale_traffic.png`` (one server's traffic vs P against
+   sharded ps and the rings), ``results/scale_validation.png`` (predicted vs measured).
+
+    python benchmarks/scale.py            # P = 2, 3, 4 + torchrun 2x2, 5 rounds (~6-10 min on 2 cores)
+    python benchmarks/scale.py --quick    # P = 2, small N, 4 rounds, no torchrun (CI, < 60 s)
+    python benchmarks/scale.py --nic-gbit-s 400 --gpus-per-node 4 --step-ms 60   # your cluster
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import header, line, load_average, load_line, median, pyplot, save_figure
+from benchmarks._scale_costs import (
+    LATENCY_KEYS,
+    STEP_SOURCE,
+    Cluster,
+    cluster_costs,
+    cluster_workload,
+    machine_costs,
+)
+from benchmarks._scale_measure import standin_iters, world_worker
+from benchmarks._scale_model import Costs, Link, Prediction, Workload, predict
+from benchmarks._workers import reserved_port, run_workers
+from benchmarks.ps_traffic import resnet50_sizes
+
+GOAL = 0.15
+FAST = Link(0.0, math.inf)
+PROJECTED = tuple(2**k for k in range(3, 11))  # 8 ... 1024
+PROJECTED_STRATEGIES = ("ddp", "ring", "ring_hier", "ps", "ps_1", "async", "pipeline")
+RESULTS = Path(__file__).parent / "results"
+
+
+# --------------------------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------------------------
+
+
+def world_config(args: argparse.Namespace, sizes: Sequence[int], iters: int, strategies: Sequence[str]) -> dict:
+    return {
+        "sizes": list(sizes),
+        "iters": iters,
+        "steps": args.steps,
+        "reps": args.reps,
+        "calib_reps": args.calib_reps,
+        "probe_reps": args.probe_reps,
+        "async_window_s": args.async_window,
+        "strategies": list(strategies),
+        "pipeline": {"dim": args.pipe_dim, "blocks_per_stage": 2, "rows": args.pipe_rows, "microbatches": 4},
+    }
+
+
+def measure_worlds(cfg: dict, worlds: Sequence[int], rounds: int, timeout: float) -> dict[str, list[dict]]:
+    """Repetitions by world (``"P2"``, ...): ``rounds`` rounds, each running every world once, in a
+    rotated order, so that no P always runs at the same point of the machine's load."""
+    rows: dict[str, list[dict]] = {f"P{p}": [] for p in worlds}
+    for r in range(rounds):
+        for p in [*worlds[r % len(worlds) :], *worlds[: r % len(worlds)]]:
+            world_cfg = {**cfg, "rpc_port": reserved_port(), "offset": r}
+            got = run_workers(world_worker, p, world_cfg, timeout=timeout, pg_timeout_s=180)[0]
+            rows[f"P{p}"].extend(got)
+            print(f"# round {r + 1}/{rounds}: P={p} done, load {load_average()}", flush=True)
+    return rows
+
+
+def measure_torchrun(cfg: dict, nodes: int, per_node: int, timeout: float) -> list[dict]:
+    """The same repetitions in ``nodes`` torchrun invocations of ``per_node`` processes on 127.0.0.1."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
+    from _torchrun_utils import TORCHRUN, child_env, run_bounded
+
+    script = Path(__file__).with_name("_scale_torchrun.py")
+    port = reserved_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg_path, out_path = Path(tmp) / "cfg.json", Path(tmp) / "out.json"
+        cfg_path.write_text(json.dumps({**cfg, "rpc_port": reserved_port(), "local_size": per_node}))
+        commands = []
+        for node in range(nodes):
+            cmd = [
+                *TORCHRUN, f"--nnodes={nodes}", f"--nproc-per-node={per_node}", "--rdzv-backend=static",
+                "--master-addr=127.0.0.1", f"--master-port={port}", f"--node-rank={node}", "--max-restarts=0",
+                str(script), str(cfg_path), str(out_path),
+            ]  # fmt: skip
+            commands.append((cmd, child_env(), Path(tmp) / f"node{node}.log"))
+        run_bounded(commands, what="torchrun (scale)", timeout=timeout)
+        return list(json.loads(out_path.read_text()))
+
+
+def wire_bytes(sizes: Sequence[int], worlds: Sequence[int], cases: Sequence[str]) -> dict[tuple[str, int], float]:
+    """Bytes the busiest worker sends per step on its sockets (the kernel's counters, wire_bytes.py)."""
+    from benchmarks.wire_bytes import measure
+
+    out = {}
+    for world in worlds:
+        for case in cases:
+            out[(case, world)] = max(measure(case, world, sizes, steps=2).sent)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Model against measurement
+# --------------------------------------------------------------------------------------------
+
+
+def calib_of(row: dict[str, float]) -> dict[str, float]:
+    return {k.removeprefix("calib/"): v for k, v in row.items() if k.startswith("calib/")}
+
+
+def machine_workload(calib: dict[str, float], world: int, sizes: Sequence[int], pipe: dict) -> Workload:
+    return Workload(
+        grad_bytes=4.0 * sum(sizes),
+        tensors=len(sizes),
+        stages=world,
+        microbatches=pipe["microbatches"],
+        activation_bytes=4.0 * pipe["rows"] * pipe["dim"],
+        stage_compute_s=calib.get("stage_s"),
+    )
+
+
+def quiet_calibration(rows_by_world: dict[str, list[dict]], *, latency_median: bool = True) -> dict[str, float]:
+    """The machine's calibration over all repetitions of all worlds (the figures are measured with one
+    or two processes busy and the others idle: they do not depend on P).
+
+    Work figures: their minimum, the least disturbed value (other jobs only ever add time; the probe
+    before each step says how much slower the machine is then, :func:`compare`). Latency figures
+    (``LATENCY_KEYS``): their median, the typical wake-up of the run (``latency_median=False``: their
+    minimum too, a host that no other job shares, for the projection).
+    """
+    calibs = [calib_of(row) for rows in rows_by_world.values() for row in rows]
+    out = {}
+    for k in calibs[0]:
+        values = [c[k] for c in calibs if k in c]
+        out[k] = float(statistics.median(values) if latency_median and k in LATENCY_KEYS else min(values))
+    return out
+
+
+def compare(
+    rows: list[dict],
+    quiet: dict[str, float],
+    world: int,
+    strategies: Sequence[str],
+    sizes: Sequence[int],
+    pipe: dict,
+    local_size: int | None = None,
+) -> tuple[dict[str, dict], list[Costs]]:
+    """Per strategy: measured and predicted medians, the median ratio, and each run's costs.
+
+    A step's prediction: the machine's constants (``quiet``) scaled to the machine of that moment by
+    the probe taken just before the step: the stand-in alone against its quiet value (the speed of
+    CPU work, which on loopback messages are too) and on all P at once against alone (the contention).
+    """
+    out = {}
+    costs_all: list[Costs] = []
+    calib = {**quiet, "microbatches": float(pipe["microbatches"])}
+    work = machine_workload(calib, world, sizes, pipe)
+    for s in strategies:
+        measured, predicted, ratios = [], [], []
+        phases: dict[str, list[float]] = {}
+        for row in rows:
+            key = f"{s}/step_s"
+            if key not in row:
+                continue
+            for i, seconds in enumerate(row[key]):  # every step beside the probe taken just before it
+                probe = {k: row[f"{s}/probe_{k}"][i] for k in ("alone_s", "all_s")}
+                costs = machine_costs(
+                    calib, world, probe=probe, local_size=local_size, tensors=work.tensors, grad_bytes=work.grad_bytes
+                )
+                costs_all.append(costs)
+                pred = predict(s, costs, world, work)
+                measured.append(seconds)
+                predicted.append(pred.step_s)
+                ratios.append(pred.step_s / seconds)
+                for k, v in pred.phases.items():
+                    phases.setdefault(k, []).append(v)
+        if measured:
+            out[s] = {
+                "measured": median(measured), "predicted": median(predicted), "ratio": median(ratios),
+                "phases": {k: median(v) for k, v in phases.items()}, "ratios": ratios,
+            }  # fmt: skip
+    return out, costs_all
+
+
+def bytes_errors(
+    rows: list[dict], world: int, sizes: Sequence[int], tag: str, local_size: int | None = None
+) -> dict[str, float]:
+    """|model / measured - 1| of the bytes the busiest worker sends per step, as the strategies count them."""
+    out = {}
+    work = Workload(grad_bytes=4.0 * sum(sizes), tensors=len(sizes))
+    for row in rows[:1]:  # bytes do not depend on the load: one repetition says it
+        costs = Costs(compute_s=0.0, local_size=local_size or world, intra=FAST, inter=FAST)
+        for s in ("ring", "ring_hier", "ps", "ps_1", "async"):
+            pred = predict(s, costs, world, work) if f"{s}/sent_bytes" in row else None
+            for key, want in (("sent", pred.busiest_sent_bytes), ("inter_sent", pred.inter_sent_bytes)) if pred else ():
+                if f"{s}/{key}_bytes" not in row:
+                    continue
+                name = f"{s}_{tag}" if key == "sent" else f"{s}_inter_node_{tag}"
+                out[name] = abs(want / row[f"{s}/{key}_bytes"] - 1)
+                line(f"scale_bytes_sent_{name}", row[f"{s}/{key}_bytes"], "bytes")
+                line(f"scale_bytes_error_{name}", out[name], "fraction")
+    return out
+
+
+def print_calibration(costs: Costs, tag: str = "") -> None:
+    line(f"calib_compute_s{tag}", costs.compute_s, "s")
+    line(f"calib_effective_cores{tag}", costs.cores or 0.0, "cores")
+    line(f"calib_gloo_latency_us{tag}", 1e6 * costs.intra.latency_s, "us")
+    line(f"calib_gloo_bandwidth{tag}", costs.intra.bandwidth / 1e9, "GB/s")
+    line(f"calib_ring_overhead_us{tag}", 1e6 * costs.ring_overhead_s, "us")
+    line(f"calib_reduce_ns_per_byte{tag}", 1e9 * costs.reduce_s_per_byte, "ns/B")
+    line(f"calib_rpc_overhead_us{tag}", 1e6 * costs.rpc_overhead_s, "us")
+    line(f"calib_rpc_bandwidth{tag}", costs.rpc_intra.bandwidth / 1e9, "GB/s")
+    for part in ("client", "average", "update"):
+        line(f"calib_ps_{part}_ns_per_byte{tag}", 1e9 * getattr(costs, f"ps_{part}_s_per_byte"), "ns/B")
+        line(f"calib_ps_{part}_us_per_tensor{tag}", 1e6 * getattr(costs, f"ps_{part}_s_per_tensor"), "us")
+    line(f"calib_pipeline_chunk_overhead_us{tag}", 1e6 * costs.chunk_overhead_s, "us")
+
+
+# --------------------------------------------------------------------------------------------
+# Projection
+# --------------------------------------------------------------------------------------------
+
+
+def project(cluster: Cluster, calibrated: Costs) -> dict[str, dict[int, Any]]:
+    costs, work = cluster_costs(cluster, calibrated), cluster_workload(cluster)
+    out: dict[str, dict[int, Any]] = {s: {} for s in PROJECTED_STRATEGIES}
+    for s in PROJECTED_STRATEGIES:
+        for p in PROJECTED:
+            out[s][p] = predict(s, costs, p, work)
+    return out
+
+
+def print_projection(cluster: Cluster, calibrated: Costs, proj: dict[str, dict[int, Any]]) -> None:
+    used = cluster.resolved(calibrated)
+    for name, value, unit in used.describe():
+        line(f"cluster_{name}", value, unit)
+    here = [f.name for f in fields(Cluster) if isinstance(f.default, float) and math.isnan(getattr(cluster, f.name))]
+    if here:
+        print(f"# cluster figures calibrated on this machine (host work of the same Python code): {here}", flush=True)
+    print(f"# cluster_step_ms source: {STEP_SOURCE}", flush=True)
+    for s, by_p in proj.items():
+        for p, pred in by_p.items():
+            line(f"projected_step_s_{s}_P{p}", pred.step_s, "s")
+            line(f"projected_scaling_efficiency_{s}_P{p}", cluster.step_ms / 1e3 / pred.step_s, "x")
+            line(f"projected_link_bytes_{s}_P{p}", pred.link_bytes, "bytes")
+            line(f"projected_nic_bytes_{s}_P{p}", pred.nic_bytes, "bytes")
+            line(f"projected_worker_bytes_{s}_P{p}", pred.busiest_sent_bytes, "bytes")
+            if s == "ps_1":
+                line(f"projected_server_bytes_ps_1_P{p}", pred.busiest_sent_bytes, "bytes")
+            if pred.bound and pred.bound != "worker":
+                print(f"# {s} P={p}: bound by the {pred.bound}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Plots
+# --------------------------------------------------------------------------------------------
+
+
+LABELS = {
+    "ddp": "ddp (NCCL ring)", "ring": "ring (comm.ring, flat)", "ring_hier": "ring, hierarchical",
+    "ps": "ps, P shards", "ps_1": "ps, 1 server", "async": "async (P shards)", "pipeline": "pipeline (K stages x P/K)",
+}  # fmt: skip
+STYLE = {"ddp": "C2", "ring": "C0", "ring_hier": "C9", "ps": "C1", "ps_1": "C3", "async": "C4", "pipeline": "C5"}
+
+
+def plot_projection(cluster: Cluster, proj: dict[str, dict[int, Any]], path: Path) -> None:
+    """Projected step time and scaling efficiency against P, one line per strategy."""
+    plt = pyplot()
+    fig, (ax, ax_e) = plt.subplots(1, 2, figsize=(11, 3.9))
+    worlds = list(PROJECTED)
+    for s, by_p in proj.items():
+        ax.plot(worlds, [by_p[p].step_s for p in worlds], "o-", ms=3, color=STYLE[s], label=LABELS[s])
+        ax_e.plot(worlds, [cluster.step_ms / 1e3 / by_p[p].step_s for p in worlds], "o-", ms=3, color=STYLE[s])
+    ax.axhline(cluster.step_ms / 1e3, color="k", lw=0.8, ls=":", label="compute alone")
+    for a in (ax, ax_e):
+        a.set_xscale("log", base=2)
+        a.set_xticks(worlds)
+        a.set_xticklabels([str(p) for p in worlds])
+        a.set_xlabel("GPUs P")
+    ax.set_yscale("log")
+    ax.set_ylabel("projected seconds per step")
+    ax_e.set_ylabel("compute / step (scaling efficiency)")
+    ax_e.set_ylim(0, 1.05)
+    nic = f"{cluster.nic_gbit_s:g} Gb/s per node"
+    ax.set_title(
+        f"ResNet-50, {cluster.gpus_per_node} GPUs/node, NVLink {cluster.nvlink_gbyte_s:g} GB/s, {nic}", fontsize=9
+    )
+    ax_e.set_title(f"compute {cluster.step_ms:.1f} ms per step (A100, batch {cluster.batch_per_gpu})", fontsize=9)
+    ax.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def plot_traffic(cluster: Cluster, proj: dict[str, dict[int, Any]], path: Path) -> None:
+    """The seed's claim 1 at scale: one server's traffic grows with P; sharded ps and the rings' do not."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.2, 4.0))
+    worlds = list(PROJECTED)
+    gb = 1e9
+    series = [
+        ("ps_1", "busiest_sent_bytes", "ps, 1 server: the server's link", "D-"),
+        ("ps", "nic_bytes", "ps, P shards: a node's NIC", "s-"),
+        ("ps", "busiest_sent_bytes", "ps, P shards: a worker", "s--"),
+        ("ring", "nic_bytes", "flat ring: a node's NIC (= a worker's link)", "^-"),
+        ("ring_hier", "nic_bytes", "hierarchical ring: a node's NIC", "v-"),
+        ("ring_hier", "inter_per_worker", "hierarchical ring: a worker across nodes", "v--"),
+    ]
+    for s, key, label, fmt in series:
+        if key == "inter_per_worker":
+            ys = [proj[s][p].nic_bytes / cluster.gpus_per_node / gb for p in worlds]
+        else:
+            ys = [getattr(proj[s][p], key) / gb for p in worlds]
+        ys = [y if y > 0 else math.nan for y in ys]  # one node: nothing crosses a NIC (log axis)
+        ax.plot(worlds, ys, fmt, ms=4, color=STYLE[s], label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(worlds)
+    ax.set_xticklabels([str(p) for p in worlds])
+    ax.set_xlabel(f"GPUs P ({cluster.gpus_per_node} per node)")
+    ax.set_ylabel("GB sent per step")
+    ax.set_title(f"ResNet-50's {4 * cluster.params / 1e6:.0f} MB gradient: bytes sent per step", fontsize=9)
+    ax.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def plot_validation(results: Sequence[tuple[str, str, dict]], path: Path) -> None:
+    """Predicted against measured step time of every validation run, with the goal's +-15% band."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(5.2, 4.6))
+    xs = [r["measured"] for _, _, r in results]
+    lo, hi = 0.8 * min(xs), 1.25 * max(xs)
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+    ax.fill_between([lo, hi], [lo * (1 - GOAL), hi * (1 - GOAL)], [lo * (1 + GOAL), hi * (1 + GOAL)], alpha=0.15)
+    markers = {"P2": "o", "P3": "s", "P4": "^", "2x2": "D"}
+    for s, tag, r in results:
+        ax.plot(r["measured"], r["measured"] * r["ratio"], markers.get(tag, "x"), color=STYLE[s], fillstyle="none")
+    for s in dict.fromkeys(s for s, _, _ in results):
+        ax.plot([], [], "o", color=STYLE[s], label=s)
+    for tag, m in markers.items():
+        ax.plot([], [], m, color="gray", fillstyle="none", label=tag)
+    from matplotlib.ticker import NullFormatter
+
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("measured seconds per step (median)")
+    ax.set_ylabel("predicted (median ratio x measured)")
+    ax.set_title("scale model on this machine (band: +-15%)", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    save_figure(fig, path)
+
+
+def plot_from(path: Path) -> None:
+    """Draw the three figures again from a stored output (``--plot-from results/scale.txt``): no
+    measurement, the printed lines only."""
+    values: dict[str, float] = {}
+    for text in path.read_text().splitlines():
+        parts = text.split()
+        if len(parts) == 3 and not text.startswith("#"):
+            values[parts[0]] = float(parts[1])
+    defaults = Cluster()
+    cluster = Cluster(**{f.name: type(getattr(defaults, f.name))(values[f"cluster_{f.name}"]) for f in fields(Cluster)})
+    proj: dict[str, dict[int, Any]] = {s: {} for s in PROJECTED_STRATEGIES}
+    for s in PROJECTED_STRATEGIES:
+        for p in PROJECTED:
+            proj[s][p] = Prediction(
+                values[f"projected_step_s_{s}_P{p}"], {}, values[f"projected_worker_bytes_{s}_P{p}"],
+                values[f"projected_link_bytes_{s}_P{p}"], values[f"projected_nic_bytes_{s}_P{p}"], 0.0,
+            )  # fmt: skip
+    results = []
+    for name, measured in values.items():
+        if name.startswith("scale_measured_step_s_"):
+            tag = name.removeprefix("scale_measured_step_s_")
+            s, _, world = tag.rpartition("_")
+            ratio = values[f"scale_predicted_over_measured_{tag}"]
+            results.append((s, world, {"measured": measured, "ratio": ratio}))
+    plot_projection(cluster, proj, path.parent / "scale.png")
+    plot_traffic(cluster, proj, path.parent / "scale_traffic.png")
+    plot_validation(results, path.parent / "scale_validation.png")
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="P = 2, small N, 4 rounds, no torchrun (CI)")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4], help="validation world sizes P")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; each runs every world once")
+    parser.add_argument("--reps", type=int, default=1, help="repetitions per world and round")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per strategy run (after 1 warm-up)")
+    parser.add_argument("--calib-reps", type=int, default=5, help="repetitions of each micro-benchmark (median)")
+    parser.add_argument("--probe-reps", type=int, default=1, help="stand-in runs of the probe before each step")
+    parser.add_argument("--n-div", type=int, default=4, help="N = ResNet-50's 25.6M / this (tensor shapes scaled)")
+    parser.add_argument("--compute-ms", type=float, default=40.0, help="the compute stand-in, alone, per step")
+    parser.add_argument("--async-window", type=float, default=1.0, help="seconds async is timed over")
+    parser.add_argument("--pipe-dim", type=int, default=512, help="pipeline blocks' width (Linear + tanh)")
+    parser.add_argument("--pipe-rows", type=int, default=64, help="pipeline micro-batch rows")
+    parser.add_argument("--no-torchrun", action="store_true", help="skip the 2 nodes x 2 torchrun run")
+    parser.add_argument("--torchrun", action="store_true", help="run the 2 nodes x 2 torchrun run with --quick too")
+    parser.add_argument("--no-wire", action="store_true", help="skip the kernel byte counts")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per world")
+    parser.add_argument("--plot-from", type=Path, default=None, help="only redraw the figures from a stored output")
+    for f in fields(Cluster):
+        default = f.default
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"), type=type(default), default=default, help=f"cluster: {f.name}"
+        )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.worlds, args.rounds, args.steps, args.calib_reps, args.n_div = [2], 4, 3, 3, 64
+        args.compute_ms, args.async_window, args.pipe_dim, args.pipe_rows = 8.0, 0.3, 128, 16
+        args.no_torchrun = not args.torchrun
+    return args
+
+
+def report(tag: str, got: dict[str, dict], errors: dict[str, float], results: list) -> None:
+    """The lines of one validation world (``tag``: ``P2`` ... or ``2x2``)."""
+    for s, r in got.items():
+        name = f"{s}_{tag}"
+        line(f"scale_measured_step_s_{name}", r["measured"], "s")
+        line(f"scale_predicted_step_s_{name}", r["predicted"], "s")
+        line(f"scale_predicted_over_measured_{name}", r["ratio"], "x")
+        errors[name] = abs(r["ratio"] - 1)
+        line(f"scale_model_error_{name}", errors[name], "fraction")
+        parts = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in r["phases"].items())
+        q = statistics.quantiles(r["ratios"], n=4) if len(r["ratios"]) > 1 else [r["ratio"]] * 3
+        print(
+            f"# {name}: predicted ms {parts}; predicted / measured over {len(r['ratios'])} steps: quartiles "
+            f"{q[0]:.2f} {q[1]:.2f} {q[2]:.2f}",
+            flush=True,
+        )
+        results.append((s, tag, r))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    if args.plot_from is not None:
+        plot_from(args.plot_from)
+        return 0
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    print(header("scale: a calibrated model of step time and bytes per link (CPU, gloo + TensorPipe)"), flush=True)
+    print(load_line("start"), flush=True)
+    sizes = [max(1, s // args.n_div) for s in resnet50_sizes()]
+    n = sum(sizes)
+    line("params_N", n, "floats")
+    iters = standin_iters(args.compute_ms / 1e3)
+    strategies = ["ddp", "ring", "ps", "ps_1", "async", "pipeline"]
+    cfg = world_config(args, sizes, iters, strategies)
+    print(f"# compute stand-in: {iters} matmuls of 256x256 (+tanh), ~{args.compute_ms:g} ms alone", flush=True)
+    rows = measure_worlds(cfg, args.worlds, args.rounds, args.timeout)
+    errors: dict[str, float] = {}
+    bytes_err: dict[str, float] = {}
+    results: list[tuple[str, str, dict]] = []
+    quiet = quiet_calibration(rows)
+    calibrated = machine_costs(
+        {**quiet, "microbatches": float(cfg["pipeline"]["microbatches"])}, 2, tensors=len(sizes), grad_bytes=4.0 * n
+    )
+    for world in args.worlds:
+        got, costs = compare(rows[f"P{world}"], quiet, world, strategies, sizes, cfg["pipeline"])
+        line(f"calib_effective_cores_P{world}", statistics.median(c.cores or 0.0 for c in costs), "cores")
+        slowdown = statistics.median(c.compute_s / calibrated.compute_s for c in costs)
+        line(f"calib_machine_slowdown_P{world}", slowdown, "x")
+        report(f"P{world}", got, errors, results)
+        bytes_err.update(bytes_errors(rows[f"P{world}"], world, sizes, f"P{world}"))
+    print_calibration(calibrated)
+    if not args.no_torchrun:
+        tr_strategies = ["ddp", "ring", "ring_hier"]
+        tr_cfg = {**cfg, "strategies": tr_strategies, "reps": args.rounds}
+        tr_rows = measure_torchrun(tr_cfg, nodes=2, per_node=2, timeout=args.timeout)
+        got, _ = compare(tr_rows, quiet, 4, tr_strategies, sizes, cfg["pipeline"], local_size=2)
+        report("2x2", got, errors, results)
+        bytes_err.update(bytes_errors(tr_rows, 4, sizes, "2x2", local_size=2))
+    if not args.no_wire:
+        wire_worlds, cases = ((2,), ("ddp", "ring")) if args.quick else (tuple(args.worlds), ("ddp", "ring", "ps_1"))
+        wire_sizes = [max(1, s // 4) for s in sizes]  # bytes scale with N: a quarter is as exact
+        for (case, world), got_bytes in wire_bytes(wire_sizes, wire_worlds, cases).items():
+            want = predict(case, calibrated, world, Workload(grad_bytes=4.0 * sum(wire_sizes))).busiest_sent_bytes
+            tag = f"{case}_P{world}"
+            line(f"scale_wire_bytes_sent_{tag}", got_bytes, "bytes")
+            bytes_err[f"wire_{tag}"] = abs(got_bytes / want - 1)
+            line(f"scale_wire_bytes_error_{tag}", bytes_err[f"wire_{tag}"], "fraction")
+    line("scale_bytes_error_max", max(bytes_err.values()), "fraction")
+    line("scale_model_error_max", max(errors.values()), "fraction")
+    worst = max(errors, key=lambda k: errors[k])
+    print(f"# goal: scale_model_error_max <= {GOAL}; worst: {worst}", flush=True)
+    cluster = Cluster(**{f.name: getattr(args, f.name) for f in fields(Cluster)})
+    # the projection's host overheads: every figure's least disturbed value (a cluster's host is not
+    # shared with other jobs)
+    unshared = machine_costs(
+        {**quiet_calibration(rows, latency_median=False), "microbatches": float(cfg["pipeline"]["microbatches"])},
+        2, tensors=len(sizes), grad_bytes=4.0 * n,
+    )  # fmt: skip
+    proj = project(cluster, unshared)
+    print_projection(cluster, unshared, proj)
+    if not args.quick:
+        plot_projection(cluster, proj, RESULTS / "scale.png")
+        plot_traffic(cluster, proj, RESULTS / "scale_traffic.png")
+        plot_validation(results, RESULTS / "scale_validation.png")  # (--plot-from redraws them from the output)
+    print(load_line("end"), flush=True)
+    print(f"# wall {time.perf_counter() - start:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

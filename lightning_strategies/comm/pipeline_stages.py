@@ -1,0 +1,561 @@
+"""A pipeline's stages held apart: each rank materialises only the blocks of its own stages.
+
+A pipeline exists for models that do not fit one device, so no rank may hold the whole model:
+the blocks of the other ranks' stages stay on the ``meta`` device (shape and dtype, no storage),
+their parameters, gradients and optimizer state never exist there. This module is the part of
+that which needs no Lightning:
+
+- :class:`StageLayout`: which blocks each stage holds and which pipeline rank holds each stage.
+- :func:`distribute_blocks`: global rank 0's initial weights to every stage's owners, one block at
+  a time (rank 0 holds its own stages plus the block in transit, never the whole model beyond
+  what building the module took); blocks built on ``meta`` are initialised there first.
+- :func:`profile_stages` / :func:`move_blocks`: ``balance="time"`` measured where the blocks are,
+  and blocks (with their optimizer state) moved to the ranks of a new layout.
+- :func:`gather_state_dict` / :func:`gather_optimizer_state`: the whole model and optimizer state
+  on rank 0 for a checkpoint, streamed tensor by tensor into temporary files that are read back
+  memory-mapped (:class:`Spill`), so rank 0's memory holds its own stages and one chunk of
+  received tensors, and the checkpoint is still one ``torch.save`` file of full tensors.
+
+The rule for the initial weights: a block that rank 0 holds with values (its module was built
+whole, e.g. in ``__init__``) is sent as rank 0 holds it; a block built on ``meta`` (e.g. in
+``configure_model`` under the strategy's meta context) is materialised on rank 0's CPU and
+initialised there, block by block in order, by each submodule's ``reset_parameters()`` (in
+``block.modules()`` order) drawing from rank 0's CPU RNG. That is what building the unsplit model
+on CPU does when each layer initialises itself in its constructor in block order, so the weights
+equal an unsplit model's built after the same seed. Either way every replica gets rank 0's.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+__all__ = [
+    "Spill",
+    "StageLayout",
+    "distribute_blocks",
+    "gather_optimizer_state",
+    "gather_state_dict",
+    "held_bytes",
+    "initialize",
+    "is_materialized",
+    "materialize",
+    "move_blocks",
+    "move_to",
+    "profile_stages",
+    "tensors_of",
+    "to_meta",
+]
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Blocks per stage and the pipeline rank of each stage (stage ``s`` on rank ``s % ranks``).
+
+    Args:
+        counts: blocks of each stage, in order (``S`` entries).
+        ranks: pipeline ranks; ``S`` must be a multiple (``S / ranks`` stages per rank).
+    """
+
+    counts: tuple[int, ...]
+    ranks: int
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1 or not self.counts or len(self.counts) % self.ranks or min(self.counts) < 1:
+            raise ValueError(
+                f"StageLayout(counts={list(self.counts)}, ranks={self.ranks}): expected a positive block count per "
+                "stage and a number of stages that is a multiple of the pipeline ranks."
+            )
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.counts)
+
+    @property
+    def bounds(self) -> list[int]:
+        """Index of each stage's first block, and the number of blocks at the end."""
+        out = [0]
+        for c in self.counts:
+            out.append(out[-1] + c)
+        return out
+
+    def blocks(self, stage: int) -> range:
+        """The block indices of ``stage``."""
+        b = self.bounds
+        return range(b[stage], b[stage + 1])
+
+    def owner(self, stage: int) -> int:
+        """The pipeline rank holding ``stage``."""
+        return stage % self.ranks
+
+    def stages_of(self, rank: int) -> list[int]:
+        return list(range(rank, self.num_stages, self.ranks))
+
+    def owner_of_block(self, block: int) -> int:
+        b = self.bounds
+        for stage in range(self.num_stages):
+            if b[stage] <= block < b[stage + 1]:
+                return self.owner(stage)
+        raise IndexError(f"block {block} is not in the {b[-1]} blocks of this layout")
+
+    def blocks_of(self, rank: int) -> list[int]:
+        """The block indices ``rank`` holds, in order."""
+        return [i for s in self.stages_of(rank) for i in self.blocks(s)]
+
+
+# -- the tensors of a module and their placeholders ------------------------------------------------
+
+_Slot = tuple[nn.Module, str, bool]  # (module owning the tensor, its attribute name, is a parameter)
+
+
+def _slots(module: nn.Module) -> list[_Slot]:
+    """Every parameter and buffer slot of ``module`` and its submodules (``None`` ones skipped)."""
+    out: list[_Slot] = []
+    for m in module.modules():
+        out += [(m, name, True) for name, p in m._parameters.items() if p is not None]
+        out += [(m, name, False) for name, b in m._buffers.items() if b is not None]
+    return out
+
+
+def tensors_of(module: nn.Module) -> list[Tensor]:
+    """``module``'s parameters and buffers (persistent or not), each once, in a fixed order: the
+    order in which every rank sends and receives a block's tensors."""
+    seen: set[int] = set()
+    out: list[Tensor] = []
+    for m, name, is_param in _slots(module):
+        t = m._parameters[name] if is_param else m._buffers[name]
+        assert t is not None
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def is_materialized(module: nn.Module) -> bool:
+    """Whether none of ``module``'s parameters and buffers is on the ``meta`` device."""
+    return not any(t.is_meta for t in tensors_of(module))
+
+
+def _replace(module: nn.Module, make: Callable[[Tensor], Tensor | None]) -> list[tuple[Tensor, Tensor]]:
+    """Give every tensor slot ``make(old)`` (kept when ``None``); tied slots stay tied.
+
+    Returns:
+        ``(old, new)`` for every replaced parameter, in :func:`tensors_of` order (optimizers
+        hold parameters by identity: the caller swaps them there).
+    """
+    memo: dict[int, Tensor] = {}
+    replaced: list[tuple[Tensor, Tensor]] = []
+    for m, name, is_param in _slots(module):
+        old = m._parameters[name] if is_param else m._buffers[name]
+        assert old is not None
+        if id(old) not in memo:
+            made = make(old)
+            if made is None:
+                memo[id(old)] = old
+                continue
+            new: Tensor = nn.Parameter(made, requires_grad=old.requires_grad) if is_param else made
+            memo[id(old)] = new
+            if is_param:
+                replaced.append((old, new))
+        new = memo[id(old)]
+        if new is old:
+            continue
+        if is_param:
+            m._parameters[name] = new  # type: ignore[assignment]
+        else:
+            m._buffers[name] = new
+    return replaced
+
+
+def to_meta(module: nn.Module) -> list[tuple[Tensor, Tensor]]:
+    """Replace ``module``'s tensors by ``meta`` placeholders of the same shape and dtype (freeing them)."""
+    return _replace(module, lambda t: None if t.is_meta else torch.empty_like(t, device="meta"))
+
+
+def materialize(module: nn.Module, device: torch.device, *, fresh: bool = False) -> list[tuple[Tensor, Tensor]]:
+    """Give ``module``'s ``meta`` tensors (with ``fresh``, all of them) uninitialised storage on ``device``."""
+    return _replace(
+        module, lambda t: torch.empty_like(t, device=device) if fresh or t.is_meta else None
+    )
+
+
+def move_to(module: nn.Module, device: torch.device) -> None:
+    """Move ``module``'s tensors that have values to ``device``, leaving ``meta`` placeholders as
+    they are (``module.to`` cannot copy those); parameters keep their identity."""
+    module._apply(lambda t: t if t.is_meta else t.to(device))
+
+
+def initialize(module: nn.Module) -> None:
+    """``reset_parameters()`` of every submodule that owns tensors, in ``module.modules()`` order.
+
+    Raises:
+        ValueError: naming a submodule with its own tensors but no ``reset_parameters`` (its
+            values could not be made up).
+    """
+    for name, m in module.named_modules():
+        own = [t for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
+        if not own:
+            continue
+        reset = getattr(m, "reset_parameters", None)
+        if not callable(reset):
+            raise ValueError(
+                f"found {type(m).__name__} ({name or 'the block itself'}) built on the meta device with tensors of its "
+                "own and no reset_parameters(): expected every module that owns parameters or buffers to say how "
+                "they start, since the pipeline initialises blocks built on meta by calling it. Fix: give it a "
+                "reset_parameters() method, or build the module with values (e.g. in __init__)."
+            )
+        with torch.no_grad():
+            reset()
+
+
+def held_bytes(tensors: Iterable[Tensor | None]) -> int:
+    """Bytes of the tensors that have storage here (``meta`` and ``None`` count zero), each once."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t is None or t.is_meta or id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+# -- the initial weights -----------------------------------------------------------------------------
+
+
+def _global(group: dist.ProcessGroup, rank: int) -> int:
+    return dist.get_global_rank(group, rank)
+
+
+def distribute_blocks(
+    blocks: nn.Sequential,
+    layout: StageLayout,
+    *,
+    pp_group: dist.ProcessGroup,
+    dp_group: dist.ProcessGroup | None,
+    device: torch.device,
+    init_device: torch.device | None = None,
+) -> None:
+    """Every rank ends with its stages' blocks on ``device`` holding global rank 0's values, the
+    other blocks on ``meta``. A collective over the world (every rank of both groups calls it).
+
+    Replica 0's pipeline (``pp_group`` of data-parallel rank 0) goes block by block: rank 0 holds
+    the block (materialising and :func:`initialize`-ing it on ``init_device`` if it was built on
+    ``meta``; default the CPU, whose RNG an unsplit model built on CPU draws from), sends its
+    tensors to the owner and drops it unless it owns it. Then each stage's
+    owners in the other replicas receive it from replica 0's owner (a broadcast over ``dp_group``).
+    Point-to-point and broadcast tensors are on ``device`` (NCCL has no CPU backend).
+
+    Raises:
+        ValueError: from :func:`initialize`, for a meta block rank 0 cannot initialise.
+    """
+    pp_rank = dist.get_rank(pp_group)
+    replica = dist.get_rank(dp_group) if dp_group is not None else 0
+    for stage in range(layout.num_stages):
+        owner = layout.owner(stage)
+        for i in layout.blocks(stage):
+            block = blocks[i]
+            if pp_rank != owner and not (replica == 0 and pp_rank == 0):
+                to_meta(block)
+            elif replica != 0:
+                materialize(block, device, fresh=True)  # filled by the broadcast below
+            elif pp_rank == 0:
+                if not is_materialized(block):
+                    materialize(block, init_device or torch.device("cpu"))
+                    initialize(block)
+                if owner == 0:
+                    move_to(block, device)
+                else:
+                    for t in tensors_of(block):
+                        dist.send(t.detach().to(device).contiguous(), dst=_global(pp_group, owner), group=pp_group)
+                    to_meta(block)
+            else:  # the owner in replica 0
+                materialize(block, device, fresh=True)
+                with torch.no_grad():
+                    for t in tensors_of(block):
+                        dist.recv(t, src=_global(pp_group, 0), group=pp_group)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        src = _global(dp_group, 0)
+        with torch.no_grad():
+            for i in layout.blocks_of(pp_rank):
+                for t in tensors_of(blocks[i]):
+                    dist.broadcast(t, src=src, group=dp_group)
+
+
+# -- balance="time": measured where the blocks are, then moved -------------------------------------------
+
+
+def _send_with_meta(tensor: Tensor, dst: int, group: dist.ProcessGroup, device: torch.device) -> None:
+    dist.send_object_list([(tuple(tensor.shape), tensor.dtype)], dst=dst, group=group, device=device)
+    dist.send(tensor.contiguous(), dst=dst, group=group)
+
+
+def _recv_with_meta(src: int, group: dist.ProcessGroup, device: torch.device) -> Tensor:
+    box: list[Any] = [None]
+    dist.recv_object_list(box, src=src, group=group, device=device)
+    shape, dtype = box[0]
+    out = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(out, src=src, group=group)
+    return out
+
+
+def profile_stages(
+    blocks: nn.Sequential,
+    layout: StageLayout,
+    sample: Tensor | None,
+    *,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    profile: Callable[[nn.Sequential, Tensor], tuple[list[float], Tensor]],
+    autocast: Callable[[], AbstractContextManager[Any]] | None = None,
+) -> Tensor:
+    """Each block's forward + backward seconds, measured by the rank that holds it (a collective).
+
+    The sample (a micro-batch, given on the rank holding stage 0) flows through the stages in
+    order as in a forward pass: each owner times its stage's blocks with ``profile`` (which
+    returns their seconds and the last block's output) and passes the output on. Blocks never
+    leave their rank, so this works for a model that fits no single rank.
+
+    Returns:
+        The seconds of every block, float64 on ``device``, the same on every rank of ``group``
+        (each block measured once; the caller averages over replicas).
+    """
+    rank = dist.get_rank(group)
+    seconds = torch.zeros(len(blocks), dtype=torch.float64, device=device)
+    x = sample
+    for stage in range(layout.num_stages):
+        owner = layout.owner(stage)
+        if owner != rank:
+            continue
+        if stage > 0 and layout.owner(stage - 1) != rank:
+            x = _recv_with_meta(_global(group, layout.owner(stage - 1)), group, device)
+        assert x is not None, "the rank holding stage 0 gives the sample"
+        span = layout.blocks(stage)
+        with autocast() if autocast is not None else nullcontext():
+            measured, x = profile(nn.Sequential(*blocks[span.start : span.stop]), x)
+        seconds[span.start : span.stop] = torch.tensor(measured, dtype=torch.float64, device=device)
+        if stage + 1 < layout.num_stages and layout.owner(stage + 1) != rank:
+            _send_with_meta(x, _global(group, layout.owner(stage + 1)), group, device)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(seconds, group=group)  # each block measured by one rank: the sum is its time
+    return seconds
+
+
+def move_blocks(
+    blocks: nn.Sequential,
+    old: StageLayout,
+    new: StageLayout,
+    *,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    optimizers: Sequence[Optimizer] = (),
+) -> None:
+    """Move every block whose owner differs between ``old`` and ``new`` to its new owner (a collective).
+
+    The old owner sends its tensors and its optimizers' state for the block's parameters and
+    drops them to ``meta``; the new owner materialises the block and receives them. Each
+    optimizer's parameter lists are updated to the new parameter objects on both ranks.
+    """
+    rank = dist.get_rank(group)
+    for i, block in enumerate(blocks):
+        a, b = old.owner_of_block(i), new.owner_of_block(i)
+        if a == b or rank not in (a, b):
+            continue
+        params = [t for t in tensors_of(block) if isinstance(t, nn.Parameter)]
+        if rank == a:
+            for t in tensors_of(block):
+                dist.send(t.detach().to(device).contiguous(), dst=_global(group, b), group=group)
+            pairs = to_meta(block)
+            states = [[_cpu(opt.state.pop(p, {})) for p in params] for opt in optimizers]
+            dist.send_object_list([states], dst=_global(group, b), group=group, device=device)
+        else:
+            pairs = materialize(block, device, fresh=True)
+            with torch.no_grad():
+                for t in tensors_of(block):
+                    dist.recv(t, src=_global(group, a), group=group)
+            box: list[Any] = [None]
+            dist.recv_object_list(box, src=_global(group, a), group=group, device=device)
+            by_old = dict((id(o), n) for o, n in pairs)
+            for opt, opt_states in zip(optimizers, box[0], strict=True):
+                for p, state in zip(params, opt_states, strict=True):
+                    if state:
+                        opt.state[by_old[id(p)]] = {
+                            k: v.to(device) if isinstance(v, Tensor) and k != "step" else v for k, v in state.items()
+                        }
+        swap = {id(o): n for o, n in pairs}
+        for opt in optimizers:
+            for group_ in opt.param_groups:
+                group_["params"] = [swap.get(id(p), p) for p in group_["params"]]
+
+
+def _cpu(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.cpu() if isinstance(v, Tensor) else v for k, v in state.items()}
+
+
+# -- checkpoints: everything on rank 0, streamed -----------------------------------------------------------
+
+
+class Spill:
+    """Tensors written to temporary files as they arrive and read back memory-mapped.
+
+    Rank 0 of a checkpoint gather holds at most ``chunk_bytes`` of received tensors in memory:
+    each full chunk is ``torch.save``-d to a file in ``directory`` (default: the system's temporary
+    directory, ``TMPDIR``), loaded back with ``mmap=True`` (a shared mapping) and unlinked at once,
+    so what is kept is file-backed pages the kernel can drop and re-read, not private memory of
+    the process. The disk space
+    (the gathered state) is freed when the last tensor of a chunk is released.
+
+    Args:
+        directory: where the chunk files go (needs room for the whole gathered state).
+        chunk_bytes: bytes collected before a chunk is written (a larger tensor is a chunk alone).
+    """
+
+    def __init__(self, directory: str | None = None, chunk_bytes: int = 16 << 20) -> None:
+        self._directory = directory
+        self._chunk_bytes = chunk_bytes
+        self._pending: dict[int, Tensor] = {}
+        self._bytes = 0
+        self.tensors: dict[int, Tensor] = {}
+
+    def add(self, key: int, tensor: Tensor) -> None:
+        """Keep ``tensor`` (a snapshot: a device tensor is copied to the host) under ``key``."""
+        value = tensor.detach()
+        if value.device.type != "cpu":
+            value = value.cpu()
+        self._pending[key] = value
+        self._bytes += value.numel() * value.element_size()
+        if self._bytes >= self._chunk_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        fd, path = tempfile.mkstemp(prefix=".pipeline-spill-", suffix=".pt", dir=self._directory)
+        os.close(fd)
+        try:
+            torch.save(self._pending, path)
+            # MAP_SHARED: the pages are the page cache's (reclaimable, not the process's private
+            # memory); the file is ours, unlinked below, so nothing else sees a write through them.
+            with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+                self.tensors.update(torch.load(path, mmap=True, weights_only=True, map_location="cpu"))
+        finally:
+            os.unlink(path)  # the mapping stays valid; the space goes with the last tensor
+        self._pending, self._bytes = {}, 0
+
+    def finish(self) -> dict[int, Tensor]:
+        """Write what is pending; every tensor added, memory-mapped, by key."""
+        self._flush()
+        return self.tensors
+
+
+def gather_state_dict(
+    state: dict[str, Any],
+    owners: dict[str, int],
+    *,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    spill_dir: str | None = None,
+) -> dict[str, Any]:
+    """The whole state dict on group rank 0 (memory-mapped CPU tensors), ``{}`` elsewhere (a collective).
+
+    Args:
+        state: this rank's ``module.state_dict()``: tensors of other ranks' stages are ``meta``
+            (their shape and dtype say what to receive).
+        owners: the group rank holding each key's tensor (0 for what every rank holds alike).
+        group: the pipeline's group; its rank 0 receives.
+        device: where point-to-point tensors travel (the group's device).
+        spill_dir: :class:`Spill`'s directory.
+    """
+    rank = dist.get_rank(group)
+    spill = Spill(spill_dir) if rank == 0 else None
+    for i, (key, value) in enumerate(state.items()):
+        owner = owners.get(key, 0)
+        if not isinstance(value, Tensor):
+            continue
+        if rank == 0:
+            assert spill is not None
+            if owner == 0:
+                spill.add(i, value)
+            else:
+                buffer = torch.empty(value.shape, dtype=value.dtype, device=device)
+                dist.recv(buffer, src=_global(group, owner), group=group)
+                spill.add(i, buffer)
+        elif rank == owner:
+            dist.send(value.detach().to(device).contiguous(), dst=_global(group, 0), group=group)
+    if spill is None:
+        return {}
+    tensors = spill.finish()
+    return {key: tensors[i] if isinstance(value, Tensor) else value for i, (key, value) in enumerate(state.items())}
+
+
+def _describe(state: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """An optimizer state's structure: ``("tensor", shape, dtype)`` per tensor, other values as they are."""
+    return {
+        index: {
+            key: ("tensor", tuple(v.shape), v.dtype) if isinstance(v, Tensor) else ("value", v)
+            for key, v in entry.items()
+        }
+        for index, entry in state.items()
+    }
+
+
+def gather_optimizer_state(
+    state_dict: dict[str, Any],
+    *,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    spill_dir: str | None = None,
+) -> dict[str, Any]:
+    """The optimizer state of every stage on group rank 0 (memory-mapped CPU tensors), ``{}`` elsewhere.
+
+    Each rank's ``optimizer.state_dict()`` indexes the parameters of the whole module (the
+    optimizer was built over all of them, placeholders included) and holds state for its own
+    stages' parameters only. Their structure is gathered first (one small object per rank), then
+    each tensor travels on its own, in index order, into rank 0's :class:`Spill`. The result
+    loads into the optimizer of the unsplit module on one device.
+    """
+    rank = dist.get_rank(group)
+    mine = state_dict["state"]
+    parts: list[Any] = [None] * dist.get_world_size(group) if rank == 0 else []
+    dist.gather_object(_describe(mine), parts if rank == 0 else None, dst=_global(group, 0), group=group)
+    if rank != 0:
+        for index in sorted(mine):
+            for value in mine[index].values():
+                if isinstance(value, Tensor):
+                    dist.send(value.detach().to(device).contiguous(), dst=_global(group, 0), group=group)
+        return {}
+    where = {index: (owner, entry) for owner, part in enumerate(parts) for index, entry in part.items()}
+    spill = Spill(spill_dir)
+    slots: list[tuple[int, str]] = []
+    merged: dict[int, dict[str, Any]] = {}
+    for index in sorted(where):
+        owner, entry = where[index]
+        merged[index] = {}
+        for key, spec in entry.items():
+            if spec[0] == "value":
+                merged[index][key] = spec[1]
+                continue
+            if owner == 0:
+                spill.add(len(slots), mine[index][key])
+            else:
+                _, shape, dtype = spec
+                buffer = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(buffer, src=_global(group, owner), group=group)
+                spill.add(len(slots), buffer)
+            slots.append((index, key))
+    tensors = spill.finish()
+    for n, (index, key) in enumerate(slots):
+        merged[index][key] = tensors[n]
+    # the entries of each index in the order the optimizer wrote them
+    ordered = {index: {key: merged[index][key] for key in where[index][1]} for index in merged}
+    return {"state": ordered, "param_groups": state_dict["param_groups"]}

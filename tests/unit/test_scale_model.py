@@ -1,0 +1,316 @@
+"""The scale model's formulas (benchmarks/_scale_model.py, _scale_costs.py) against values worked out by hand.
+
+Each test builds costs in which one term is isolated (every other constant 0 or infinitely fast), so
+the prediction must equal the formula written out in the test. Tolerances: float arithmetic on a
+handful of operations, rel=1e-12.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks._scale_costs import (
+    CALIB_BIG,
+    CALIB_SMALL,
+    Cluster,
+    cluster_costs,
+    cluster_workload,
+    effective_cores,
+    machine_costs,
+    slower,
+)
+from benchmarks._scale_model import MIB, Costs, Link, Workload, contention, ddp_buckets, pipeline_busy, predict
+
+REL = 1e-12
+D = 64 * MIB  # gradient bytes of the tests' workload
+FAST = Link(0.0, math.inf)
+
+
+def costs(**kw: object) -> Costs:
+    """Every cost 0 unless given; one node of 1024 processes unless ``local_size`` is given."""
+    base = Costs(
+        compute_s=0.0, local_size=1024, intra=FAST, inter=FAST, bucket_bytes=math.inf, first_bucket_bytes=math.inf
+    )
+    return base.with_(**kw)
+
+
+def one_bucket(d: float = D) -> Workload:
+    return Workload(grad_bytes=d)
+
+
+# -- the rings -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8, 1024])
+def test_ring_sends_2_p_minus_1_over_p_of_the_gradient(world: int) -> None:
+    for name in ("ddp", "ring"):
+        got = predict(name, costs(), world, one_bucket())
+        assert got.busiest_sent_bytes == pytest.approx(2 * (world - 1) / world * D, rel=REL)
+        assert got.link_bytes == pytest.approx(2 * (world - 1) / world * D, rel=REL)
+        assert got.nic_bytes == 0.0  # one node
+
+
+def test_ring_bandwidth_term_is_2_p_minus_1_over_p_d_over_beta() -> None:
+    beta = 1e9
+    got = predict("ring", costs(intra=Link(0.0, beta)), 4, one_bucket())
+    assert got.step_s == pytest.approx(2 * 3 / 4 * D / beta, rel=REL)
+
+
+def test_ring_latency_term_is_2_p_minus_1_messages_per_bucket_and_segment() -> None:
+    alpha = 1e-3
+    # segments larger than any chunk: one message per step, 2(P-1) steps
+    c = costs(intra=Link(alpha, math.inf), ring_segment_bytes=math.inf, gloo_segment_bytes=math.inf)
+    assert predict("ring", c, 4, one_bucket()).step_s == pytest.approx(6 * alpha, rel=REL)
+    # 4 MiB segments: a 16 MiB chunk (D / 4) goes in 4 messages per step
+    c4 = c.with_(ring_segment_bytes=4 * MIB)
+    assert predict("ring", c4, 4, one_bucket()).step_s == pytest.approx(6 * 4 * alpha, rel=REL)
+    # the ring's own per-message cost is added to the link's; gloo's (ddp) is not
+    co = c.with_(ring_overhead_s=alpha)
+    assert predict("ring", co, 4, one_bucket()).step_s == pytest.approx(6 * 2 * alpha, rel=REL)
+    assert predict("ddp", co, 4, one_bucket()).step_s == pytest.approx(6 * alpha, rel=REL)
+
+
+def test_overlap_hides_the_all_reduce_under_the_backward_pass_up_to_its_length() -> None:
+    c = costs(compute_s=0.1, intra=Link(0.0, 1e9))
+    comm = 2 * 3 / 4 * D / 1e9  # 0.1 s
+    assert predict("ddp", c, 4, one_bucket()).step_s == pytest.approx(0.1 + comm, rel=REL)
+    assert predict("ddp", c.with_(overlap_s=0.04), 4, one_bucket()).step_s == pytest.approx(0.1 + comm - 0.04, rel=REL)
+    assert predict("ring", c.with_(overlap_s=1.0), 4, one_bucket()).step_s == pytest.approx(0.1, rel=REL)
+    assert predict("ps", c.with_(overlap_s=1.0), 4, one_bucket()).step_s == pytest.approx(0.1, rel=REL)  # no comm
+    assert cluster_costs(Cluster(overlap=0.5), c).overlap_s == pytest.approx(0.5 * 2 / 3 * 256 / 2470)
+
+
+def test_ddp_buckets_are_1_mib_then_25_mib() -> None:
+    assert ddp_buckets(1.5 * MIB) == [MIB, 0.5 * MIB]
+    assert ddp_buckets(52 * MIB) == [MIB, 25 * MIB, 25 * MIB, MIB]
+    assert sum(ddp_buckets(97.5 * MIB)) == 97.5 * MIB
+    # every bucket is its own all-reduce: its own 2(P-1) latency steps
+    c = costs(intra=Link(1e-3, math.inf), gloo_segment_bytes=math.inf, bucket_bytes=25 * MIB, first_bucket_bytes=MIB)
+    assert predict("ddp", c, 2, one_bucket(52 * MIB)).step_s == pytest.approx(4 * 2 * 1e-3, rel=REL)
+
+
+def test_flat_ring_across_nodes_runs_at_the_inter_node_link() -> None:
+    c = costs(local_size=8, intra=Link(1e-6, 1e12), inter=Link(1e-3, 1e9), ring_segment_bytes=math.inf)
+    got = predict("ring", c, 16, one_bucket())
+    assert got.step_s == pytest.approx(2 * 15 * 1e-3 + 2 * 15 / 16 * D / 1e9, rel=REL)
+    assert got.nic_bytes == pytest.approx(2 * 15 / 16 * D, rel=REL)  # one flow leaves each node
+
+
+@pytest.mark.parametrize(("nodes", "local"), [(2, 2), (4, 8), (128, 8)])
+def test_hierarchical_inter_node_bytes_are_2_n_minus_1_over_n_of_data_over_local(nodes: int, local: int) -> None:
+    got = predict("ring_hier", costs(local_size=local), nodes * local, one_bucket())
+    inter_per_worker = 2 * (nodes - 1) / nodes * D / local  # the issue's formula
+    assert got.nic_bytes == pytest.approx(local * inter_per_worker, rel=REL)
+    assert got.busiest_sent_bytes == pytest.approx(2 * (local - 1) / local * D + inter_per_worker, rel=REL)
+    flat = predict("ring", costs(local_size=local), nodes * local, one_bucket())
+    # the node's NIC carries about as much as a flat ring's (2(M-1)/M D against 2(P-1)/P D) ...
+    world = nodes * local
+    assert got.nic_bytes / flat.nic_bytes == pytest.approx((nodes - 1) / nodes / ((world - 1) / world), rel=REL)
+
+
+@pytest.mark.parametrize(("nodes", "local"), [(2, 2), (128, 8)])
+def test_hierarchical_latency_term_is_2_l_minus_1_plus_2_m_minus_1_against_2_p_minus_1(nodes: int, local: int) -> None:
+    alpha = 1e-5
+    c = costs(local_size=local, intra=Link(alpha, math.inf), inter=Link(alpha, math.inf), ring_segment_bytes=math.inf)
+    world = nodes * local
+    hier = predict("ring_hier", c, world, one_bucket())
+    flat = predict("ring", c, world, one_bucket())
+    assert hier.step_s == pytest.approx((2 * (local - 1) + 2 * (nodes - 1)) * alpha, rel=REL)
+    assert flat.step_s == pytest.approx(2 * (world - 1) * alpha, rel=REL)
+    assert hier.messages == 2 * (local - 1) + 2 * (nodes - 1)  # 268 against 2046 at 128 x 8
+
+
+def test_hierarchical_rings_share_the_nodes_nic() -> None:
+    beta = 1e9
+    c = costs(local_size=8, inter=Link(0.0, beta), inter_shared=True)
+    got = predict("ring_hier", c, 32, one_bucket())  # 4 nodes: 8 rings of D/8 leave each node at once
+    assert got.step_s == pytest.approx(2 * 3 / 4 * D / beta, rel=REL)
+
+
+# -- parameter servers ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [2, 4, 64, 1024])
+def test_one_server_sends_p_minus_1_gradients_sharded_ps_what_a_ring_worker_sends(world: int) -> None:
+    one = predict("ps_1", costs(), world, one_bucket())
+    assert one.busiest_sent_bytes == pytest.approx((world - 1) * D, rel=REL)  # linear in P
+    sharded = predict("ps", costs(), world, one_bucket())
+    assert sharded.busiest_sent_bytes == pytest.approx(2 * (world - 1) / world * D, rel=REL)
+    # the seed's claim: P^2 / (2(P-1)) times a ring worker's (sent only: (P-1) D against 2(P-1)/P D)
+    ring = predict("ring", costs(), world, one_bucket())
+    assert one.busiest_sent_bytes / ring.busiest_sent_bytes == pytest.approx(world / 2, rel=REL)
+
+
+def test_one_server_bandwidth_term_grows_linearly_with_p() -> None:
+    beta = 1e9
+    c = costs(rpc_intra=Link(0.0, beta))
+    for world in (2, 4, 8):
+        # (P-1) D in, then (after the barrier) (P-1) D out, through the server's own link
+        assert predict("ps_1", c, world, one_bucket()).step_s == pytest.approx(2 * (world - 1) * D / beta, rel=REL)
+    # sharded: each rank sends D/P to each of P-1 peers, twice (pushes, replies)
+    assert predict("ps", c, 4, one_bucket()).step_s == pytest.approx(2 * 3 * D / 4 / beta, rel=REL)
+
+
+def test_ps_messages_grow_with_p_and_cost_their_host_work() -> None:
+    o = 1e-4
+    c = costs(rpc_overhead_s=o)
+    got = predict("ps", c, 64, one_bucket())
+    assert got.messages == 2 * 63
+    assert got.step_s == pytest.approx(2 * 63 * o, rel=REL)
+    assert predict("ps_1", c, 64, one_bucket()).step_s == pytest.approx(2 * 63 * o, rel=REL)  # all at the server
+
+
+def test_sharded_ps_across_nodes_puts_l_times_a_rings_bytes_on_the_nic() -> None:
+    c = costs(local_size=8)
+    world = 64
+    ps = predict("ps", c, world, one_bucket())
+    assert ps.nic_bytes == pytest.approx(2 * 8 * (world - 8) / world * D, rel=REL)
+    ring = predict("ring", c, world, one_bucket())
+    assert ps.nic_bytes / ring.nic_bytes == pytest.approx(8 * (world - 8) / (world - 1), rel=REL)
+
+
+def test_async_refills_its_lease_every_half_lease_and_rank_0_serves_every_workers_refills() -> None:
+    o = 1e-3
+    c = costs(rpc_overhead_s=o, compute_s=0.05)
+    small = predict("async", c, 4, one_bucket())
+    assert small.bound == "worker"
+    # pushes and replies, and a refill (request + answer) every 2 steps of a 4-batch lease
+    assert small.step_s == pytest.approx(0.05 + (2 * 3 + 1) * o, rel=REL)
+    assert predict("async", c.with_(async_lease=8), 4, one_bucket()).messages == 2 * 3 + 0.5
+    c0 = c.with_(compute_s=0.0)
+    big = predict("async", c0, 1024, one_bucket())
+    assert big.bound == "coordinator"
+    # rank 0: its own 2(P-1) + 1 messages and the other workers' refills, 1 message each per step
+    assert big.step_s == pytest.approx((2 * 1023 + 1 + 1023) * o, rel=REL)
+
+
+# -- pipeline -------------------------------------------------------------------------------
+
+
+def test_pipeline_slots_fill_and_drain() -> None:
+    assert pipeline_busy(2, 4) == [1, 2, 2, 2, 1]
+    assert pipeline_busy(4, 2) == [1, 2, 2, 2, 1]
+    assert sum(pipeline_busy(4, 8)) == 4 * 8  # every stage runs every micro-batch once
+
+
+def test_pipeline_step_is_m_plus_k_minus_1_chunks_and_2_k_minus_1_transfers() -> None:
+    chunk, alpha = 0.01, 1e-3
+    work = Workload(grad_bytes=D, stages=4, microbatches=8, activation_bytes=0.0, stage_compute_s=chunk)
+    got = predict("pipeline", costs(intra=Link(alpha, math.inf)), 4, work)
+    assert got.step_s == pytest.approx((8 + 4 - 1) * chunk + 2 * 3 * alpha, rel=REL)
+
+
+def test_pipeline_contention_counts_the_busy_stages_of_each_slot() -> None:
+    chunk = 0.01
+    work = Workload(grad_bytes=D, stages=4, microbatches=4, stage_compute_s=chunk)
+    got = predict("pipeline", costs(cores=2.0), 4, work)
+    # slots busy 1, 2, 3, 4, 3, 2, 1 on 2 cores: 1, 1, 1.5, 2, 1.5, 1, 1 chunks long
+    assert got.step_s == pytest.approx(9 * chunk, rel=REL)
+
+
+# -- contention and calibration -----------------------------------------------------------------
+
+
+def test_contention_is_busy_processes_over_cores() -> None:
+    assert contention(4, 2.0) == 2.0
+    assert contention(1, 2.0) == 1.0
+    assert contention(3, 1.5) == 2.0
+    assert contention(64, None) == 1.0  # one device each
+    assert effective_cores(4, alone_s=0.1, together_s=0.2) == 2.0
+    assert effective_cores(2, alone_s=0.1, together_s=0.5) == 1.0  # never below one lone process
+    c = costs(compute_s=0.1, cores=2.0)
+    assert predict("ddp", c, 4, one_bucket()).step_s == pytest.approx(0.2, rel=REL)
+
+
+def test_machine_costs_recover_the_links_from_the_calibration_figures() -> None:
+    alpha, beta, gloo = 50e-6, 2e9, 30e-6
+    rpc_o, rpc_beta = 200e-6, 4e9
+    tensors, d = 10, 4e6
+    # ps host work: per tensor 1, 2, 3 us (client, average, update), per byte 1, 2, 3 ns
+    update_t, two_t, local_t = tensors * 3e-6, tensors * (3e-6 + 2 * 2e-6), tensors * (3e-6 + 1e-6)
+    calib = {
+        "compute_s": 0.04,
+        "compute_all_s": 0.04,  # two free cores at P = 2
+        "exchange_small_s": alpha + CALIB_SMALL / beta,
+        "exchange_big_s": CALIB_BIG / beta,
+        "gloo_tiny_allreduce_s": 2 * gloo,
+        "ring_tiny_s": 2 * (gloo + 40e-6),  # comm.ring adds 40 us per message
+        "add_big_s": CALIB_BIG * 1e-10,
+        "rpc_small_s": 2e-6,
+        "rpc_big_s": 2 * CALIB_BIG / rpc_beta,
+        "ps_update_tiny_s": update_t,
+        "ps_two_tiny_s": two_t,
+        "ps_local_tiny_s": local_t,
+        "ps_update_s": update_t + d * 3e-9,
+        "ps_two_s": two_t + d * (3e-9 + 2 * 2e-9),
+        "ps_local_s": local_t + d * (3e-9 + 1e-9),
+        # 2 ranks, 2 shards: client over every tensor, update of half, averaging of 2 pushes of half
+        "ps_pair_tiny_s": tensors * (1e-6 + 3e-6 / 2 + 2e-6) + 2 * rpc_o,
+        "pipeline_tiny_s": 2 * (4 + 1) * 1e-4,  # M + K - 1 slots each way, 100 us of runtime work each
+        "microbatches": 4.0,
+    }
+    got = machine_costs(calib, 2, tensors=tensors, grad_bytes=d)
+    assert got.cores == 2.0
+    assert got.intra.bandwidth == pytest.approx(beta)
+    assert got.intra.latency_s == pytest.approx(gloo)
+    assert got.ring_overhead_s == pytest.approx(40e-6)
+    assert got.reduce_s_per_byte == pytest.approx(1e-10)
+    assert got.rpc_overhead_s == pytest.approx(rpc_o)
+    assert got.rpc_intra.bandwidth == pytest.approx(rpc_beta)
+    for part, k in (("client", 1), ("average", 2), ("update", 3)):
+        assert getattr(got, f"ps_{part}_s_per_tensor") == pytest.approx(k * 1e-6)
+        assert getattr(got, f"ps_{part}_s_per_byte") == pytest.approx(k * 1e-9)
+    assert got.chunk_overhead_s == pytest.approx(1e-4)
+    # a probe taken when the machine runs 1.5x slower and P = 2 get one core between them
+    probed = machine_costs(calib, 2, tensors=tensors, grad_bytes=d, probe={"alone_s": 0.06, "all_s": 0.12})
+    assert probed.compute_s == pytest.approx(0.06)
+    assert probed.cores == 1.0
+    assert probed.intra.bandwidth == pytest.approx(beta / 1.5)
+    assert probed.ps_update_s_per_tensor == pytest.approx(1.5 * 3e-6)
+    # latencies enter as measured (their typical value over the run), not scaled by the probe
+    assert probed.intra.latency_s == pytest.approx(gloo)
+    assert probed.rpc_overhead_s == pytest.approx(rpc_o)
+    assert probed.ring_overhead_s == pytest.approx(40e-6)
+    assert probed.chunk_overhead_s == pytest.approx(1e-4)
+    assert slower(got, 2.0).ps_update_s_per_byte == pytest.approx(6e-9)
+
+
+def test_cluster_costs_state_the_links_in_bytes_per_second() -> None:
+    cluster = Cluster()
+    c = cluster_costs(cluster, costs(rpc_overhead_s=1e-4, ring_overhead_s=2e-5))
+    assert c.inter.bandwidth == 100e9 / 8  # 100 Gb/s
+    assert c.intra.bandwidth == 300e9
+    assert c.compute_s == pytest.approx(256 / 2470)  # NVIDIA's 2470 img/s at batch 256
+    assert c.rpc_overhead_s == pytest.approx(1e-4, rel=REL)  # calibrated here unless given
+    assert c.ring_overhead_s == pytest.approx(2e-5, rel=REL)
+    assert cluster_costs(Cluster(rpc_overhead_us=50.0), c).rpc_overhead_s == pytest.approx(50e-6)
+    assert c.cores is None
+    work = cluster_workload(cluster)
+    assert work.grad_bytes == 4 * 25_557_032
+    # a replica takes K x 256 images, in M micro-batches, bf16 activations
+    assert work.activation_bytes == 2 * 512 * 28 * 28 * 4 * 256 / 8
+
+
+def test_the_ring_strategys_buckets_grow_with_p_as_comm_ring_does() -> None:
+    from benchmarks._scale_costs import RING_MIN_CHUNK_BYTES
+    from lightning_strategies.comm.ring import MIN_CHUNK_BYTES, ring_bucket_cap_mb
+
+    assert RING_MIN_CHUNK_BYTES == MIN_CHUNK_BYTES
+    c = costs(bucket_bytes=25 * MIB, first_bucket_bytes=MIB, min_chunk_bytes=MIN_CHUNK_BYTES)
+    for world in (8, 100, 256, 1024):
+        cap = ring_bucket_cap_mb(25.0, world) * MIB
+        assert c.buckets(100 * MIB, world, grow=True) == ddp_buckets(100 * MIB, cap, MIB)
+    # 256 x 256 KiB = 64 MiB buckets at P = 256: 3 ring calls (1 + 64 + 35 MiB) instead of DDP's 5
+    assert len(c.buckets(100 * MIB, 256, grow=True)) == 3
+    assert len(c.buckets(100 * MIB, 256)) == 5
+
+
+def test_unknown_strategy_and_uneven_layouts_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown strategy 'tree'"):
+        predict("tree", costs(), 4, one_bucket())
+    with pytest.raises(ValueError, match="whole nodes"):
+        predict("ring_hier", costs(local_size=4), 6, one_bucket())
+    with pytest.raises(ValueError, match="multiple of K=4"):
+        predict("pipeline", costs(), 6, Workload(grad_bytes=D, stages=4))
