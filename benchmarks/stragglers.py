@@ -39,9 +39,21 @@ lines (a tag ``_k{k}`` on every slowdown but the headline one):
 and validation accuracy against training time, async beside ps, one row per P. A shared machine
 is noisy: the ratios of interleaved runs are the result, not the samples per second.
 
+The failure case (``benchmarks/_failure.py``; ``--failure-rounds 0`` skips it): 3 workers, one of
+which dies (SIGKILL) a third of the way through the run, under ``async_elastic`` (1 dedicated
+server + 3 workers: the other two go on) and under ``ps`` restarted by ``torchrun --max-restarts 1``
+from its last epoch's checkpoint, beside an uninterrupted ``async_elastic`` run; interleaved
+rounds, medians. Lines (wall seconds from the first ``fit`` start, restarts included):
+
+    failure_samples_per_s_{async_uninterrupted,async_loss,ps_restart}
+    failure_seconds_to_val_acc_95_{async_uninterrupted,async_loss,ps_restart}
+    async_loss_time_to_95_over_uninterrupted   async with a lost worker / without   goal <= 1.6
+    ps_restart_time_to_95_over_async_loss      ps restarted by torchrun / async that lost a worker
+
     python benchmarks/stragglers.py           # P = 2 and 3, k = 1, 2, 4, 3 rounds, 5 epochs (18 min, 2 busy cores)
     python benchmarks/stragglers.py --epochs 4   # what results/stragglers.txt holds (~15 min at load 5-8)
-    python benchmarks/stragglers.py --quick   # P = 2, k = 1, 2, 1 round, 3 epochs, no PNG (~1 min)
+    python benchmarks/stragglers.py --quick   # P = 2, k = 1, 2, 1 round, 3 epochs, no PNG (~1 min),
+                                              # and the failure case at 5 epochs, 1 round (~1-2 min)
 """
 
 from __future__ import annotations
@@ -50,6 +62,7 @@ import argparse
 import functools
 import logging
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Sequence
@@ -271,6 +284,47 @@ def compare(
     return {"world": world, "ks": list(ks), "rate": {n: median(v) for n, v in rate.items()}, "curves": curves}
 
 
+FAILURE_CASES = ("async_uninterrupted", "async_loss", "ps_restart")
+
+
+def failure(epochs: int, base_ms: float, rounds: int, work: Path) -> dict[str, Any]:
+    """The failure case (module doc): each run ``rounds`` times, the order rotating; lines printed."""
+    from benchmarks._failure import run_case
+
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in FAILURE_CASES}
+    for r in range(rounds):
+        order = [*FAILURE_CASES[r % 3 :], *FAILURE_CASES[: r % 3]]
+        for name in order:
+            kind, kill = ("ps", True) if name == "ps_restart" else ("async", name == "async_loss")
+            result = run_case(kind, kill=kill, epochs=epochs, base_ms=base_ms, work=work / f"{name}_{r}")
+            assert result["killed"] == kill, (name, result)
+            runs[name].append(result)
+            reached = time_to([t for t, _ in result["curve"]], [a for _, a in result["curve"]], TARGET_ACC)
+            when = "never" if reached is None else f"{reached:.1f} s"
+            print(
+                f"# failure round {r} {name}: {result['samples_per_s']:.1f} samples/s, 95% after {when}, exits "
+                f"{result['exits']}; {load_line('now')[2:]}",
+                flush=True,
+            )
+    seconds: dict[str, list[float]] = {}
+    for name in FAILURE_CASES:
+        line(f"failure_samples_per_s_{name}", median([x["samples_per_s"] for x in runs[name]]), "samples/s")
+        times = [time_to([t for t, _ in x["curve"]], [a for _, a in x["curve"]], TARGET_ACC) for x in runs[name]]
+        if any(t is None for t in times):
+            print(f"# {name}: validation did not reach {TARGET_ACC:.0%} in every round: {times}", flush=True)
+            continue
+        seconds[name] = [float(t) for t in times if t is not None]
+        line(f"failure_seconds_to_val_acc_95_{name}", median(seconds[name]), "s")
+        line(f"failure_final_val_acc_{name}", median([x["curve"][-1][1] for x in runs[name]]), "fraction")
+    if "async_loss" in seconds and "async_uninterrupted" in seconds:
+        ratios = [a / b for a, b in zip(seconds["async_loss"], seconds["async_uninterrupted"], strict=True)]
+        line("async_loss_time_to_95_over_uninterrupted", median(ratios), "x")
+    if "ps_restart" in seconds and "async_loss" in seconds:
+        ratios = [a / b for a, b in zip(seconds["ps_restart"], seconds["async_loss"], strict=True)]
+        line("ps_restart_time_to_95_over_async_loss", median(ratios), "x")
+    return runs
+
+
 def plot(results: Sequence[dict[str, Any]], k: float, bound: int, path: Path) -> None:
     """The seed's claim 2: samples/s against the slowdown k, and validation accuracy against
     training time, async beside ps; one row per P."""
@@ -329,6 +383,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; quick 1)")
     parser.add_argument("--bound", type=int, default=2, help="max_staleness of the async_ssp runs")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default results/stragglers.png; quick none)")
+    parser.add_argument("--failure-rounds", type=int, default=None, help="failure case rounds (0: skip; 2, quick 1)")
+    parser.add_argument("--failure-epochs", type=int, default=None, help="epochs per failure run (6; quick 5)")
+    parser.add_argument("--failure-base-ms", type=float, default=40.0, help="sleep per step in the failure case (ms)")
+    parser.add_argument("--work", type=Path, default=None, help="where the failure runs write (default: a temp dir)")
+    parser.add_argument("--skip-stragglers", action="store_true", help="only the failure case")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_strategies"):
@@ -347,12 +406,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"# {rounds} rounds, {epochs} epochs per fit, ks {', '.join(f'{s:g}' for s in ks)}, base {args.base_ms:g} ms",
         flush=True,
     )
-    results = [
-        compare(world, args.k, ks, args.base_ms, epochs, rounds, args.bound)
-        for world in ((2,) if args.quick else (2, 3))
-    ]
-    if args.plot is not None:
-        plot(results, args.k, args.bound, args.plot)
+    if not args.skip_stragglers:
+        results = [
+            compare(world, args.k, ks, args.base_ms, epochs, rounds, args.bound)
+            for world in ((2,) if args.quick else (2, 3))
+        ]
+        if args.plot is not None:
+            plot(results, args.k, args.bound, args.plot)
+    failure_rounds = args.failure_rounds if args.failure_rounds is not None else (1 if args.quick else 2)
+    if failure_rounds > 0:
+        failure_epochs = args.failure_epochs or (5 if args.quick else 6)
+        print(
+            f"# failure case: {failure_rounds} rounds, {failure_epochs} epochs, base {args.failure_base_ms:g} ms",
+            flush=True,
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            failure(failure_epochs, args.failure_base_ms, failure_rounds, args.work or Path(tmp))
     print(load_line("end"), flush=True)
     return 0
 

@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 import hydra
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from recipes import report
@@ -35,6 +36,8 @@ def objective(metrics: dict[str, Any], name: str | None) -> float | None:
     if metrics.get("status", "ok") != "ok":
         return math.nan
     value = metrics.get(name)
+    if value is None and getattr(rank_zero_only, "rank", 0) != 0:
+        return None  # a sweeper reads rank 0's; with dedicated servers only rank 0 validates
     if isinstance(value, bool) or not isinstance(value, int | float):
         numeric = sorted(k for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool))
         raise ConfigError(

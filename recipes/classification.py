@@ -362,8 +362,13 @@ class EpochThroughputMonitor(pl.Callback):
         if self._epoch_start is None or self._last_batch_end <= self._epoch_start:
             return
         seconds = self._last_batch_end - self._epoch_start
-        samples, seconds = _sum_and_max(trainer, float(self._epoch_samples), seconds, pl_module.device)
-        samples *= replicas_of(trainer.strategy) / max(1, trainer.world_size)  # once per replica
+        counted = getattr(trainer.strategy, "epoch_samples", None)
+        trained = counted(trainer.current_epoch) if callable(counted) else None
+        if trained is not None:  # async with dedicated servers: the chief counts what the workers pushed
+            samples = float(trained)
+        else:
+            samples, seconds = _sum_and_max(trainer, float(self._epoch_samples), seconds, pl_module.device)
+            samples *= replicas_of(trainer.strategy) / max(1, trainer.world_size)  # once per replica
         rate = samples / seconds
         self.epoch_rates.append(rate)
         pl_module.log("throughput/samples_per_s", rate, rank_zero_only=True)

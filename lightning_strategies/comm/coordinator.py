@@ -136,6 +136,8 @@ class LeaseReply:
         offset: added to this worker's clock in the staleness bound (a joined worker starts at
             the others' lowest clock).
         lrs: the chief's learning rates, per param group (membership runs), else ``None``.
+        pace: the worker's speed over the mean worker's (1 until speeds are measured): a slow
+            worker holds a smaller lease, so the epoch's last batches do not wait in it.
     """
 
     batches: list[LeasedBatch]
@@ -144,6 +146,7 @@ class LeaseReply:
     waited: float = 0.0
     offset: int = 0
     lrs: list[float] | None = None
+    pace: float = 1.0
 
 
 @dataclass
@@ -206,7 +209,6 @@ class _Worker:
     offset: int = 0
     # (epoch, index) leased to this worker and not acked yet
     outstanding: set[tuple[int, int]] = field(default_factory=set)
-    told_over: set[int] = field(default_factory=set)  # membership: epochs this worker was told are over
     pending: _Pending | None = None
     gate: _Pending | None = None
     active: bool = True  # counted in the others' bound (False once it finished the epoch's batches)
@@ -215,6 +217,7 @@ class _Worker:
     held_refills: int = 0
     rate: float | None = None  # batches acked per second (a moving average)
     last_ack: float | None = None
+    joined: bool = False  # membership: this incarnation registered (its heartbeat is watched from then on)
 
     @property
     def gate_clock(self) -> int:
@@ -294,14 +297,15 @@ class AsyncCoordinator:
         self.workers_lost = 0
         self.workers_joined = 0
         self.batches_redrawn = 0
+        self.batches_returned = 0
         #: called (outside the lock) with (rank, incarnation, name, reason) when a worker is dropped
         self.on_drop: Callable[[int, int, str, str], None] | None = None
         # (worker, clock in the staleness frame, lowest other clock) at every batch leased under a bound
         self.admissions: deque[tuple[int, int, int]] = deque(maxlen=RECORD_LIMIT)
         # every worker's clock after each change (-1: not alive)
         self.clock_log: deque[tuple[int, ...]] = deque(maxlen=RECORD_LIMIT)
-        # (rank, incarnation, what, seconds since start): joins, drops, leaves
-        self.events: deque[tuple[int, int, str, float]] = deque(maxlen=RECORD_LIMIT)
+        # (rank, incarnation, what, seconds since start, why, time.time()): joins, drops, leaves
+        self.events: deque[tuple[int, int, str, float, str, float]] = deque(maxlen=RECORD_LIMIT)
         self._start = time.monotonic()
         for r in ranks:
             self._push_clock(self._workers[r])
@@ -353,6 +357,23 @@ class AsyncCoordinator:
         with self._lock:
             known = self._epochs.get(epoch)
             return len(known.queue) if known is not None else 0
+
+    def name_of(self, rank: int) -> str:
+        """The RPC name the current incarnation of ``rank`` joined under ('' before it joined)."""
+        with self._lock:
+            w = self._workers.get(rank)
+            return w.name if w is not None else ""
+
+    def joined(self, rank: int) -> bool:
+        """Whether the current incarnation of ``rank`` has joined (membership runs)."""
+        with self._lock:
+            w = self._workers.get(rank)
+            return w is not None and w.alive and w.joined
+
+    @property
+    def stopped(self) -> bool:
+        """The run is over (:meth:`close`)."""
+        return self._stopped
 
     def accounting(self, epoch: int) -> dict[str, Any]:
         """Who counted each batch of ``epoch`` (``done``: index -> rank), and the redrawn indices."""
@@ -457,8 +478,10 @@ class AsyncCoordinator:
         drawn yet (a training loop that sees no batch skips the epoch-end validation its peers
         run, and their collectives would never match). With membership the worker's ``epoch`` is
         only its loop's: batches come from the oldest open epoch with batches to redraw, then the
-        epoch the chief opened; ``over`` ends the worker's loop epoch once per data epoch, later
-        refills wait for work (a redraw, the next epoch) or for the end of the run.
+        epoch the chief opened. With no work left, a worker that still holds batches is told
+        ``over`` (its loop epoch ends after them: its loop draws one batch ahead of its step, so it
+        could not finish them while waiting); one that holds none waits for work (a redraw, the
+        next epoch) or for the end of the run.
 
         The future completes at once unless the staleness bound leaves no credit (``prefetch``:
         the batches the worker's loader holds ahead of its steps, allowed on top) or (membership)
@@ -569,7 +592,6 @@ class AsyncCoordinator:
         if sources is None:
             return None  # membership: no work yet
         if not sources:
-            w.told_over.add(pending.epoch if not self.elastic else self._current or 0)
             return LeaseReply([], over=True, waited=self._waited(pending), offset=w.offset, lrs=self._lrs)
         credit, low = self._credit(w)
         available = sum(n for _, n in sources)
@@ -588,7 +610,8 @@ class AsyncCoordinator:
                 return None
             n = min(n, credit)
         leased = self._lease(w, sources, n, low)
-        return LeaseReply(leased, waited=self._waited(pending), offset=w.offset, lrs=self._lrs)
+        pace = self._share(w) * max(1, self._alive_count)
+        return LeaseReply(leased, waited=self._waited(pending), offset=w.offset, lrs=self._lrs, pace=pace)
 
     def _sources(self, w: _Worker, pending: _Pending) -> list[tuple[_Epoch, int]] | None:
         """(epoch, batches it may give ``w``), oldest first; ``[]``: over; ``None``: wait for work."""
@@ -601,8 +624,10 @@ class AsyncCoordinator:
         sources = [(e, len(e.queue)) for _, e in sorted(self._epochs.items()) if e.queue]
         if sources:
             return sources
-        if self._current is not None and self._current not in w.told_over:
-            return []  # this loop epoch of the worker ends; it comes back for redraws or the next epoch
+        if w.outstanding:
+            # no work now, but the worker still holds batches (its loop draws one ahead of its
+            # step): its loop epoch ends after them, then it comes back, for redraws or the next epoch
+            return []
         return None
 
     def _lease(self, w: _Worker, sources: list[tuple[_Epoch, int]], n: int, low: int | None) -> list[LeasedBatch]:
@@ -703,23 +728,33 @@ class AsyncCoordinator:
         *,
         incarnation: int = 0,
         finished: bool = False,
+        publish: dict[str, Any] | None = None,
+        returned: Sequence[tuple[int, int]] = (),
     ) -> ReportReply:
         """``worker`` has pushed ``clock`` times, and pushed the batches ``acks``; never waits.
 
         ``finished``: it has trained every batch it will get of its loop epoch, so it no longer
         holds the others back until an epoch starts again (it would wait for them, at validation).
+        ``publish``: (membership) values the chief reads, such as the worker's latest buffers.
+        ``returned``: leased batches the worker will not train: back to the front of their queues.
         """
         with self._lock:
             w = self._workers.get(worker)
             if w is None or not w.alive or w.incarnation != incarnation:
                 return ReportReply(None)  # a dropped worker's late report changes nothing
             self._take_acks(w, acks)
+            if publish:
+                self._published.update(publish)
+            if returned:
+                self._requeue(w, [(int(e), int(i)) for e, i in returned], redrawn=False)
             changed = self._set_clock(w, clock)
             if finished and not w.outstanding and w.active:
                 self._set_active(w, False)
                 self._log_clocks()
                 changed = True
             ready = self._release_credit() if changed else []
+            if returned:
+                ready += self._retry_all()  # work came back: the held refills may take it
             if w.pending is not None and not w.pending.done and w.pending.credit_held:
                 ready += self._retry(w.pending)  # its own acks gave it credit
             if acks:
@@ -803,9 +838,10 @@ class AsyncCoordinator:
                 for known in self._epochs.values():
                     known.undrawn += int(known.served.get(worker, 0) == 0)
                 self.workers_joined += int(incarnation > 0)
-                self.events.append((worker, incarnation, "join", time.monotonic() - self._start))
+                self.events.append((worker, incarnation, "join", time.monotonic() - self._start, name, time.time()))
                 self._push_clock(w)
                 self._log_clocks()
+            w.name, w.joined = name or w.name, True
             self._progress.notify_all()
             epoch = self._current if self._current is not None else 0
             return JoinReply(epoch, w.offset, self._lrs, dict(self._published))
@@ -836,26 +872,37 @@ class AsyncCoordinator:
             if known.served.get(w.rank, 0) == 0:
                 known.undrawn -= 1  # nothing to keep for it any more
         self.workers_lost += int(lost)
-        self.events.append((w.rank, w.incarnation, "drop" if lost else "leave", time.monotonic() - self._start))
+        self.events.append(
+            (w.rank, w.incarnation, "drop" if lost else "leave", time.monotonic() - self._start, reason, time.time())
+        )
         ready: list[tuple[Future[Any], Any]] = []
         for pending in (w.pending, w.gate):
             if pending is not None and not pending.done:
                 pending.done = True
                 ready.append((pending.future, ShardError(f"worker {w.rank} was dropped: {reason}")))
         w.pending = w.gate = None
-        for epoch, index in sorted(w.outstanding, reverse=True):
-            held = self._epochs.get(epoch)
-            if held is not None and index not in held.done:
-                held.queue.appendleft(index)
-                held.redrawn.append(index)
-                self.batches_redrawn += 1
-        w.outstanding.clear()
+        self._requeue(w, list(w.outstanding), redrawn=True)
         w.version += 1  # out of the staleness frame
         self._log_clocks()
         ready += self._release_credit()
         ready += self._retry_all()
         self._progress.notify_all()
         return ready
+
+    def _requeue(self, w: _Worker, batches: list[tuple[int, int]], *, redrawn: bool) -> None:
+        """Put ``w``'s leased, unpushed ``batches`` back at the front of their epochs' queues."""
+        for epoch, index in sorted(batches, reverse=True):
+            if (epoch, index) not in w.outstanding:
+                continue
+            w.outstanding.discard((epoch, index))
+            held = self._epochs.get(epoch)
+            if held is not None and index not in held.done:
+                held.queue.appendleft(index)
+                if redrawn:
+                    held.redrawn.append(index)
+                    self.batches_redrawn += 1
+                else:
+                    self.batches_returned += 1
 
     def leave(self, worker: int, incarnation: int = 0) -> None:
         """(Membership) ``worker`` finished the run and leaves (not counted as lost)."""
@@ -910,6 +957,17 @@ class AsyncCoordinator:
                 if should_stop is not None and should_stop():
                     raise RuntimeError(f"async coordinator: told to stop while waiting for epoch {epoch}")
                 self._progress.wait(0.25)
+
+    def abort(self, reason: str) -> None:
+        """The run cannot go on (a server is lost): every held and later refill fails with ``reason``,
+        and so does the chief's :meth:`wait_done`."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = reason
+            waiting = self._take_all_pending()
+            error = ShardError(self._failure)
+            self._progress.notify_all()
+        _deliver([(p.future, error) for p in waiting])
 
     def close(self) -> None:
         """(Membership) The run is over: every held and later refill is answered ``stop``."""
@@ -1047,13 +1105,21 @@ def _rpc_gate(worker: int, clock: int, incarnation: int) -> Future[GateReply | S
 
 
 def _rpc_report(
-    worker: int, clock: int, acks: list[tuple[int, int]], incarnation: int, finished: bool
+    worker: int,
+    clock: int,
+    acks: list[tuple[int, int]],
+    incarnation: int,
+    finished: bool,
+    publish: dict[str, Any] | None,
+    returned: list[tuple[int, int]],
 ) -> ReportReply:
     # a last report may arrive after the coordinator's teardown: the clocks no longer matter then
     coordinator = local_coordinator()
     if coordinator is None:
         return ReportReply(None)
-    return coordinator.report(worker, clock, acks, incarnation=incarnation, finished=finished)
+    return coordinator.report(
+        worker, clock, acks, incarnation=incarnation, finished=finished, publish=publish, returned=returned
+    )
 
 
 def _rpc_fail(worker: int, reason: str) -> None:
@@ -1079,3 +1145,11 @@ def _rpc_published(key: str) -> Any:
 
 def _rpc_ping() -> bool:
     return True
+
+
+def _rpc_run_state(epoch: int) -> tuple[int, bool, bool, bool]:
+    """(batches of ``epoch`` done, epoch complete, run stopped, every worker gone): servers poll it."""
+    coordinator = hosted_coordinator()
+    done = coordinator.done_count(epoch)
+    complete = done > 0 and done == coordinator.accounting(epoch)["num_batches"]
+    return done, complete, coordinator.stopped, coordinator.left_or_lost()

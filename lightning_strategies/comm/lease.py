@@ -5,11 +5,12 @@ the :class:`~lightning_strategies.comm.coordinator.AsyncCoordinator` (rank 0). W
 low (half of ``lease``) it asks for more without waiting (``rpc_async``: the answer fills the
 lease from an RPC thread), so the worker waits for the coordinator only when the lease is empty:
 at an epoch's first batch, or when the staleness bound holds leases back. Each refill carries the
-worker's clock and the batches it has pushed since the last message (acks); with a bound the
-clock is also reported after each push, at most one report in flight (later clocks are coalesced
-into the next one), so the slow workers' progress reaches the coordinator without a message per
-step, and each step is admitted by :meth:`BatchLease.admit` in the training process: at once when
-the others' clocks known when its batch was leased allow it, else after a gate round trip.
+worker's clock and the batches it has pushed since the last message (acks); with a bound (or
+while a refill is held) the clock is also reported after each push, at most one report in flight
+(later clocks are coalesced into the next one), so the slow workers' progress reaches the
+coordinator without a message per step, and each step is admitted by :meth:`BatchLease.admit`
+in the training process: at once when the others' clocks known when its batch was leased allow
+it, else after a gate round trip.
 
 Every wait is bounded (the RPC timeout exceeds the coordinator's own) and polls ``should_stop``,
 so a process told to stop (SIGTERM) does not sit out the timeout. No Lightning import.
@@ -18,6 +19,7 @@ so a process told to stop (SIGTERM) does not sit out the timeout. No Lightning i
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections import deque
@@ -66,7 +68,8 @@ class BatchLease:
         rpc_timeout: seconds an RPC to the coordinator may take; it must exceed the coordinator's
             own bound on a held refill (its ``timeout``), so that its error, naming the workers it
             waited for, arrives first.
-        lease: batches to hold (refilled when half are used).
+        lease: batches to hold (refilled when half are used); a worker slower than the mean holds
+            fewer (:attr:`size`).
         max_staleness: the bound ``s`` (``None``: none; then no clock is reported per push and no
             step is gated).
         prefetch: batches the training loop draws ahead of the step it runs (Lightning's one, plus
@@ -112,6 +115,7 @@ class BatchLease:
         self._report: Future[Any] | None = None
         self._report_due = False
         self._taken = 0  # batches drawn in the current loop epoch
+        self._pace = 1.0  # this worker's speed over the mean worker's, as the coordinator measures it
         self.offset = 0
         self.lrs: list[float] | None = None
         self.min_other: int | None = None
@@ -188,14 +192,20 @@ class BatchLease:
         self._taken = 0
         self._known_min = None  # the next epoch counts workers that finished this one again
 
+    @property
+    def size(self) -> int:
+        """The lease held now: ``lease``, scaled down for a worker slower than the mean (at
+        least one batch), so that a straggler does not keep the epoch's last batches."""
+        return max(1, min(self.lease, math.ceil(self.lease * self._pace)))
+
     def _want(self, limit: int | None) -> int:
-        want = self.lease - len(self._batches)
+        want = self.size - len(self._batches)
         if limit is not None:
             want = min(want, limit - self._taken - len(self._batches))
         return want
 
     def _maybe_refill(self, epoch: int, plan: DataPlan, limit: int | None) -> None:
-        if self._refill is not None or self._over or self._stop or len(self._batches) > self.lease // 2:
+        if self._refill is not None or self._over or self._stop or len(self._batches) > self.size // 2:
             return
         want = self._want(limit)
         if want > 0:
@@ -242,6 +252,7 @@ class BatchLease:
             self._over = self._over or reply.over
             self._stop = self._stop or reply.stop
             self.offset = reply.offset
+            self._pace = reply.pace
             if reply.lrs is not None:
                 self.lrs = reply.lrs
             if reply.waited > 0 and reply.batches and self.max_staleness is not None:
@@ -318,13 +329,29 @@ class BatchLease:
         with self._cond:
             self._clock = clock
             self._acks.extend((b.epoch, b.index) for b in batches)
-            if self.report_clock:
+            # with a bound the others wait for this clock; and while a refill is held, its acks are
+            # the only way the coordinator learns of the batches pushed meanwhile (with membership,
+            # an epoch ends only once every batch is acked)
+            if self.report_clock or (self._refill is not None and self._acks):
                 if self._report is None:
                     self._send_report()
                 else:
                     self._report_due = True  # coalesced into the next report
 
-    def _send_report(self, *, finished: bool = False) -> Future[Any]:
+    def give_back(self, batches: Sequence[LeasedBatch]) -> None:
+        """Return leased batches this worker will not train (its loop dropped them): the coordinator
+        puts them back in the queue. Waits for the answer."""
+        with self._cond:
+            fut = self._send_report(returned=[(b.epoch, b.index) for b in batches])
+        wait_reply(fut, f"worker {self.worker}: giving batches back to the async coordinator failed")
+
+    def _send_report(
+        self,
+        *,
+        finished: bool = False,
+        publish: dict[str, Any] | None = None,
+        returned: Sequence[tuple[int, int]] = (),
+    ) -> Future[Any]:
         acks, self._acks = self._acks, []
         self._unconfirmed = acks
         self._report_due = False
@@ -337,6 +364,8 @@ class BatchLease:
             acks,
             self.incarnation,
             finished,
+            publish,
+            list(returned),
             local=_local(self.coordinator_rank, self.worker),
             timeout=self.rpc_timeout,
         )
@@ -363,10 +392,11 @@ class BatchLease:
             if self._report_due:
                 self._send_report()
 
-    def flush(self, *, finished: bool = True) -> None:
+    def flush(self, *, finished: bool = True, publish: dict[str, Any] | None = None) -> None:
         """Send the clock and acks now and wait for the answer (at an epoch's last step), so the
         coordinator counts every batch of the epoch before the worker moves on; ``finished``: the
-        worker has no batch of the epoch left, so it no longer holds the others back."""
+        worker has no batch of the epoch left, so it no longer holds the others back; ``publish``:
+        values for the chief (membership runs: the worker's buffers)."""
         with self._cond:
             if self._error is not None:
                 raise self._error
@@ -376,7 +406,7 @@ class BatchLease:
                 pending.wait()
         with self._cond:
             self._report = None
-            fut = self._send_report(finished=finished)
+            fut = self._send_report(finished=finished, publish=publish)
         fut.wait()
         with self._cond:
             if self._error is not None:

@@ -72,6 +72,13 @@ STRATEGY_ROWS: tuple[StrategyRow, ...] = (
         init_params={"start_method": "fork"},
     ),
     StrategyRow(
+        "async_elastic",
+        "lightning_strategies.strategies.async_ps:AsyncParameterServerStrategy",
+        "'async' with a dedicated server (rank 0): lost workers are dropped and their batches redrawn, "
+        "relaunched ones rejoin",
+        init_params={"dedicated_servers": True, "num_servers": 1},
+    ),
+    StrategyRow(
         "ring",
         "lightning_strategies.strategies.ring:RingAllReduceStrategy",
         "DDP whose gradient buckets are averaged by our ring all-reduce (reduce-scatter + all-gather)",

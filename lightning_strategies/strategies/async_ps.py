@@ -29,8 +29,14 @@ changed relative to ``"ps"`` are:
   differ here, so a per-step collective would pair steps of different ranks).
 - ``on_validation_start`` / ``on_train_end`` / ``lightning_module_state_dict``: a barrier (all
   pushes are in), then every worker pulls the latest weights and rank 0's buffers, so
-  validation, the checkpoint and the returned model see one consistent state.
+  validation, the checkpoint and the returned model see one consistent state (with dedicated
+  servers: the chief, once the epoch's every batch is pushed, with the latest worker's buffers).
 - ``on_exception``: tell the coordinator, so no refill waits on this worker's clock.
+- with ``dedicated_servers``: ``setup_distributed`` / ``_start_rpc`` (the job's store, a process
+  group per process, RPC with joins), ``setup`` / ``_start_servers`` (roles, the coordinator and
+  the membership monitor on the chief, joins), ``process_dataloader`` (the servers' loop follows
+  the workers' progress), ``distributed_sampler_kwargs`` / ``barrier`` / ``reduce_boolean_decision``
+  (nothing spans processes), ``on_train_end`` / ``teardown`` (leave, no graceful RPC shutdown).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from datetime import timedelta
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -60,11 +67,12 @@ from lightning_strategies.comm.async_ps import (
 )
 from lightning_strategies.comm.coordinator import AsyncCoordinator, DataPlan, LeasedBatch
 from lightning_strategies.comm.lease import DEFAULT_LEASE, BatchLease, report_failure
-from lightning_strategies.comm.ps import OptimizerSpec, Slice, broadcast_from_rank0
+from lightning_strategies.comm.ps import OptimizerSpec, Slice, broadcast_from_rank0, pack
 from lightning_strategies.comm.rpc import register_coordinator, unregister_coordinator
 from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.data import DevicePrefetcher
 from lightning_strategies.strategies._base import is_last_batch
+from lightning_strategies.strategies._elastic import DedicatedServers, ElasticScriptLauncher
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 
 __all__ = ["AsyncParameterServerStrategy", "DynamicBatchSampler"]
@@ -85,6 +93,8 @@ class DynamicBatchSampler(Sampler[list[int]]):
         plan: how the epoch is batched (the same on every rank).
         draw: ``draw(epoch, plan)`` returns the next indices, or ``None`` at the end (it runs in
             the training process, also with loader processes: they receive indices from it).
+        restart: called when an iteration starts (Lightning drops an iterator it prefetched from
+            when it starts a new one).
         epoch: returns the current epoch when an iteration starts.
     """
 
@@ -93,12 +103,16 @@ class DynamicBatchSampler(Sampler[list[int]]):
         plan: DataPlan,
         draw: Callable[[int, DataPlan], list[int] | None],
         epoch: Callable[[], int],
+        restart: Callable[[], None] | None = None,
     ) -> None:
         self.plan = plan
         self._draw = draw
         self._epoch = epoch
+        self._restart = restart
 
     def __iter__(self) -> Iterator[list[int]]:
+        if self._restart is not None:
+            self._restart()  # a new iteration: what the last one drew and no step trained is given back
         epoch = self._epoch()  # read lazily: Lightning creates the iterator before the epoch starts
         while (batch := self._draw(epoch, self.plan)) is not None:
             yield batch
@@ -116,11 +130,14 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
 
     A worker's *clock* is the number of pushes it has made. With ``max_staleness=s`` no worker
     starts step ``c+1`` before every worker has pushed step ``c-s`` (stale-synchronous
-    parallel): ``s=0`` is a bulk-synchronous schedule, ``None`` never waits. The bound is applied
-    when batches are leased (a worker is leased no more than it may train), so it holds with
-    loader processes (``num_workers > 0``) too; the cost is smaller leases near the bound (with
-    ``s=0`` one batch per refill). At an epoch's end a worker whose lease is used up no longer
-    holds the others back (it has nothing left to push in the epoch). A gradient's
+    parallel): ``s=0`` is a bulk-synchronous schedule, ``None`` never waits. The bound is checked
+    where each step starts, in the training process (not in the sampler, which loader processes
+    and Lightning's one-batch prefetch run ahead of the steps), so it holds with
+    ``DataLoader(num_workers > 0)`` too: at once when the clocks known when the step's batch was
+    leased allow it, else after a round trip to the coordinator's gate; leases are also held back
+    near the bound, so a waiting worker does not hoard the queue (with ``s=0``, about one gate
+    round trip per step). At an epoch's end a worker whose batches are used up no longer holds
+    the others back until the next epoch starts (it has nothing left to push). A gradient's
     *staleness* is the number of updates a shard applied between the worker's pull of the
     weights it used and its push; with ``P`` equally fast workers it averages about ``P-1``.
 
@@ -138,7 +155,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     2016, "Asynchrony begets momentum"), so lower the optimizer's momentum (the digits ResNet
     diverges at 0.9 with ``P=2`` and trains at 0.5) or the learning rate; ``staleness_lr=
     "inverse"`` damps stale gradients further. LR schedules run on each worker's own step count,
-    estimated as the mean batches per worker (a fast worker reaches the schedule's end early).
+    estimated as the mean batches per worker (a fast worker reaches the schedule's end early);
+    with dedicated servers on the chief's, which follows the mean worker's.
 
     Requirements (each checked at setup, with the fix in the message): epochs, not steps
     (``max_steps=-1``; the ranks take different numbers of steps), validation once per epoch or
@@ -149,11 +167,25 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     record the queue's position.
 
     On a fault: as for ``"ps"``, a dead rank's shard (and, for rank 0, the coordinator) fails the
-    survivors' next push, pull or draw at once; a hung rank fails them when the gate (after
+    survivors' next push, pull or refill at once; a hung rank fails them when the gate (after
     ``timeout``) or an RPC to it (after ``timeout`` + max(5 s, 10%)) gives up. The error names the
     lost rank(s) (``"async: lost peer rank 1 of 4: ..."``; :class:`~lightning_strategies.PeerLostError`
     when a step failed). A rank that fails on its own error first tells the coordinator, so no
     refill waits on its clock.
+
+    With ``dedicated_servers=True`` (``"async_elastic"``) the run survives its workers: ranks
+    ``0 .. num_servers-1`` serve the shards and do not train, rank 0 (the chief) also serves the
+    job's store and the coordinator, validates on the whole validation set, writes the
+    checkpoints and logs ``async/workers_alive``, ``async/workers_lost``, ``async/workers_joined``
+    and ``async/batches_redrawn``. A worker killed, frozen past ``timeout`` or preempted (SIGTERM)
+    is dropped and its leased, unpushed batches are trained by the others (every batch of an epoch
+    counted once); a worker started again with the same rank rejoins, pulls the current weights
+    and trains. Each process has a process group of its own, so no Lightning collective
+    (barrier, broadcast, ``sync_dist``, the checkpoint's barrier) waits for another process; the
+    LR schedule runs on the chief (its steps follow the mean worker's) and travels with the
+    leases; BatchNorm statistics are the latest worker's. Servers are not replicated: a lost server
+    fails every worker (naming it), and ``ckpt_path`` of the last checkpoint restores the shards
+    exactly. (:mod:`lightning_strategies.strategies._elastic`, :mod:`lightning_strategies.comm.elastic`.)
 
     Args:
         max_staleness: the bound ``s`` on the workers' clock gap; ``None`` for none.
@@ -163,6 +195,10 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
             ``1 + staleness`` on the shard.
         lease: batches a worker leases at a time (refilled when half are used; the coordinator
             leases fewer as the epoch's queue drains).
+        dedicated_servers: ranks ``0 .. num_servers-1`` (``num_servers`` default 1) serve the shards
+            and do not train, the others are workers; a lost worker is dropped and its batches
+            redrawn, a restarted one rejoins (see "When a worker dies" in the README). Needs
+            processes started independently (torchrun, SLURM, by hand) or ``start_method="popen"``.
         **kwargs: everything :class:`~lightning_strategies.ParameterServerStrategy` takes
             (``num_servers``: shards, one per process by default; ``timeout``: how long
             collectives and a gated draw wait for a slow or hung peer before failing, 30 minutes
@@ -171,7 +207,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
 
     Raises:
         ValueError: for an invalid ``max_staleness``, ``push_every``, ``pull_every``, ``lease`` or
-            ``staleness_lr``.
+            ``staleness_lr``, or ``dedicated_servers`` with a fork/spawn launcher.
         TypeError: for a ``timeout`` that is not a ``datetime.timedelta``.
     """
 
@@ -192,10 +228,15 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         pull_every: int = 1,
         staleness_lr: StalenessLR = "none",
         lease: int = DEFAULT_LEASE,
+        dedicated_servers: bool = False,
         **kwargs: Any,
     ) -> None:
         _check_options(max_staleness, push_every, pull_every, kwargs.get("timeout"), staleness_lr, lease)
+        _check_dedicated(dedicated_servers, kwargs.get("start_method", "popen"))
         super().__init__(**kwargs)
+        self.dedicated_servers = dedicated_servers
+        # the layout whose workers may come and go: ranks 0 .. num_servers-1 serve, the others train
+        self._members = DedicatedServers(self, self._num_servers or 1) if dedicated_servers else None
         self.max_staleness = max_staleness
         self.push_every = push_every
         self.pull_every = pull_every
@@ -233,15 +274,91 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         client = self._client
         return client if isinstance(client, AsyncParameterServerClient) else None
 
+    @property
+    def members(self) -> DedicatedServers | None:
+        """The dedicated-servers layout (``None`` with shared hosting)."""
+        return self._members
+
+    def epoch_samples(self, epoch: int) -> int | None:
+        """With dedicated servers, on the chief: the samples of epoch ``epoch``'s batches the workers
+        have pushed so far (throughput is counted there; the servers train nothing), else ``None``."""
+        coordinator, plan = self._coordinator, self._plan
+        if self._members is None or coordinator is None or plan is None:
+            return None
+        done = coordinator.done_count(epoch)
+        full = done if done < plan.num_batches or plan.drop_last else done - 1
+        last = plan.num_samples - (plan.num_batches - 1) * plan.batch_size if full < done else 0
+        return full * plan.batch_size + last
+
+    def _is_server_only(self) -> bool:
+        return self._members is not None and self._members.is_server
+
+    @property
+    def _num_workers(self) -> int:
+        """The training ranks: every rank with shared hosting, the non-servers with dedicated ones."""
+        processes = self.num_nodes * self.num_processes
+        return len(self._members.workers) if self._members is not None else processes
+
+    # -- environment (dedicated servers: a process group per process, RPC with joins) -----------
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._members is not None and self._start_method == "popen":
+            assert self.cluster_environment is not None
+            self._launcher = ElasticScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_distributed(self) -> None:
+        if self._members is not None:
+            self.set_world_ranks()
+            self._members.connect()  # a one-rank group: Lightning then finds it initialised
+        super().setup_distributed()
+
+    @override
+    def _start_rpc(self) -> None:
+        if self._members is None:
+            super()._start_rpc()
+        else:
+            self._members.start_rpc()
+
+    @override
+    def setup_environment(self) -> None:
+        if self._members is not None:
+            self._members.check_world()
+        super().setup_environment()
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # dedicated servers: only the chief validates and tests run per process, on the whole set
+        if self._members is not None:
+            return {"num_replicas": 1, "rank": 0}
+        return super().distributed_sampler_kwargs
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self._members is None:
+            super().barrier(*args, **kwargs)  # with dedicated servers no process waits for another
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if self._members is not None:
+            return bool(decision)  # each process decides for itself (the chief for the run)
+        return super().reduce_boolean_decision(decision, all=all)
+
     # -- setup ---------------------------------------------------------------------------------
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == TrainerFn.FITTING and self._members is not None:
             self._check_loop(trainer)
-            self._local_steps, self._accumulated, self._accumulated_steps = 0, [], 0
-            self._drawn.clear()
-            self._unpushed, self._gap_max, self._lease_waited = [], None, (0.0, 0.0)
+            self._reset_fit_state()
+            self._members.setup(trainer)
+            _without_per_step_collective(trainer)
+        elif trainer.state.fn == TrainerFn.FITTING:
+            self._check_loop(trainer)
+            self._reset_fit_state()
             # the training loader draws its first batch while the optimizers are configured
             if self.global_rank == _COORDINATOR_RANK:
                 self._coordinator = AsyncCoordinator(
@@ -258,6 +375,11 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
             self.barrier("async_coordinator_ready")
             _without_per_step_collective(trainer)
         super().setup(trainer)
+
+    def _reset_fit_state(self) -> None:
+        self._local_steps, self._accumulated, self._accumulated_steps = 0, [], 0
+        self._drawn.clear()
+        self._unpushed, self._gap_max, self._lease_waited = [], None, (0.0, 0.0)
 
     @property
     def _rpc_timeout(self) -> float:
@@ -306,7 +428,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         fit_loop.setup_data()
         unknown = fit_loop.max_batches
         if self._plan is not None and unknown == float("inf"):
-            fit_loop.max_batches = math.ceil(self._plan.num_batches / self.world_size)
+            fit_loop.max_batches = math.ceil(self._plan.num_batches / self._num_workers)
         try:
             super().setup_optimizers(trainer)
         finally:
@@ -316,7 +438,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     def _warn_high_momentum(self) -> None:
         # Asynchrony adds an implicit momentum of about 1 - 1/P (Mitliagkas et al. 2016); on top
         # of SGD's usual 0.9 the sum passes 1 and training diverges (the digits ResNet does at P=2).
-        workers = self.num_nodes * self.num_processes
+        workers = self._num_workers
         if workers < 2:
             return
         implicit = 1.0 - 1.0 / workers
@@ -329,6 +451,13 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
                     f"often diverges. Lower it, e.g. optimizer.momentum={max(0.0, 1.0 - implicit):g}, or the lr."
                 )
                 return
+
+    @override
+    def _start_servers(self) -> None:
+        if self._members is None:
+            super()._start_servers()
+        else:
+            self._members.start_servers()
 
     @override
     def _make_shard(
@@ -374,13 +503,16 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
                 "(optionally in a DevicePrefetcher)."
             )
         plan = _plan_of(dataloader)
-        if plan.num_batches < self.world_size:
+        if plan.num_batches < self._num_workers:
             raise ValueError(
                 f"{name} found {plan.num_batches} training batches per epoch ({plan.num_samples} samples in "
-                f"batches of {plan.batch_size}) for {self.world_size} processes: expected at least one batch per "
-                "process, because a rank that trains on no batch skips the epoch-end validation its peers run. "
+                f"batches of {plan.batch_size}) for {self._num_workers} workers: expected at least one batch per "
+                "worker, because a rank that trains on no batch skips the epoch-end validation its peers run. "
                 "Fix: a smaller batch size, or fewer processes."
             )
+        if self._members is not None and self._members.is_server:
+            self._plan = plan
+            return self._members.servers_loader(dataloader, plan)
         limit = trainer.limit_train_batches
         self._limit = limit if isinstance(limit, int) else None
         if isinstance(limit, int) and plan.num_batches < limit * self.world_size:
@@ -395,7 +527,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
             # Lightning draws one batch ahead of its step, loader processes prefetch_factor each more
             workers = dataloader.num_workers
             self._lease.prefetch = 1 + (workers * (dataloader.prefetch_factor or 2) if workers > 0 else 0)
-        sampler = DynamicBatchSampler(plan, self._draw, self._current_epoch)
+        sampler = DynamicBatchSampler(plan, self._draw, self._current_epoch, self._give_back)
         kwargs: dict[str, Any] = {}
         if dataloader.num_workers > 0:
             kwargs.update(
@@ -426,9 +558,18 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         assert self._lease is not None
         batch = self._lease.next(epoch, plan, limit=self._limit, should_stop=self._told_to_stop)
         if batch is None:
+            trainer = self.trainer
+            if self._lease.stopped and trainer is not None:
+                trainer.should_stop = True  # the chief ended the run: this loop ends with it
             return None
         self._drawn.append(batch)  # loaders keep the sampler's order: the steps train them in this order
         return batch.indices
+
+    def _give_back(self) -> None:
+        """Return the batches drawn from the lease that no step trained (the loop dropped them)."""
+        if self._drawn and self._lease is not None:
+            self._lease.give_back(list(self._drawn))
+        self._drawn.clear()
 
     def _told_to_stop(self) -> bool:
         return bool(getattr(self.trainer, "received_sigterm", False))
@@ -442,8 +583,11 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         The bound is applied here, where the step starts, not in the sampler (which runs ahead of
         the steps, by the loader's prefetch). When it held the step (or a refill) back, the slower
         workers pushed meanwhile: pull their updates first (with ``pull_every=1``), as a gated
-        synchronous step would see them.
+        synchronous step would see them. A dedicated server trains nothing: its step's loss is a
+        zero that needs no forward.
         """
+        if self._fitting() and self._is_server_only():
+            return torch.zeros((), device=self.root_device, requires_grad=True)
         if self._fitting() and self._drawn:
             batch = self._drawn.popleft()
             self._unpushed.append(batch)
@@ -461,6 +605,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     def _push_pull(self, optimizer: Optimizer) -> None:
         client = self.async_client
         assert client is not None
+        if self._is_server_only():
+            return  # the servers' steps follow the workers' pushes; nothing to push
         grads: list[Tensor | None] = [p.grad for p in client.params]
         self._local_steps += 1
         trainer = self.trainer
@@ -470,7 +616,10 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         if self.push_every > 1:
             grads = self._accumulate(grads, take=push_due)
         if push_due and grads is not None:
-            client.push(grads, [float(g["lr"]) for g in optimizer.param_groups], pull=pull_due)
+            lrs = [float(g["lr"]) for g in optimizer.param_groups]
+            if self._lease is not None and self._lease.lrs is not None and self._members is not None:
+                lrs = self._lease.lrs  # dedicated servers: the chief's schedule, which follows the mean worker
+            client.push(grads, lrs, pull=pull_due)
             self._step_staleness = client.last_staleness
             if self._lease is not None:
                 self._lease.pushed(client.clock, self._unpushed)
@@ -480,7 +629,10 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         if flush:
             self._local_steps = 0
             if self._lease is not None:
-                self._lease.flush()  # the epoch's clock and acks reach the coordinator before its end
+                # the epoch's clock and acks reach the coordinator before its end (with dedicated
+                # servers, the buffers too: the chief validates and saves with the latest worker's)
+                buffers = {"buffers": pack(self._buffers)} if self._members is not None and self._buffers else None
+                self._lease.flush(publish=buffers)
 
     def _accumulate(self, grads: list[Tensor | None], *, take: bool) -> list[Tensor | None]:
         """Add this step's gradients to the local sums; when ``take``, return their mean and reset."""
@@ -503,6 +655,10 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     def _collect_own_metrics(self, stats: CommStats) -> None:
         client = self.async_client
         assert client is not None
+        if self._is_server_only():
+            assert self._members is not None
+            self.metrics.latest(**self._members.metrics())
+            return
         # means per step, except the staleness: its mean and maximum over the window's pushes
         staleness, self._step_staleness = self._step_staleness, []
         self._staleness_sum += sum(staleness)
@@ -544,20 +700,42 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
             self.barrier(f"{reason}_pulled")
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        members, trainer = self._members, self.trainer
+        if members is not None and not members.is_server and trainer is not None:
+            # a worker's loop runs until the chief ends the run: a lost worker's batches may come
+            # after its last epoch, and a joined worker's loop epochs are not the run's
+            trainer.fit_loop.max_epochs = -1
+
+    @override
     def on_validation_start(self) -> None:
-        self._pull_latest("async_validation")
+        if self._members is not None:
+            self._members.pull_latest()  # the chief, once the epoch's every batch is pushed
+        else:
+            self._pull_latest("async_validation")
         super().on_validation_start()
 
     @override
     def on_train_end(self) -> None:
+        if self._members is not None:
+            self._members.train_end()
+            super().on_train_end()  # the chief gathers the shards' optimizer state here
+            self._members.after_train_end()
+            return
         self._pull_latest("async_train_end", last=True)
         super().on_train_end()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The latest weights: every rank calls this from ``Trainer.save_checkpoint``, before the
-        optimizer state is gathered, so after the barrier the shards hold every push."""
-        self._pull_latest("async_checkpoint")
+        optimizer state is gathered, so after the barrier the shards hold every push. With
+        dedicated servers only the chief writes, at an epoch's end (every batch pushed)."""
+        if self._members is not None:
+            if self._members.is_chief and self._fitting():
+                self._members.pull_latest()
+        else:
+            self._pull_latest("async_checkpoint")
         return super().lightning_module_state_dict()
 
     @override
@@ -570,6 +748,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._members is not None:
+            self._members.teardown()  # before the coordinator goes: the membership monitor uses it
         if self._coordinator is not None:
             unregister_coordinator()
             self._coordinator.shutdown()
@@ -613,6 +793,16 @@ def _check_options(
         raise ValueError(
             f"{name}(staleness_lr={staleness_lr!r}): expected one of {list(STALENESS_LR)}. Fix: 'none' keeps the "
             "worker's lr, 'inverse' divides it by 1 + the gradient's staleness."
+        )
+
+
+def _check_dedicated(dedicated: bool, start_method: str) -> None:
+    if dedicated and start_method != "popen":
+        raise ValueError(
+            f"AsyncParameterServerStrategy(dedicated_servers=True, start_method={start_method!r}): Lightning's "
+            f"{start_method!r} launcher ends every process when one dies, which dedicated servers are there to "
+            "survive. Expected processes started independently (torchrun, SLURM, by hand) or "
+            "start_method='popen'. Fix: pass start_method='popen' (the default)."
         )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from datetime import timedelta
@@ -357,29 +358,35 @@ def test_a_dropped_workers_batches_are_redrawn_and_counted_once() -> None:
     assert sorted(c.accounting(0)["redrawn"]) == sorted(x.index for x in b.batches[1:])
 
 
-def test_over_once_per_epoch_then_wait_for_redraws_or_the_next_epoch() -> None:
+def test_over_while_holding_batches_then_wait_for_redraws_or_the_next_epoch() -> None:
     c = _elastic((1, 2))
-    taken: dict[int, list[LeasedBatch]] = {1: [], 2: []}
+    taken: list[LeasedBatch] = []
     while (reply := _refill(c, 1, 4)) is not None and not reply.over:
-        taken[1] += reply.batches
-    assert len(taken[1]) == 12  # nobody else drew: worker 1 takes the whole epoch
-    held = c.refill(1, 1, 4, clock=6, acks=[(b.epoch, b.index) for b in taken[1][:6]], plan=PLAN)
-    assert not held.done()  # told "over" once; now it waits for work
+        taken += reply.batches
+    assert len(taken) == 12  # nobody else drew: worker 1 takes the whole epoch
+    # no work left and worker 1 still holds 6 unpushed batches: "over" (its loop draws one ahead of
+    # its step, so it could not finish them while a refill waits)
+    assert _refill(c, 1, 4, clock=6, acks=[(b.epoch, b.index) for b in taken[:6]]).over  # type: ignore[union-attr]
     assert c.done_count(0) == 6
-    # worker 1 is lost with 6 batches unpushed: they are redrawn, the held refill of worker 2... gets them
-    over2 = _refill(c, 2, 4)
-    assert over2 is not None and over2.over  # nothing left in the queue for worker 2: its loop epoch ends
-    w2 = c.refill(2, 1, 4, clock=0, plan=PLAN)
+    w2 = c.refill(2, 1, 4, clock=0, plan=PLAN)  # worker 2 holds nothing: it waits for work
     assert not w2.done()
-    c.drop(1, "SIGKILL")  # worker 1 is lost with 6 batches unpushed: worker 2's held refill gets them
+    held = c.refill(1, 2, 4, clock=7, acks=[(0, taken[6].index)], plan=PLAN)
+    assert held.done()  # worker 1 still holds 5: over again, its next loop epoch starts
+    c.drop(1, "SIGKILL")  # lost with 5 batches unpushed: worker 2's held refill gets them
     reply2 = w2.wait()
-    assert isinstance(reply2, LeaseReply) and len(reply2.batches) == 3  # guided: ceil(6 / (2 x 1 alive))
-    assert [b.index for b in reply2.batches] == [6, 7, 8]
-    assert isinstance(held.wait(), ShardError)  # the dropped worker's own refill fails
-    # the chief opens the next epoch: a held refill is answered with its batches
-    w2b = c.refill(2, 2, 4, clock=1, acks=[(b.epoch, b.index) for b in reply2.batches], plan=PLAN)
-    assert w2b.done() and len(w2b.value().batches) > 0  # type: ignore[union-attr]
+    assert isinstance(reply2, LeaseReply) and len(reply2.batches) == 3  # guided: ceil(5 / (2 x 1 alive))
+    assert [b.index for b in reply2.batches] == [b.index for b in taken[7:10]]
+    assert c.batches_redrawn == 5
+    # the chief opens the next epoch only once every batch is pushed
+    rest = _refill(c, 2, 4, clock=3, acks=[(b.epoch, b.index) for b in reply2.batches])
+    assert rest is not None and len(rest.batches) == 1  # ceil(2 / 2)
+    last = _refill(c, 2, 4, clock=4, acks=[(b.epoch, b.index) for b in rest.batches])
+    assert last is not None and len(last.batches) == 1
+    final = c.refill(2, 3, 4, clock=5, acks=[(b.epoch, b.index) for b in last.batches], plan=PLAN)
+    assert not final.done() and c.done_count(0) == 12 and c.accounting(0)["done"][taken[0].index] == 1
     c.open_epoch(1, DataPlan(24, 2, shuffle=False))
+    answer = final.wait()
+    assert isinstance(answer, LeaseReply) and answer.batches and answer.batches[0].epoch == 1
     assert c.current_epoch == 1
 
 
@@ -495,3 +502,54 @@ def test_lease_limit_and_stop_polling(hosted: AsyncCoordinator) -> None:
     lease.flush(finished=False)  # clock 1 with 3 batches unpushed: no credit left at s = 0
     with pytest.raises(RuntimeError, match="told to stop while waiting for a lease of epoch 1"):
         lease.next(1, plan, should_stop=lambda: True)
+
+
+def test_given_back_batches_go_to_the_front_and_are_not_counted_as_redrawn() -> None:
+    c = _elastic((1, 2))
+    reply = _refill(c, 1, 8)
+    assert reply is not None and len(reply.batches) == 3  # guided: ceil(12 / (2 x 2))
+    c.report(1, 1, [(0, reply.batches[0].index)], returned=[(0, b.index) for b in reply.batches[1:]])
+    assert c.batches_returned == 2 and c.batches_redrawn == 0
+    again = _refill(c, 2, 8)
+    assert again is not None and [b.index for b in again.batches[:2]] == [b.index for b in reply.batches[1:]]
+
+
+# --------------------------------------------------------------------------------------------
+# Membership monitor (on the chief): a reported failure, a worker that never joined
+# --------------------------------------------------------------------------------------------
+
+
+def test_monitor_drops_a_worker_that_reported_a_failure_or_never_joined() -> None:
+    import torch.distributed as dist
+
+    from lightning_strategies.comm.elastic import MembershipMonitor, member_id, member_name
+    from lightning_strategies.comm.heartbeat import Heartbeat
+
+    store = dist.HashStore()
+    chief = Heartbeat(store, 0, 3)
+    failing = Heartbeat(store, 1, 3).start()
+    failing.report_failure("RuntimeError: out of memory")
+    dropped: list[tuple[int, str]] = []
+    monitor = MembershipMonitor(
+        chief,
+        workers=[1, 2],
+        servers=[],
+        name_of=lambda r: f"w{r}",
+        alive=lambda: [r for r in (1, 2) if r not in {d for d, _ in dropped}],
+        joined=lambda r: r == 1,  # worker 2 never joined
+        drop=lambda r, why: dropped.append((r, why)),
+        fail=lambda r, why: None,
+        timeout=timedelta(seconds=0.2),
+    )
+    monitor._poll()  # worker 2 is given until the timeout to join
+    assert dropped == [(1, "it reported a failure (RuntimeError: out of memory)")]
+    time.sleep(0.3)
+    monitor._poll()
+    assert dropped[1] == (2, "it did not join the run within the timeout (0 s)")
+    assert [r for r, _, _ in monitor.events] == [1, 2]
+    failing.stop(finished=False)
+    # a relaunch gets a name and an id of its own; ids of the dead are not reused
+    assert member_name(2, 0) == "ps_worker2" and member_name(2, 3) == "ps_worker2_3"
+    assert member_id(2, 3, 4) == 14
+    with pytest.raises(ValueError, match=r"its RPC id 32770 is past TensorPipe's 32767"):
+        member_id(2, 8192, 4)

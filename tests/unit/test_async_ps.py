@@ -117,6 +117,22 @@ def test_registered_names() -> None:
     assert "async" in StrategyRegistry and "async_fork" in StrategyRegistry
     assert StrategyRegistry["async"]["strategy"] is AsyncParameterServerStrategy
     assert StrategyRegistry["async_fork"]["init_params"] == {"start_method": "fork"}
+    assert StrategyRegistry["async_elastic"]["init_params"] == {"dedicated_servers": True, "num_servers": 1}
+
+
+def test_dedicated_servers_options_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"start_method='fork'\): Lightning's 'fork' launcher ends every process"):
+        AsyncParameterServerStrategy(dedicated_servers=True, start_method="fork")
+    strategy = AsyncParameterServerStrategy(dedicated_servers=True, parallel_devices=[torch.device("cpu")])
+    members = strategy.members
+    assert members is not None and members.num_servers == 1  # the default: one server, rank 0
+    with pytest.raises(ValueError, match=r"num_servers=1\) with 1 processes: expected at least one worker"):
+        members.check_world()
+    cpus = [torch.device("cpu")] * 4
+    two = AsyncParameterServerStrategy(dedicated_servers=True, num_servers=2, parallel_devices=cpus)
+    assert two.members is not None and two.members.workers == [2, 3] and two._num_workers == 2
+    assert two.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}  # the chief validates on everything
+    assert AsyncParameterServerStrategy().members is None
 
 
 def test_dynamic_sampler_draws_until_the_queue_is_empty_and_has_no_length() -> None:

@@ -125,6 +125,7 @@ def test_bad_input_stops_before_training(
     ("overrides", "momentum"),
     [
         (["strategy=async", "trainer=ddp_sim"], 0.5),  # conf/strategy_optimizer/async_sgd.yaml
+        (["strategy=async_elastic", "trainer=ddp_sim"], 0.5),  # async_elastic_sgd.yaml
         (["strategy=async", "optimizer.momentum=0.8"], 0.8),  # the command line still wins
         (["strategy=async", "optimizer=lamb"], None),  # no async_lamb.yaml: Lamb has no momentum key
         (["strategy=ddp", "trainer=ddp_sim"], 0.9),  # only async is specialised

@@ -1,0 +1,428 @@
+"""Membership for asynchronous training with dedicated servers: rendezvous, joins, lost workers.
+
+No Lightning import. The pieces (used by ``AsyncParameterServerStrategy(dedicated_servers=True)``):
+
+- **The store.** The job's ``MASTER_ADDR:MASTER_PORT`` TCP store, served by rank 0 (the chief: it
+  also serves shard 0 and the coordinator, and does not train) or by torchrun's agent. Every
+  process connects to it on start, a relaunched one too: it is the rendezvous.
+- **Incarnations.** Each process adds 1 to ``incarnation/<rank>`` when it starts; the first start
+  of a rank is incarnation 0, a relaunch (by hand, a supervisor, a SLURM requeue of the task,
+  with the same rank and world size) 1, 2, ... It joins RPC under a name and an id of its own
+  (:func:`member_name`, :func:`member_id`), so nothing is confused with the dead process.
+- **Dynamic RPC.** torch's TensorPipe agent without a world size (``rpc.init_rpc(world_size=None)``)
+  lets processes join a running group; every member is told of each join. It does not forget a
+  member that died without leaving (it has no way to learn of it), and the next join asks every
+  member it knows of, the dead one included, and fails. :func:`evict` removes a dead member the
+  way its graceful leave would have: from the group's list in the store and from every live
+  agent's tables, under the group's membership token (released even when a member does not
+  answer, which torch's own leave does not do).
+- **Detection.** :class:`MembershipMonitor` (a thread on the chief) reads every member's
+  heartbeat (:mod:`.heartbeat`) in one store request per second. A member that reported a
+  failure is dropped at once; one whose heartbeat stops for the grace is pinged over RPC: a dead
+  process refuses at once (SIGKILL: dropped), a frozen one (SIGSTOP) answers nothing and is
+  dropped once it has been silent for ``timeout``. A lost *server* fails the run (servers are not
+  replicated).
+
+The agent's group list (``names/_ALL_WORKER_INFOS`` under the ``rpc_prefix_0`` of its store), the
+membership token and ``_update_group_membership`` are torch 2.14 internals (the package pins
+torch); ``tests/integration/test_async_elastic.py`` fails if they change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+from torch.distributed.rpc._utils import _update_group_membership
+
+from lightning_strategies.comm.heartbeat import _FAILED, DEFAULT_INTERVAL, GRACE_INTERVALS, Heartbeat
+from lightning_strategies.comm.ps import Packed
+from lightning_strategies.comm.rpc import hosted_shard, store_url, worker_name
+
+__all__ = [
+    "MembershipMonitor",
+    "connect_store",
+    "evict",
+    "init_member_rpc",
+    "load_server_values",
+    "mark_evicted",
+    "member_id",
+    "member_name",
+    "next_incarnation",
+    "run_prefix",
+]
+
+log = logging.getLogger(__name__)
+
+_PREFIX = "lightning_strategies/elastic"
+_TOKEN = "RpcGroupManagementToken"  # torch.distributed.rpc._utils._group_membership_management's key
+_MAX_ID = 2**15 - 1  # TensorPipe worker ids are int16
+
+
+def run_prefix() -> str:
+    """This run's namespace in the job's store (one per torchrun attempt)."""
+    return _attempt_prefix()
+
+
+def _attempt_prefix() -> str:
+    # torchrun's agent keeps its store across restarts of the whole group: one namespace per attempt
+    return f"{_PREFIX}/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def connect_store(host: str, port: int, rank: int, *, timeout: timedelta) -> tuple[dist.Store, dist.TCPStore]:
+    """The job's store, served by rank 0 (or by torchrun's agent), and this run's namespace in it.
+
+    Returns:
+        ``(namespaced store, the TCP store underneath)``.
+    """
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    serve = rank == 0 and not agent
+    base = dist.TCPStore(host, port, is_master=serve, wait_for_workers=False, timeout=timeout, multi_tenant=True)
+    return dist.PrefixStore(run_prefix(), base), base
+
+
+def next_incarnation(store: dist.Store, rank: int) -> int:
+    """This start's incarnation of ``rank``: 0 the first time, then 1, 2, ..."""
+    return int(store.add(f"incarnation/{rank}", 1)) - 1
+
+
+def member_name(rank: int, incarnation: int) -> str:
+    """The RPC name of ``rank``'s ``incarnation`` (the static name for the first)."""
+    return worker_name(rank) if incarnation == 0 else f"{worker_name(rank)}_{incarnation}"
+
+
+def member_id(rank: int, incarnation: int, world_size: int) -> int:
+    """The RPC id of ``rank``'s ``incarnation``: unique within the run (ids of the dead are not reused).
+
+    Raises:
+        ValueError: past TensorPipe's id range (int16).
+    """
+    value = rank + incarnation * world_size
+    if value > _MAX_ID:
+        raise ValueError(
+            f"rank {rank} restarted {incarnation} times in a world of {world_size}: its RPC id {value} is past "
+            f"TensorPipe's {_MAX_ID}. Expected fewer restarts per run. Fix: restart the whole run from its "
+            "last checkpoint."
+        )
+    return value
+
+
+def init_member_rpc(
+    store: dist.Store,
+    connect: Callable[[], dist.Store],
+    rank: int,
+    incarnation: int,
+    world_size: int,
+    *,
+    timeout: timedelta,
+    num_threads: int = 4,
+    device_maps: Mapping[str, Mapping[torch.device, torch.device]] | None = None,
+    retry_every: float = 1.0,
+    attempt_timeout: float = 10.0,
+) -> str:
+    """Join (or found, for the first member) the run's dynamic RPC group; returns this member's name.
+
+    A relaunched worker first waits until its rank's last incarnation in the group has been
+    evicted (:func:`evict`, by the chief once it saw it lost). A join then asks every member the
+    group knows of for its devices: if a dead member is still listed (another worker lost moments
+    ago), that fails before any member has been told of the join, torch's clean-up waits for the
+    membership token the join holds (bounded here by ``attempt_timeout``: the agent's RPC timeout
+    is raised to ``timeout`` only once joined), and this process takes its name off the group's
+    list, releases the token and tries again, for ``timeout`` and a minute more.
+
+    Args:
+        store: the run's namespace in the job's store (this process's connection).
+        connect: a new connection to the same namespace. Each attempt gets its own: torch sets
+            the store's timeout to the RPC timeout, and a store wait that timed out leaves its
+            connection unusable (the late answer is still on the wire).
+    """
+    name = member_name(rank, incarnation)
+    rpc_id = member_id(rank, incarnation, world_size)
+    # a failed attempt costs up to attempt_timeout twice (the join's RPCs, then torch's clean-up):
+    # give the retries a minute beyond the run's timeout, so a short timeout still lets a join through
+    deadline = time.monotonic() + timeout.total_seconds() + 60.0
+    # a lost incarnation is dropped after the grace (killed) or the timeout (frozen), then evicted
+    _wait_evicted(store, rank, incarnation, timeout + timedelta(minutes=1))
+    if incarnation == 0:
+        # the run's first members join in rank order: each join asks every member before it, and
+        # joins that contend for the membership token on a loaded machine time out one another
+        earlier = [f"rpc_joined/{k}/0" for k in range(rank)]
+        if earlier:
+            store.wait(earlier, max(timeout, timedelta(minutes=5)))
+    while True:
+        rpc_store = dist.PrefixStore("rpc", connect())
+        options = rpc.TensorPipeRpcBackendOptions(
+            num_worker_threads=num_threads,
+            rpc_timeout=attempt_timeout,
+            init_method=store_url(rpc_store),
+        )
+        for peer, mapping in (device_maps or {}).items():
+            options.set_device_map(peer, dict(mapping))  # type: ignore[arg-type]
+        with rpc._init_counter_lock:
+            # torch prefixes the store with a per-process count of inits: every member must use the same
+            rpc._init_counter = 0
+        try:
+            rpc.init_rpc(name, rank=rpc_id, world_size=None, rpc_backend_options=options)
+            rpc._set_rpc_timeout(timeout.total_seconds())
+            store.set(f"rpc_joined/{rank}/{incarnation}", name)
+            return name
+        except Exception as err:
+            _undo_join(dist.PrefixStore("rpc_prefix_0", dist.PrefixStore("rpc", connect())), name, rpc_id)
+            if time.monotonic() + retry_every > deadline:
+                raise
+            cause = err.__context__ or err  # torch's clean-up error hides the join's own
+            log.warning(f"{name}: joining the RPC group failed ({str(cause).splitlines()[0]}); retrying")
+            time.sleep(retry_every)
+
+
+def _wait_evicted(store: dist.Store, rank: int, incarnation: int, timeout: timedelta) -> None:
+    """Wait until the last incarnation of ``rank`` that joined the RPC group has been evicted."""
+    earlier = [k for k in range(incarnation) if store.check([f"rpc_joined/{rank}/{k}"])]
+    if not earlier:
+        return
+    try:
+        store.wait([f"evicted/{rank}/{earlier[-1]}"], timeout)
+    except Exception as err:
+        raise RuntimeError(
+            f"rank {rank} (incarnation {incarnation}): its incarnation {earlier[-1]} is still a member of the run "
+            f"after {timeout.total_seconds():.0f}s ({err}). Expected it lost (its heartbeat stopped) and dropped by "
+            "the chief first. Fix: end the old process before starting its rank again."
+        ) from err
+
+
+def mark_evicted(store: dist.Store, rank: int, incarnation: int) -> None:
+    """Tell a relaunch of ``rank`` that its ``incarnation`` is out of the RPC group."""
+    store.set(f"evicted/{rank}/{incarnation}", "1")
+
+
+def _undo_join(store: dist.Store, name: str, rpc_id: int) -> None:
+    """Take a failed join's traces out of the group's store: its list entry and the token."""
+    with contextlib.suppress(Exception):
+        names = dist.PrefixStore("names", store)
+        listed = names.get("_ALL_WORKER_INFOS").decode()
+        names.set("_ALL_WORKER_INFOS", listed.replace(f"{name}-{rpc_id},", ""))
+    _release(store, f"Token_for_{name}_join")
+
+
+def evict(name: str, *, timeout: float = 5.0) -> bool:
+    """Remove the member ``name`` (a dead process) from the RPC group, as its leave would have.
+
+    Runs on a live member (the chief). Returns whether the member was known.
+    """
+    agent = rpc.api._get_current_rpc_agent()
+    try:
+        info = agent.get_worker_info(name)
+    except Exception:
+        return False
+    store = agent.store  # type: ignore[attr-defined]
+    me = agent.get_worker_info().name
+    token = f"Token_for_{me}_evict_{name}"
+    deadline = time.monotonic() + timeout
+    while True:  # torch's membership critical section, with a release that always happens
+        holder = store.compare_set(_TOKEN, "", token).decode()
+        if holder == token:
+            break
+        if time.monotonic() > deadline:
+            log.warning(f"evicting {name}: the RPC membership token stayed with {holder!r}; evicting without it")
+            break
+        time.sleep(0.05)
+    try:
+        names = dist.PrefixStore("names", store)
+        listed = names.get("_ALL_WORKER_INFOS").decode()
+        names.set("_ALL_WORKER_INFOS", listed.replace(f"{info.name}-{info.id},", ""))
+        _update_group_membership(info, [], {}, False)
+        futures = [
+            rpc.rpc_async(w.name, _update_group_membership, args=(info, [], {}, False), timeout=timeout)
+            for w in agent.get_worker_infos()
+            if w.name not in (me, name)
+        ]
+        for fut in futures:
+            with contextlib.suppress(Exception):  # a member that does not answer is evicted in turn
+                fut.wait()
+    finally:
+        _release(store, token)
+    return True
+
+
+def _release(store: dist.Store, token: str) -> None:
+    """Release the membership token ``token`` as torch does: waiters wait for a key named after it."""
+    with contextlib.suppress(Exception):
+        store.compare_set(_TOKEN, token, "")
+        store.set(token, "Done")
+
+
+def _rpc_ping() -> bool:
+    return True
+
+
+class MembershipMonitor:
+    """Watch the members' heartbeats on the chief; drop lost workers, fail on a lost server.
+
+    Args:
+        heartbeat: the chief's own heartbeat (its store is the one every member beats in).
+        workers: the worker ranks.
+        servers: the server ranks other than the chief.
+        name_of: the current RPC name of a rank (joins change it).
+        alive: returns the worker ranks alive now (the coordinator's view).
+        joined: whether the current incarnation of a worker rank has joined; a worker is watched
+            from its join on, and dropped if it has not joined ``timeout`` after the monitor started.
+        drop: ``drop(rank, reason)``, called for a lost worker.
+        fail: ``fail(rank, reason)``, called once for a lost server.
+        timeout: a silent member that still holds its connections (frozen) is dropped after this long.
+        interval: seconds between two reads of the heartbeats.
+        grace: seconds of silence before a member is pinged.
+    """
+
+    def __init__(
+        self,
+        heartbeat: Heartbeat,
+        *,
+        workers: Sequence[int],
+        servers: Sequence[int],
+        name_of: Callable[[int], str],
+        alive: Callable[[], Sequence[int]],
+        joined: Callable[[int], bool],
+        drop: Callable[[int, str], object],
+        fail: Callable[[int, str], None],
+        timeout: timedelta,
+        interval: float = DEFAULT_INTERVAL,
+        grace: float | None = None,
+    ) -> None:
+        self.heartbeat = heartbeat
+        self.workers = list(workers)
+        self.servers = list(servers)
+        self._name_of = name_of
+        self._alive = alive
+        self._joined = joined
+        self._drop = drop
+        self._fail = fail
+        self.timeout = timeout.total_seconds()
+        self.interval = interval
+        self.grace = grace if grace is not None else GRACE_INTERVALS * interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (beat count, when it last moved)
+        self._pings: dict[int, tuple[Any, str]] = {}  # rank -> (future, the name pinged)
+        self._failed = False
+        self._created: set[int] = set()
+        #: (rank, what, seconds since start): "dropped: <reason>" and the like, for logs and tests
+        self.events: list[tuple[int, str, float]] = []
+        self._start = time.monotonic()
+
+    def start(self) -> MembershipMonitor:
+        self._thread = threading.Thread(target=self._run, name="async-membership", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval + 5.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._poll()
+            except Exception as err:  # the store is gone (the chief is exiting): nothing to watch
+                log.debug(f"membership monitor stopped: {err}")
+                return
+
+    def _poll(self) -> None:
+        alive = set(self._alive())
+        now = time.monotonic()
+        waiting = [r for r in self.workers if r in alive and not self._joined(r)]
+        if now - self._start > self.timeout:
+            for rank in waiting:  # started with the run but never joined it
+                self._lost(rank, f"it did not join the run within the timeout ({self.timeout:.0f} s)")
+        ranks = [r for r in self.workers if r in alive and r not in waiting] + ([] if self._failed else self.servers)
+        if not ranks:
+            return
+        store = self.heartbeat.store
+        for rank in ranks:
+            if rank not in self._created:  # multi_get waits for a missing key: create both first
+                store.add(f"beat/{rank}", 0)
+                store.add(f"mark/{rank}", 0)
+                self._created.add(rank)
+        values = store.multi_get([f"beat/{r}" for r in ranks] + [f"mark/{r}" for r in ranks])
+        now = time.monotonic()
+        for i, rank in enumerate(ranks):
+            beat, mark = int(values[i]), int(values[len(ranks) + i])
+            before = self._seen.get(rank)
+            if before is None or before[0] != beat:
+                self._seen[rank] = (beat, now)
+                self._pings.pop(rank, None)
+            if mark == _FAILED:
+                reason = store.get(f"reason/{rank}").decode(errors="replace") if store.check([f"reason/{rank}"]) else ""
+                self._lost(rank, f"it reported a failure ({reason})")
+                continue
+            silent = now - self._seen[rank][1]
+            if silent > self.grace:
+                self._check(rank, silent)
+
+    def _check(self, rank: int, silent: float) -> None:
+        """Ping a silent member; a refusal (dead) or a ping that outlasts ``timeout`` (frozen) loses it."""
+        pending = self._pings.get(rank)
+        if pending is None:
+            name = self._name_of(rank)
+            try:
+                fut = rpc.rpc_async(name, _rpc_ping, timeout=max(1.0, self.timeout - silent))
+            except Exception as err:  # unknown to RPC: it never joined, or left
+                self._lost(rank, f"no heartbeat for {silent:.1f} s and not reachable over RPC ({err})")
+                return
+            self._pings[rank] = (fut, name)
+            return
+        fut, name = pending
+        if not fut.done():
+            return
+        try:
+            fut.wait()
+        except Exception as err:
+            text = str(err).splitlines()[0] if str(err) else type(err).__name__
+            frozen = "timed out" in text.lower() or "timeout" in text.lower()
+            how = (
+                f"frozen: no heartbeat for {silent:.1f} s and no answer within the timeout ({self.timeout:.0f} s)"
+                if frozen
+                else f"killed: no heartbeat for {silent:.1f} s and its RPC connection is gone ({text})"
+            )
+            self._lost(rank, how)
+            return
+        # it answered: alive (busy, or its heartbeat thread starved); ping again after another grace
+        self._pings.pop(rank, None)
+        self._seen[rank] = (self._seen[rank][0], time.monotonic())
+
+    def _lost(self, rank: int, reason: str) -> None:
+        self._pings.pop(rank, None)
+        self._seen.pop(rank, None)
+        self.events.append((rank, reason, time.monotonic() - self._start))
+        if rank in self.servers:
+            if not self._failed:
+                self._failed = True
+                self._fail(rank, reason)
+            return
+        self._drop(rank, reason)
+
+    def forget(self, rank: int) -> None:
+        """A new incarnation of ``rank`` joined: its heartbeat is watched afresh."""
+        self._seen.pop(rank, None)
+        self._pings.pop(rank, None)
+
+
+def _rpc_load_values(shard_id: int, values: Packed) -> None:
+    """Overwrite shard ``shard_id``'s values (the chief's weights, when the servers start)."""
+    shard = hosted_shard(shard_id)
+    unpacked = shard.unpack(values)
+    shard.load_values([v for v in unpacked if v is not None])
+
+
+def load_server_values(shard_id: int, host: str, values: Packed, *, timeout: float) -> Any:
+    """Send ``values`` to shard ``shard_id`` on the member ``host``; returns the RPC future."""
+    return rpc.rpc_async(host, _rpc_load_values, args=(shard_id, values), timeout=timeout)
