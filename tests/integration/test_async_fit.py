@@ -298,6 +298,20 @@ def test_push_and_pull_every_n_steps_still_cover_the_epoch() -> None:
     assert int(metrics["rec/clocks"].sum()) == pushes
 
 
+def test_limit_train_batches_trains_the_limit_on_every_rank_in_every_epoch() -> None:
+    # Lightning stops at the limit without drawing one batch more, so the lease learns of the
+    # epoch's end only from the next epoch's first draw (it once took that for the limit reached:
+    # every second epoch trained nothing)
+    train, val = _indexed_loaders()
+    trainer = _trainer(strategy(), 2, 3, limit_train_batches=4, callbacks=[_Records()])
+    trainer.fit(_IndexedRegressor(), train, val)
+    metrics = trainer.callback_metrics
+    for e in range(3):
+        assert metrics[f"rec/count_{e}"].tolist() == [4 * 8, 4 * 8], f"epoch {e}"
+        seen = metrics[f"rec/seen_{e}"].tolist()
+        assert len(set(seen)) == len(seen) == 64, f"epoch {e}: a sample trained twice"
+
+
 # --------------------------------------------------------------------------------------------
 # Checkpoints
 # --------------------------------------------------------------------------------------------
