@@ -27,7 +27,7 @@ from lightning_strategies.strategies.async_ps import AsyncParameterServerStrateg
 from recipes.classification import ClassificationModule
 from recipes.data import DigitsDataModule
 from recipes.models import build_model
-from tests.lightning_utils import TinyRegressor
+from tests.lightning_utils import TinyRegressor, quiet_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -37,18 +37,7 @@ def strategy(**kwargs: Any) -> AsyncParameterServerStrategy:
 
 
 def _trainer(strategy: Any, devices: int, epochs: int, **kwargs: Any) -> pl.Trainer:
-    options: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_epochs=epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    options.update(kwargs)
-    return pl.Trainer(**options)
+    return quiet_trainer(strategy, devices, max_epochs=epochs, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
