@@ -24,10 +24,14 @@ Run: ``python benchmarks/ps_snapshot.py`` (``--device cuda`` on a GPU: times inc
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import header, line, load_line, median
 from lightning_strategies.comm.ps import pack

@@ -110,6 +110,22 @@ class GlobalBatchSampler(Sampler[int]):
         return (self.n // (self.batch_size * replicas)) * self.batch_size
 
 
+def quiet_trainer(strategy: Any, devices: int, *, accelerator: str = "cpu", **kwargs: Any) -> pl.Trainer:
+    """A Trainer for tests: no logger, checkpoints, progress bar or model summary (``kwargs`` add
+    options or override these)."""
+    options: dict[str, Any] = dict(
+        accelerator=accelerator,
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    options.update(kwargs)
+    return pl.Trainer(**options)
+
+
 def fit_weights(
     strategy: Any,
     devices: int,
@@ -127,18 +143,7 @@ def fit_weights(
     model = model if model is not None else TinyRegressor()
     data = regression_data()
     loader = DataLoader(data, batch_size=batch_size, sampler=GlobalBatchSampler(len(data), batch_size))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        **trainer_kwargs,
-    )
+    trainer = quiet_trainer(strategy, devices, max_steps=max_steps, use_distributed_sampler=False, **trainer_kwargs)
     trainer.fit(model, loader)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 

@@ -23,8 +23,8 @@ same options and state):
 - ``agree=False`` (``"async"``, where ranks step at their own pace and a per-step collective
   would pair different steps): a rank whose gradients overflow skips its own push and lowers its
   own scale; the others go on. Pushes never carry an inf into the shards, and no one waits for
-  the skipped push (async has no barrier; the staleness gate counts pushes, so a bounded run
-  waits only until the skipping worker's next push).
+  the skipped push (async has no barrier; the skipped step still counts as the worker's step for
+  the staleness bound and its lease of batches, so a bounded run does not wait for it either).
 
 Either way :attr:`AgreedGradScaler.skipped` holds the last step's verdict as a device tensor (1.0
 skipped, 0.0 stepped), which the strategies log at Lightning's cadence without reading it per

@@ -115,6 +115,7 @@ class BatchLease:
         self._report: Future[Any] | None = None
         self._report_due = False
         self._taken = 0  # batches drawn in the current loop epoch
+        self._loop_epoch: int | None = None  # the loop epoch ``_taken`` counts
         self._pace = 1.0  # this worker's speed over the mean worker's, as the coordinator measures it
         self.offset = 0
         self.lrs: list[float] | None = None
@@ -157,6 +158,12 @@ class BatchLease:
             RuntimeError / TimeoutError: naming what the coordinator waited for, or the failure.
         """
         with self._cond:
+            if epoch != self._loop_epoch:
+                # a new loop epoch, also when the last one ended without a draw past its end
+                # (Lightning stops at `limit_train_batches` without fetching one batch more)
+                if self._loop_epoch is not None and self._taken:
+                    self._end_loop_epoch()
+                self._loop_epoch = epoch
             start = None
             while True:
                 if self._error is not None:

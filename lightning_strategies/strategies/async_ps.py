@@ -23,7 +23,8 @@ changed relative to ``"ps"`` are:
   (the dynamic loader has no length) while ``configure_optimizers`` runs.
 - ``_make_shard`` / ``_make_client``: asynchronous shards and clients instead of ``"ps"``'s.
 - ``optimizer_step`` (through ``_push_pull``): accumulate ``push_every`` steps, push, pull
-  every ``pull_every`` steps, tell the lease; flush at the epoch's last batch.
+  every ``pull_every`` steps, tell the lease; flush at the epoch's last batch. A step the
+  gradient scaler skipped pushes nothing but still counts (acked, the clock advances).
   ``_collect_own_metrics``: the staleness, the bound's wait, the lease's wait and the clock.
 - ``broadcast_buffers_each_step = False``: no per-step collective (the ranks' step counts
   differ here, so a per-step collective would pair steps of different ranks).
@@ -253,6 +254,10 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         self._local_steps = 0
         self._accumulated: list[Tensor | None] = []
         self._accumulated_steps = 0
+        # pushes a skipped step (its gradient scaler found an overflow) did not make: the clock the
+        # lease and the staleness bound see is the client's pushes plus these
+        self._skipped_pushes = 0
+        self._stepped = False  # this optimizer_step reached the push (the scaler did not skip it)
         # staleness of this step's push (one per shard), and of the pushes since the last log
         self._step_staleness: list[int] = []
         self._staleness_sum = 0
@@ -378,6 +383,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
 
     def _reset_fit_state(self) -> None:
         self._local_steps, self._accumulated, self._accumulated_steps = 0, [], 0
+        self._skipped_pushes = 0
         self._drawn.clear()
         self._unpushed, self._gap_max, self._lease_waited = [], None, (0.0, 0.0)
 
@@ -594,20 +600,48 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
             lease, client = self._lease, self.async_client
             if lease is not None and client is not None:
                 with self._peer_watch():
-                    gap = lease.admit(batch, client.clock, should_stop=self._told_to_stop)
+                    gap = lease.admit(batch, self._step_clock, should_stop=self._told_to_stop)
                     if gap is not None:
                         self._gap_max = gap if self._gap_max is None else max(self._gap_max, gap)
                     if lease.take_held() and self.pull_every == 1:
                         client.pull()
         return super().training_step(*args, **kwargs)
 
+    @property
+    def _step_clock(self) -> int:
+        """This worker's steps as the lease and the staleness bound count them: its pushes, plus
+        the pushes its gradient scaler skipped."""
+        client = self.async_client
+        return (client.clock if client is not None else 0) + self._skipped_pushes
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Push/pull as ``"ps"`` does; a step the gradient scaler skipped still ends as a step.
+
+        Under ``16-mixed`` a step whose gradients overflow (or whose loss is ``None``) never calls
+        the optimizer's ``step``, so no push happens. It still counts for the lease and the bound:
+        its batch is acked, the worker's clock advances (the others would otherwise wait for a
+        push that never comes) and the epoch's last step still flushes.
+        """
+        self._stepped = False
+        out = super().optimizer_step(optimizer, *args, **kwargs)
+        if not self._stepped and self._fitting() and self.async_client is not None and not self._is_server_only():
+            self._end_step(optimizer, skipped=True)
+        return out
+
     @override
     def _push_pull(self, optimizer: Optimizer) -> None:
+        self._stepped = True
+        self._end_step(optimizer, skipped=False)
+
+    def _end_step(self, optimizer: Optimizer, *, skipped: bool) -> None:
+        """Accumulate, push, pull and tell the lease, after a step (``skipped``: its gradients are
+        not pushed, nor accumulated)."""
         client = self.async_client
         assert client is not None
         if self._is_server_only():
             return  # the servers' steps follow the workers' pushes; nothing to push
-        grads: list[Tensor | None] = [p.grad for p in client.params]
+        grads: list[Tensor | None] | None = None if skipped else [p.grad for p in client.params]
         self._local_steps += 1
         trainer = self.trainer
         flush = trainer is not None and is_last_batch(trainer)
@@ -615,14 +649,19 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         pull_due = self._local_steps % self.pull_every == 0 or flush
         if self.push_every > 1:
             grads = self._accumulate(grads, take=push_due)
-        if push_due and grads is not None:
-            lrs = [float(g["lr"]) for g in optimizer.param_groups]
-            if self._lease is not None and self._lease.lrs is not None and self._members is not None:
-                lrs = self._lease.lrs  # dedicated servers: the chief's schedule, which follows the mean worker
-            client.push(grads, lrs, pull=pull_due)
-            self._step_staleness = client.last_staleness
+        if push_due:
+            if grads is not None:
+                lrs = [float(g["lr"]) for g in optimizer.param_groups]
+                if self._lease is not None and self._lease.lrs is not None and self._members is not None:
+                    lrs = self._lease.lrs  # dedicated servers: the chief's schedule, which follows the mean worker
+                client.push(grads, lrs, pull=pull_due)
+                self._step_staleness = client.last_staleness
+            else:
+                self._skipped_pushes += 1  # every step since the last push was skipped: nothing to push
+                if pull_due:
+                    client.pull()
             if self._lease is not None:
-                self._lease.pushed(client.clock, self._unpushed)
+                self._lease.pushed(self._step_clock, self._unpushed)
             self._unpushed = []
         elif pull_due:
             client.pull()
@@ -634,19 +673,23 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
                 buffers = {"buffers": pack(self._buffers)} if self._members is not None and self._buffers else None
                 self._lease.flush(publish=buffers)
 
-    def _accumulate(self, grads: list[Tensor | None], *, take: bool) -> list[Tensor | None]:
-        """Add this step's gradients to the local sums; when ``take``, return their mean and reset."""
-        if not self._accumulated:
-            self._accumulated = [None] * len(grads)
-        for i, g in enumerate(grads):
-            if g is None:
-                continue
-            acc = self._accumulated[i]
-            self._accumulated[i] = g.detach().clone() if acc is None else acc.add_(g.detach())
-        self._accumulated_steps += 1
+    def _accumulate(self, grads: list[Tensor | None] | None, *, take: bool) -> list[Tensor | None] | None:
+        """Add this step's gradients (``None``: a skipped step's, left out) to the local sums; when
+        ``take``, return their mean (``None`` if every step was skipped) and reset."""
+        if grads is not None:
+            if not self._accumulated:
+                self._accumulated = [None] * len(grads)
+            for i, g in enumerate(grads):
+                if g is None:
+                    continue
+                acc = self._accumulated[i]
+                self._accumulated[i] = g.detach().clone() if acc is None else acc.add_(g.detach())
+            self._accumulated_steps += 1
         if not take:
             return grads
         n = self._accumulated_steps
+        if n == 0:
+            return None
         mean = [a.div_(n) if a is not None else None for a in self._accumulated]
         self._accumulated, self._accumulated_steps = [], 0
         return mean

@@ -9,7 +9,6 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from _ps_gpu_ranks import SIZES, SLEEP_CYCLES, grad, initial_params, train
@@ -34,7 +33,7 @@ from lightning_strategies.comm.rpc import (
 )
 from lightning_strategies.strategies.async_ps import AsyncParameterServerStrategy
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
-from tests.lightning_utils import GlobalBatchSampler, TinyRegressor, regression_data
+from tests.lightning_utils import GlobalBatchSampler, TinyRegressor, quiet_trainer, regression_data
 
 pytestmark = pytest.mark.gpu
 
@@ -112,9 +111,7 @@ def test_two_ranks_on_one_gpu_equal_the_cpu_reference(mode: str) -> None:
         # pushed gradients) up to rounding (1.4e-6 with the same ranks on CPU); a push applied on stale
         # memory, lost or applied twice is off by LR x a gradient (~1e-2)
         p0 = initial_params()
-        want = [
-            (p.detach() - LR * sum(grad(r, s, i) for r in (0, 1) for s in range(steps))) for i, p in enumerate(p0)
-        ]
+        want = [(p.detach() - LR * sum(grad(r, s, i) for r in (0, 1) for s in range(steps))) for i, p in enumerate(p0)]
     for rank_result in out:
         for got, ref in zip(rank_result, want, strict=True):
             torch.testing.assert_close(torch.from_numpy(got), ref, rtol=0, atol=ATOL if mode == "sync" else 1e-4)
@@ -124,18 +121,7 @@ def _fit(strategy: Any, accelerator: str, **kwargs: Any) -> dict[str, torch.Tens
     model = TinyRegressor()
     data = regression_data()
     loader = DataLoader(data, batch_size=16, sampler=GlobalBatchSampler(len(data), 16))
-    trainer = pl.Trainer(
-        accelerator=accelerator,
-        devices=1,
-        strategy=strategy,
-        max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        **kwargs,
-    )
+    trainer = quiet_trainer(strategy, 1, accelerator=accelerator, max_epochs=2, use_distributed_sampler=False, **kwargs)
     trainer.fit(model, loader)
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 

@@ -27,7 +27,7 @@ from lightning_strategies.strategies.async_ps import AsyncParameterServerStrateg
 from recipes.classification import ClassificationModule
 from recipes.data import DigitsDataModule
 from recipes.models import build_model
-from tests.lightning_utils import TinyRegressor
+from tests.lightning_utils import TinyRegressor, quiet_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -37,18 +37,7 @@ def strategy(**kwargs: Any) -> AsyncParameterServerStrategy:
 
 
 def _trainer(strategy: Any, devices: int, epochs: int, **kwargs: Any) -> pl.Trainer:
-    options: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_epochs=epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    options.update(kwargs)
-    return pl.Trainer(**options)
+    return quiet_trainer(strategy, devices, max_epochs=epochs, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -296,6 +285,20 @@ def test_push_and_pull_every_n_steps_still_cover_the_epoch() -> None:
     served = metrics["rec/served"]
     pushes = sum((n + 1) // 2 for n in served.flatten().tolist())
     assert int(metrics["rec/clocks"].sum()) == pushes
+
+
+def test_limit_train_batches_trains_the_limit_on_every_rank_in_every_epoch() -> None:
+    # Lightning stops at the limit without drawing one batch more, so the lease learns of the
+    # epoch's end only from the next epoch's first draw (it once took that for the limit reached:
+    # every second epoch trained nothing)
+    train, val = _indexed_loaders()
+    trainer = _trainer(strategy(), 2, 3, limit_train_batches=4, callbacks=[_Records()])
+    trainer.fit(_IndexedRegressor(), train, val)
+    metrics = trainer.callback_metrics
+    for e in range(3):
+        assert metrics[f"rec/count_{e}"].tolist() == [4 * 8, 4 * 8], f"epoch {e}"
+        seen = metrics[f"rec/seen_{e}"].tolist()
+        assert len(set(seen)) == len(seen) == 64, f"epoch {e}: a sample trained twice"
 
 
 # --------------------------------------------------------------------------------------------

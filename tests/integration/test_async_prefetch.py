@@ -12,11 +12,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from lightning_utils import TinyRegressor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_strategies import AsyncParameterServerStrategy, DevicePrefetcher
 from lightning_strategies.strategies.async_ps import DynamicBatchSampler
+from tests.lightning_utils import TinyRegressor, quiet_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -54,13 +54,9 @@ def _loader(device: str) -> DevicePrefetcher:
 
 
 def _trainer(max_staleness: int | None) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu", devices=2, max_epochs=2, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-        strategy=AsyncParameterServerStrategy(
-            max_staleness=max_staleness, start_method="fork", timeout=timedelta(seconds=30)
-        ),
-    )  # fmt: skip
+    timeout = timedelta(seconds=30)
+    strategy = AsyncParameterServerStrategy(max_staleness=max_staleness, start_method="fork", timeout=timeout)
+    return quiet_trainer(strategy, 2, max_epochs=2)
 
 
 def test_async_keeps_the_device_prefetcher_and_covers_each_epoch_once() -> None:

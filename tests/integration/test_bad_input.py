@@ -42,7 +42,6 @@ import torch
 import torch.multiprocessing as mp
 from app_utils import FEW_BATCHES, ROOT, compose_cfg
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning_utils import TinyRegressor, regression_data
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -59,6 +58,7 @@ from recipes.classification import ClassificationModule
 from recipes.data import ImageFolderDataModule
 from recipes.models import build_model
 from recipes.train import run
+from tests.lightning_utils import TinyRegressor, quiet_trainer, regression_data
 
 RANK_TIMEOUT_S = 120.0  # the whole multi-process row; generous for a loaded 2-core machine
 PG_TIMEOUT = timedelta(seconds=30)  # a rank left waiting for a stopped peer fails after this
@@ -178,16 +178,7 @@ def _strategy(name: str) -> Any:
 
 
 def _trainer(strategy: Any, devices: int, **kwargs: Any) -> pl.Trainer:
-    kwargs.setdefault("logger", False)
-    kwargs.setdefault("enable_checkpointing", False)
-    return pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=devices,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
+    return quiet_trainer(strategy, devices, **kwargs)
 
 
 def _state_bytes(module: nn.Module) -> bytes:

@@ -26,7 +26,7 @@ import lightning_strategies  # noqa: F401  (registers the strategies)
 from lightning_strategies.comm.amp import AgreedGradScaler
 from lightning_strategies.strategies.async_ps import AsyncParameterServerStrategy
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
-from tests.lightning_utils import GlobalBatchSampler, TinyRegressor, fit_weights, regression_data
+from tests.lightning_utils import GlobalBatchSampler, TinyRegressor, fit_weights, quiet_trainer, regression_data
 
 pytestmark = pytest.mark.slow
 
@@ -93,15 +93,10 @@ def _fit(strategy: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor
     model = _OverflowOnRank1()
     data = regression_data()
     loader = DataLoader(data, batch_size=8, sampler=GlobalBatchSampler(len(data), 8))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
+    trainer = quiet_trainer(
+        strategy,
+        2,
         max_steps=6,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         use_distributed_sampler=False,
         log_every_n_steps=1,
         plugins=[fp16_plugin()],
@@ -134,18 +129,7 @@ def test_ps_fp16_overflow_on_one_rank_skips_the_step_everywhere_like_ddp() -> No
 def test_async_fp16_overflow_skips_only_that_workers_push_and_nothing_waits_for_it() -> None:
     strategy = AsyncParameterServerStrategy(start_method="fork", timeout=timedelta(seconds=30), max_staleness=0)
     record = _ScalerRecord()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        plugins=[fp16_plugin()],
-        callbacks=[record],
-    )
+    trainer = quiet_trainer(strategy, 2, max_epochs=1, plugins=[fp16_plugin()], callbacks=[record])
     model = _OverflowOnRank1()
     # 96 samples in batches of 8: 12 batches, ~6 per worker under the bulk-synchronous bound
     trainer.fit(model, DataLoader(regression_data(n=96), batch_size=8))
@@ -186,20 +170,9 @@ def test_async_bf16_mixed_one_worker_equals_a_single_device_bf16_run() -> None:
 
     def fit(strategy: Any) -> dict[str, torch.Tensor]:
         model = TinyRegressor()
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=1,
-            strategy=strategy,
-            max_epochs=2,
-            precision="bf16-mixed",
-            # the loader's own order (0..63) for both: a DDP-based strategy would get Lightning's
-            # shuffling DistributedSampler even at one process
-            use_distributed_sampler=False,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        # the loader's own order (0..63) for both: a DDP-based strategy would get Lightning's
+        # shuffling DistributedSampler even at one process
+        trainer = quiet_trainer(strategy, 1, max_epochs=2, precision="bf16-mixed", use_distributed_sampler=False)
         trainer.fit(model, loader)
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
 

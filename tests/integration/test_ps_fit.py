@@ -24,6 +24,7 @@ from tests.lightning_utils import (
     GlobalBatchSampler,
     TinyRegressor,
     fit_weights,
+    quiet_trainer,
     regression_data,
     sgd_momentum,
 )
@@ -154,18 +155,7 @@ class _Metrics(pl.Callback):
 
 
 def _trainer(strategy: Any, devices: int, max_steps: int, **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        **kwargs,
-    )
+    return quiet_trainer(strategy, devices, max_steps=max_steps, use_distributed_sampler=False, **kwargs)
 
 
 def _loader(batch_size: int = 8) -> DataLoader:

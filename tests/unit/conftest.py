@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch.distributed as dist
 
 import lightning_strategies.optim._foreach as foreach_module
 from lightning_strategies.comm.heartbeat import Heartbeat
@@ -30,3 +31,13 @@ def beats() -> Iterator[list[Heartbeat]]:
     yield started
     for beat in started:
         beat.stop(finished=False)
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    """A one-process gloo group in the test process (a HashStore, no port), destroyed after the test."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

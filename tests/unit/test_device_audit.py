@@ -3,22 +3,10 @@ would block the host on CUDA, and pass what is right, or the strategy tests buil
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 import torch
 import torch.distributed as dist
 from device_audit import OUR_CODE, Audit, PlacementMode, audit_collectives, audit_host_reads, is_host
 from torch import nn
-
-
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_placement_follows_cudas_rules() -> None:

@@ -8,7 +8,6 @@ import itertools
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,15 +19,6 @@ import lightning_strategies  # noqa: F401  (registers "ring")
 from lightning_strategies.comm import CommStats, RingBucketReducer, ring_all_reduce
 from lightning_strategies.comm.ring import _chunk_bounds, resolve_wire_dtype
 from lightning_strategies.strategies.ring import RingAllReduceStrategy
-
-
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
