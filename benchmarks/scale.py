@@ -36,7 +36,7 @@ processes (and other jobs) share the cores, so the model has a contention term, 
    and scaling efficiency vs P), ``results/scale_traffic.png`` (one server's traffic vs P against
    sharded ps and the rings), ``results/scale_validation.png`` (predicted vs measured).
 
-    python benchmarks/scale.py            # P = 2, 3, 4 + torchrun 2x2, 5 rounds (~6-10 min on 2 cores)
+    python benchmarks/scale.py            # P = 2, 3, 4 + torchrun 2x2, 6 rounds (~4-10 min on 2 cores)
     python benchmarks/scale.py --quick    # P = 2, small N, 4 rounds, no torchrun (CI, < 60 s)
     python benchmarks/scale.py --nic-gbit-s 400 --gpus-per-node 4 --step-ms 60   # your cluster
 """
