@@ -7,17 +7,31 @@ turns them into the model's :class:`~benchmarks._scale_model.Costs`:
     compute_s          the stand-in alone on rank 0 (the others idle in a barrier)
     cores              P x alone / (all P ranks at once): the cores the P processes effectively get
                        (other jobs on the machine included), at least 1
+    hop_s              ``wake_<b>_s``: the mean latency of a pipeline hop (an ``isend`` of one activation,
+                       the receive posted before or after it) while b processes besides the receiver
+                       compute (the sender going on to its next chunk, ranks 2 .. spinning), b = 0 .. P-1
     intra = inter      gloo's link: bandwidth from a 4 MiB exchange (each way at once, ranks 0 and 1
                        alone: a ring step at P = 2), latency from a 4-byte ``all_reduce`` of the pair
                        (2 messages); both divided by contention(2)
     ring_overhead_s    a tiny ``ring_all_reduce`` of the pair (2 messages), per message, minus gloo's
     reduce_s_per_byte  ``a.add_(b)`` of 4 MiB, per byte
-    rpc_overhead_s     a tiny ps ``push_pull`` of the pair (2 messages each) less its host work, per
-                       message; never below half a 4 KiB RPC round trip
+    chunk_overhead_s   the runtime's work per chunk: the main thread's CPU seconds of a tiny 2-stage
+                       pipeline of the pair (blocks 8 wide: no compute to speak of) over its 2M chunks
+                       per stage (CPU time, so none of its waits: those are ``hop_s``'s)
+    rpc_exchange_s     every rank echoes D/P off every other rank at once (RPC, the runs' threads)
+    rpc_gather_s       ranks 1 .. P-1 echo D off rank 0 at once
+    ps_protocol_s      a tiny ps ``push_pull`` of the pair (one remote peer each) less its host work
+                       and its transport (a tiny echo of the pair, both at once)
+    rpc_overhead_s     the same tiny ``push_pull`` less its host work, per message (for the
+                       projection's formula); never below half a 4 KiB RPC round trip
     rpc_intra          bandwidth from a 4 MiB RPC round trip (payload both ways)
     ps_*_s_per_*       ps's host work in rank 0 alone with a local shard (no RPC), over the model's
                        tensors at full size and at 16 elements each: per tensor and per byte
-    chunk_overhead_s   a tiny 2-stage pipeline of the pair (blocks 8 wide): step / 2(M + 1) slots
+
+The figures come from two kinds of world (``_scale_measure.py``): the process group alone
+(``coll``: gloo, the ring, the pipeline) and with RPC (``rpc``: the ps figures), as the
+strategies that use them run; ``calib`` holds one kind's, and the other kind's constants keep
+their defaults.
 
 Two kinds of figure: *work* (compute, copies, per-byte and per-tensor host work: what a busy
 process does) and *latency* (:data:`LATENCY_KEYS`: the tiny instances of each protocol, which
@@ -33,7 +47,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
-from benchmarks._scale_model import MIB, Costs, Link, Workload, contention
+from benchmarks._scale_model import MIB, Costs, Link, Workload, contention, pipeline_makespan
 
 __all__ = [
     "CALIB_BIG",
@@ -43,15 +57,22 @@ __all__ = [
     "cluster_costs",
     "cluster_workload",
     "effective_cores",
+    "hop_table",
     "machine_costs",
+    "pipeline_chunk_overhead",
     "slower",
+    "solve_chunk_overhead",
 ]
 
 CALIB_SMALL, CALIB_BIG = 4096, 4 * MIB  # bytes of the calibration messages (see _scale_measure.calibrate)
 #: the calibration figures that are message latencies (median over repetitions); the rest are work (minimum)
 LATENCY_KEYS = frozenset(
-    {"exchange_small_s", "gloo_tiny_allreduce_s", "ring_tiny_s", "rpc_small_s", "ps_pair_tiny_s", "pipeline_tiny_s"}
-)
+    {
+        "exchange_small_s", "gloo_tiny_allreduce_s", "ring_tiny_s", "rpc_small_s", "ps_pair_tiny_s",
+        "pipeline_tiny_s", "rpc_exchange_tiny_s",
+    }
+    | {f"wake_{b}_s" for b in range(64)}
+)  # fmt: skip
 RING_MIN_CHUNK_BYTES = 256 << 10  # comm.ring.MIN_CHUNK_BYTES: the ring strategy's buckets grow to P x this
 
 
@@ -63,8 +84,10 @@ def effective_cores(world: int, alone_s: float, together_s: float) -> float:
 
 def slower(costs: Costs, factor: float) -> Costs:
     """``costs`` on a machine ``factor`` times slower for every piece of CPU work: compute, copies (on
-    loopback a link's bandwidth is memory copies), host work per byte and per tensor. Latencies
-    (per message) are left as they are (see the module's docstring)."""
+    loopback a link's bandwidth is memory copies), host work per byte and per tensor, and the
+    pipeline's hops (a message to a waiting stage waits for a core, behind whatever else is
+    runnable). Per-message latencies of the links are left as they are (see the module's
+    docstring)."""
 
     def link(x: Link) -> Link:
         return Link(x.latency_s, x.bandwidth / factor)
@@ -76,6 +99,11 @@ def slower(costs: Costs, factor: float) -> Costs:
         reduce_s_per_byte=costs.reduce_s_per_byte * factor,
         rpc_intra=link(costs.rpc_intra),
         rpc_inter=link(costs.rpc_inter),
+        # a transport on loopback is copies: CPU work
+        rpc_exchange_s=None if costs.rpc_exchange_s is None else costs.rpc_exchange_s * factor,
+        rpc_gather_s=None if costs.rpc_gather_s is None else costs.rpc_gather_s * factor,
+        # a hop waits for a core behind the same runnable processes that slow the work down
+        hop_s=tuple(h * factor for h in costs.hop_s),
         ps_client_s_per_byte=costs.ps_client_s_per_byte * factor,
         ps_average_s_per_byte=costs.ps_average_s_per_byte * factor,
         ps_update_s_per_byte=costs.ps_update_s_per_byte * factor,
@@ -100,6 +128,47 @@ def ps_host_costs(calib: Mapping[str, float], tensors: int, grad_bytes: float) -
     }
 
 
+def hop_table(calib: Mapping[str, float], world: int) -> tuple[float, ...]:
+    """``wake_<b>_s`` for b = 0 .. P-1 (as far as measured): the latency of a hop with b others busy."""
+    out = []
+    for b in range(world):
+        if f"wake_{b}_s" not in calib:
+            break
+        out.append(calib[f"wake_{b}_s"])
+    return tuple(out)
+
+
+def solve_chunk_overhead(tiny_s: float, microbatches: int, hop: tuple[float, ...], cores: float | None) -> float:
+    """The runtime's work per chunk ``o`` for which the pipeline model of the tiny 2-stage pipeline
+    (chunks of ``o`` alone, hops ``hop``, ``cores``) lasts ``tiny_s``: the model inverted on a
+    calibration run, by bisection (its span grows with ``o``); 0 when the hops alone take longer."""
+    costs = Costs(compute_s=0.0, local_size=2, intra=Link(0.0, math.inf), inter=Link(0.0, math.inf), hop_s=hop)
+
+    def span(o: float) -> float:
+        return pipeline_makespan(2, microbatches, o, o, hop=lambda b: costs.hop(b, costs.intra), cores=cores)
+
+    lo, hi = 0.0, max(tiny_s, 1e-9)
+    if span(lo) >= tiny_s:
+        return 0.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if span(mid) < tiny_s else (lo, mid)
+    return (lo + hi) / 2
+
+
+def pipeline_chunk_overhead(
+    calib: Mapping[str, float], microbatches: int, hop: tuple[float, ...], cores: float | None
+) -> float:
+    """The runtime's work per chunk: the tiny pipeline's CPU seconds per stage over its 2M chunks
+    (``pipeline_tiny_cpu_s``: work only, no wait can enter it), else its wall time with the
+    model inverted (:func:`solve_chunk_overhead`), else 0."""
+    if "pipeline_tiny_cpu_s" in calib:
+        return calib["pipeline_tiny_cpu_s"] / (2 * microbatches)
+    if "pipeline_tiny_s" in calib:
+        return solve_chunk_overhead(calib["pipeline_tiny_s"], microbatches, hop, cores)
+    return 0.0
+
+
 def machine_costs(
     calib: Mapping[str, float],
     world: int,
@@ -109,10 +178,11 @@ def machine_costs(
     probe: Mapping[str, float] | None = None,
     local_size: int | None = None,
 ) -> Costs:
-    """This machine's :class:`Costs` from one calibration repetition of a ``world``-process run.
+    """This machine's :class:`Costs` from the calibration figures of a ``world``-process run.
 
     Args:
-        calib: the ``calib/`` figures of the repetition, without the prefix.
+        calib: the ``calib/`` figures, without the prefix (one world kind's: the other kind's
+            constants keep their defaults).
         world: the processes of the run (P).
         tensors: the tensors of the measured model (the ps figures are over them).
         grad_bytes: their bytes.
@@ -125,37 +195,50 @@ def machine_costs(
     alone, together = calib["compute_s"], calib["compute_all_s"]
     cores = effective_cores(world, alone, together)
     pair = contention(2, cores)
-    x_bandwidth = CALIB_BIG / (calib["exchange_big_s"] / pair)  # 4 MiB: latency is < 2% of it
-    gloo_latency = calib["gloo_tiny_allreduce_s"] / 2 / pair  # one exchange per phase at P = 2
-    link = Link(gloo_latency, x_bandwidth)
-    rpc_bandwidth = 2 * CALIB_BIG / calib["rpc_big_s"]
-    host = ps_host_costs(calib, tensors, grad_bytes)
-    # the ps protocol's tiny push_pull of ranks 0 and 1 (2 shards): each rank's client work over
-    # every tensor, its shard's update of half of them and averaging of both pushes, and 2 messages
-    tiny_host = tensors * (host["ps_client_s_per_tensor"] + host["ps_update_s_per_tensor"] / 2)
-    tiny_host += tensors * host["ps_average_s_per_tensor"]
-    # never below a bare RPC's half round trip (the difference of two noisy figures can be)
-    rpc_overhead = max(calib["rpc_small_s"] / 2, (calib["ps_pair_tiny_s"] / pair - tiny_host) / 2)
-    m = calib.get("microbatches", 1.0)
-    # the tiny 2-stage pipeline: M + 1 slots forward and backward, each one chunk of runtime work and
-    # one transfer; no compute to speak of
-    chunk = calib.get("pipeline_tiny_s", 0.0) / pair / (2 * (m + 1))
+    hops = hop_table(calib, world)
     costs = Costs(
         compute_s=alone,
         local_size=local_size or world,
-        intra=link,
-        inter=link,
+        intra=Link(0.0, math.inf),
+        inter=Link(0.0, math.inf),
         inter_shared=False,  # loopback: no NIC shared by a node's processes
-        # a tiny ring call of the pair: 2 steps of one message each, the call's own work included
-        ring_overhead_s=max(0.0, calib["ring_tiny_s"] / pair / 2 - gloo_latency),
         reduce_s_per_byte=calib["add_big_s"] / CALIB_BIG,
-        rpc_overhead_s=rpc_overhead,
-        rpc_intra=Link(0.0, rpc_bandwidth),
-        rpc_inter=Link(0.0, rpc_bandwidth),
-        chunk_overhead_s=chunk,
+        hop_s=hops,
         cores=cores,
         min_chunk_bytes=RING_MIN_CHUNK_BYTES,
-    ).with_(**host)
+    )
+    if "exchange_big_s" in calib:  # a world of the process group alone
+        x_bandwidth = CALIB_BIG / (calib["exchange_big_s"] / pair)  # 4 MiB: latency is < 2% of it
+        gloo_latency = calib["gloo_tiny_allreduce_s"] / 2 / pair  # one exchange per phase at P = 2
+        link = Link(gloo_latency, x_bandwidth)
+        m = int(calib.get("microbatches", 1.0))
+        chunk = pipeline_chunk_overhead(calib, m, hops, cores)
+        costs = costs.with_(
+            intra=link,
+            inter=link,
+            # a tiny ring call of the pair: 2 steps of one message each, the call's own work included
+            ring_overhead_s=max(0.0, calib["ring_tiny_s"] / pair / 2 - gloo_latency),
+            chunk_overhead_s=chunk,
+        )
+    if "rpc_big_s" in calib:  # a world with RPC
+        rpc_bandwidth = 2 * CALIB_BIG / calib["rpc_big_s"]
+        host = ps_host_costs(calib, tensors, grad_bytes)
+        # the ps protocol's tiny push_pull of ranks 0 and 1 (2 shards): each rank's client work over
+        # every tensor, its shard's update of half of them and averaging of both pushes, and 2 messages
+        tiny_host = tensors * (host["ps_client_s_per_tensor"] + host["ps_update_s_per_tensor"] / 2)
+        tiny_host += tensors * host["ps_average_s_per_tensor"]
+        tiny = calib["ps_pair_tiny_s"] / pair
+        # never below a bare RPC's half round trip (the difference of two noisy figures can be)
+        rpc_overhead = max(calib["rpc_small_s"] / 2, (tiny - tiny_host) / 2)
+        costs = costs.with_(
+            rpc_overhead_s=rpc_overhead,
+            rpc_intra=Link(0.0, rpc_bandwidth),
+            rpc_inter=Link(0.0, rpc_bandwidth),
+            rpc_exchange_s=calib.get("rpc_exchange_s"),
+            rpc_gather_s=calib.get("rpc_gather_s"),
+            ps_protocol_s=max(0.0, tiny - tiny_host - calib.get("rpc_exchange_tiny_s", 0.0)),
+            **host,
+        )
     if probe is None:
         return costs
     cores_now = effective_cores(world, probe["alone_s"], probe["all_s"])

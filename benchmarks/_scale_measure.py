@@ -1,10 +1,15 @@
-"""The measurements of ``benchmarks/scale.py``, run in P fork-started gloo + RPC processes (or under torchrun).
+"""The measurements of ``benchmarks/scale.py``, run in P fork-started gloo processes (or under torchrun).
 
-One call of :func:`world_worker` is one world: it sets up the process group's extra groups, RPC
-and the pipeline, then runs ``reps`` repetitions; each repetition runs, in a rotated order, the
-calibration (:func:`calibrate`: the micro-benchmarks the model's constants come from) and one timed
-run of every strategy (:func:`run_strategy`). Rank 0 returns a list of repetitions, each a dict of
-calibration figures and strategy step times (seconds) and bytes.
+One call of :func:`world_worker` is one world of one *kind*: ``"coll"`` (ddp, ring, ring_hier,
+pipeline: a process group only, as those strategies run) or ``"rpc"`` (ps, ps_1, async: the
+process group and TensorPipe RPC, as those strategies run). The kinds are separate worlds because
+an RPC agent is not idle when idle: its shared-memory reactor thread (``TP_SHM_reactor``) polls,
+20-55% of a core per process measured on this 2-vCPU machine, which the collectives and the
+pipeline never pay. A world sets up its groups (and RPC, and the pipeline), then runs ``reps``
+repetitions; each repetition runs, in a rotated order, the calibration (:func:`calibrate`: the
+micro-benchmarks the model's constants come from, none of them a strategy's step) and one timed
+run of every strategy of its kind (:func:`run_strategy`). Rank 0 returns a list of repetitions,
+each a dict of calibration figures and strategy step times (seconds), bytes and load averages.
 
 The strategies are the comm layer of the package, driven directly with a compute stand-in:
 
@@ -25,6 +30,8 @@ on 2 cores contend for them as training processes would, and fixed work, not a f
 from __future__ import annotations
 
 import datetime
+import itertools
+import os
 import statistics
 import time
 import warnings
@@ -38,11 +45,12 @@ from torch import Tensor
 
 from benchmarks._pipeline_models import loss as pipeline_loss
 from benchmarks._pipeline_models import real_balanced
+from benchmarks._scale_costs import CALIB_BIG, CALIB_SMALL
 from benchmarks._scale_model import ddp_buckets
 from lightning_strategies.comm.async_ps import AsyncParameterServerClient, AsyncParameterShard
 from lightning_strategies.comm.coordinator import AsyncCoordinator, DataPlan
 from lightning_strategies.comm.lease import BatchLease
-from lightning_strategies.comm.pipeline import PipelineRuntime, profile_blocks
+from lightning_strategies.comm.pipeline import PipelineRuntime
 from lightning_strategies.comm.ps import (
     OptimizerSpec,
     ParameterServerClient,
@@ -63,6 +71,7 @@ from lightning_strategies.comm.rpc import (
     shutdown_rpc,
     unregister_coordinator,
     unregister_shard,
+    worker_name,
 )
 
 __all__ = ["SYNC", "compute_standin", "standin_iters", "world_worker"]
@@ -70,6 +79,7 @@ __all__ = ["SYNC", "compute_standin", "standin_iters", "world_worker"]
 SYNC = ("ddp", "ring", "ring_hier", "ps", "ps_1", "pipeline")
 _TIMEOUT = datetime.timedelta(seconds=180)
 _LR = [0.01]
+_keys = itertools.count()  # store keys of this process's calibration rounds (every rank counts alike)
 
 
 def compute_standin(iters: int, x: Tensor, w: Tensor) -> Tensor:
@@ -165,6 +175,7 @@ class World:
 
     def __init__(self, rank: int, world: int, cfg: dict[str, Any]) -> None:
         self.rank, self.world, self.cfg = rank, world, cfg
+        self.rpc = bool(cfg.get("rpc"))
         self.sizes: list[int] = list(cfg["sizes"])
         self.n = sum(self.sizes)
         self.flat = torch.full((self.n,), 1e-3 * (rank + 1))
@@ -187,7 +198,7 @@ class World:
         local = int(cfg.get("local_size") or world)
         self.layout = NodeLayout.contiguous(world // local, local) if local < world else None
         self.hier_groups = new_hierarchical_groups(self.layout, backend="gloo") if self.layout else None
-        self.pipe = cfg.get("pipeline")
+        self.pipe = None if self.rpc else cfg.get("pipeline")
         if self.pipe is not None:
             dim, per_stage = self.pipe["dim"], self.pipe["blocks_per_stage"]
             self.blocks = real_balanced(dim, per_stage * world)
@@ -324,15 +335,134 @@ def _ps_pair(w: World, params: Sequence[Tensor], num_servers: int, reps: int) ->
     return seconds
 
 
+def _wake(w: World, busy: int, trials: int, nbytes: int) -> float:
+    """Mean latency of a pipeline hop while ``busy`` processes other than the receiver compute.
+
+    A hop as ``torch.distributed.pipelining`` makes it: the sender posts an ``isend`` of
+    ``nbytes`` (a micro-batch's activation) and, from ``busy = 1`` on, goes straight on computing
+    (a stage's next chunk; ranks 2 .. spin the stand-in for ``busy > 1``) before it waits for the
+    send; the receiver posts its ``recv`` before the send in half the trials and 1.5 ms after it
+    in the other half (a stage still busy with its previous chunk). The latency is from the later
+    of the two posts to the receive's end: gloo moves a message whose receive is posted late only
+    when the sender's side runs, which on a busy machine waits for a core. The mean, not the
+    median: a pipeline's step is a sum of such waits, and their tail is most of it.
+    """
+    spinners = min(max(busy - 1, 0), w.world - 2)
+    key = f"wake{next(_keys)}"
+    store = dist.distributed_c10d._get_default_store()
+    msg = torch.zeros(max(1, nbytes // 8), dtype=torch.float64)  # the sender's clock in msg[0]
+    ack = torch.zeros(1)
+    lat: list[float] = []
+    dist.barrier()
+    if 2 <= w.rank < 2 + spinners:
+        while not store.check([key]):
+            compute_standin(2, w.x, w.w)
+    elif w.rank == 0:
+        for _ in range(trials):
+            time.sleep(1e-3)  # an early receiver is asleep in recv by now
+            msg[0] = time.perf_counter()
+            sent = dist.isend(msg, 1, group=w.pair)
+            assert sent is not None  # this rank is in the pair
+            if busy >= 1:
+                compute_standin(4, w.x, w.w)
+            sent.wait()
+            dist.recv(ack, 1, group=w.pair)
+        store.set(key, "1")
+    elif w.rank == 1:
+        for i in range(trials):
+            if i % 2:
+                time.sleep(1.5e-3)
+            posted = time.perf_counter()
+            dist.recv(msg, 0, group=w.pair)
+            lat.append(time.perf_counter() - max(posted, float(msg[0])))
+            dist.send(ack, 0, group=w.pair)
+    dist.barrier()
+    return _max_over_ranks(statistics.fmean(lat) if lat else 0.0)
+
+
+def _stage_forward_backward(w: World, reps: int) -> tuple[float, float]:
+    """Seconds of one stage's forward and of its backward on one micro-batch, rank 0 alone."""
+    assert w.pipe is not None
+    sample = w.px[: w.pipe["rows"]]
+    fwd: list[float] = []
+    bwd: list[float] = []
+
+    def once() -> None:
+        x = sample.detach().requires_grad_(True)
+        t0 = time.perf_counter()
+        out = w.stage_blocks(x)
+        t1 = time.perf_counter()
+        out.backward(torch.ones_like(out))
+        fwd.append(t1 - t0)
+        bwd.append(time.perf_counter() - t1)
+
+    if w.rank == 0:
+        once()  # allocators warm
+        fwd.clear()
+        bwd.clear()
+    _alone(once, reps)
+    for p in w.stage_blocks.parameters():
+        p.grad = None
+    return (
+        _max_over_ranks(statistics.median(fwd) if fwd else 0.0),
+        _max_over_ranks(statistics.median(bwd) if bwd else 0.0),
+    )
+
+
+def _rpc_exchange(w: World, nbytes: int, reps: int, ranks: Sequence[int] | None = None) -> float:
+    """Every rank of ``ranks`` (default all) echoes ``nbytes`` off every other one of them at once
+    and waits for all replies: the transport of a ps step (a push of D/P to every peer, a reply
+    of as much from each), with its message sizes, its peers and its RPC threads, without the
+    protocol (no barrier, no packing, no optimizer). Median seconds of the slowest rank."""
+    members = list(range(w.world)) if ranks is None else list(ranks)
+    payload = torch.ones(max(1, nbytes // 4))
+
+    def call() -> None:
+        futures = [rpc.rpc_async(worker_name(r), _echo, args=(payload,)) for r in members if r != w.rank]
+        for f in futures:
+            f.wait()
+
+    if w.rank in members:
+        call()  # the pipes exist and the sizes were seen before the timing
+    return _alone(call, reps, ranks=members)
+
+
+def _rpc_gather(w: World, nbytes: int, reps: int) -> float:
+    """Ranks 1 .. P-1 echo ``nbytes`` off rank 0 at once: one server's transport (ps_1), P-1
+    pushes of D in and P-1 replies of D out through one process."""
+    payload = torch.ones(max(1, nbytes // 4))
+    workers = range(1, w.world)
+
+    def call() -> None:
+        rpc.rpc_sync(worker_name(0), _echo, args=(payload,))
+
+    if w.rank in workers:
+        call()
+    return _alone(call, reps, ranks=workers)
+
+
 def calibrate(w: World) -> dict[str, float]:
-    """The constants of this repetition: compute alone and all at once, the links, the host work."""
+    """The constants of this repetition, by the world's kind: compute alone and all at once (both
+    kinds); the gloo links, the ring's and the pipeline's own costs, the pipeline's hops
+    (``coll``); RPC's transport at the runs' sizes and ps's host work (``rpc``)."""
     reps = w.cfg["calib_reps"]
     out: dict[str, float] = {}
     out["compute_s"] = _alone(w.compute, reps)
     out["compute_all_s"] = _together(w.compute, reps)
-    small, big = 4096, 4 * 1024 * 1024
-    out["exchange_small_s"] = _exchange(w, small, reps)
-    out["exchange_big_s"] = _exchange(w, big, reps)
+    a, b = torch.ones(CALIB_BIG // 4), torch.ones(CALIB_BIG // 4)
+    out["add_big_s"] = _alone(lambda: a.add_(b), reps)
+    if w.rpc:
+        out.update(_calibrate_rpc(w, reps))
+    else:
+        out.update(_calibrate_coll(w, reps))
+    # every rank returns the same figures (rank 0's were broadcast by the max-reductions above)
+    return {k: _max_over_ranks(v) for k, v in sorted(out.items())}
+
+
+def _calibrate_coll(w: World, reps: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    out["exchange_small_s"] = _exchange(w, CALIB_SMALL, reps)
+    out["exchange_big_s"] = _exchange(w, CALIB_BIG, reps)
     tiny = torch.zeros(1)
 
     def tiny_allreduce() -> None:
@@ -349,18 +479,11 @@ def calibrate(w: World) -> dict[str, float]:
     if w.rank < 2:
         tiny_ring()  # the pair's connections exist before the timing
     out["ring_tiny_s"] = _alone(tiny_ring, reps, ranks=(0, 1)) / 4
-    a, b = torch.ones(big // 4), torch.ones(big // 4)
-    out["add_big_s"] = _alone(lambda: a.add_(b), reps)
-    out["rpc_small_s"] = _rpc_round_trip(w, small, reps)
-    out["rpc_big_s"] = _rpc_round_trip(w, big, reps)
-    out.update(_ps_host(w, w.params, reps, ""))
-    out.update(_ps_host(w, w.tiny_params, reps, "_tiny"))
-    # the ps protocol's own cost per message: RPC, the barrier, the threads' hand-offs (tiny tensors)
-    out["ps_pair_tiny_s"] = _ps_pair(w, w.tiny_params, 2, reps)
     if w.pipe is not None:
-        sample = w.px[: w.pipe["rows"]]
-        stage = float(sum(profile_blocks(w.stage_blocks, sample, repeats=reps))) if w.rank == 0 else 0.0
-        out["stage_s"] = _max_over_ranks(stage)
+        activation = 4 * w.pipe["rows"] * w.pipe["dim"]
+        for busy in range(w.world):
+            out[f"wake_{busy}_s"] = _wake(w, busy, w.cfg["wake_trials"], activation)
+        out["stage_forward_s"], out["stage_backward_s"] = _stage_forward_backward(w, reps)
 
         def tiny_pipeline() -> None:
             assert w.tiny_runtime is not None
@@ -370,9 +493,38 @@ def calibrate(w: World) -> dict[str, float]:
 
         if w.rank < 2:
             tiny_pipeline()  # shapes inferred, buffers allocated
-        out["pipeline_tiny_s"] = _alone(tiny_pipeline, reps, ranks=(0, 1))
-    # every rank returns the same figures (rank 0's were broadcast by the max-reductions above)
-    return {k: _max_over_ranks(v) for k, v in sorted(out.items())}
+        cpu: list[float] = []
+
+        def tiny_pipeline_cpu() -> None:
+            # the main thread's CPU seconds: the runtime's work per step, whatever it waited for
+            t0 = time.thread_time()
+            tiny_pipeline()
+            cpu.append(time.thread_time() - t0)
+
+        out["pipeline_tiny_s"] = _alone(tiny_pipeline_cpu, reps, ranks=(0, 1))
+        # the pair's mean (each stage runs 2M chunks)
+        mine = statistics.median(cpu) if cpu else 0.0
+        total = torch.tensor([mine], dtype=torch.float64)
+        dist.all_reduce(total)
+        out["pipeline_tiny_cpu_s"] = float(total) / 2
+    return out
+
+
+def _calibrate_rpc(w: World, reps: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    out["rpc_small_s"] = _rpc_round_trip(w, CALIB_SMALL, reps)
+    out["rpc_big_s"] = _rpc_round_trip(w, CALIB_BIG, reps)
+    grad_bytes = 4 * w.n
+    # the transports of the runs, at their sizes: ps and async (D/P to every peer), ps_1 (D to rank 0)
+    out["rpc_exchange_s"] = _rpc_exchange(w, grad_bytes // w.world, reps)
+    out["rpc_gather_s"] = _rpc_gather(w, grad_bytes, reps)
+    # the tiny ps push_pull's transport (the pair, 16 elements per tensor), to take out of it
+    out["rpc_exchange_tiny_s"] = _rpc_exchange(w, 4 * 16 * len(w.sizes) // 2, reps, ranks=(0, 1))
+    out.update(_ps_host(w, w.params, reps, ""))
+    out.update(_ps_host(w, w.tiny_params, reps, "_tiny"))
+    # the ps protocol's own cost per message: RPC, the barrier, the threads' hand-offs (tiny tensors)
+    out["ps_pair_tiny_s"] = _ps_pair(w, w.tiny_params, 2, reps)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -438,12 +590,14 @@ def _ps_setup(w: World, num_servers: int) -> tuple[Callable[[], None], Callable[
     return step, finish
 
 
-def _async_step(w: World, window_s: float) -> tuple[float, float]:
-    """Seconds per worker step of async (mean over workers), timed over a window, and bytes sent.
+def _async_windows(w: World, window_s: float, windows: int, probe: Callable[[], dict[str, float]]) -> dict[str, Any]:
+    """Seconds per worker step of async (mean over workers) in each of ``windows`` windows, each
+    right after a probe of the machine, and the bytes a worker sends per step.
 
     As the ``async`` strategy of main runs it: batches from a local :class:`BatchLease` (refilled
     from the coordinator on rank 0 in the background, off the step's critical path), compute, a
     push with pull to every shard, the push noted in the lease (its acks ride on the next refill).
+    Workers are not in lockstep, so a window, not a step, is the unit of timing.
     """
     plan = partition_parameters(w.sizes, w.world)
     values = [slice_of(w.params[sl.tensor], sl) for sl in plan[w.rank]]
@@ -456,7 +610,7 @@ def _async_step(w: World, window_s: float) -> tuple[float, float]:
     dist.barrier()
     client = AsyncParameterServerClient(w.rank, w.params, plan, timeout=_TIMEOUT)
     lease = BatchLease(w.rank, coordinator_rank=0, rpc_timeout=_TIMEOUT.total_seconds() + 10)
-    data = DataPlan(num_samples=10_000, batch_size=1, shuffle=False)  # more than a window's batches
+    data = DataPlan(num_samples=100_000, batch_size=1, shuffle=False)  # more than the windows' batches
     grads = [p.grad for p in w.params]
 
     def step() -> None:
@@ -467,28 +621,36 @@ def _async_step(w: World, window_s: float) -> tuple[float, float]:
         lease.pushed(client.clock, [batch])
 
     step()
-    dist.barrier()
     own = 4 * sum(sl.numel for sl in plan[w.rank])
-    before = client.stats.bytes_sent + shard.stats.bytes_sent
-    done = 0
-    t0 = time.perf_counter()
-    while done == 0 or time.perf_counter() - t0 < window_s:
-        step()
-        done += 1
-    elapsed = time.perf_counter() - t0
-    dist.barrier()  # every push has been answered (and counted by its shard) before the counts are read
-    sent = client.stats.bytes_sent + shard.stats.bytes_sent - before
+    out: dict[str, Any] = {}
+    sent_total = steps_total = 0.0
+    for _ in range(windows):
+        dist.barrier()  # every push of the last window answered: the probe sees an idle world
+        for k, v in probe().items():
+            out.setdefault(k, []).append(v)
+        before = client.stats.bytes_sent + shard.stats.bytes_sent
+        done = 0
+        t0 = time.perf_counter()
+        while done == 0 or time.perf_counter() - t0 < window_s:
+            step()
+            done += 1
+        elapsed = time.perf_counter() - t0
+        dist.barrier()  # every push has been answered (and counted by its shard) before the counts are read
+        sent = client.stats.bytes_sent + shard.stats.bytes_sent - before
+        # a worker's push to its own shard and that shard's reply to it (own bytes each) never leave
+        # the process; summed over workers, remote bytes / steps is exact whatever each worker's pace
+        totals = torch.tensor([elapsed / done, sent - 2.0 * own * done, float(done)], dtype=torch.float64)
+        dist.all_reduce(totals)
+        out.setdefault("step_s", []).append(float(totals[0]) / w.world)
+        sent_total, steps_total = sent_total + float(totals[1]), steps_total + float(totals[2])
     time.sleep(0.05)  # refills in flight are answered
     dist.barrier()
     if coordinator is not None:
         unregister_coordinator()
     unregister_shard(w.rank)
     shard.close()
-    # a worker's push to its own shard and that shard's reply to it (own bytes each) never leave
-    # the process; summed over workers, remote bytes / steps is exact whatever each worker's pace
-    totals = torch.tensor([elapsed / done, sent - 2.0 * own * done, float(done)], dtype=torch.float64)
-    dist.all_reduce(totals)
-    return float(totals[0]) / w.world, float(totals[1] / totals[2])
+    out["sent_bytes"] = sent_total / steps_total
+    return out
 
 
 def _setup(w: World, name: str) -> tuple[Callable[[], None], Callable[[], dict]]:
@@ -529,15 +691,17 @@ def run_strategy(w: World, name: str) -> dict[str, Any]:
     The load of a shared machine changes within a second; a step and the probe just before it see
     about the same machine, so the model predicts each step from its own probe. Returns lists, one
     entry per step (``step_s`` and the probe's figures), and the bytes this rank sent per step.
-    ``async`` runs over a window after one probe: its workers are not in lockstep.
+    ``async`` runs over windows, each after its probe: its workers are not in lockstep. ``load``:
+    the machine's 1-minute load average as the run starts (other jobs included).
     """
+    load = {"load": _max_over_ranks(os.getloadavg()[0] if w.rank == 0 else 0.0)}
     if name == "async":
-        probe = _probe(w, w.cfg["probe_reps"])
-        seconds, sent = _async_step(w, w.cfg["async_window_s"])
-        return {**{k: [v] for k, v in probe.items()}, "step_s": [seconds], "sent_bytes": sent}
+        windows = max(1, w.cfg["steps"] // 2)
+        got = _async_windows(w, w.cfg["async_window_s"], windows, lambda: _probe(w, w.cfg["probe_reps"]))
+        return {**got, **load}
     step, finish = _setup(w, name)
     step()  # warm-up: connections, buffers, the pipeline's shapes
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = dict(load)
     for _ in range(w.cfg["steps"]):
         for k, v in _probe(w, w.cfg["probe_reps"]).items():
             out.setdefault(k, []).append(v)
@@ -560,7 +724,8 @@ def world_worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, A
     # rpc.init_rpc's internal all_gather_object warns about a deprecated group type, not ours to fix
     warnings.filterwarnings("ignore", message="You are using a Backend")
     warnings.filterwarnings("ignore", message=".*torch.distributed.pipelining.*")
-    init_rpc(rank, world, f"tcp://127.0.0.1:{cfg['rpc_port']}", timeout=_TIMEOUT, num_threads=4)
+    if cfg.get("rpc"):
+        init_rpc(rank, world, f"tcp://127.0.0.1:{cfg['rpc_port']}", timeout=_TIMEOUT, num_threads=4)
     failed = True
     try:
         w = World(rank, world, cfg)
@@ -578,6 +743,5 @@ def world_worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, A
         failed = False
         return out
     finally:
-        shutdown_rpc(failed=failed, timeout=_TIMEOUT)
-
-
+        if cfg.get("rpc"):
+            shutdown_rpc(failed=failed, timeout=_TIMEOUT)

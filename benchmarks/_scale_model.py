@@ -11,6 +11,12 @@ development machine, where P = 3 or 4 CPU processes (and other jobs) share the c
 which every process computes or copies bytes takes b / cores times longer than alone. On a GPU
 cluster every process has its own device and NIC queue: ``cores=None``, no contention.
 
+Where processes do not work in lockstep (the pipeline) a phase is not a slot of the whole world:
+:func:`pipeline_makespan` runs the schedule as a simulation instead, processes sharing ``cores``
+(processor sharing: n busy processes each progress at min(1, cores / n)), and a message to a
+process blocked in ``recv`` reaching it ``Costs.hop_s[b]`` later, b the processes busy when it is
+sent: on an oversubscribed machine a message waits for a core on either side (measured, not assumed).
+
 Notation: P processes, L per node (``Costs.local_size``), M = P / L nodes; D = gradient bytes
 (``Workload.grad_bytes``); buckets D_b (DDP's: 1 MiB first, then 25 MiB); a link moves a message of
 B bytes in ``latency + B / bandwidth``.
@@ -26,23 +32,30 @@ B bytes in ``latency + B / bandwidth``.
                2(L-1) + 2(M-1) instead of the flat ring's 2(P-1)
     ps         sharded servers, shard s on rank s: every worker sends each of the P-1 remote shards
                its D/P and each shard answers P-1 remote workers: 2(P-1)/P x D sent per rank, as the
-               ring, but 2(P-1) RPC messages per rank and per step
+               ring, but 2(P-1) RPC messages per rank and per step. Its transport is either the
+               links' formula or, measured (``Costs.rpc_exchange_s``), every rank echoing D/P off
+               every peer at once; the protocol on top (the barrier, the RPC threads' hand-offs)
+               costs ``ps_protocol_s`` per remote peer
     ps_1       one server (rank 0): it receives (P-1) x D and sends (P-1) x D, the seed's bottleneck,
-               growing linearly with P
+               growing linearly with P; measured transport ``Costs.rpc_gather_s`` (P-1 ranks echoing D
+               off rank 0 at once: the server's one process serialises them); its averaging of P
+               pushes and its update run on one core while the workers wait
     async      ps's messages without the barrier, each push applied alone on arrival; batches from a
                local lease of L (4) refilled by the coordinator (rank 0) when half is used: one
                refill round trip per L/2 steps, in the background (the ``async`` of main since its
                lease: nothing per step on rank 0's critical path; the coordinator serves (P-1)
                refill messages per round of steps)
-    pipeline   K stages x R = P/K replicas, M micro-batches: (M+K-1) slots forward and backward in
-               which b_j = min(j+1, K, M, M+K-1-j) stages are busy, plus 2(K-1) activation transfers
-               on the critical path and, with R > 1, a ring all-reduce of D/K over the replicas
+    pipeline   K stages x R = P/K replicas, M micro-batches, GPipe: simulated (:func:`pipeline_makespan`):
+               each stage forwards its M micro-batches, then runs their backward, a chunk starting
+               when its input has arrived and a core is free; with one core per process and no
+               wake-ups it is (M+K-1) chunks forward and backward plus 2(K-1) transfers on the
+               critical path. With R > 1, a ring all-reduce of D/K over the replicas
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 __all__ = [
@@ -55,6 +68,7 @@ __all__ = [
     "contention",
     "ddp_buckets",
     "pipeline_busy",
+    "pipeline_makespan",
     "predict",
 ]
 
@@ -91,7 +105,8 @@ class Costs:
             modelled as one message per step: ``math.inf``).
         ring_segment_bytes: segment of ``comm.ring`` (4 MiB on gloo; one message per step on NCCL).
         reduce_s_per_byte: adding a received chunk into the local one, per byte.
-        rpc_overhead_s: host work of one RPC message (TensorPipe, the Python handler), per message.
+        rpc_overhead_s: host work of one RPC message (TensorPipe, the Python handler), per message
+            (the formula path: the cluster's projection).
         rpc_intra: an RPC payload's wire inside a node (latency: the wire's alone).
         rpc_inter: the same between nodes.
         ps_client_s_per_byte: a ps worker packing its gradients and copying the pulled values back,
@@ -100,7 +115,16 @@ class Costs:
         ps_update_s_per_byte: a shard's optimizer step and reply packing, per byte it holds.
         ps_client_s_per_tensor, ps_average_s_per_tensor, ps_update_s_per_tensor: the same per
             tensor (the Python loops over the model's tensors, whatever their size).
+        rpc_exchange_s: measured transport of a ps / async step: every rank echoes D/P off every other
+            rank at once (push and reply, P-1 peers each); ``None``: the links' formula.
+        rpc_gather_s: measured transport of a ps_1 step: P-1 ranks echo D off rank 0 at once;
+            ``None``: the formula.
+        ps_protocol_s: what ps's protocol adds per remote peer and step on top of its transport and
+            host work (the barrier's future, the RPC threads' hand-offs); with a measured transport.
         chunk_overhead_s: the pipeline runtime's host work per micro-batch chunk (forward or backward).
+        hop_s: latency of a pipeline hop (an activation's ``isend`` to the next stage) when b = 0, 1, ...
+            processes other than the receiver are busy (the last entry for more), measured at the
+            run's activation size; ``()``: the link's latency and bandwidth.
         cores: cores the processes effectively share (contention); ``None``: one device each.
         bucket_bytes: DDP's bucket cap (``bucket_cap_mb``, 25 MiB).
         first_bucket_bytes: DDP's first, smaller bucket (1 MiB).
@@ -129,7 +153,11 @@ class Costs:
     ps_client_s_per_tensor: float = 0.0
     ps_average_s_per_tensor: float = 0.0
     ps_update_s_per_tensor: float = 0.0
+    rpc_exchange_s: float | None = None
+    rpc_gather_s: float | None = None
+    ps_protocol_s: float = 0.0
     chunk_overhead_s: float = 0.0
+    hop_s: tuple[float, ...] = ()
     cores: float | None = None
     bucket_bytes: float = 25 * MIB
     first_bucket_bytes: float = MIB
@@ -144,6 +172,13 @@ class Costs:
 
     def with_(self, **changes: object) -> Costs:
         return replace(self, **changes)  # type: ignore[arg-type]
+
+    def hop(self, busy: int, link: Link, nbytes: float = 0.0) -> float:
+        """A message of ``nbytes`` to a waiting process while ``busy`` others compute: the measured
+        hop of that busy count (at the run's message size: its bytes included), else the link's."""
+        if self.hop_s:
+            return self.hop_s[min(busy, len(self.hop_s) - 1)]
+        return link.latency_s + nbytes / link.bandwidth
 
 
 @dataclass(frozen=True)
@@ -160,6 +195,8 @@ class Workload:
         stage_compute_s: forward + backward of one stage on one micro-batch; ``None``: the
             worker's ``compute_s / microbatches`` (each stage does 1/K of the model for K times the
             batch, as much work per device as a data-parallel worker).
+        backward_share: the backward's share of ``stage_compute_s`` (2/3: a backward computes the
+            gradients of the inputs and of the weights, each a forward's work).
     """
 
     grad_bytes: float
@@ -168,6 +205,7 @@ class Workload:
     microbatches: int = 4
     activation_bytes: float = 0.0
     stage_compute_s: float | None = None
+    backward_share: float = 2 / 3
 
 
 @dataclass
@@ -218,6 +256,77 @@ def pipeline_busy(stages: int, microbatches: int) -> list[int]:
     """Stages busy in each of the M + K - 1 slots of a pipelined pass (fill, steady state, drain)."""
     k, m = stages, microbatches
     return [min(j + 1, k, m, m + k - 1 - j) for j in range(m + k - 1)]
+
+
+def pipeline_makespan(
+    stages: int,
+    microbatches: int,
+    forward_s: float,
+    backward_s: float,
+    *,
+    hop: Callable[[int], float] = lambda busy: 0.0,
+    cores: float | None = None,
+    replicas: int = 1,
+) -> float:
+    """Seconds of one GPipe step of ``replicas`` pipelines of ``stages`` processes sharing ``cores``.
+
+    Each stage runs its M forward chunks, then its M backward chunks (micro-batch order, as
+    ``torch.distributed.pipelining``'s ScheduleGPipe); stage s's forward of micro-batch m needs
+    stage s-1's, its backward stage s+1's (the last stage's, its own forward, done by then). A
+    chunk is ``forward_s`` or ``backward_s`` of work for one core; while n processes are busy each
+    progresses at min(1, cores / n) (``cores=None``: 1, a device each). A chunk's output reaches
+    the next stage ``hop(b)`` after it ends, b the processes busy at that moment besides the
+    receiver (the sender included when it goes straight on to its next chunk).
+    """
+    k, m = stages, microbatches
+    order = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    # with a device each the replicas do not interact: one is enough
+    procs = [(r, s) for r in range(replicas if cores is not None else 1) for s in range(k)]
+    pos = dict.fromkeys(procs, 0)
+    left: dict[tuple[int, int], float] = {}  # busy processes: work left in their chunk
+    ready: dict[tuple[int, str, int, int], float] = {}  # (replica, kind, stage, micro-batch): input arrives
+    idle = set(procs)
+
+    def needs(p: tuple[int, int]) -> tuple[int, str, int, int] | None:
+        (r, s), (kind, i) = p, order[pos[p]]
+        if kind == "F":
+            return (r, "F", s - 1, i) if s > 0 else None
+        return (r, "B", s + 1, i) if s < k - 1 else None
+
+    t = 0.0
+    while True:
+        for p in sorted(idle):
+            if pos[p] < len(order) and ((dep := needs(p)) is None or ready.get(dep, math.inf) <= t):
+                left[p] = forward_s if order[pos[p]][0] == "F" else backward_s
+                idle.discard(p)
+        if not left:
+            arrivals = [ready.get(d, math.inf) for p in idle if pos[p] < len(order) and (d := needs(p)) is not None]
+            if not arrivals:
+                return t
+            t = min(arrivals)  # nothing runs until the next input arrives
+            continue
+        rate = 1.0 if cores is None else min(1.0, cores / len(left))
+        done_in = min(left.values()) / rate
+        waiting = [ready[d] - t for p in idle if pos[p] < len(order) and (d := needs(p)) in ready and ready[d] > t]
+        dt = min([done_in, *waiting])
+        t += dt
+        finished = [p for p, w in left.items() if w - dt * rate <= 1e-12 * max(forward_s, backward_s, 1e-30)]
+        for p in left:
+            left[p] -= dt * rate
+        sent = []
+        for p in finished:
+            del left[p]
+            kind, i = order[pos[p]]
+            pos[p] += 1
+            idle.add(p)
+            r, s = p
+            if (kind == "F" and s < k - 1) or (kind == "B" and s > 0):
+                sent.append(((r, kind, s, i), (r, s + 1 if kind == "F" else s - 1)))
+        # the senders that go straight on count as busy for the messages they just sent
+        starting = [p for p in idle if pos[p] < len(order) and ((d := needs(p)) is None or ready.get(d, math.inf) <= t)]
+        for key, receiver in sent:
+            busy = sum(1 for p in (*left, *starting) if p != receiver)
+            ready[key] = t + hop(busy)
 
 
 def _segments(nbytes: float, segment: float) -> float:
@@ -346,10 +455,12 @@ def _ps(costs: Costs, world: int, work: Workload) -> Prediction:
     phases = {
         "compute": k * costs.compute_s,
         "host": k * (_client_host(costs, work) + _shard_host(costs, work, 1 / p, p, averaged=True)),
-        "messages": k * messages * costs.rpc_overhead_s,
-        "bandwidth": k * wire,
-        "latency": wire_latency,
     }
+    if costs.rpc_exchange_s is not None and p > 1:  # the transport as measured at these sizes and peers
+        phases["transport"] = costs.rpc_exchange_s
+        phases["protocol"] = (p - 1) * costs.ps_protocol_s
+    else:
+        phases.update(messages=k * messages * costs.rpc_overhead_s, bandwidth=k * wire, latency=wire_latency)
     sent = 2 * (p - 1) / p * d
     nic = 2 * local * off / p * d if nodes > 1 else 0.0
     link = max(2 * d / p, nic)  # one peer's pair of messages, or the node's NIC
@@ -371,10 +482,14 @@ def _ps_1(costs: Costs, world: int, work: Workload) -> Prediction:
     phases = {
         "compute": k * costs.compute_s,
         "host": k * _client_host(costs, work) + server * _shard_host(costs, work, 1.0, p, averaged=True),
-        "messages": server * 2 * (p - 1) * costs.rpc_overhead_s,
-        "bandwidth": server * wire,
-        "latency": wire_latency,
     }
+    if costs.rpc_gather_s is not None and p > 1:  # the server's transport as measured at these sizes
+        phases["transport"] = costs.rpc_gather_s
+        phases["protocol"] = (p - 1) * costs.ps_protocol_s
+    else:
+        phases.update(
+            messages=server * 2 * (p - 1) * costs.rpc_overhead_s, bandwidth=server * wire, latency=wire_latency
+        )
     sent = (p - 1) * d
     nic = off * d if nodes > 1 else 0.0
     return Prediction(sum(phases.values()), phases, sent, max(d if p > 1 else 0.0, nic), nic, 2 * (p - 1))
@@ -396,10 +511,18 @@ def _async(costs: Costs, world: int, work: Workload) -> Prediction:
     phases = {
         "compute": k * costs.compute_s,
         "host": k * (_client_host(costs, work) + _shard_host(costs, work, 1 / p, p, averaged=False)),
-        "messages": k * messages * costs.rpc_overhead_s,
-        "bandwidth": k * wire,
-        "latency": (2 * link.latency_s) if p > 1 else 0.0,  # the push and its reply
     }
+    if costs.rpc_exchange_s is not None and p > 1:
+        # a push to every shard and its reply, as ps's transport; no barrier, but the same RPC
+        # hand-offs per peer, and a refill round trip per L/2 steps
+        phases["transport"] = costs.rpc_exchange_s
+        phases["protocol"] = (p - 1 + refill / 2) * costs.ps_protocol_s
+    else:
+        phases.update(
+            messages=k * messages * costs.rpc_overhead_s,
+            bandwidth=k * wire,
+            latency=(2 * link.latency_s) if p > 1 else 0.0,  # the push and its reply
+        )
     step = sum(phases.values())
     bound = "worker"
     # rank 0's host also answers every other worker's refills (one lock, one GIL): once that and its
@@ -420,16 +543,21 @@ def _pipeline(costs: Costs, world: int, work: Workload) -> Prediction:
     replicas = world // stages
     m = work.microbatches
     chunk = work.stage_compute_s if work.stage_compute_s is not None else costs.compute_s / m
-    slots = pipeline_busy(stages, m)
-    # forward and backward passes have the same fill/drain shape; R replicas run side by side
-    compute = sum(contention(replicas * b, costs.cores) * chunk for b in slots)
-    overhead = sum(contention(replicas * b, costs.cores) * 2 * costs.chunk_overhead_s for b in slots)
-    hops = 2 * (stages - 1)
     link = costs.intra if stages <= costs.local_size else costs.inter
     # the runtime's per-chunk work (chunk_overhead_s) includes posting and waiting for its transfers;
-    # what remains on the critical path is the bytes of the 2(K-1) hops and their links' latency
-    transfer = hops * link.seconds(work.activation_bytes)
-    phases = {"compute": compute, "chunk_overhead": overhead, "transfer": transfer}
+    # what remains of a hop is its wake-up (hop_s) and its bytes
+    fwd = (1 - work.backward_share) * chunk + costs.chunk_overhead_s
+    bwd = work.backward_share * chunk + costs.chunk_overhead_s
+
+    def hop(busy: int) -> float:
+        return costs.hop(busy, link, work.activation_bytes)
+
+    span = pipeline_makespan(stages, m, fwd, bwd, hop=hop, cores=costs.cores, replicas=replicas)
+    alone = pipeline_makespan(stages, m, fwd, bwd, hop=lambda busy: 0.0, replicas=1)
+    bare = pipeline_makespan(stages, m, fwd - costs.chunk_overhead_s, bwd - costs.chunk_overhead_s, replicas=1)
+    # the span cut into parts: the schedule's critical path of compute, the runtime's work on it,
+    # and what the hops and the shared cores add
+    phases = {"compute": bare, "chunk_overhead": alone - bare, "transfer_and_contention": span - alone}
     if replicas > 1:  # each stage's gradient reduced over the replicas holding that stage
         sub = costs.with_(local_size=max(1, costs.local_size // stages))
         buckets = costs.buckets(work.grad_bytes / stages)

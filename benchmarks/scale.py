@@ -36,7 +36,7 @@ processes (and other jobs) share the cores, so the model has a contention term, 
    and scaling efficiency vs P), ``results/scale_traffic.png`` (one server's traffic vs P against
    sharded ps and the rings), ``results/scale_validation.png`` (predicted vs measured).
 
-    python benchmarks/scale.py            # P = 2, 3, 4 + torchrun 2x2, 5 rounds (~6-10 min on 2 cores)
+    python benchmarks/scale.py            # P = 2, 3, 4 + torchrun 2x2, 6 rounds (~4-10 min on 2 cores)
     python benchmarks/scale.py --quick    # P = 2, small N, 4 rounds, no torchrun (CI, < 60 s)
     python benchmarks/scale.py --nic-gbit-s 400 --gpus-per-node 4 --step-ms 60   # your cluster
 """
@@ -66,7 +66,9 @@ from benchmarks._scale_costs import (
     Cluster,
     cluster_costs,
     cluster_workload,
+    effective_cores,
     machine_costs,
+    slower,
 )
 from benchmarks._scale_measure import standin_iters, world_worker
 from benchmarks._scale_model import Costs, Link, Prediction, Workload, predict
@@ -74,6 +76,7 @@ from benchmarks._workers import reserved_port, run_workers
 from benchmarks.ps_traffic import resnet50_sizes
 
 GOAL = 0.15
+STRATEGIES_MEASURED = ("ddp", "ring", "ps", "ps_1", "async", "pipeline")
 FAST = Link(0.0, math.inf)
 PROJECTED = tuple(2**k for k in range(3, 11))  # 8 ... 1024
 PROJECTED_STRATEGIES = ("ddp", "ring", "ring_hier", "ps", "ps_1", "async", "pipeline")
@@ -85,7 +88,13 @@ RESULTS = Path(__file__).parent / "results"
 # --------------------------------------------------------------------------------------------
 
 
-def world_config(args: argparse.Namespace, sizes: Sequence[int], iters: int, strategies: Sequence[str]) -> dict:
+#: the strategies of each world kind (``_scale_measure``): without RPC, as the collectives and the
+#: pipeline run; with it, as ps, ps_1 and async do
+KINDS = {"coll": ("ddp", "ring", "pipeline"), "rpc": ("ps", "ps_1", "async")}
+KIND_OF = {s: kind for kind, names in KINDS.items() for s in names} | {"ring_hier": "coll"}
+
+
+def world_config(args: argparse.Namespace, sizes: Sequence[int], iters: int) -> dict:
     return {
         "sizes": list(sizes),
         "iters": iters,
@@ -93,22 +102,36 @@ def world_config(args: argparse.Namespace, sizes: Sequence[int], iters: int, str
         "reps": args.reps,
         "calib_reps": args.calib_reps,
         "probe_reps": args.probe_reps,
+        "wake_trials": args.wake_trials,
         "async_window_s": args.async_window,
-        "strategies": list(strategies),
         "pipeline": {"dim": args.pipe_dim, "blocks_per_stage": 2, "rows": args.pipe_rows, "microbatches": 4},
     }
 
 
-def measure_worlds(cfg: dict, worlds: Sequence[int], rounds: int, timeout: float) -> dict[str, list[dict]]:
-    """Repetitions by world (``"P2"``, ...): ``rounds`` rounds, each running every world once, in a
-    rotated order, so that no P always runs at the same point of the machine's load."""
-    rows: dict[str, list[dict]] = {f"P{p}": [] for p in worlds}
+def measure_worlds(
+    cfg: dict, worlds: Sequence[int], rounds: int, timeout: float, between: Any = None
+) -> dict[str, list[dict]]:
+    """Repetitions by world (``"coll/P2"``, ``"rpc/P3"``, ...), each tagged with its round.
+
+    ``rounds`` rounds, each running every (P, kind) world once, P in a rotated order and the kinds
+    alternating, so that no world always runs at the same point of the machine's load; a round
+    is a separate process world, so two rounds are two independent measurements of every cell.
+    ``between(r)`` runs after round r (the torchrun worlds go there).
+    """
+    rows: dict[str, list[dict]] = {f"{kind}/P{p}": [] for kind in KINDS for p in worlds}
     for r in range(rounds):
-        for p in [*worlds[r % len(worlds) :], *worlds[: r % len(worlds)]]:
-            world_cfg = {**cfg, "rpc_port": reserved_port(), "offset": r}
-            got = run_workers(world_worker, p, world_cfg, timeout=timeout, pg_timeout_s=180)[0]
-            rows[f"P{p}"].extend(got)
-            print(f"# round {r + 1}/{rounds}: P={p} done, load {load_average()}", flush=True)
+        for i, p in enumerate([*worlds[r % len(worlds) :], *worlds[: r % len(worlds)]]):
+            kinds = list(KINDS) if (r + i) % 2 == 0 else list(KINDS)[::-1]
+            for kind in kinds:
+                world_cfg = {
+                    **cfg, "strategies": list(KINDS[kind]), "rpc": kind == "rpc", "rpc_port": reserved_port(),
+                    "offset": r,
+                }  # fmt: skip
+                got = run_workers(world_worker, p, world_cfg, timeout=timeout, pg_timeout_s=180)[0]
+                rows[f"{kind}/P{p}"].extend({**row, "round": r} for row in got)
+                print(f"# round {r + 1}/{rounds}: {kind} P={p} done, load {load_average()}", flush=True)
+        if between is not None:
+            between(r)
     return rows
 
 
@@ -150,81 +173,123 @@ def wire_bytes(sizes: Sequence[int], worlds: Sequence[int], cases: Sequence[str]
 # --------------------------------------------------------------------------------------------
 
 
-def calib_of(row: dict[str, float]) -> dict[str, float]:
+def calib_of(row: dict[str, Any]) -> dict[str, float]:
     return {k.removeprefix("calib/"): v for k, v in row.items() if k.startswith("calib/")}
 
 
 def machine_workload(calib: dict[str, float], world: int, sizes: Sequence[int], pipe: dict) -> Workload:
+    fwd, bwd = calib.get("stage_forward_s"), calib.get("stage_backward_s")
     return Workload(
         grad_bytes=4.0 * sum(sizes),
         tensors=len(sizes),
         stages=world,
         microbatches=pipe["microbatches"],
         activation_bytes=4.0 * pipe["rows"] * pipe["dim"],
-        stage_compute_s=calib.get("stage_s"),
+        stage_compute_s=None if fwd is None or bwd is None else fwd + bwd,
+        backward_share=2 / 3 if fwd is None or bwd is None else bwd / (fwd + bwd),
     )
 
 
-def quiet_calibration(rows_by_world: dict[str, list[dict]], *, latency_median: bool = True) -> dict[str, float]:
-    """The machine's calibration over all repetitions of all worlds (the figures are measured with one
-    or two processes busy and the others idle: they do not depend on P).
+def pooled_calibration(rows: Sequence[dict], *, latency_median: bool = True) -> dict[str, float]:
+    """One world's calibration over its repetitions (every round): the constants the model uses.
 
     Work figures: their minimum, the least disturbed value (other jobs only ever add time; the probe
     before each step says how much slower the machine is then, :func:`compare`). Latency figures
-    (``LATENCY_KEYS``): their median, the typical wake-up of the run (``latency_median=False``: their
-    minimum too, a host that no other job shares, for the projection).
+    (``LATENCY_KEYS``, each a mean over its trials within a repetition): their median over the
+    repetitions, the run's typical value (``latency_median=False``: their minimum too, a host that
+    no other job shares, for the projection). None of them is a strategy's step.
     """
-    calibs = [calib_of(row) for rows in rows_by_world.values() for row in rows]
+    calibs = [calib_of(row) for row in rows]
+    # the hops of a repetition at the machine's quietest speed (its own compute alone against the
+    # least disturbed one), as the probe scales them back per step (``slower``)
+    quietest = min((c["compute_s"] for c in calibs if "compute_s" in c), default=1.0)
+    calibs = [
+        {k: v * quietest / c["compute_s"] if k.startswith("wake_") and "compute_s" in c else v for k, v in c.items()}
+        for c in calibs
+    ]
     out = {}
-    for k in calibs[0]:
+    for k in dict.fromkeys(k for c in calibs for k in c):
         values = [c[k] for c in calibs if k in c]
         out[k] = float(statistics.median(values) if latency_median and k in LATENCY_KEYS else min(values))
     return out
 
 
+#: figures of a world without RPC that depend on its P (the rest are a pair's, or one rank's, while
+#: the other ranks idle in a barrier, which costs nothing without an RPC agent polling)
+P_DEPENDENT_COLL = frozenset({"compute_all_s"})
+
+
+def world_calibration(rows: dict[str, list[dict]], kind: str, world: int) -> dict[str, float]:
+    """The constants for the ``kind`` world of ``world`` processes.
+
+    With RPC every figure depends on P (each process's agent polls, idle or not: P pollers share
+    the cores with whatever is measured), so they come from that world's repetitions alone.
+    Without RPC a figure measured by one rank or a pair does not depend on the idle others, so it
+    is pooled over every such world (3x the repetitions against load bursts), and only
+    :data:`P_DEPENDENT_COLL` (and the wake-ups, keyed by their busy count) are the world's own.
+    """
+    own = pooled_calibration(rows[f"{kind}/P{world}"])
+    if kind == "rpc":
+        return own
+    shared = pooled_calibration([row for key, rows_ in rows.items() if key.startswith(f"{kind}/") for row in rows_])
+    return {**shared, **{k: v for k, v in own.items() if k in P_DEPENDENT_COLL}}
+
+
 def compare(
     rows: list[dict],
-    quiet: dict[str, float],
+    calib: dict[str, float],
     world: int,
     strategies: Sequence[str],
     sizes: Sequence[int],
     pipe: dict,
     local_size: int | None = None,
 ) -> tuple[dict[str, dict], list[Costs]]:
-    """Per strategy: measured and predicted medians, the median ratio, and each run's costs.
+    """Per strategy: measured and predicted medians, the median ratio, its halves, and each run's costs.
 
-    A step's prediction: the machine's constants (``quiet``) scaled to the machine of that moment by
-    the probe taken just before the step: the stand-in alone against its quiet value (the speed of
-    CPU work, which on loopback messages are too) and on all P at once against alone (the contention).
+    A step's prediction: the world's constants (``calib``, from its calibration runs) scaled to the
+    machine of that moment by the probe taken just before the step: the stand-in alone against its
+    quiet value (the speed of CPU work, which on loopback messages are too) and on all P at once
+    against alone (the contention). ``A`` and ``B``: the even and the odd rounds (or torchrun
+    invocations), separate process worlds at different times: two measurements of the same cell.
     """
     out = {}
     costs_all: list[Costs] = []
-    calib = {**quiet, "microbatches": float(pipe["microbatches"])}
+    calib = {**calib, "microbatches": float(pipe["microbatches"])}
     work = machine_workload(calib, world, sizes, pipe)
+    base = machine_costs(calib, world, local_size=local_size, tensors=work.tensors, grad_bytes=work.grad_bytes)
     for s in strategies:
-        measured, predicted, ratios = [], [], []
+        steps: list[tuple[float, float, int]] = []  # (measured, predicted, round)
         phases: dict[str, list[float]] = {}
+        loads: list[float] = []
         for row in rows:
             key = f"{s}/step_s"
             if key not in row:
                 continue
+            loads.append(row[f"{s}/load"])
             for i, seconds in enumerate(row[key]):  # every step beside the probe taken just before it
                 probe = {k: row[f"{s}/probe_{k}"][i] for k in ("alone_s", "all_s")}
-                costs = machine_costs(
-                    calib, world, probe=probe, local_size=local_size, tensors=work.tensors, grad_bytes=work.grad_bytes
+                costs = slower(base, probe["alone_s"] / base.compute_s).with_(
+                    cores=effective_cores(world, probe["alone_s"], probe["all_s"])
                 )
                 costs_all.append(costs)
                 pred = predict(s, costs, world, work)
-                measured.append(seconds)
-                predicted.append(pred.step_s)
-                ratios.append(pred.step_s / seconds)
+                steps.append((seconds, pred.step_s, int(row["round"])))
                 for k, v in pred.phases.items():
                     phases.setdefault(k, []).append(v)
-        if measured:
-            out[s] = {
-                "measured": median(measured), "predicted": median(predicted), "ratio": median(ratios),
-                "phases": {k: median(v) for k, v in phases.items()}, "ratios": ratios,
-            }  # fmt: skip
+        if not steps:
+            print(f"# {s} P={world}: no step measured (missing from every repetition)", flush=True)
+            continue
+        halves = {h: [x for x in steps if x[2] % 2 == h] for h in (0, 1)}
+        out[s] = {
+            "measured": median([m for m, _, _ in steps]),
+            "predicted": median([p for _, p, _ in steps]),
+            "ratio": median([p / m for m, p, _ in steps]),
+            "ratios": [p / m for m, p, _ in steps],
+            "halves": [(median([m for m, _, _ in h]), median([p / m for m, p, _ in h])) for h in halves.values() if h],
+            "phases": {k: median(v) for k, v in phases.items()},
+            "load": median(loads),
+            "rounds": len({r for _, _, r in steps}),
+        }
     return out, costs_all
 
 
@@ -234,11 +299,12 @@ def bytes_errors(
     """|model / measured - 1| of the bytes the busiest worker sends per step, as the strategies count them."""
     out = {}
     work = Workload(grad_bytes=4.0 * sum(sizes), tensors=len(sizes))
-    for row in rows[:1]:  # bytes do not depend on the load: one repetition says it
-        costs = Costs(compute_s=0.0, local_size=local_size or world, intra=FAST, inter=FAST)
-        for s in ("ring", "ring_hier", "ps", "ps_1", "async"):
-            pred = predict(s, costs, world, work) if f"{s}/sent_bytes" in row else None
-            for key, want in (("sent", pred.busiest_sent_bytes), ("inter_sent", pred.inter_sent_bytes)) if pred else ():
+    costs = Costs(compute_s=0.0, local_size=local_size or world, intra=FAST, inter=FAST)
+    for s in ("ring", "ring_hier", "ps", "ps_1", "async"):
+        # bytes do not depend on the load: one repetition says it
+        for row in [r for r in rows if f"{s}/sent_bytes" in r][:1]:
+            pred = predict(s, costs, world, work)
+            for key, want in (("sent", pred.busiest_sent_bytes), ("inter_sent", pred.inter_sent_bytes)):
                 if f"{s}/{key}_bytes" not in row:
                     continue
                 name = f"{s}_{tag}" if key == "sent" else f"{s}_inter_node_{tag}"
@@ -248,19 +314,29 @@ def bytes_errors(
     return out
 
 
-def print_calibration(costs: Costs, tag: str = "") -> None:
+def print_calibration(costs: Costs, tag: str = "", kinds: Sequence[str] = ("coll", "rpc")) -> None:
+    """The constants of ``costs``: the ones its world kinds measure (``coll``, ``rpc``)."""
     line(f"calib_compute_s{tag}", costs.compute_s, "s")
-    line(f"calib_effective_cores{tag}", costs.cores or 0.0, "cores")
-    line(f"calib_gloo_latency_us{tag}", 1e6 * costs.intra.latency_s, "us")
-    line(f"calib_gloo_bandwidth{tag}", costs.intra.bandwidth / 1e9, "GB/s")
-    line(f"calib_ring_overhead_us{tag}", 1e6 * costs.ring_overhead_s, "us")
+    line(f"calib_effective_cores_quiet{tag}", costs.cores or 0.0, "cores")
+    for b, seconds in enumerate(costs.hop_s):
+        line(f"calib_wake_us_busy{b}{tag}", 1e6 * seconds, "us")
     line(f"calib_reduce_ns_per_byte{tag}", 1e9 * costs.reduce_s_per_byte, "ns/B")
-    line(f"calib_rpc_overhead_us{tag}", 1e6 * costs.rpc_overhead_s, "us")
-    line(f"calib_rpc_bandwidth{tag}", costs.rpc_intra.bandwidth / 1e9, "GB/s")
-    for part in ("client", "average", "update"):
-        line(f"calib_ps_{part}_ns_per_byte{tag}", 1e9 * getattr(costs, f"ps_{part}_s_per_byte"), "ns/B")
-        line(f"calib_ps_{part}_us_per_tensor{tag}", 1e6 * getattr(costs, f"ps_{part}_s_per_tensor"), "us")
-    line(f"calib_pipeline_chunk_overhead_us{tag}", 1e6 * costs.chunk_overhead_s, "us")
+    if "coll" in kinds:
+        line(f"calib_gloo_latency_us{tag}", 1e6 * costs.intra.latency_s, "us")
+        line(f"calib_gloo_bandwidth{tag}", costs.intra.bandwidth / 1e9, "GB/s")
+        line(f"calib_ring_overhead_us{tag}", 1e6 * costs.ring_overhead_s, "us")
+        line(f"calib_pipeline_chunk_overhead_us{tag}", 1e6 * costs.chunk_overhead_s, "us")
+    if "rpc" in kinds:
+        line(f"calib_rpc_overhead_us{tag}", 1e6 * costs.rpc_overhead_s, "us")
+        line(f"calib_rpc_bandwidth{tag}", costs.rpc_intra.bandwidth / 1e9, "GB/s")
+        if costs.rpc_exchange_s is not None:
+            line(f"calib_rpc_exchange_ms{tag}", 1e3 * costs.rpc_exchange_s, "ms")
+        if costs.rpc_gather_s is not None:
+            line(f"calib_rpc_gather_ms{tag}", 1e3 * costs.rpc_gather_s, "ms")
+        line(f"calib_ps_protocol_us_per_peer{tag}", 1e6 * costs.ps_protocol_s, "us")
+        for part in ("client", "average", "update"):
+            line(f"calib_ps_{part}_ns_per_byte{tag}", 1e9 * getattr(costs, f"ps_{part}_s_per_byte"), "ns/B")
+            line(f"calib_ps_{part}_us_per_tensor{tag}", 1e6 * getattr(costs, f"ps_{part}_s_per_tensor"), "us")
 
 
 # --------------------------------------------------------------------------------------------
@@ -435,14 +511,17 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="P = 2, small N, 4 rounds, no torchrun (CI)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4], help="validation world sizes P")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds; each runs every world once")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds; each runs every world once (even)")
     parser.add_argument("--reps", type=int, default=1, help="repetitions per world and round")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per strategy run (after 1 warm-up)")
     parser.add_argument("--calib-reps", type=int, default=5, help="repetitions of each micro-benchmark (median)")
     parser.add_argument("--probe-reps", type=int, default=1, help="stand-in runs of the probe before each step")
     parser.add_argument("--n-div", type=int, default=4, help="N = ResNet-50's 25.6M / this (tensor shapes scaled)")
     parser.add_argument("--compute-ms", type=float, default=40.0, help="the compute stand-in, alone, per step")
-    parser.add_argument("--async-window", type=float, default=1.0, help="seconds async is timed over")
+    parser.add_argument("--async-window", type=float, default=0.6, help="seconds of each async timing window")
+    parser.add_argument("--wake-trials", type=int, default=40, help="messages per wake-up calibration level")
+    parser.add_argument("--save-raw", type=Path, default=None, help="write every measured repetition (JSON) here")
+    parser.add_argument("--from-raw", type=Path, default=None, help="no measuring: the model on a --save-raw file")
     parser.add_argument("--pipe-dim", type=int, default=512, help="pipeline blocks' width (Linear + tanh)")
     parser.add_argument("--pipe-rows", type=int, default=64, help="pipeline micro-batch rows")
     parser.add_argument("--no-torchrun", action="store_true", help="skip the 2 nodes x 2 torchrun run")
@@ -457,14 +536,28 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         )
     args = parser.parse_args(argv)
     if args.quick:
-        args.worlds, args.rounds, args.steps, args.calib_reps, args.n_div = [2], 4, 3, 3, 64
+        args.worlds, args.rounds, args.steps, args.calib_reps, args.n_div = [2], 2, 3, 3, 64
+        args.wake_trials = 20
         args.compute_ms, args.async_window, args.pipe_dim, args.pipe_rows = 8.0, 0.3, 128, 16
         args.no_torchrun = not args.torchrun
     return args
 
 
-def report(tag: str, got: dict[str, dict], errors: dict[str, float], results: list) -> None:
-    """The lines of one validation world (``tag``: ``P2`` ... or ``2x2``)."""
+def report(
+    tag: str,
+    got: dict[str, dict],
+    errors: dict[str, float],
+    spreads: dict[str, float],
+    model_spreads: dict[str, float],
+    results: list,
+) -> None:
+    """The lines of one validation world (``tag``: ``P2`` ... or ``2x2``).
+
+    ``scale_measurement_spread_<s>_<tag>``: |A - B| / median of the cell's measured medians in the
+    even and the odd rounds, two independent measurements of the same step: how far a measured
+    median moves between runs on this machine, which no model of the step can follow.
+    ``scale_model_error_spread_``: the same for the model's error (|ratio A - ratio B|).
+    """
     for s, r in got.items():
         name = f"{s}_{tag}"
         line(f"scale_measured_step_s_{name}", r["measured"], "s")
@@ -472,14 +565,63 @@ def report(tag: str, got: dict[str, dict], errors: dict[str, float], results: li
         line(f"scale_predicted_over_measured_{name}", r["ratio"], "x")
         errors[name] = abs(r["ratio"] - 1)
         line(f"scale_model_error_{name}", errors[name], "fraction")
+        line(f"scale_load_{name}", r["load"], "load")
+        if len(r["halves"]) == 2:
+            (ma, ra), (mb, rb) = r["halves"]
+            spreads[name] = abs(ma - mb) / r["measured"]
+            model_spreads[name] = abs(ra - rb)
+            line(f"scale_measurement_spread_{name}", spreads[name], "fraction")
+            line(f"scale_model_error_spread_{name}", model_spreads[name], "fraction")
+        else:
+            print(f"# {name}: measured in one round only, no spread", flush=True)
         parts = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in r["phases"].items())
         q = statistics.quantiles(r["ratios"], n=4) if len(r["ratios"]) > 1 else [r["ratio"]] * 3
         print(
-            f"# {name}: predicted ms {parts}; predicted / measured over {len(r['ratios'])} steps: quartiles "
-            f"{q[0]:.2f} {q[1]:.2f} {q[2]:.2f}",
+            f"# {name}: predicted ms {parts}; predicted / measured over {len(r['ratios'])} steps in "
+            f"{r['rounds']} rounds: quartiles {q[0]:.2f} {q[1]:.2f} {q[2]:.2f}",
             flush=True,
         )
         results.append((s, tag, r))
+
+
+def validate(
+    rows: dict[str, list[dict]],
+    worlds: Sequence[int],
+    sizes: Sequence[int],
+    pipe: dict,
+    errors: dict[str, float],
+    spreads: dict[str, float],
+    model_spreads: dict[str, float],
+    results: list,
+    bytes_err: dict[str, float],
+) -> None:
+    """Model against measurement for every fork-started world: each kind's calibration predicts its
+    own strategies (the calibration figures and the validated steps are separate runs)."""
+    for world in worlds:
+        got: dict[str, dict] = {}
+        for kind, strategies in KINDS.items():
+            world_rows = rows[f"{kind}/P{world}"]
+            calib = world_calibration(rows, kind, world)
+            part, costs = compare(world_rows, calib, world, strategies, sizes, pipe)
+            got.update(part)
+            line(f"calib_effective_cores_{kind}_P{world}", statistics.median(c.cores or 0.0 for c in costs), "cores")
+            base = calib["compute_s"]
+            line(f"calib_machine_slowdown_{kind}_P{world}", statistics.median(c.compute_s / base for c in costs), "x")
+            work = Workload(grad_bytes=4.0 * sum(sizes), tensors=len(sizes))
+            print_calibration(
+                machine_costs(
+                    {**calib, "microbatches": float(pipe["microbatches"])}, world, tensors=work.tensors,
+                    grad_bytes=work.grad_bytes,
+                ),
+                f"_{kind}_P{world}", (kind,),
+            )  # fmt: skip
+        ordered = {s: got[s] for s in STRATEGIES_MEASURED if s in got}
+        report(f"P{world}", ordered, errors, spreads, model_spreads, results)
+        bytes_err.update(bytes_errors(rows[f"rpc/P{world}"] + rows[f"coll/P{world}"], world, sizes, f"P{world}"))
+
+
+def load_rows(path: Path) -> dict[str, Any]:
+    return dict(json.loads(path.read_text()))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -494,34 +636,55 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = [max(1, s // args.n_div) for s in resnet50_sizes()]
     n = sum(sizes)
     line("params_N", n, "floats")
-    iters = standin_iters(args.compute_ms / 1e3)
-    strategies = ["ddp", "ring", "ps", "ps_1", "async", "pipeline"]
-    cfg = world_config(args, sizes, iters, strategies)
-    print(f"# compute stand-in: {iters} matmuls of 256x256 (+tanh), ~{args.compute_ms:g} ms alone", flush=True)
-    rows = measure_worlds(cfg, args.worlds, args.rounds, args.timeout)
+    if args.from_raw is not None:  # the model again on stored measurements (no measuring)
+        raw = load_rows(args.from_raw)
+        cfg, rows, tr_rows = raw["cfg"], raw["rows"], raw["torchrun"]
+        print(f"# measurements from {args.from_raw} ({raw['header']})", flush=True)
+    else:
+        iters = standin_iters(args.compute_ms / 1e3)
+        cfg = world_config(args, sizes, iters)
+        print(f"# compute stand-in: {iters} matmuls of 256x256 (+tanh), ~{args.compute_ms:g} ms alone", flush=True)
+        tr_rows = []
+        tr_cfg = {**cfg, "strategies": ["ddp", "ring", "ring_hier"], "reps": max(1, args.rounds // 2)}
+
+        def torchrun_after(r: int) -> None:
+            # two invocations, after the middle round and after the last: the A and B of the 2 x 2 cells
+            if not args.no_torchrun and r in (args.rounds // 2 - 1, args.rounds - 1):
+                half = 1 if tr_rows else 0
+                got = measure_torchrun({**tr_cfg, "offset": r}, nodes=2, per_node=2, timeout=args.timeout)
+                tr_rows.extend({**row, "round": half} for row in got)
+                print(f"# torchrun 2x2 after round {r + 1} done, load {load_average()}", flush=True)
+
+        rows = measure_worlds(cfg, args.worlds, args.rounds, args.timeout, between=torchrun_after)
+        if args.save_raw is not None:
+            args.save_raw.write_text(json.dumps({"header": header("scale raw"), "cfg": cfg, "rows": rows,
+                                                 "torchrun": tr_rows}))  # fmt: skip
+            print(f"# raw measurements: {args.save_raw}", flush=True)
+    worlds = sorted({int(k.partition("/P")[2]) for k in rows})
     errors: dict[str, float] = {}
+    spreads: dict[str, float] = {}
+    model_spreads: dict[str, float] = {}  # |ratio A - ratio B|: how far the model's error moves between halves
     bytes_err: dict[str, float] = {}
     results: list[tuple[str, str, dict]] = []
-    quiet = quiet_calibration(rows)
-    calibrated = machine_costs(
-        {**quiet, "microbatches": float(cfg["pipeline"]["microbatches"])}, 2, tensors=len(sizes), grad_bytes=4.0 * n
+    pipe = cfg["pipeline"]
+    print(
+        "# calibration runs: each world's calib/ figures (micro-benchmarks: compute alone and all at once, "
+        "wake-ups, links, tiny protocol calls, transports at the runs' sizes, host work); validation runs: "
+        "the strategies' timed steps",
+        flush=True,
     )
-    for world in args.worlds:
-        got, costs = compare(rows[f"P{world}"], quiet, world, strategies, sizes, cfg["pipeline"])
-        line(f"calib_effective_cores_P{world}", statistics.median(c.cores or 0.0 for c in costs), "cores")
-        slowdown = statistics.median(c.compute_s / calibrated.compute_s for c in costs)
-        line(f"calib_machine_slowdown_P{world}", slowdown, "x")
-        report(f"P{world}", got, errors, results)
-        bytes_err.update(bytes_errors(rows[f"P{world}"], world, sizes, f"P{world}"))
-    print_calibration(calibrated)
-    if not args.no_torchrun:
+    validate(rows, worlds, sizes, pipe, errors, spreads, model_spreads, results, bytes_err)
+    every_row = [row for rows_ in rows.values() for row in rows_]
+    merged = pooled_calibration(every_row)
+    calibrated = machine_costs({**merged, "microbatches": float(pipe["microbatches"])}, 2, tensors=len(sizes),
+                               grad_bytes=4.0 * n)  # fmt: skip
+    if tr_rows:
         tr_strategies = ["ddp", "ring", "ring_hier"]
-        tr_cfg = {**cfg, "strategies": tr_strategies, "reps": args.rounds}
-        tr_rows = measure_torchrun(tr_cfg, nodes=2, per_node=2, timeout=args.timeout)
-        got, _ = compare(tr_rows, quiet, 4, tr_strategies, sizes, cfg["pipeline"], local_size=2)
-        report("2x2", got, errors, results)
+        tr_calib = pooled_calibration(tr_rows)
+        got, _ = compare(tr_rows, tr_calib, 4, tr_strategies, sizes, pipe, local_size=2)
+        report("2x2", got, errors, spreads, model_spreads, results)
         bytes_err.update(bytes_errors(tr_rows, 4, sizes, "2x2", local_size=2))
-    if not args.no_wire:
+    if not args.no_wire and args.from_raw is None:
         wire_worlds, cases = ((2,), ("ddp", "ring")) if args.quick else (tuple(args.worlds), ("ddp", "ring", "ps_1"))
         wire_sizes = [max(1, s // 4) for s in sizes]  # bytes scale with N: a quarter is as exact
         for (case, world), got_bytes in wire_bytes(wire_sizes, wire_worlds, cases).items():
@@ -531,19 +694,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             bytes_err[f"wire_{tag}"] = abs(got_bytes / want - 1)
             line(f"scale_wire_bytes_error_{tag}", bytes_err[f"wire_{tag}"], "fraction")
     line("scale_bytes_error_max", max(bytes_err.values()), "fraction")
+    for s in dict.fromkeys(s for s, _, _ in results):
+        cells = [k for k in errors if k.rpartition("_")[0] == s]
+        line(f"scale_model_error_max_{s}", max(errors[k] for k in cells), "fraction")
+        if any(k in spreads for k in cells):
+            line(f"scale_measurement_spread_max_{s}", max(spreads[k] for k in cells if k in spreads), "fraction")
     line("scale_model_error_max", max(errors.values()), "fraction")
     worst = max(errors, key=lambda k: errors[k])
     print(f"# goal: scale_model_error_max <= {GOAL}; worst: {worst}", flush=True)
+    if spreads:
+        line("scale_measurement_spread_max", max(spreads.values()), "fraction")
+        line("scale_model_error_spread_max", max(model_spreads.values()), "fraction")
+        widest = max(spreads, key=lambda k: spreads[k])
+        print(f"# the measurement's own run-to-run spread (even vs odd rounds), widest: {widest}", flush=True)
+        meets = [s for s in dict.fromkeys(s for s, _, _ in results)
+                 if all(errors[k] <= GOAL for k in errors if k.rpartition("_")[0] == s)]  # fmt: skip
+        print(f"# strategies within the goal at every P: {meets}", flush=True)
     cluster = Cluster(**{f.name: getattr(args, f.name) for f in fields(Cluster)})
     # the projection's host overheads: every figure's least disturbed value (a cluster's host is not
     # shared with other jobs)
-    unshared = machine_costs(
-        {**quiet_calibration(rows, latency_median=False), "microbatches": float(cfg["pipeline"]["microbatches"])},
-        2, tensors=len(sizes), grad_bytes=4.0 * n,
-    )  # fmt: skip
+    unshared_calib = pooled_calibration(every_row, latency_median=False)
+    unshared = machine_costs({**unshared_calib, "microbatches": float(pipe["microbatches"])}, 2, tensors=len(sizes),
+                             grad_bytes=4.0 * n)  # fmt: skip
     proj = project(cluster, unshared)
     print_projection(cluster, unshared, proj)
-    if not args.quick:
+    if not args.quick and args.from_raw is None:
         plot_projection(cluster, proj, RESULTS / "scale.png")
         plot_traffic(cluster, proj, RESULTS / "scale_traffic.png")
         plot_validation(results, RESULTS / "scale_validation.png")  # (--plot-from redraws them from the output)

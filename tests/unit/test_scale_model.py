@@ -18,10 +18,22 @@ from benchmarks._scale_costs import (
     cluster_costs,
     cluster_workload,
     effective_cores,
+    hop_table,
     machine_costs,
     slower,
+    solve_chunk_overhead,
 )
-from benchmarks._scale_model import MIB, Costs, Link, Workload, contention, ddp_buckets, pipeline_busy, predict
+from benchmarks._scale_model import (
+    MIB,
+    Costs,
+    Link,
+    Workload,
+    contention,
+    ddp_buckets,
+    pipeline_busy,
+    pipeline_makespan,
+    predict,
+)
 
 REL = 1e-12
 D = 64 * MIB  # gradient bytes of the tests' workload
@@ -202,12 +214,73 @@ def test_pipeline_step_is_m_plus_k_minus_1_chunks_and_2_k_minus_1_transfers() ->
     assert got.step_s == pytest.approx((8 + 4 - 1) * chunk + 2 * 3 * alpha, rel=REL)
 
 
-def test_pipeline_contention_counts_the_busy_stages_of_each_slot() -> None:
+def test_pipeline_on_shared_cores_is_its_work_over_the_cores_when_they_are_the_bottleneck() -> None:
     chunk = 0.01
-    work = Workload(grad_bytes=D, stages=4, microbatches=4, stage_compute_s=chunk)
-    got = predict("pipeline", costs(cores=2.0), 4, work)
-    # slots busy 1, 2, 3, 4, 3, 2, 1 on 2 cores: 1, 1, 1.5, 2, 1.5, 1, 1 chunks long
-    assert got.step_s == pytest.approx(9 * chunk, rel=REL)
+    work = Workload(grad_bytes=D, stages=2, microbatches=2, stage_compute_s=chunk, backward_share=0.5)
+    # one core for 2 stages: F(0,1) and F(1,0) share it from t = 1/2 chunk, and so do B(1,1) and
+    # B(0,0): the core never idles once both have work, so the span is all the work, 4 chunks
+    assert predict("pipeline", costs(cores=1.0), 2, work).step_s == pytest.approx(4 * chunk, rel=REL)
+    # two cores: no sharing, (M+K-1) chunks
+    assert predict("pipeline", costs(cores=2.0), 2, work).step_s == pytest.approx(3 * chunk, rel=REL)
+
+
+def test_pipeline_makespan_by_hand() -> None:
+    # K=2, M=2, chunks of 1 on one core: F(0,0) [0,1]; F(0,1) and F(1,0) at rate 1/2 [1,3]; F(1,1)
+    # [3,4]; B(1,0) [4,5]; B(1,1) and B(0,0) at rate 1/2 [5,7]; B(0,1) [7,8]
+    assert pipeline_makespan(2, 2, 1.0, 1.0, cores=1.0) == pytest.approx(8.0, rel=REL)
+    assert pipeline_makespan(2, 2, 1.0, 1.0, cores=2.0) == pytest.approx(6.0, rel=REL)
+    assert pipeline_makespan(4, 8, 1.0, 2.0) == pytest.approx((8 + 4 - 1) * 3.0, rel=REL)
+    assert pipeline_makespan(4, 8, 1.0, 2.0, hop=lambda busy: 0.1) == pytest.approx(33 + 2 * 3 * 0.1, rel=REL)
+    # replicas on a device each do not interact; on shared cores they do (twice the work on 2 cores)
+    assert pipeline_makespan(2, 2, 1.0, 1.0, replicas=2) == pytest.approx(6.0, rel=REL)
+    assert pipeline_makespan(2, 2, 1.0, 1.0, cores=2.0, replicas=2) == pytest.approx(8.0, rel=REL)
+
+
+def test_a_hop_waits_by_the_processes_busy_when_it_is_sent() -> None:
+    def hop(busy: int) -> float:
+        return 0.1 * (busy + 1)
+
+    # K=2, M=1: F(0,0) [0,1], stage 0 then waits (busy 0: +0.1); F(1,0) [1.1,2.1], B(1,0) [2.1,3.1];
+    # its gradient to the idle stage 0 (busy 0: +0.1); B(0,0) [3.2,4.2]
+    assert pipeline_makespan(2, 1, 1.0, 1.0, hop=hop) == pytest.approx(4.2, rel=REL)
+    # K=2, M=2, a device each: F(0,0) ends at 1 and stage 0 goes on to F(0,1) (busy 1: +0.2);
+    # F(1,0) [1.2,2.2]; F(0,1) ends at 2 while stage 1, the receiver, computes (busy 0: +0.1);
+    # F(1,1) [2.2,3.2], B(1,0) [3.2,4.2], sent while stage 1 goes on to B(1,1) (busy 1: +0.2);
+    # B(0,0) [4.4,5.4]; B(1,1) ends at 5.2 (receiver busy: +0.1); B(0,1) [5.4,6.4]
+    assert pipeline_makespan(2, 2, 1.0, 1.0, hop=hop) == pytest.approx(6.4, rel=REL)
+    c = costs(hop_s=(0.1, 0.2))
+    assert c.hop(0, FAST) == 0.1
+    assert c.hop(5, FAST) == 0.2  # the last entry for more busy processes
+    assert c.hop(0, Link(0.0, 1e6), nbytes=1e5) == 0.1  # measured at the run's size: its bytes are in it
+    assert costs().hop(0, Link(1e-3, 1e6), nbytes=1e5) == pytest.approx(1e-3 + 0.1, rel=REL)
+    assert costs().hop(2, Link(3e-6, math.inf)) == 3e-6  # no table: the link's
+    # a hop waits for a core behind the machine's other runnable work: slowed as the work is
+    assert slower(c, 2.0).hop_s == pytest.approx((0.2, 0.4), rel=REL)
+
+
+def test_chunk_overhead_is_the_pipeline_model_inverted_on_the_tiny_pipeline() -> None:
+    hops, cores = (1e-4, 4e-4), 1.5
+    o = 3e-4
+    tiny = pipeline_makespan(2, 4, o, o, hop=lambda b: hops[min(b, 1)], cores=cores)
+    assert solve_chunk_overhead(tiny, 4, hops, cores) == pytest.approx(o, rel=1e-9)  # bisection to 2^-60
+    assert solve_chunk_overhead(1e-5, 4, hops, cores) == 0.0  # the hops alone take longer: no work left
+
+
+# -- parameter servers with a measured transport ---------------------------------------------------
+
+
+def test_ps_with_a_measured_transport_adds_it_and_the_protocol_per_peer() -> None:
+    c = costs(compute_s=0.1, cores=2.0, rpc_exchange_s=0.02, rpc_gather_s=0.05, ps_protocol_s=1e-3)
+    # P = 4 on 2 cores: compute twice as long; the exchange as measured (its own contention in it)
+    assert predict("ps", c, 4, one_bucket()).step_s == pytest.approx(2 * 0.1 + 0.02 + 3 * 1e-3, rel=REL)
+    assert predict("ps_1", c, 4, one_bucket()).step_s == pytest.approx(2 * 0.1 + 0.05 + 3 * 1e-3, rel=REL)
+    # async: the same transport, its 3 peers' hand-offs and a refill (a round trip) every 2 steps
+    got = predict("async", c, 4, one_bucket())
+    assert got.step_s == pytest.approx(2 * 0.1 + 0.02 + (3 + 0.5) * 1e-3, rel=REL)
+    assert got.phases["transport"] == 0.02
+    # the formula path is untouched without a measured transport
+    assert "transport" not in predict("ps", c.with_(rpc_exchange_s=None), 4, one_bucket()).phases
+    assert slower(c, 2.0).rpc_exchange_s == pytest.approx(0.04)  # copies on loopback: CPU work
 
 
 # -- contention and calibration -----------------------------------------------------------------
@@ -250,6 +323,9 @@ def test_machine_costs_recover_the_links_from_the_calibration_figures() -> None:
         "ps_pair_tiny_s": tensors * (1e-6 + 3e-6 / 2 + 2e-6) + 2 * rpc_o,
         "pipeline_tiny_s": 2 * (4 + 1) * 1e-4,  # M + K - 1 slots each way, 100 us of runtime work each
         "microbatches": 4.0,
+        "rpc_exchange_s": 0.02,
+        "rpc_gather_s": 0.05,
+        "rpc_exchange_tiny_s": 50e-6,
     }
     got = machine_costs(calib, 2, tensors=tensors, grad_bytes=d)
     assert got.cores == 2.0
@@ -263,6 +339,21 @@ def test_machine_costs_recover_the_links_from_the_calibration_figures() -> None:
         assert getattr(got, f"ps_{part}_s_per_tensor") == pytest.approx(k * 1e-6)
         assert getattr(got, f"ps_{part}_s_per_byte") == pytest.approx(k * 1e-9)
     assert got.chunk_overhead_s == pytest.approx(1e-4)
+    assert got.rpc_exchange_s == 0.02
+    assert got.rpc_gather_s == 0.05
+    # the tiny push_pull less its host work (2 rpc_o of messages) and its transport
+    assert got.ps_protocol_s == pytest.approx(2 * rpc_o - 50e-6)
+    assert got.hop_s == ()  # no wake-up figures: the link's latency
+    with_wakes = machine_costs({**calib, "wake_0_s": 1e-4, "wake_1_s": 3e-4}, 2, tensors=tensors, grad_bytes=d)
+    assert with_wakes.hop_s == (1e-4, 3e-4)
+    assert hop_table({"wake_0_s": 1.0, "wake_1_s": 2.0, "wake_2_s": 3.0}, 2) == (1.0, 2.0)  # b < P only
+    # a world without RPC: the RPC constants keep their defaults (and the other way round)
+    coll = machine_costs(
+        {k: v for k, v in calib.items() if not k.startswith(("rpc_", "ps_"))}, 2, tensors=tensors, grad_bytes=d
+    )
+    assert coll.rpc_exchange_s is None and coll.ring_overhead_s == pytest.approx(40e-6)
+    rpc_only = {k: v for k, v in calib.items() if k not in ("exchange_big_s", "pipeline_tiny_s")}
+    assert machine_costs(rpc_only, 2, tensors=tensors, grad_bytes=d).chunk_overhead_s == 0.0
     # a probe taken when the machine runs 1.5x slower and P = 2 get one core between them
     probed = machine_costs(calib, 2, tensors=tensors, grad_bytes=d, probe={"alone_s": 0.06, "all_s": 0.12})
     assert probed.compute_s == pytest.approx(0.06)
@@ -274,6 +365,7 @@ def test_machine_costs_recover_the_links_from_the_calibration_figures() -> None:
     assert probed.rpc_overhead_s == pytest.approx(rpc_o)
     assert probed.ring_overhead_s == pytest.approx(40e-6)
     assert probed.chunk_overhead_s == pytest.approx(1e-4)
+    assert probed.rpc_exchange_s == pytest.approx(1.5 * 0.02)
     assert slower(got, 2.0).ps_update_s_per_byte == pytest.approx(6e-9)
 
 
@@ -314,3 +406,41 @@ def test_unknown_strategy_and_uneven_layouts_are_refused() -> None:
         predict("ring_hier", costs(local_size=4), 6, one_bucket())
     with pytest.raises(ValueError, match="multiple of K=4"):
         predict("pipeline", costs(), 6, Workload(grad_bytes=D, stages=4))
+
+
+def test_the_chunk_overhead_is_the_tiny_pipelines_cpu_time_per_chunk_when_measured() -> None:
+    from benchmarks._scale_costs import pipeline_chunk_overhead
+
+    # CPU seconds per stage of M = 4 micro-batches: 2M chunks
+    assert pipeline_chunk_overhead({"pipeline_tiny_cpu_s": 8e-4, "pipeline_tiny_s": 1.0}, 4, (), 2.0) == 1e-4
+    wall = pipeline_makespan(2, 4, 2e-4, 2e-4, cores=2.0)  # 10 chunks of 200 us, no hops
+    assert pipeline_chunk_overhead({"pipeline_tiny_s": wall}, 4, (), 2.0) == pytest.approx(2e-4, rel=1e-9)
+    assert pipeline_chunk_overhead({}, 4, (), 2.0) == 0.0
+
+
+def test_calibration_pools_pair_figures_over_worlds_without_rpc_and_not_with_it() -> None:
+    from benchmarks.scale import pooled_calibration, world_calibration
+
+    def row(world: int, compute_all: float, tiny: float, wake: float) -> dict[str, float]:
+        return {"calib/compute_all_s": compute_all, "calib/gloo_tiny_allreduce_s": tiny, "calib/wake_0_s": wake}
+
+    rows = {
+        "coll/P2": [row(2, 0.04, 1e-4, 1e-4), row(2, 0.05, 9e-4, 2e-4)],
+        "coll/P4": [row(4, 0.08, 2e-4, 3e-4), row(4, 0.09, 3e-4, 4e-4)],
+        "rpc/P4": [row(4, 0.10, 5e-4, 5e-4), row(4, 0.12, 7e-4, 7e-4)],
+    }
+    # work figures: the least disturbed (minimum); latencies (wake-ups, tiny calls): the median
+    assert pooled_calibration(rows["coll/P2"]) == {
+        "compute_all_s": 0.04, "gloo_tiny_allreduce_s": pytest.approx(5e-4), "wake_0_s": pytest.approx(1.5e-4),
+    }  # fmt: skip
+    assert pooled_calibration(rows["coll/P2"], latency_median=False)["wake_0_s"] == 1e-4
+    # a repetition's hops are taken at the quietest repetition's speed (its compute alone against
+    # the least disturbed), as the probe before each step scales them back
+    slow = [{**rows["coll/P2"][0], "calib/compute_s": 0.02}, {**rows["coll/P2"][1], "calib/compute_s": 0.04}]
+    assert pooled_calibration(slow)["wake_0_s"] == pytest.approx((1e-4 + 2e-4 / 2) / 2)
+    coll = world_calibration(rows, "coll", 4)
+    assert coll["compute_all_s"] == 0.08  # all P at once: the world's own
+    assert coll["gloo_tiny_allreduce_s"] == pytest.approx(2.5e-4)  # a pair's: median over both coll worlds
+    assert coll["wake_0_s"] == pytest.approx(2.5e-4)
+    rpc = world_calibration(rows, "rpc", 4)  # every figure the world's own: P pollers in each
+    assert rpc == pooled_calibration(rows["rpc/P4"])
