@@ -38,6 +38,7 @@ ratio of interleaved runs, not the milliseconds.
 
     python benchmarks/ps_traffic.py           # N = 25.6M, P = 2, 3, 4 (~1-2 min on 2 cores)
     python benchmarks/ps_traffic.py --quick   # N ~ 0.2M, P = 2, 3 rounds (seconds, for CI)
+    python benchmarks/ps_traffic.py --balance-only   # the partition's balance only (results/ps_partition.txt)
 """
 
 from __future__ import annotations
@@ -300,12 +301,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="interleaved ps/ddp rounds (default 7; quick 3)")
     parser.add_argument("--width", type=int, default=512, help="hidden width of the step-time MLP")
     parser.add_argument("--rpc-threads", type=int, default=4, help="ParameterServerStrategy(rpc_threads=...)")
+    parser.add_argument(
+        "--balance-only", action="store_true", help="only the partition's balance at 8, 64, 256 servers (arithmetic)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(header("ps_traffic"), flush=True)
     print(load_line("start"), flush=True)
     sizes = resnet50_sizes()
     balance(sizes)  # full-size shapes even in quick mode: arithmetic only
+    if args.balance_only:
+        return 0
     if args.quick:
         sizes = [max(1, s // 128) for s in sizes]
     series = traffic(sizes, (2,) if args.quick else (2, 3, 4), args.steps)
