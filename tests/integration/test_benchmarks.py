@@ -39,7 +39,11 @@ GOALS: dict[str, list[tuple[str, float, float]]] = {
     # (goal <= 0.55), 1.000 of its formula 2(N-1)/N x N/L x 4; a node's egress 2/3 (arithmetic).
     "allreduce.py": [
         (r"bytes_over_formula_P[24]_N.*", 1 - EXACT, 1 + EXACT),
-        (r"(ring|ring_bf16|ps|xfer|xfer_bf16|bf16_casts)_over_gloo_P2_N.*", 0.02, 30.0),
+        (r"(ring|ring_bf16|ps|xfer|xfer_bf16)_over_gloo_P2_N.*", 0.02, 30.0),
+        # the bf16 ring's dtype casts alone (memory work, no message: ~20-50 us at N=64K) over
+        # gloo's latency-bound exchange (0.3-3 ms with the load): 0.0179 in a CI run, so no lower
+        # bound beyond "measured" (positive); above 30 they would cost more than 30 exchanges
+        (r"bf16_casts_over_gloo_P2_N.*", 0.0, 30.0),
         (r"ring_hier_over_gloo_P4_N.*", 0.02, 30.0),
         (r"hier_inter_node_bytes_over_flat", 1 / 3 - EXACT, 1 / 3 + EXACT),
         (r"hier_inter_node_bytes_over_formula", 1 - EXACT, 1 + EXACT),
