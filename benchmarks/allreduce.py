@@ -70,14 +70,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import header, line, load_line, median
 from benchmarks._workers import run_workers
 from lightning_strategies.comm import ring_all_reduce
-from lightning_strategies.comm.ring import (
-    _SEGMENT_BYTES,
-    _WINDOW,
-    _WIRE_SEGMENT_BYTES,
-    NodeLayout,
-    hierarchical_all_reduce,
-    new_hierarchical_groups,
-)
+from lightning_strategies.comm.ring import NodeLayout, hierarchical_all_reduce, new_hierarchical_groups
+from lightning_strategies.comm.ring.transport import _SEGMENT_BYTES, _WINDOW, _WIRE_SEGMENT_BYTES
 
 METHODS = ("gloo", "ring", "ring_bf16", "ps", "xfer", "xfer_bf16", "bf16_casts")
 HIER_NODES, HIER_LOCAL = 2, 2  # the hierarchical ring runs where P = 4, as 2 nodes x 2

@@ -41,7 +41,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning_utils import TinyRegressor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-import lightning_strategies.comm.ring as ring_module
+import lightning_strategies.comm.ring.transport as ring_module
 import lightning_strategies.faults as faults
 from lightning_strategies import (
     AsyncParameterServerStrategy,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from dist_utils import run_workers
 
-import lightning_strategies.comm.ring as ring_module
+import lightning_strategies.comm.ring.transport as ring_module
 from lightning_strategies.comm import RingPeerError, ring_all_reduce
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_workers
 
-import lightning_strategies.comm.ring as ring_module
+import lightning_strategies.comm.ring.transport as ring_module
 from lightning_strategies.comm.ring import (
     NodeLayout,
     hierarchical_all_reduce,

@@ -17,7 +17,8 @@ from lightning.pytorch.strategies import DDPStrategy
 
 import lightning_strategies  # noqa: F401  (registers "ring")
 from lightning_strategies.comm import CommStats, RingBucketReducer, ring_all_reduce
-from lightning_strategies.comm.ring import _chunk_bounds, resolve_wire_dtype
+from lightning_strategies.comm.ring import resolve_wire_dtype
+from lightning_strategies.comm.ring.transport import _chunk_bounds
 from lightning_strategies.strategies.ring import RingAllReduceStrategy
 
 

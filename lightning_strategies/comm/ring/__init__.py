@@ -1,0 +1,33 @@
+"""Ring all-reduce over torch.distributed point-to-point messages, with byte accounting.
+
+One idea per module: :mod:`.layout` (which processes share a node, the hierarchical groups, the
+bucket size), :mod:`.check` (the cross-rank input check), :mod:`.allreduce` (the flat and the
+hierarchical ring), :mod:`.transport` (their steps on gloo and NCCL) and :mod:`.reducer` (the
+background thread a DDP communication hook hands its buckets to).
+"""
+
+from lightning_strategies.comm.ring.allreduce import hierarchical_all_reduce, ring_all_reduce
+from lightning_strategies.comm.ring.check import SUPPORTED_DTYPES, WIRE_DTYPES, resolve_wire_dtype
+from lightning_strategies.comm.ring.layout import (
+    MIN_CHUNK_BYTES,
+    NodeLayout,
+    new_hierarchical_groups,
+    ring_bucket_cap_mb,
+)
+from lightning_strategies.comm.ring.reducer import RingBucketReducer
+from lightning_strategies.comm.ring.transport import RingPeerError, release_workspace
+
+__all__ = [
+    "MIN_CHUNK_BYTES",
+    "SUPPORTED_DTYPES",
+    "WIRE_DTYPES",
+    "NodeLayout",
+    "RingBucketReducer",
+    "RingPeerError",
+    "hierarchical_all_reduce",
+    "new_hierarchical_groups",
+    "release_workspace",
+    "resolve_wire_dtype",
+    "ring_all_reduce",
+    "ring_bucket_cap_mb",
+]

@@ -1,0 +1,231 @@
+"""The reducer thread: ring all-reduce of DDP's buckets on a background thread, returning futures."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_strategies.comm.ring.allreduce import hierarchical_all_reduce, ring_all_reduce
+from lightning_strategies.comm.ring.check import _OPS, resolve_wire_dtype
+from lightning_strategies.comm.ring.layout import NodeLayout
+from lightning_strategies.comm.stats import CommStats
+
+__all__ = ["RingBucketReducer"]
+
+
+class RingBucketReducer:
+    """Reduce tensors with :func:`ring_all_reduce` (or :func:`hierarchical_all_reduce`) on one
+    background thread, returning futures.
+
+    A ``DistributedDataParallel`` communication hook must return a future without blocking
+    the backward pass, but gloo's point-to-point ``Work`` has no ``get_future()``. So the hook
+    only enqueues the bucket; this thread reduces buckets one at a time *in submission order*
+    (DDP submits them in bucket-index order on every rank, so all ranks meet in the same ring
+    call) and completes each future. The thread uses its own process group so its messages
+    never interleave with collectives the main thread runs on the default group.
+
+    After a failure every later future fails at once with the same error, instead of each
+    waiting out the process-group timeout on a ring that is already broken.
+
+    The thread holds only a weak reference to the reducer: a reducer dropped without
+    :meth:`close` (its strategy never torn down) stops its thread once collected, and one still
+    alive at interpreter exit is closed then, before the interpreter tears down the modules a
+    thread inside a gloo call would still use.
+
+    On CUDA the reducer runs on a stream of its own, which waits for an event recorded on the
+    submitting stream; the futures are CUDA-aware (``devices=``), so whoever waits on one has its
+    stream wait for the reduction, and nothing blocks the host. Each call is timed with a pair
+    of CUDA events, read (without waiting) by :meth:`pop_device_seconds`.
+
+    Args:
+        group: a process group used only by this reducer; with ``inter_group``, this process's
+            node (the intra-node group of :func:`new_hierarchical_groups`).
+        op: ``"sum"`` or ``"avg"`` (DDP expects averaged gradients: ``"avg"``).
+        wire_dtype: see :func:`ring_all_reduce`.
+        check_peers: see :func:`ring_all_reduce`; off by default because DDP already checks.
+        inter_group: this process's inter-node group: reduce hierarchically
+            (:func:`hierarchical_all_reduce`) instead of one flat ring over ``group``.
+        layout: for the flat ring, the world's :class:`NodeLayout`, to split the byte counts
+            by node (see :func:`ring_all_reduce`).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        *,
+        op: str = "avg",
+        wire_dtype: str | torch.dtype | None = None,
+        check_peers: bool = False,
+        inter_group: dist.ProcessGroup | None = None,
+        layout: NodeLayout | None = None,
+    ) -> None:
+        if op not in _OPS:
+            raise ValueError(f"Invalid op {op!r}: expected one of {list(_OPS)}.")
+        if inter_group is not None and layout is not None:
+            raise ValueError(
+                "RingBucketReducer: found both inter_group and layout: expected one (the hierarchical ring knows "
+                "its node split from its groups; layout is for the flat ring's byte accounting)."
+            )
+        self.group = group
+        self.inter_group = inter_group
+        self.layout = layout
+        self.op = op
+        self.wire_dtype = resolve_wire_dtype(wire_dtype)
+        self.check_peers = check_peers
+        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA calls not read yet
+        self._queue: queue.SimpleQueue[tuple[torch.Tensor, torch.futures.Future[Any], Any] | None]
+        self._queue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._stats = CommStats()
+        self._error: BaseException | None = None
+        self._stream: Any = None
+        self._thread = threading.Thread(
+            target=_serve_reducer, args=(weakref.ref(self), self._queue), name="ring-all-reduce", daemon=True
+        )
+        self._thread.start()
+        self._stopper = weakref.finalize(self, _stop_reducer_thread, self._queue, self._thread, _EXIT_JOIN_SECONDS)
+
+    def submit(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """Queue ``tensor`` for an in-place reduction; the future's value is ``tensor``."""
+        if not self._thread.is_alive():
+            raise RuntimeError("RingBucketReducer is closed; create a new one to reduce more tensors.")
+        event = None
+        if tensor.is_cuda:
+            # The bucket is written on the caller's stream; the reducer's stream waits for it,
+            # and the CUDA-aware future makes the consumer's stream wait for the reduction.
+            fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[tensor.device])
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(tensor.device))
+        else:
+            fut = torch.futures.Future()
+        self._queue.put((tensor, fut, event))
+        return fut
+
+    def pop_stats(self) -> CommStats:
+        """Everything counted since the last call (thread-safe), and reset the counters.
+
+        For CUDA tensors ``seconds`` stays 0: the host only enqueues the ring there, and its
+        device time is read by :meth:`pop_device_seconds`.
+        """
+        with self._lock:
+            return self._stats.reset()
+
+    def pop_device_seconds(self) -> tuple[float, int]:
+        """Device seconds and number of the CUDA calls completed since the last call, oldest first.
+
+        Only events the device has passed are read (``Event.query``, which does not wait), so
+        calls still running are counted by a later call; read it at logging steps, not every
+        step. ``(0.0, 0)`` on CPU.
+        """
+        seconds, done = 0.0, 0
+        with self._lock:
+            for start, end in self._timings:
+                if not end.query():  # the reducer's stream runs its calls in order: the rest are later
+                    break
+                seconds += start.elapsed_time(end) / 1000.0
+                done += 1
+            del self._timings[:done]
+        return seconds, done
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop the thread once queued work is done; return whether it stopped within ``timeout``.
+
+        A thread still blocked in a ring call (a peer hung) is left behind: it is a daemon, so it
+        cannot keep the process alive, and its group must not be destroyed under it.
+        """
+        self._stopper.detach()
+        return _stop_reducer_thread(self._queue, self._thread, timeout)
+
+    def _reduce(self, tensor: torch.Tensor, event: Any) -> CommStats:
+        def run() -> CommStats:
+            if self.inter_group is not None:
+                return hierarchical_all_reduce(
+                    tensor,
+                    self.group,
+                    self.inter_group,
+                    op=self.op,
+                    wire_dtype=self.wire_dtype,
+                    check_peers=self.check_peers,
+                )
+            return ring_all_reduce(
+                tensor,
+                self.group,
+                op=self.op,
+                wire_dtype=self.wire_dtype,
+                check_peers=self.check_peers,
+                layout=self.layout,
+            )
+
+        if event is None:
+            return run()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(tensor.device)
+        with torch.cuda.device(tensor.device), torch.cuda.stream(self._stream):
+            self._stream.wait_event(event)
+            # Recorded after the wait, so the pair times the ring itself, not the backward before it.
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(self._stream)
+            stats = run()
+            end.record(self._stream)
+        stats.seconds = 0.0  # host time to enqueue, not the ring's: the events measure that
+        with self._lock:
+            self._timings.append((start, end))
+        return stats
+
+    def _complete(self, fut: torch.futures.Future[Any], tensor: torch.Tensor, event: Any) -> None:
+        if event is None:
+            fut.set_result(tensor)
+            return
+        with torch.cuda.device(tensor.device), torch.cuda.stream(self._stream):
+            fut.set_result(tensor)  # records an event on the reducer stream for the consumer
+
+    def _serve(self, tensor: torch.Tensor, fut: torch.futures.Future[Any], event: Any) -> None:
+        """Reduce one queued tensor and complete its future (on the reducer thread)."""
+        if self._error is not None:
+            fut.set_exception(self._error)
+            return
+        try:
+            stats = self._reduce(tensor, event)
+        except BaseException as exc:
+            self._error = exc
+            fut.set_exception(exc)
+            return
+        with self._lock:
+            self._stats += stats
+        self._complete(fut, tensor, event)
+
+
+#: How long interpreter exit (or garbage collection) waits for a reducer's queued work.
+_EXIT_JOIN_SECONDS = 10.0
+
+
+def _serve_reducer(
+    reducer_ref: weakref.ReferenceType[RingBucketReducer],
+    work: queue.SimpleQueue[tuple[torch.Tensor, torch.futures.Future[Any], Any] | None],
+) -> None:
+    """The reducer thread: a weak reference only, so that a dropped reducer can be collected."""
+    while (item := work.get()) is not None:
+        reducer = reducer_ref()
+        if reducer is None:  # dropped with work queued: fail it rather than leave a waiter hanging
+            item[1].set_exception(RuntimeError("RingBucketReducer was dropped before reducing this tensor."))
+            continue
+        reducer._serve(*item)
+        del reducer  # no strong reference while waiting for the next item
+
+
+def _stop_reducer_thread(
+    work: queue.SimpleQueue[tuple[torch.Tensor, torch.futures.Future[Any], Any] | None],
+    thread: threading.Thread,
+    timeout: float,
+) -> bool:
+    """Let ``thread`` finish the queued work and stop; whether it stopped within ``timeout``."""
+    if thread.is_alive():
+        work.put(None)
+        if thread is not threading.current_thread():
+            thread.join(timeout)
+    return not thread.is_alive()
