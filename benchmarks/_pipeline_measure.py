@@ -1,7 +1,7 @@
 """The measurements of ``benchmarks/pipeline.py``, run in K fork-started gloo processes (and one Lightning comparison).
 
 - :func:`measure`: per worker, the runtime's steps with their timelines analysed
-  (:func:`~lightning_strategies.comm.pipeline.analyse`), the transport's floor, stage 0's peak
+  (:func:`~benchmarks._pipeline_timeline.analyse`), the transport's floor, stage 0's peak
   activations, the balance experiment, and the machine's context (one transfer's latency, how
   far two compute-bound processes run at once).
 - :func:`lightning_step_ratio`: step time of ``"pipeline"`` under Lightning against one process.
@@ -34,15 +34,8 @@ from benchmarks._pipeline_models import (
     sim_balanced,
     sim_unbalanced,
 )
-from lightning_strategies.comm.pipeline import (
-    Event,
-    PipelineRuntime,
-    analyse,
-    partition_blocks,
-    profile_blocks,
-    replay,
-    typical_durations,
-)
+from benchmarks._pipeline_timeline import analyse, replay, typical_durations
+from lightning_strategies.comm.pipeline import Event, PipelineRuntime, partition_blocks, profile_blocks
 from lightning_strategies.strategies.pipeline import PipelineStrategy
 
 __all__ = ["MICROBATCHES", "K", "lightning_step_ratio", "measure"]

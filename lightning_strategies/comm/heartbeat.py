@@ -22,10 +22,8 @@ The diagnosis runs only on failure and takes at most ``grace`` seconds, plus 4 p
 store is slow (about one ``interval`` when every peer is alive); each of its polls reads every
 peer's counter and mark in one store request (``multi_get``), so hundreds of survivors
 diagnosing at once cost the store one request each per poll, not one per peer. The heartbeat
-costs one small store request per rank per ``interval``. :func:`raise_peer_lost` turns the error
-of a failed step into :class:`PeerLostError` when a peer is gone, and
-:func:`annotate_peer_failure` adds the diagnosis to any other error as a note. The Lightning
-side (a strategy mixin and a callback) is :mod:`lightning_strategies.faults`.
+costs one small store request per rank per ``interval``. What a failure becomes with the
+diagnosis is :mod:`~lightning_strategies.comm.peer_lost`.
 
 **The watch** (:meth:`Heartbeat.watch`) is for the faults nothing else reports in time: a peer that
 froze (its sockets stay open, so gloo waits out the process-group timeout), and on NCCL a peer
@@ -36,9 +34,9 @@ at the timeout, naming nobody). While the job runs, each rank watches one peer, 
 (default :data:`DEFAULT_WATCH_GRACE`, far below the 30-minute default timeout and above any
 pause of a live process's heartbeat thread) or marked failed that long raises the alarm; every
 rank seeing it diagnoses as above and, when a peer is really gone, calls ``on_lost`` once:
-:func:`abort_communication`, which aborts the NCCL communicators (``ProcessGroup.abort()``: the
-blocked kernels and the ops after them fail) and, where gloo runs, shuts this process's TCP
-connections down (what the lost peer's death would have done to them, since gloo's ``abort()``
+:func:`~lightning_strategies.comm.abort.abort_communication`, which aborts the NCCL communicators
+(``ProcessGroup.abort()``: the blocked kernels and the ops after them fail) and, where gloo runs,
+shuts this process's TCP connections down (what the lost peer's death would have done to them, since gloo's ``abort()``
 does not unblock an operation), the store's excepted. The blocked operation then raises, and
 :func:`raise_peer_lost` turns that into :class:`PeerLostError` with the watch's diagnosis, or
 raises it at the end of a step that completed on aborted communicators.
@@ -47,19 +45,26 @@ raises it at the end of a step that completed on aborted communicators.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import os
-import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
+
+# Re-exported: the heartbeat's users import the diagnosis, its errors and the abort from here.
+from lightning_strategies.comm.abort import abort_communication, add_abort_hook
+from lightning_strategies.comm.peer_lost import (
+    PeerDiagnosis,
+    PeerLostError,
+    annotate_peer_failure,
+    failure_reason,
+    is_reported,
+    raise_peer_lost,
+)
 
 __all__ = [
     "DEFAULT_INTERVAL",
@@ -97,98 +102,6 @@ DEFAULT_WATCH_GRACE = 60.0
 
 _PREFIX = "lightning_strategies/peers"
 _FAILED, _FINISHED = 1, 2
-_REPORTED = "_lightning_strategies_peer_report"  # set on an exception once it has been diagnosed
-
-
-class PeerLostError(RuntimeError):
-    """A step failed because one or more peers are gone.
-
-    Raised by :func:`raise_peer_lost`, around the step hooks of this package's strategies (the
-    original error is its ``__cause__``). Its message is the diagnosis, e.g. ``"ring: lost peer rank 1 of 2: no
-    heartbeat for 2.5 s and no error reported ..."``.
-
-    Attributes:
-        ranks: the peers that are gone: lost without a word, stopped on an error of their own,
-            or already finished (:attr:`diagnosis` tells which is which), sorted.
-        strategy: the strategy's name (``"ring"``, ``"parameter_server"``, ``"ddp"``, ...).
-        diagnosis: the full diagnosis.
-    """
-
-    def __init__(self, message: str, *, ranks: tuple[int, ...], strategy: str, diagnosis: PeerDiagnosis) -> None:
-        super().__init__(message)
-        self.ranks = ranks
-        self.strategy = strategy
-        self.diagnosis = diagnosis
-
-
-@dataclass(frozen=True)
-class PeerDiagnosis:
-    """What a rank found out about its peers after a failure.
-
-    Attributes:
-        rank: the diagnosing rank.
-        world: the number of ranks.
-        lost: peers whose heartbeat stopped without a mark (killed, crashed hard, frozen).
-        failed: peers that reported an error of their own, with its first line.
-        finished: peers that had finished (left before this rank failed).
-        store_error: the error of the store when it could not be read, else ``None``.
-        store_host: ``"host:port"`` of the store (``""`` when it is not a TCP store).
-        store_rank: the rank hosting the store (``None`` when torchrun's agent hosts it).
-        waited: seconds the diagnosis watched the counters.
-    """
-
-    rank: int
-    world: int
-    lost: tuple[int, ...] = ()
-    failed: dict[int, str] = field(default_factory=dict)
-    finished: tuple[int, ...] = ()
-    store_error: str | None = None
-    store_host: str = ""
-    store_rank: int | None = 0
-    waited: float = 0.0
-
-    @property
-    def gone(self) -> tuple[int, ...]:
-        """Every peer known to be gone, the store's host rank included when the store is lost."""
-        ranks = set(self.lost) | set(self.failed) | set(self.finished)
-        if self.store_error is not None and self.store_rank is not None and self.store_rank != self.rank:
-            ranks.add(self.store_rank)
-        return tuple(sorted(ranks))
-
-    @property
-    def broken(self) -> bool:
-        """Whether the job cannot go on: a peer lost or failed, or the store gone (finished peers are not)."""
-        return bool(self.lost or self.failed or self.store_error is not None)
-
-    def describe(self, strategy: str) -> str | None:
-        """The diagnosis as lines starting with ``"<strategy>: "``, or ``None`` when every peer is alive."""
-        lines = []
-        if self.store_error is not None:
-            where = f"the store at {self.store_host}" if self.store_host else "the store"
-            if self.store_rank is not None and self.store_rank != self.rank:
-                lines.append(
-                    f"{strategy}: lost peer rank {self.store_rank} of {self.world}: it hosts {where}, which no longer "
-                    f"answers ({self.store_error}); rank {self.store_rank} died or its host is unreachable"
-                )
-            else:
-                host = "torchrun's agent on node 0" if self.store_rank is None else "this rank"
-                lines.append(
-                    f"{strategy}: {where} (hosted by {host}) no longer answers ({self.store_error}), so no peer "
-                    "could be named: the job's launcher or its node is gone"
-                )
-        if self.lost:
-            ranks = ", ".join(map(str, self.lost))
-            lines.append(
-                f"{strategy}: lost peer rank{'s' if len(self.lost) > 1 else ''} {ranks} of {self.world}: no heartbeat "
-                f"for {self.waited:.1f} s and no error reported, so it was killed (OOM killer, preemption, SIGKILL), "
-                f"crashed hard or froze; check its node and logs. The error above is how rank {self.rank} noticed"
-            )
-        for r, reason in sorted(self.failed.items()):
-            lines.append(f"{strategy}: peer rank {r} of {self.world} stopped on an error: {reason}")
-        if self.finished:
-            ranks = ", ".join(map(str, self.finished))
-            lines.append(f"{strategy}: peer rank(s) {ranks} of {self.world} had already finished and left")
-        return "\n".join(lines) if lines else None
 
 
 class Heartbeat:
@@ -557,228 +470,3 @@ def start_heartbeat(
         except Exception as err:
             log.warning(f"rank {rank}: no peer watch ({err}); a frozen peer is noticed at the process-group timeout")
     return beat
-
-
-# What abort_communication also runs: waits that are local, not on a connection (a parameter-server
-# shard's barrier waiting for a frozen worker's push), registered by the modules that own them.
-_ABORT_HOOKS: list[Callable[[PeerDiagnosis | None], object]] = []
-
-
-def add_abort_hook(hook: Callable[[PeerDiagnosis | None], object]) -> Callable[[], None]:
-    """Have :func:`abort_communication` also call ``hook(diagnosis)``; returns a remover."""
-    _ABORT_HOOKS.append(hook)
-    return lambda: _ABORT_HOOKS.remove(hook) if hook in _ABORT_HOOKS else None
-
-
-def abort_communication(diagnosis: PeerDiagnosis | None = None) -> list[str]:
-    """Make this process's blocked and later communication fail at once, because a peer is gone.
-
-    - NCCL: every process group with an NCCL backend is aborted (``ProcessGroup.abort()``,
-      subgroups first, as ``torch.distributed`` aborts a world): its kernels stop and its
-      ``Work`` and later calls fail; its watchdog ends without killing the process.
-    - gloo (where any group uses it; TensorPipe's RPC then too): gloo's ``abort()`` does not
-      unblock an operation waiting for a frozen peer, so this process's connected TCP sockets are
-      shut down in both directions (the
-      file descriptors stay open, so nothing is reused under gloo's event loop), except those to
-      or from the store's port, which the heartbeats and the other survivors' diagnoses still need.
-      Blocked operations then fail as they would had the peer died. Linux only (``/proc``). Other
-      TCP connections the process opened itself are shut down too (it is about to fail); those it
-      inherited from its parent at a fork (a notebook kernel's) are left alone.
-    - then every hook of :func:`add_abort_hook` (waits that no connection ends, such as the
-      hosted parameter-server shards' barriers).
-
-    Args:
-        diagnosis: why (for the log); its store address is kept when given.
-
-    Returns:
-        What was aborted, one line each.
-    """
-    done: list[str] = []
-    groups = _process_groups()
-    backends = {group: str(dist.get_backend(group)) for group in groups}
-    for group in [g for g in reversed(groups) if "nccl" in backends[g]]:
-        try:
-            group.abort()
-            done.append(f"NCCL process group {getattr(group, 'group_name', '?')} aborted")
-        except Exception as err:
-            log.warning(f"could not abort an NCCL process group: {err}")
-    if any("gloo" in b for b in backends.values()):
-        port = _store_port(diagnosis)
-        count = _shutdown_tcp_connections(set() if port is None else {port})
-        done.append(f"{count} TCP connection(s) shut down (the store's kept)")
-    for hook in list(_ABORT_HOOKS):
-        try:
-            hook(diagnosis)
-            done.append(f"{getattr(hook, '__qualname__', hook)} called")
-        except Exception as err:
-            log.warning(f"abort hook {hook} failed: {err}")
-    return done
-
-
-def _process_groups() -> list[dist.ProcessGroup]:
-    """Every process group of this process in creation order (the default one first)."""
-    if not dist.is_available() or not dist.is_initialized():
-        return []
-    world = dist.distributed_c10d._world
-    groups = sorted(world.pg_names, key=lambda g: world.pg_names[g]) if hasattr(world, "pg_names") else []
-    default = dist.group.WORLD
-    if default is not None and default not in groups:
-        groups.insert(0, default)
-    return [g for g in groups if isinstance(g, dist.ProcessGroup)]
-
-
-def _store_port(diagnosis: PeerDiagnosis | None) -> int | None:
-    """The port of the default store (or the diagnosis's store address)."""
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        base = getattr(store, "_underlying_non_prefix_store", store)
-        if isinstance(base, dist.TCPStore):
-            return int(base.port)
-    except Exception:  # no default group (a direct caller): fall back to the diagnosis's address
-        pass
-    if diagnosis is not None and diagnosis.store_host.rpartition(":")[2].isdigit():
-        return int(diagnosis.store_host.rpartition(":")[2])
-    return None
-
-
-def _sockets_of(pid: int | str) -> dict[str, str]:
-    """``{fd: "socket:[inode]"}`` for the sockets of process ``pid`` ({} where /proc does not tell)."""
-    fds = f"/proc/{pid}/fd"
-    out = {}
-    try:
-        names = os.listdir(fds)
-    except OSError:
-        return {}
-    for name in names:
-        try:
-            target = os.readlink(f"{fds}/{name}")
-        except OSError:
-            continue  # closed meanwhile
-        if target.startswith("socket:"):
-            out[name] = target
-    return out
-
-
-def _shutdown_tcp_connections(keep_ports: set[int]) -> int:
-    """Shut down this process's connected TCP sockets but those with a local or remote port in
-    ``keep_ports`` and those it shares with its parent; return how many.
-
-    A socket shared with the parent was inherited at a fork (Lightning's ``ddp_fork`` and notebook
-    launchers fork from the user's process, say a Jupyter kernel with its own connections): it is
-    not this process's to end. Each socket is reached through a duplicate of its descriptor, closed
-    again afterwards: the owner's descriptor stays valid and sees the connection end.
-    """
-    if not os.path.isdir("/proc/self/fd"):
-        log.warning("cannot shut down the TCP connections: no /proc/self/fd (not Linux)")
-        return 0
-    inherited = set(_sockets_of(os.getppid()).values()) if os.getppid() > 1 else set()
-    count = 0
-    for name, target in _sockets_of("self").items():
-        if target in inherited:
-            continue
-        try:
-            sock = socket.socket(fileno=os.dup(int(name)))
-        except OSError:
-            continue  # closed meanwhile, or not a socket we can wrap
-        try:
-            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
-                continue
-            peer = sock.getpeername()  # OSError for a listening socket: nothing to shut down
-            if sock.getsockname()[1] in keep_ports or peer[1] in keep_ports:
-                continue
-            sock.shutdown(socket.SHUT_RDWR)
-            count += 1
-        except OSError:
-            continue
-        finally:
-            sock.close()
-    return count
-
-
-def failure_reason(exception: BaseException) -> str:
-    """What a failed rank tells its peers: the exception's type and the first line of its message."""
-    text = str(exception).strip()
-    first = text.splitlines()[0] if text else ""
-    return f"{type(exception).__name__}: {first}"
-
-
-def is_reported(exception: BaseException) -> bool:
-    """Whether ``exception`` was already diagnosed (by :func:`annotate_peer_failure` or :func:`raise_peer_lost`)."""
-    return bool(getattr(exception, _REPORTED, False))
-
-
-def _set_reported(exception: BaseException) -> None:
-    with contextlib.suppress(AttributeError):  # an exception type with __slots__: diagnosed twice
-        setattr(exception, _REPORTED, True)
-
-
-def annotate_peer_failure(exception: BaseException, heartbeat: Heartbeat | None, strategy: str) -> None:
-    """Report this rank's failure, diagnose the peers and add the diagnosis to ``exception`` as a note.
-
-    Idempotent (a second call on the same exception does nothing) and a no-op without a
-    heartbeat or for a ``KeyboardInterrupt``-like ``BaseException``. Lightning re-raises the
-    exception after ``Callback.on_exception`` / ``Strategy.on_exception``, so the note is
-    printed with its traceback.
-    """
-    if heartbeat is None or not isinstance(exception, Exception) or is_reported(exception):
-        return
-    _set_reported(exception)
-    heartbeat.report_failure(failure_reason(exception))
-    if isinstance(exception, PeerLostError):
-        return  # its message is the diagnosis
-    text = heartbeat.diagnosis().describe(strategy)
-    if text is not None:
-        exception.add_note(text)
-
-
-@contextmanager
-def raise_peer_lost(heartbeat: Callable[[], Heartbeat | None], strategy: Callable[[], str]) -> Iterator[None]:
-    """Turn an error of the block into :class:`PeerLostError` when a peer turns out to be gone.
-
-    On an error this rank reports its failure, diagnoses the peers (or takes the diagnosis the
-    watch already acted on, :attr:`Heartbeat.found`) and raises :class:`PeerLostError` (the error
-    as its ``__cause__``) when the diagnosis names a gone peer; otherwise the error propagates
-    unchanged (with the diagnosis as a note when only the store is gone). An error already
-    diagnosed, or a block run without a heartbeat, is left alone. A block that ends without an
-    error after the watch aborted the communication raises :class:`PeerLostError` too: on NCCL an
-    aborted operation may return without raising, with results that must not be used.
-
-    Args:
-        heartbeat: returns this rank's heartbeat (or ``None``), read when the block ends.
-        strategy: returns the name that starts each line of the diagnosis (``"ring"``, ``"ddp"``).
-    """
-    try:
-        yield
-    except PeerLostError:
-        raise
-    except Exception as err:
-        beat = heartbeat()
-        if beat is None or is_reported(err):
-            raise
-        _set_reported(err)
-        found = beat.found
-        # tell the peers first (they may be diagnosing now): the watch's finding when it caused this error
-        beat.report_failure(failure_reason(err) if found is None else _lost_reason(found, strategy()))
-        diagnosis = beat.diagnosis()
-        text = diagnosis.describe(strategy())
-        if text is None or not diagnosis.gone:
-            if text is not None:  # the store is gone, but no rank can be named
-                err.add_note(text)
-            raise
-        lost = PeerLostError(text, ranks=diagnosis.gone, strategy=strategy(), diagnosis=diagnosis)
-        _set_reported(lost)
-        raise lost from err
-    beat = heartbeat()
-    found = beat.found if beat is not None else None
-    if beat is not None and found is not None:
-        text = found.describe(strategy()) or f"{strategy()}: the peer watch aborted the communication"
-        lost = PeerLostError(text, ranks=found.gone, strategy=strategy(), diagnosis=found)
-        beat.report_failure(_lost_reason(found, strategy()))
-        _set_reported(lost)
-        raise lost
-
-
-def _lost_reason(diagnosis: PeerDiagnosis, strategy: str) -> str:
-    """What a rank whose watch aborted its communication tells its peers."""
-    text = diagnosis.describe(strategy) or ""
-    return f"PeerLostError: {text.splitlines()[0] if text else strategy + ': a peer is gone'}"

@@ -1,15 +1,14 @@
-"""The pipeline without Lightning: the block partition, block profiling, the runtime, its timeline.
+"""The pipeline without Lightning: the block partition, block profiling, the runtime.
 
 - :func:`partition_blocks` / :func:`profile_blocks`: how a model's ordered blocks are cut into
   stages (by any cost: parameters, or the seconds :func:`profile_blocks` measures).
 - :class:`PipelineRuntime`: one rank's stages and their ``torch.distributed.pipelining``
   schedules (training and forward-only), with compute timers per stage (CUDA events on a GPU),
-  an optional timeline of chunks (:data:`Event`), and the collectives over the pipeline's group
-  that a strategy needs around it (the last stage's outputs, the stages' timings). Which blocks a
-  rank holds, and checkpoints of a split model, are :mod:`~lightning_strategies.comm.pipeline_stages`.
+  an optional timeline of chunks (:data:`Event`, analysed in ``benchmarks/``), and the
+  collectives over the pipeline's group that a strategy needs around it (the last stage's
+  outputs, the stages' timings). Which blocks a rank holds, and checkpoints of a split model,
+  are :mod:`~lightning_strategies.comm.pipeline_stages`.
 - :func:`average_gradients`: the replicas of a stage average its gradients.
-- :func:`replay`, :func:`typical_durations`, :func:`analyse`: a step's recorded timeline cut into
-  the schedule's bubble, stalls and transfer overhead.
 
 Used by :class:`~lightning_strategies.strategies.pipeline.PipelineStrategy` and ``benchmarks/pipeline.py``.
 """
@@ -17,7 +16,6 @@ Used by :class:`~lightning_strategies.strategies.pipeline.PipelineStrategy` and 
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -33,13 +31,10 @@ __all__ = [
     "SCHEDULES",
     "Event",
     "PipelineRuntime",
-    "analyse",
     "average_gradients",
     "partition_blocks",
     "profile_blocks",
     "profile_blocks_with_output",
-    "replay",
-    "typical_durations",
 ]
 
 SCHEDULES: dict[str, type] = {
@@ -217,7 +212,7 @@ class _TimedStage(PipelineStage):
     only: the rest of a step's wall time is the stage waiting (the bubble) or communicating. The
     last stage's loss, which the schedule computes between chunks, is compute too: the runtime
     records it with :meth:`record_loss`. When ``events`` is a list, each chunk also appends its
-    :data:`Event`: the timeline from which :func:`analyse` separates the schedule's bubble from
+    :data:`Event`: the timeline from which ``benchmarks/_pipeline_timeline.py`` separates the schedule's bubble from
     transfer overhead (host times; on CUDA the times kernels were enqueued).
 
     Backward chunks run with autocast off (``autocast_off``), as Lightning runs a single device's
@@ -553,88 +548,3 @@ def average_gradients(params: Sequence[nn.Parameter], group: dist.ProcessGroup) 
     flat /= size
     for g, avg in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
         g.copy_(avg)
-
-
-# -- the timeline of a step ------------------------------------------------------------------------
-
-
-def replay(events: Sequence[Sequence[Event]], duration: Callable[[Event], float] | None = None) -> float:
-    """The span of the recorded chunks with zero time between them (transfers and Python removed).
-
-    Each rank runs its chunks in the recorded order; a chunk starts when its rank is free and its
-    input is ready: stage ``s``'s forward of micro-batch ``i`` needs stage ``s-1``'s, its
-    backward needs stage ``s+1``'s (the last stage's, its own forward, which precedes it).
-
-    Args:
-        events: per rank, its chunks by start time.
-        duration: a chunk's duration; default the measured ``end - start``.
-
-    Returns:
-        The ideal span in seconds.
-    """
-    last_stage = max(e[0] for rank in events for e in rank)
-    ends: dict[tuple[str, int, int], float] = {}
-    free = [0.0] * len(events)
-    pos = [0] * len(events)
-    while any(p < len(rank) for p, rank in zip(pos, events, strict=True)):
-        progressed = False
-        for r, rank in enumerate(events):
-            while pos[r] < len(rank):
-                stage, kind, mb, t0, t1 = rank[pos[r]]
-                if kind == "F":
-                    dep = ("F", stage - 1, mb) if stage > 0 else None
-                elif kind == "B":
-                    dep = ("B", stage + 1, mb) if stage < last_stage else None
-                else:  # the loss follows its forward on the same rank
-                    dep = None
-                if dep is not None and dep not in ends:
-                    break
-                start = max(free[r], ends[dep] if dep is not None else 0.0)
-                free[r] = ends[(kind, stage, mb)] = start + (duration(rank[pos[r]]) if duration else t1 - t0)
-                pos[r] += 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("the recorded chunks wait on each other: not a timeline of one step")
-    return max(free)
-
-
-def typical_durations(steps: Sequence[Sequence[Sequence[Event]]]) -> dict[tuple[int, str], float]:
-    """Each stage's median forward and backward chunk over the given steps' timelines."""
-    durations: dict[tuple[int, str], list[float]] = {}
-    for events in steps:
-        for rank in events:
-            for e in rank:
-                durations.setdefault((e[0], e[1]), []).append(e[4] - e[3])
-    return {key: statistics.median(values) for key, values in durations.items()}
-
-
-def analyse(
-    starts: Sequence[float],
-    ends: Sequence[float],
-    events: Sequence[Sequence[Event]],
-    typical: dict[tuple[int, str], float],
-) -> dict[str, float]:
-    """One step's timeline cut into the schedule's bubble, stalls (``jitter``) and ``overhead``.
-
-    ``bubble``: the replay with every chunk lasting its stage's typical (median) forward or
-    backward, ``1 - compute / span`` of that timeline (the schedule's fill and drain, for the
-    stages' typical costs). ``jitter``: what the measured durations add to the replayed span
-    (chunks the host stalled), ``overhead``: what the real span adds to that (transfers, Python
-    between chunks), both as shares of the real span. ``idle``: ``1 - compute / real span``.
-    """
-
-    def typical_duration(e: Event) -> float:
-        return typical[(e[0], e[1])]
-
-    span = max(ends) - min(starts)
-    ideal = replay(events)
-    smooth = replay(events, typical_duration)
-    busy = [sum(e[4] - e[3] for e in rank) for rank in events]
-    return {
-        "span": span,
-        "idle": statistics.fmean(1.0 - b / span for b in busy),
-        "bubble": statistics.fmean(1.0 - sum(map(typical_duration, rank)) / smooth for rank in events),
-        "jitter": (ideal - smooth) / span,
-        "overhead": (span - ideal) / span,
-        "max_busy": max(busy),
-    }

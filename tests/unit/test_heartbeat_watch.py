@@ -159,11 +159,11 @@ SHUTDOWN_SCRIPT = textwrap.dedent(
     """
     import importlib.util, json, socket, sys
     # the module alone (stdlib and torch.distributed), not the package, which imports Lightning
-    spec = importlib.util.spec_from_file_location("heartbeat", "lightning_strategies/comm/heartbeat.py")
-    heartbeat = importlib.util.module_from_spec(spec)
-    sys.modules["heartbeat"] = heartbeat
-    spec.loader.exec_module(heartbeat)
-    _shutdown_tcp_connections = heartbeat._shutdown_tcp_connections
+    spec = importlib.util.spec_from_file_location("abort", "lightning_strategies/comm/abort.py")
+    abort = importlib.util.module_from_spec(spec)
+    sys.modules["abort"] = abort
+    spec.loader.exec_module(abort)
+    _shutdown_tcp_connections = abort._shutdown_tcp_connections
 
     def pair():
         server = socket.create_server(("127.0.0.1", 0))

@@ -1,10 +1,11 @@
-"""The timeline analysis of comm/pipeline: replay of recorded chunks, the bubble, jitter and overhead."""
+"""benchmarks/_pipeline_timeline: replay of recorded chunks, the bubble, jitter and overhead."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_strategies.comm.pipeline import Event, analyse, replay, typical_durations
+from benchmarks._pipeline_timeline import analyse, replay, typical_durations
+from lightning_strategies.comm.pipeline import Event
 
 # GPipe, 2 stages, 2 micro-batches, forward 1 s and backward 2 s, back to back: the ideal timeline
 STAGE0: list[Event] = [(0, "F", 0, 0, 1), (0, "F", 1, 1, 2), (0, "B", 0, 5, 7), (0, "B", 1, 7, 9)]

@@ -1,0 +1,158 @@
+"""Acting on a lost peer: make this process's blocked and later communication fail at once.
+
+Standalone on purpose (the standard library and ``torch.distributed`` at run time): a test runs it in a
+fresh interpreter without the package, which imports Lightning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from lightning_strategies.comm.peer_lost import PeerDiagnosis
+
+__all__ = ["abort_communication", "add_abort_hook"]
+
+log = logging.getLogger(__name__)
+
+
+# What abort_communication also runs: waits that are local, not on a connection (a parameter-server
+# shard's barrier waiting for a frozen worker's push), registered by the modules that own them.
+_ABORT_HOOKS: list[Callable[[PeerDiagnosis | None], object]] = []
+
+
+def add_abort_hook(hook: Callable[[PeerDiagnosis | None], object]) -> Callable[[], None]:
+    """Have :func:`abort_communication` also call ``hook(diagnosis)``; returns a remover."""
+    _ABORT_HOOKS.append(hook)
+    return lambda: _ABORT_HOOKS.remove(hook) if hook in _ABORT_HOOKS else None
+
+
+def abort_communication(diagnosis: PeerDiagnosis | None = None) -> list[str]:
+    """Make this process's blocked and later communication fail at once, because a peer is gone.
+
+    - NCCL: every process group with an NCCL backend is aborted (``ProcessGroup.abort()``,
+      subgroups first, as ``torch.distributed`` aborts a world): its kernels stop and its
+      ``Work`` and later calls fail; its watchdog ends without killing the process.
+    - gloo (where any group uses it; TensorPipe's RPC then too): gloo's ``abort()`` does not
+      unblock an operation waiting for a frozen peer, so this process's connected TCP sockets are
+      shut down in both directions (the
+      file descriptors stay open, so nothing is reused under gloo's event loop), except those to
+      or from the store's port, which the heartbeats and the other survivors' diagnoses still need.
+      Blocked operations then fail as they would had the peer died. Linux only (``/proc``). Other
+      TCP connections the process opened itself are shut down too (it is about to fail); those it
+      inherited from its parent at a fork (a notebook kernel's) are left alone.
+    - then every hook of :func:`add_abort_hook` (waits that no connection ends, such as the
+      hosted parameter-server shards' barriers).
+
+    Args:
+        diagnosis: why (for the log); its store address is kept when given.
+
+    Returns:
+        What was aborted, one line each.
+    """
+    done: list[str] = []
+    groups = _process_groups()
+    backends = {group: str(dist.get_backend(group)) for group in groups}
+    for group in [g for g in reversed(groups) if "nccl" in backends[g]]:
+        try:
+            group.abort()
+            done.append(f"NCCL process group {getattr(group, 'group_name', '?')} aborted")
+        except Exception as err:
+            log.warning(f"could not abort an NCCL process group: {err}")
+    if any("gloo" in b for b in backends.values()):
+        port = _store_port(diagnosis)
+        count = _shutdown_tcp_connections(set() if port is None else {port})
+        done.append(f"{count} TCP connection(s) shut down (the store's kept)")
+    for hook in list(_ABORT_HOOKS):
+        try:
+            hook(diagnosis)
+            done.append(f"{getattr(hook, '__qualname__', hook)} called")
+        except Exception as err:
+            log.warning(f"abort hook {hook} failed: {err}")
+    return done
+
+
+def _process_groups() -> list[dist.ProcessGroup]:
+    """Every process group of this process in creation order (the default one first)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return []
+    world = dist.distributed_c10d._world
+    groups = sorted(world.pg_names, key=lambda g: world.pg_names[g]) if hasattr(world, "pg_names") else []
+    default = dist.group.WORLD
+    if default is not None and default not in groups:
+        groups.insert(0, default)
+    return [g for g in groups if isinstance(g, dist.ProcessGroup)]
+
+
+def _store_port(diagnosis: PeerDiagnosis | None) -> int | None:
+    """The port of the default store (or the diagnosis's store address)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        base = getattr(store, "_underlying_non_prefix_store", store)
+        if isinstance(base, dist.TCPStore):
+            return int(base.port)
+    except Exception:  # no default group (a direct caller): fall back to the diagnosis's address
+        pass
+    if diagnosis is not None and diagnosis.store_host.rpartition(":")[2].isdigit():
+        return int(diagnosis.store_host.rpartition(":")[2])
+    return None
+
+
+def _sockets_of(pid: int | str) -> dict[str, str]:
+    """``{fd: "socket:[inode]"}`` for the sockets of process ``pid`` ({} where /proc does not tell)."""
+    fds = f"/proc/{pid}/fd"
+    out = {}
+    try:
+        names = os.listdir(fds)
+    except OSError:
+        return {}
+    for name in names:
+        try:
+            target = os.readlink(f"{fds}/{name}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:"):
+            out[name] = target
+    return out
+
+
+def _shutdown_tcp_connections(keep_ports: set[int]) -> int:
+    """Shut down this process's connected TCP sockets but those with a local or remote port in
+    ``keep_ports`` and those it shares with its parent; return how many.
+
+    A socket shared with the parent was inherited at a fork (Lightning's ``ddp_fork`` and notebook
+    launchers fork from the user's process, say a Jupyter kernel with its own connections): it is
+    not this process's to end. Each socket is reached through a duplicate of its descriptor, closed
+    again afterwards: the owner's descriptor stays valid and sees the connection end.
+    """
+    if not os.path.isdir("/proc/self/fd"):
+        log.warning("cannot shut down the TCP connections: no /proc/self/fd (not Linux)")
+        return 0
+    inherited = set(_sockets_of(os.getppid()).values()) if os.getppid() > 1 else set()
+    count = 0
+    for name, target in _sockets_of("self").items():
+        if target in inherited:
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue  # closed meanwhile, or not a socket we can wrap
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                continue
+            peer = sock.getpeername()  # OSError for a listening socket: nothing to shut down
+            if sock.getsockname()[1] in keep_ports or peer[1] in keep_ports:
+                continue
+            sock.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError:
+            continue
+        finally:
+            sock.close()
+    return count
