@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ClassVar, cast
@@ -39,9 +40,11 @@ __all__ = [
     "MetricsWindow",
     "StrategyBase",
     "divisors",
+    "exposed",
     "is_last_batch",
     "log_due",
     "log_values",
+    "predict_nothing",
     "should_update_logs",
     "unwrap_optimizer",
 ]
@@ -353,3 +356,22 @@ class StrategyBase(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
 def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
     """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (or ``optimizer`` itself)."""
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def exposed(attribute: str, doc: str) -> Any:
+    """A read-only property that returns ``self.<attribute>``, documented by ``doc``.
+
+    The strategies expose many of their settings and handles this way; annotate the class attribute
+    with the value's type so that type checkers see the value (``wire_dtype: str | None =
+    exposed("_wire_dtype", "...")``).
+    """
+    return property(operator.attrgetter(attribute), doc=doc)
+
+
+def predict_nothing(trainer: pl.Trainer) -> None:
+    """Have ``trainer.predict()`` return ``None`` on this rank, without Lightning's "predict returned
+    None" warning: a rank that makes no predictions by design (a pipeline's first stages)."""
+    loop = trainer.predict_loop
+    loop.return_predictions = False
+    # Lightning has no public switch for the warning; its cache skips a message it holds already.
+    loop._warning_cache.add("predict returned None if it was on purpose, ignore this warning...")

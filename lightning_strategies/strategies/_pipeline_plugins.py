@@ -10,22 +10,29 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
-from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_strategies.comm.amp import agree_found_inf, ensure_scale
-from lightning_strategies.strategies._model_parallel import GroupNormClipping
+from lightning_strategies.strategies._model_parallel import GroupNormClipping, GroupNormPrecision
 
-__all__ = ["PipelineMixedPrecision", "StageSyncBatchNorm", "convert_sync_batchnorm"]
+__all__ = [
+    "PipelineMixedPrecision",
+    "StageSyncBatchNorm",
+    "convert_sync_batchnorm",
+    "pipeline_precision",
+    "stage_layer_sync",
+]
 
 
 class PipelineMixedPrecision(GroupNormClipping, MixedPrecision):
@@ -130,3 +137,54 @@ class StageSyncBatchNorm(TorchSyncBatchNorm):
         group = self._group()
         assert group is not None, "the device mesh is built (setup_environment) before the model is set up"
         return convert_sync_batchnorm(model, group)
+
+
+def pipeline_precision(
+    plugin: Precision, group: Callable[[], dist.ProcessGroup | None], device: Callable[[], torch.device]
+) -> Precision:
+    """The Trainer's precision as a plugin that knows the pipeline (group-norm clipping, one loss scale).
+
+    Raises:
+        ValueError: for a plugin other than ``32-true``, ``bf16-mixed`` or ``16-mixed``.
+    """
+    if isinstance(plugin, PipelineMixedPrecision) or type(plugin) is GroupNormPrecision:
+        return plugin
+    if type(plugin) is MixedPrecision:
+        mixed = cast(Literal["16-mixed", "bf16-mixed"], plugin.precision)
+        return PipelineMixedPrecision(mixed, plugin.device, plugin.scaler, group=group, root_device=device)
+    if type(plugin) is Precision:
+        return GroupNormPrecision(group, device)
+    raise ValueError(
+        f"PipelineStrategy found the precision plugin {type(plugin).__name__}: expected 32-true, bf16-mixed or "
+        "16-mixed (the schedule runs each stage's forward under the plugin's autocast and its backward "
+        "itself). Fix: use Trainer(precision='32-true' | 'bf16-mixed' | '16-mixed')."
+    )
+
+
+def stage_layer_sync(
+    layer_sync: LayerSync | None, device: torch.device, replicas: int, dp_group: Callable[[], dist.ProcessGroup | None]
+) -> LayerSync | None:
+    """``Trainer(sync_batchnorm=True)``'s plugin as one that syncs over a stage's replicas (or none).
+
+    Lightning's plugin would sync every batch norm over the world; a stage's layers run on its
+    replicas only, so they sync over the stage's data-parallel group.
+
+    Raises:
+        ValueError: off CUDA, where torch's ``SyncBatchNorm`` does not run.
+    """
+    if layer_sync is None or isinstance(layer_sync, StageSyncBatchNorm):
+        return layer_sync
+    if device.type != "cuda":
+        raise ValueError(
+            f"PipelineStrategy found Trainer(sync_batchnorm=True) on {device.type.upper()}: "
+            "expected CUDA devices, since torch's SyncBatchNorm runs on GPUs only. Fix: drop "
+            "sync_batchnorm=True (each replica of a stage then normalises with its own micro-batch "
+            "statistics), or train on GPUs."
+        )
+    if replicas == 1:
+        rank_zero_info(
+            "PipelineStrategy: sync_batchnorm=True syncs a stage's batch norm over its replicas, and "
+            "this run has one: plain batch norm is used."
+        )
+        return None
+    return StageSyncBatchNorm(dp_group)
