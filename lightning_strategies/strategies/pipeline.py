@@ -167,13 +167,10 @@ class PipelineStrategy(PipelineSplit):
         **kwargs: Any,
     ) -> None:
         super().__init__(model_parallel_size=num_stages, **kwargs)
-        name, stages_per_rank = check_schedule(schedule, microbatches, num_stages, stages_per_rank)
+        self._schedule, self._stages_per_rank = check_schedule(schedule, microbatches, num_stages, stages_per_rank)
         self._balance = check_balance(balance)
-        self._schedule = name
         self._microbatches = microbatches
-        self._stages_per_rank = stages_per_rank
-        self._blocks = None
-        self._layout = None
+        self._blocks = self._layout = None
         self._profiled = False  # balance="time": measured once per strategy
         self._runtime: PipelineRuntime | None = None
         self._step_grads: list[Tensor | None] | None = None

@@ -37,7 +37,7 @@ from lightning_strategies.comm.ring import (
     resolve_wire_dtype,
     ring_bucket_cap_mb,
 )
-from lightning_strategies.strategies._base import StrategyBase, log_due
+from lightning_strategies.strategies._base import StrategyBase, exposed, log_due
 
 __all__ = ["RingAllReduceStrategy"]
 
@@ -146,25 +146,16 @@ class RingAllReduceStrategy(StrategyBase):
         self._is_hierarchical = False
         self._device_calls = [0, 0]  # CUDA: ring calls and optimizer steps since the last logged window
 
-    @property
-    def wire_dtype(self) -> str | None:
-        """The wire dtype name gradients are sent in (``None``: their own dtype)."""
-        return self._wire_dtype
-
-    @property
-    def hierarchical(self) -> bool | None:
-        """The ``hierarchical`` setting (``None``: decided from the node layout at setup)."""
-        return self._hierarchical
-
-    @property
-    def is_hierarchical(self) -> bool:
-        """Whether the ring set up for this fit is hierarchical (``False`` before setup)."""
-        return self._is_hierarchical
-
-    @property
-    def node_layout(self) -> NodeLayout | None:
-        """Which ranks share a node, from Lightning's cluster environment (``None`` before setup)."""
-        return self._layout
+    wire_dtype: str | None = exposed("_wire_dtype", "The wire dtype name gradients are sent in (``None``: their own).")
+    hierarchical: bool | None = exposed(
+        "_hierarchical", "The ``hierarchical`` setting (``None``: decided from the node layout at setup)."
+    )
+    is_hierarchical: bool = exposed(
+        "_is_hierarchical", "Whether the ring set up for this fit is hierarchical (``False`` before setup)."
+    )
+    node_layout: NodeLayout | None = exposed(
+        "_layout", "Which ranks share a node, from Lightning's cluster environment (``None`` before setup)."
+    )
 
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:

@@ -51,7 +51,7 @@ from lightning_strategies.comm.tensor import (
     shard_full_tensor,
 )
 from lightning_strategies.optim import Lamb, Lars
-from lightning_strategies.strategies._base import unwrap_optimizer
+from lightning_strategies.strategies._base import exposed, unwrap_optimizer
 from lightning_strategies.strategies._model_parallel import (
     GroupNormPrecision,
     ModelParallelStrategy,
@@ -147,10 +147,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
         """Ranks per tensor-parallel group: the ``tp_size`` option, or the world size."""
         return self.model_parallel_size
 
-    @property
-    def tensor_parallel(self) -> TensorParallelModule | None:
-        """The split module (``None`` outside setup .. teardown)."""
-        return self._tp
+    tensor_parallel: TensorParallelModule | None = exposed(
+        "_tp", "The split module (``None`` outside setup .. teardown)."
+    )
 
     # -- environment and setup -----------------------------------------------------------------
 
