@@ -11,10 +11,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from lightning_strategies.comm.heartbeat import Heartbeat
+from typing import Protocol
 
 __all__ = [
     "PeerDiagnosis",
@@ -119,6 +116,18 @@ class PeerDiagnosis:
         return "\n".join(lines) if lines else None
 
 
+class _Beat(Protocol):
+    """What the failure paths need of a :class:`~lightning_strategies.comm.heartbeat.Heartbeat`
+    (a protocol, so that the heartbeat module may import this one and not the other way round)."""
+
+    @property
+    def found(self) -> PeerDiagnosis | None: ...
+
+    def report_failure(self, reason: str) -> None: ...
+
+    def diagnosis(self) -> PeerDiagnosis: ...
+
+
 def failure_reason(exception: BaseException) -> str:
     """What a failed rank tells its peers: the exception's type and the first line of its message."""
     text = str(exception).strip()
@@ -136,7 +145,7 @@ def _set_reported(exception: BaseException) -> None:
         setattr(exception, _REPORTED, True)
 
 
-def annotate_peer_failure(exception: BaseException, heartbeat: Heartbeat | None, strategy: str) -> None:
+def annotate_peer_failure(exception: BaseException, heartbeat: _Beat | None, strategy: str) -> None:
     """Report this rank's failure, diagnose the peers and add the diagnosis to ``exception`` as a note.
 
     Idempotent (a second call on the same exception does nothing) and a no-op without a
@@ -156,11 +165,11 @@ def annotate_peer_failure(exception: BaseException, heartbeat: Heartbeat | None,
 
 
 @contextmanager
-def raise_peer_lost(heartbeat: Callable[[], Heartbeat | None], strategy: Callable[[], str]) -> Iterator[None]:
+def raise_peer_lost(heartbeat: Callable[[], _Beat | None], strategy: Callable[[], str]) -> Iterator[None]:
     """Turn an error of the block into :class:`PeerLostError` when a peer turns out to be gone.
 
     On an error this rank reports its failure, diagnoses the peers (or takes the diagnosis the
-    watch already acted on, :attr:`Heartbeat.found`) and raises :class:`PeerLostError` (the error
+    watch already acted on, the heartbeat's ``found``) and raises :class:`PeerLostError` (the error
     as its ``__cause__``) when the diagnosis names a gone peer; otherwise the error propagates
     unchanged (with the diagnosis as a note when only the store is gone). An error already
     diagnosed, or a block run without a heartbeat, is left alone. A block that ends without an
