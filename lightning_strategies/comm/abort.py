@@ -36,19 +36,12 @@ def add_abort_hook(hook: Callable[[PeerDiagnosis | None], object]) -> Callable[[
 def abort_communication(diagnosis: PeerDiagnosis | None = None) -> list[str]:
     """Make this process's blocked and later communication fail at once, because a peer is gone.
 
-    - NCCL: every process group with an NCCL backend is aborted (``ProcessGroup.abort()``,
-      subgroups first, as ``torch.distributed`` aborts a world): its kernels stop and its
-      ``Work`` and later calls fail; its watchdog ends without killing the process.
-    - gloo (where any group uses it; TensorPipe's RPC then too): gloo's ``abort()`` does not
-      unblock an operation waiting for a frozen peer, so this process's connected TCP sockets are
-      shut down in both directions (the
-      file descriptors stay open, so nothing is reused under gloo's event loop), except those to
-      or from the store's port, which the heartbeats and the other survivors' diagnoses still need.
-      Blocked operations then fail as they would had the peer died. Linux only (``/proc``). Other
-      TCP connections the process opened itself are shut down too (it is about to fail); those it
-      inherited from its parent at a fork (a notebook kernel's) are left alone.
-    - then every hook of :func:`add_abort_hook` (waits that no connection ends, such as the
-      hosted parameter-server shards' barriers).
+    NCCL groups are aborted (``ProcessGroup.abort()``, subgroups first): their kernels stop and
+    their work fails. Where gloo runs (and TensorPipe's RPC), whose ``abort()`` does not unblock a
+    pending operation, this process's connected TCP sockets are shut down both ways (Linux
+    ``/proc``), except the store's and those inherited from the parent at a fork, so blocked
+    operations fail as if the peer had died. Then every hook of :func:`add_abort_hook` runs (waits
+    no connection ends, such as a hosted shard's barrier).
 
     Args:
         diagnosis: why (for the log); its store address is kept when given.
@@ -123,13 +116,11 @@ def _sockets_of(pid: int | str) -> dict[str, str]:
 
 
 def _shutdown_tcp_connections(keep_ports: set[int]) -> int:
-    """Shut down this process's connected TCP sockets but those with a local or remote port in
-    ``keep_ports`` and those it shares with its parent; return how many.
+    """Shut down this process's connected TCP sockets but those with a port in ``keep_ports`` and those
+    shared with the parent; return how many.
 
-    A socket shared with the parent was inherited at a fork (Lightning's ``ddp_fork`` and notebook
-    launchers fork from the user's process, say a Jupyter kernel with its own connections): it is
-    not this process's to end. Each socket is reached through a duplicate of its descriptor, closed
-    again afterwards: the owner's descriptor stays valid and sees the connection end.
+    A socket shared with the parent was inherited at a fork (a notebook kernel's) and is not this
+    process's to end. Each is reached through a duplicate of its descriptor, closed afterwards.
     """
     if not os.path.isdir("/proc/self/fd"):
         log.warning("cannot shut down the TCP connections: no /proc/self/fd (not Linux)")

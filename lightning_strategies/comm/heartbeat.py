@@ -1,45 +1,25 @@
 """Per-rank heartbeats in the process group's store, and the diagnosis of a lost peer.
 
-When a peer dies, the survivors' errors come from the transport: gloo says "Connection closed
-by peer [10.0.0.7]:41877", TensorPipe "pipe closed", NCCL "remote process exited", or, for a
-peer that froze, "Timed out" after the process-group timeout. None of them names a *rank*, and
-in a ring or a pipeline the failing connection is often to a neighbour that only stopped
-because *its* neighbour died first. Which rank was lost is a question for a third party, so
-every rank keeps a heartbeat in the process group's store (the ``TCPStore`` every
-``torch.distributed`` job already has, hosted by rank 0 or by torchrun's agent):
+When a peer dies the survivors' errors come from the transport ("Connection closed by peer",
+"pipe closed", "Timed out"), name no rank, and often come from a neighbour that only stopped
+because *its* neighbour died. So every rank keeps a heartbeat in the store every
+``torch.distributed`` job has (hosted by rank 0 or torchrun's agent):
 
-- a daemon thread adds 1 to ``beat/<rank>`` every ``interval`` seconds, through a connection of
-  its own with a short timeout (:class:`Heartbeat`);
-- a rank that fails writes ``mark/<rank>`` (failed, with the first line of its error) before
-  anything else, and a rank that finishes writes "finished";
-- a survivor diagnoses (:meth:`Heartbeat.diagnose`): peers whose counter moves are alive; peers
-  whose counter stays still for ``grace`` (2.5 intervals, longer when the store is slow to
-  answer) and that wrote no mark are *lost* (killed, crashed hard, or frozen); peers with a mark
-  stopped on an error of their own, and the mark says which. When the store itself no longer
-  answers, its host is named (rank 0, unless torchrun's agent hosts it).
+- a daemon thread adds 1 to ``beat/<rank>`` every ``interval`` (:class:`Heartbeat`, a connection
+  of its own with a short timeout); a failing rank first writes ``mark/<rank>`` with the first
+  line of its error, a finishing one "finished";
+- a survivor diagnoses (:meth:`Heartbeat.diagnose`): peers whose counter moves are alive, those
+  still for ``grace`` without a mark are *lost* (killed, crashed hard, frozen), those with a mark
+  say why; a store that no longer answers names its host. Each poll is one ``multi_get`` of every
+  peer's keys, so the store's load per poll is one request per survivor.
 
-The diagnosis runs only on failure and takes at most ``grace`` seconds, plus 4 polls when the
-store is slow (about one ``interval`` when every peer is alive); each of its polls reads every
-peer's counter and mark in one store request (``multi_get``), so hundreds of survivors
-diagnosing at once cost the store one request each per poll, not one per peer. The heartbeat
-costs one small store request per rank per ``interval``. What a failure becomes with the
-diagnosis is :mod:`~lightning_strategies.comm.peer_lost`.
-
-**The watch** (:meth:`Heartbeat.watch`) is for the faults nothing else reports in time: a peer that
-froze (its sockets stay open, so gloo waits out the process-group timeout), and on NCCL a peer
-that died or froze (``Work.wait()`` does not raise on a dead peer; the watchdog kills the process
-at the timeout, naming nobody). While the job runs, each rank watches one peer, its successor
-(rank + 1, skipping finished ones), and an alarm counter, in one request of three keys per
-``interval``: the store's load grows with P, not P^2. A watched peer silent for ``grace``
-(default :data:`DEFAULT_WATCH_GRACE`, far below the 30-minute default timeout and above any
-pause of a live process's heartbeat thread) or marked failed that long raises the alarm; every
-rank seeing it diagnoses as above and, when a peer is really gone, calls ``on_lost`` once:
-:func:`~lightning_strategies.comm.abort.abort_communication`, which aborts the NCCL communicators
-(``ProcessGroup.abort()``: the blocked kernels and the ops after them fail) and, where gloo runs,
-shuts this process's TCP connections down (what the lost peer's death would have done to them, since gloo's ``abort()``
-does not unblock an operation), the store's excepted. The blocked operation then raises, and
-:func:`raise_peer_lost` turns that into :class:`PeerLostError` with the watch's diagnosis, or
-raises it at the end of a step that completed on aborted communicators.
+**The watch** (:meth:`Heartbeat.watch`) is for what nothing else reports in time: a frozen peer
+(gloo waits out the process-group timeout) and, on NCCL, a dead or frozen one (``Work.wait()``
+does not raise). Each rank watches its successor and an alarm counter, one request per
+``interval`` (the load grows with P, not P^2); a watched peer silent for ``grace`` raises the
+alarm, every rank diagnoses, and when a peer is gone calls ``on_lost`` once, by default
+:func:`~lightning_strategies.comm.abort.abort_communication`. What a failure then becomes is
+:mod:`~lightning_strategies.comm.peer_lost`.
 """
 
 from __future__ import annotations
@@ -204,21 +184,16 @@ class Heartbeat:
     ) -> None:
         """Watch the peers while this rank runs, and call ``on_lost`` once if one is found gone.
 
-        On a thread of its own, every ``interval`` (or ``grace / 4`` if shorter) this rank reads its
-        watched peer's counter and mark and the alarm counter in one request. The watched peer is
-        the next rank after this one that has not finished. When it has stayed silent for ``grace``
-        seconds, or been marked failed that long (its own error path had that long to end the
-        job), this rank raises the alarm; when the alarm moves (this rank's or another's), or the
-        store has not answered for ``grace``, it runs :meth:`diagnose`, and if the diagnosis finds
-        the job broken (:attr:`PeerDiagnosis.broken`) keeps it as :attr:`found`, logs it and calls
-        ``on_lost(diagnosis)`` on the watch thread; otherwise (the peer beat again) it goes on
-        watching. The watch ends once this rank reports a failure of its own or finishes, at
-        :meth:`stop`, or after acting.
+        Every ``interval`` (or ``grace / 4``) one request reads the watched peer's counter and mark (the
+        next rank that has not finished) and the alarm counter. A peer silent, or marked failed, for
+        ``grace`` raises the alarm; an alarm (anyone's) or a store silent for ``grace`` runs
+        :meth:`diagnose`, and a broken job is kept as :attr:`found`, logged and passed to ``on_lost`` on
+        the watch thread. The watch ends when this rank fails or finishes, at :meth:`stop`, or after acting.
 
         Args:
-            on_lost: what to do about a lost peer, typically :func:`abort_communication`.
+            on_lost: typically :func:`~lightning_strategies.comm.abort.abort_communication`.
             grace: seconds of silence (or of a failed mark) before the alarm; positive.
-            store: a connection of its own for the watch's requests (default: the heartbeat's).
+            store: a connection of its own for the watch (default: the heartbeat's).
         """
         if not grace > 0:
             raise ValueError(f"Heartbeat.watch(grace={grace!r}): expected a positive number of seconds.")
@@ -309,22 +284,13 @@ class Heartbeat:
             log.debug(f"rank {self.rank} could not report to the store: {err}")
 
     def diagnose(self, grace: float | None = None) -> PeerDiagnosis:
-        """Watch the peers' heartbeats for up to ``grace`` seconds and say who is gone.
+        """Watch the peers' heartbeats for up to ``grace`` seconds and say who is gone; never raises.
 
-        Returns at once for peers with a mark, and as soon as every other peer's counter has
-        moved; a peer whose counter stays still for ``grace`` seconds (default :attr:`grace`)
-        plus 4 times the slowest poll is lost. Never raises: an unreachable store is part of
-        the diagnosis.
-
-        Each poll reads every peer's counter and mark in one ``multi_get``. The grace grows
-        with the poll time because a slow store (many ranks diagnosing at once, a loaded host)
-        slows everything the diagnosis watches: with polls of ``L`` seconds, a live peer's
-        counter moves at least every ``interval + L`` (its beat queues in the store too), a
-        poll sees the move at most one poll period (``max(interval / 4, L) + L``) later, and
-        the first snapshot may be ``L`` old: at most ``1.25 interval + 4 L`` in all. ``grace``
-        covers the first term with a margin (2.5 intervals by default) and ``4 L`` the rest; on
-        a responsive store ``L`` is well under a millisecond and the grace is ``grace``. Polls
-        are spaced by the poll time at least, so a slow store is not polled harder.
+        Returns at once for marked peers and as soon as every other counter has moved; a counter still
+        for ``grace`` (default :attr:`grace`) plus 4 times the slowest poll is lost. The grace grows with
+        the poll time ``L`` because a slow store delays what it watches: a live counter moves every
+        ``interval + L``, a poll sees it up to ``max(interval / 4, L) + L`` later, and the first snapshot
+        may be ``L`` old: ``1.25 interval + 4 L`` at most. Polls are spaced by ``L`` at least.
         """
         grace = self.grace if grace is None else grace
         peers = [r for r in range(self.world) if r != self.rank]
@@ -423,24 +389,21 @@ def start_heartbeat(
 ) -> Heartbeat | None:
     """Start this rank's heartbeat in the default process group's store, and its watch.
 
-    The heartbeat gets a connection of its own (a clone of the ``TCPStore`` client, with
-    ``store_timeout``), so it never waits behind the process group's own store requests and a
-    frozen store host stalls a diagnosis for at most ``store_timeout``; the watch gets another.
-    Its keys sit under the group's prefixes, so a torchrun restart (a new prefix per attempt)
-    starts afresh.
+    The heartbeat and the watch each get a clone of the ``TCPStore`` client with ``store_timeout``,
+    so they never wait behind the group's requests; their keys sit under the group's prefixes (a
+    torchrun restart starts afresh).
 
     Args:
-        rank: this rank.
-        world: the number of ranks.
+        rank, world: this rank and the number of ranks.
         interval: seconds between beats.
         store_timeout: the timeout of the heartbeat's store connections.
-        watch_grace: seconds of a watched peer's silence before the survivors act
-            (:meth:`Heartbeat.watch`); ``None``: :data:`DEFAULT_WATCH_GRACE`; ``0``: no watch.
-        on_lost: what the watch does about a lost peer; default :func:`abort_communication`.
+        watch_grace: seconds of a watched peer's silence before the survivors act; ``None``:
+            :data:`DEFAULT_WATCH_GRACE`; ``0``: no watch.
+        on_lost: what the watch does; default :func:`~lightning_strategies.comm.abort.abort_communication`.
 
     Returns:
-        The running heartbeat, or ``None`` without an initialised process group, with one rank,
-        or when the store cannot be reached (a warning is logged; training is unaffected).
+        The running heartbeat, or ``None`` without a process group, with one rank, or when the store
+        cannot be reached (logged; training is unaffected).
     """
     if world < 2 or not dist.is_available() or not dist.is_initialized():
         return None

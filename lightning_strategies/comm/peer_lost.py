@@ -26,15 +26,11 @@ _REPORTED = "_lightning_strategies_peer_report"  # set on an exception once it h
 
 
 class PeerLostError(RuntimeError):
-    """A step failed because one or more peers are gone.
-
-    Raised by :func:`raise_peer_lost`, around the step hooks of this package's strategies (the
-    original error is its ``__cause__``). Its message is the diagnosis, e.g. ``"ring: lost peer rank 1 of 2: no
-    heartbeat for 2.5 s and no error reported ..."``.
+    """A step failed because one or more peers are gone (raised by :func:`raise_peer_lost`, the original
+    error its ``__cause__``; its message is the diagnosis).
 
     Attributes:
-        ranks: the peers that are gone: lost without a word, stopped on an error of their own,
-            or already finished (:attr:`diagnosis` tells which is which), sorted.
+        ranks: the peers that are gone (lost, failed or finished: :attr:`diagnosis` tells), sorted.
         strategy: the strategy's name (``"ring"``, ``"parameter_server"``, ``"ddp"``, ...).
         diagnosis: the full diagnosis.
     """
@@ -148,10 +144,8 @@ def _set_reported(exception: BaseException) -> None:
 def annotate_peer_failure(exception: BaseException, heartbeat: _Beat | None, strategy: str) -> None:
     """Report this rank's failure, diagnose the peers and add the diagnosis to ``exception`` as a note.
 
-    Idempotent (a second call on the same exception does nothing) and a no-op without a
-    heartbeat or for a ``KeyboardInterrupt``-like ``BaseException``. Lightning re-raises the
-    exception after ``Callback.on_exception`` / ``Strategy.on_exception``, so the note is
-    printed with its traceback.
+    Once per exception; a no-op without a heartbeat or for a ``BaseException`` that is not an
+    ``Exception``. Lightning re-raises after ``on_exception``, so the note prints with the traceback.
     """
     if heartbeat is None or not isinstance(exception, Exception) or is_reported(exception):
         return
@@ -168,17 +162,15 @@ def annotate_peer_failure(exception: BaseException, heartbeat: _Beat | None, str
 def raise_peer_lost(heartbeat: Callable[[], _Beat | None], strategy: Callable[[], str]) -> Iterator[None]:
     """Turn an error of the block into :class:`PeerLostError` when a peer turns out to be gone.
 
-    On an error this rank reports its failure, diagnoses the peers (or takes the diagnosis the
-    watch already acted on, the heartbeat's ``found``) and raises :class:`PeerLostError` (the error
-    as its ``__cause__``) when the diagnosis names a gone peer; otherwise the error propagates
-    unchanged (with the diagnosis as a note when only the store is gone). An error already
-    diagnosed, or a block run without a heartbeat, is left alone. A block that ends without an
-    error after the watch aborted the communication raises :class:`PeerLostError` too: on NCCL an
-    aborted operation may return without raising, with results that must not be used.
+    On an error this rank reports its failure, diagnoses (or takes the watch's finding) and raises
+    :class:`PeerLostError` from the error when a peer is gone; otherwise the error propagates (with
+    the diagnosis as a note when only the store is gone). A block that ends without an error after
+    the watch aborted the communication raises too: an aborted NCCL operation may return results
+    that must not be used.
 
     Args:
         heartbeat: returns this rank's heartbeat (or ``None``), read when the block ends.
-        strategy: returns the name that starts each line of the diagnosis (``"ring"``, ``"ddp"``).
+        strategy: returns the name that starts each line of the diagnosis.
     """
     try:
         yield

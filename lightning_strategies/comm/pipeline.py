@@ -208,15 +208,10 @@ class _Timer:
 class _TimedStage(PipelineStage):
     """A ``PipelineStage`` that adds up the seconds it computes (forward and backward chunks, loss).
 
-    Transfers happen in the schedule, outside these calls, so its :attr:`timer` counts compute
-    only: the rest of a step's wall time is the stage waiting (the bubble) or communicating. The
-    last stage's loss, which the schedule computes between chunks, is compute too: the runtime
-    records it with :meth:`record_loss`. When ``events`` is a list, each chunk also appends its
-    :data:`Event`: the timeline from which ``benchmarks/_pipeline_timeline.py`` separates the schedule's bubble from
-    transfer overhead (host times; on CUDA the times kernels were enqueued).
-
-    Backward chunks run with autocast off (``autocast_off``), as Lightning runs a single device's
-    backward outside ``training_step``'s autocast; the forward chunks run inside the step's.
+    Transfers happen outside these calls, so the rest of a step's wall time is waiting (the bubble)
+    or communicating; the loss is recorded by the runtime (:meth:`record_loss`). With ``events`` a
+    list, each chunk appends its :data:`Event` (host times; on CUDA enqueue times). Backward chunks
+    run with autocast off, as Lightning runs a single device's backward.
     """
 
     timer: _Timer
@@ -225,13 +220,8 @@ class _TimedStage(PipelineStage):
     _awaiting_loss: int | None = None  # the micro-batch forwarded last, until its loss
 
     def record_loss(self, start: tuple[float, Any]) -> bool:
-        """Count the loss of the micro-batch forwarded last, computed since ``start``, as compute.
-
-        A loss with no forward chunk before it (the schedule's shape inference on the first
-        step, whose forward is not a chunk either) is not counted.
-
-        Returns:
-            Whether the loss was one of the step's micro-batches (not the shape inference's).
+        """Count the loss of the micro-batch forwarded last, computed since ``start``, as compute; whether it
+        was one of the step's (the schedule's shape inference on the first step is not).
         """
         if self._awaiting_loss is None:
             return False
@@ -266,9 +256,7 @@ class _TimedStage(PipelineStage):
 class PipelineRuntime:
     """This rank's stages of a pipeline, its training schedule and its forward-only schedules.
 
-    The strategy (and the benchmark) drive it. Stage ``s`` of
-    ``S = group_size x stages_per_rank`` lives on group rank ``s % group_size`` (the
-    interleaved layout; with one stage per rank, stage ``s`` on rank ``s``).
+    Stage ``s`` of ``S = group_size x stages_per_rank`` lives on group rank ``s % group_size``.
 
     Args:
         blocks: the whole model as ordered blocks (shared with the LightningModule).
@@ -278,10 +266,8 @@ class PipelineRuntime:
         loss_fn: the mean loss of a micro-batch, ``loss_fn(outputs, targets)``.
         group: the pipeline's process group (this replica's stages).
         device: where this rank's stages run.
-        autocast: a context for the forward chunks and the loss (mixed precision: the precision
-            plugin's autocast); backward chunks run outside it. ``None``: full precision.
-        loss_scaler: multiplies the last stage's loss before its backward (a gradient scaler's
-            ``scale``), so every stage's gradients carry the scale; ``None``: no scaling.
+        autocast: the context of the forward chunks and the loss (``None``: full precision).
+        loss_scaler: multiplies the last stage's loss before its backward (``None``: no scaling).
     """
 
     def __init__(
@@ -410,11 +396,8 @@ class PipelineRuntime:
         self._steps = 0
 
     def read_timings(self) -> tuple[int, float, list[float]]:
-        """The steps since the last read, their wall seconds and each local stage's compute seconds
-        (totals), then zeroed timers: what the strategy logs, read once per logging step.
-
-        On CUDA the seconds come from events recorded around every chunk and step; this is the one
-        wait for the device, at Lightning's logging cadence rather than per chunk.
+        """The steps since the last read, their wall seconds and each local stage's compute seconds, then
+        zeroed timers; on CUDA the one wait for the device, once per logging step.
         """
         steps, wall, busy = self._steps, self.last_step_seconds, self.stage_seconds()
         self.reset_timers()
@@ -489,10 +472,9 @@ class PipelineRuntime:
     def broadcast_from_last(self, tensor: Tensor | None, key: Any = None) -> Tensor:
         """The last stage's tensor on every rank of the pipeline.
 
-        The receivers need its shape and dtype: they travel once per ``key`` (an object every
-        rank of the group computes alike, e.g. the batch's shape and the mode), by
-        ``broadcast_object_list``, and are remembered, so a step with a known key costs one
-        tensor broadcast and no host round trip for metadata. ``key=None`` always sends them.
+        Its shape and dtype travel once per ``key`` (computed alike on every rank, e.g. the batch's shape
+        and the mode) and are remembered, so a known key costs one tensor broadcast; ``key=None`` always
+        sends them.
         """
         if self.group_size == 1:
             assert tensor is not None
@@ -517,11 +499,11 @@ class PipelineRuntime:
 
         Args:
             wall: this rank's seconds per step.
-            busy: compute seconds per step of each of this rank's stages (:meth:`stage_seconds`).
+            busy: compute seconds per step of each of this rank's stages.
 
         Returns:
-            ``{stage: compute seconds}`` for every stage of the pipeline, and the bubble fraction:
-            the mean over ranks of the share of a step's wall time the rank was not computing.
+            ``{stage: compute seconds}`` for every stage, and the mean over ranks of the share of a
+            step's wall time the rank was not computing.
         """
         # on the group's device (an NCCL group has no CPU backend), read back in one transfer
         mine = torch.tensor([wall, *busy], dtype=torch.float64, device=self.device)

@@ -1,28 +1,18 @@
 """A pipeline's stages held apart: each rank materialises only the blocks of its own stages.
 
-A pipeline exists for models that do not fit one device, so no rank may hold the whole model:
-the blocks of the other ranks' stages stay on the ``meta`` device (shape and dtype, no storage),
-their parameters, gradients and optimizer state never exist there. This module is the part of
-that which needs no Lightning:
+The other ranks' blocks stay on ``meta`` (shape and dtype, no storage), so their parameters,
+gradients and optimizer state never exist there. The part of that which needs no Lightning:
 
-- :class:`StageLayout`: which blocks each stage holds and which pipeline rank holds each stage.
+- :class:`StageLayout`: the blocks of each stage and the pipeline rank of each stage;
 - :func:`distribute_blocks`: global rank 0's initial weights to every stage's owners, one block at
-  a time (rank 0 holds its own stages plus the block in transit, never the whole model beyond
-  what building the module took); blocks built on ``meta`` are initialised there first.
+  a time. A block rank 0 holds with values is sent as it is; one built on ``meta`` is
+  materialised on rank 0's CPU and initialised by each submodule's ``reset_parameters()`` in
+  block order, from rank 0's CPU RNG: the weights of an unsplit model built on CPU after the
+  same seed;
 - :func:`profile_stages` / :func:`move_blocks`: ``balance="time"`` measured where the blocks are,
-  and blocks (with their optimizer state) moved to the ranks of a new layout.
-- :func:`gather_state_dict` / :func:`gather_optimizer_state`: the whole model and optimizer state
-  on rank 0 for a checkpoint, streamed tensor by tensor into temporary files that are read back
-  memory-mapped (:class:`Spill`), so rank 0's memory holds its own stages and one chunk of
-  received tensors, and the checkpoint is still one ``torch.save`` file of full tensors.
-
-The rule for the initial weights: a block that rank 0 holds with values (its module was built
-whole, e.g. in ``__init__``) is sent as rank 0 holds it; a block built on ``meta`` (e.g. in
-``configure_model`` under the strategy's meta context) is materialised on rank 0's CPU and
-initialised there, block by block in order, by each submodule's ``reset_parameters()`` (in
-``block.modules()`` order) drawing from rank 0's CPU RNG. That is what building the unsplit model
-on CPU does when each layer initialises itself in its constructor in block order, so the weights
-equal an unsplit model's built after the same seed. Either way every replica gets rank 0's.
+  and blocks (with their optimizer state) moved to a new layout;
+- :func:`gather_state_dict` / :func:`gather_optimizer_state`: the whole state on rank 0 for a
+  checkpoint, streamed into memory-mapped temporary files (:class:`Spill`).
 """
 
 from __future__ import annotations
@@ -246,15 +236,13 @@ def distribute_blocks(
     device: torch.device,
     init_device: torch.device | None = None,
 ) -> None:
-    """Every rank ends with its stages' blocks on ``device`` holding global rank 0's values, the
-    other blocks on ``meta``. A collective over the world (every rank of both groups calls it).
+    """Every rank ends with its stages' blocks on ``device`` holding global rank 0's values, the others
+    on ``meta`` (a collective over the world).
 
-    Replica 0's pipeline (``pp_group`` of data-parallel rank 0) goes block by block: rank 0 holds
-    the block (materialising and :func:`initialize`-ing it on ``init_device`` if it was built on
-    ``meta``; default the CPU, whose RNG an unsplit model built on CPU draws from), sends its
-    tensors to the owner and drops it unless it owns it. Then each stage's
-    owners in the other replicas receive it from replica 0's owner (a broadcast over ``dp_group``).
-    Point-to-point and broadcast tensors are on ``device`` (NCCL has no CPU backend).
+    Replica 0's pipeline goes block by block: rank 0 holds the block (materialised and
+    :func:`initialize`-d on ``init_device``, default the CPU, if built on ``meta``), sends it to its
+    owner and drops it unless it owns it; the owners in the other replicas then receive it over
+    ``dp_group``. Tensors travel on ``device`` (NCCL has no CPU backend).
 
     Raises:
         ValueError: from :func:`initialize`, for a meta block rank 0 cannot initialise.
@@ -321,14 +309,11 @@ def profile_stages(
 ) -> Tensor:
     """Each block's forward + backward seconds, measured by the rank that holds it (a collective).
 
-    The sample (a micro-batch, given on the rank holding stage 0) flows through the stages in
-    order as in a forward pass: each owner times its stage's blocks with ``profile`` (which
-    returns their seconds and the last block's output) and passes the output on. Blocks never
-    leave their rank, so this works for a model that fits no single rank.
+    The sample (given on stage 0's rank) flows through the stages as in a forward pass, each owner
+    timing its blocks with ``profile`` and passing the output on; blocks never leave their rank.
 
     Returns:
-        The seconds of every block, float64 on ``device``, the same on every rank of ``group``
-        (each block measured once; the caller averages over replicas).
+        Every block's seconds, float64 on ``device``, the same on every rank of ``group``.
     """
     rank = dist.get_rank(group)
     seconds = torch.zeros(len(blocks), dtype=torch.float64, device=device)
@@ -408,12 +393,9 @@ def _cpu(state: dict[str, Any]) -> dict[str, Any]:
 class Spill:
     """Tensors written to temporary files as they arrive and read back memory-mapped.
 
-    Rank 0 of a checkpoint gather holds at most ``chunk_bytes`` of received tensors in memory:
-    each full chunk is ``torch.save``-d to a file in ``directory`` (default: the system's temporary
-    directory, ``TMPDIR``), loaded back with ``mmap=True`` (a shared mapping) and unlinked at once,
-    so what is kept is file-backed pages the kernel can drop and re-read, not private memory of
-    the process. The disk space
-    (the gathered state) is freed when the last tensor of a chunk is released.
+    Rank 0 of a checkpoint gather holds at most ``chunk_bytes`` of received tensors in memory: each
+    full chunk is saved in ``directory`` (default ``TMPDIR``), loaded back with ``mmap=True`` and
+    unlinked at once, so what stays is file-backed pages the kernel can drop and re-read.
 
     Args:
         directory: where the chunk files go (needs room for the whole gathered state).

@@ -14,25 +14,16 @@ _SPLIT = ("inter_node_bytes_sent", "inter_node_bytes_received")
 class CommStats:
     """Bytes and time spent communicating, as counted by one process.
 
-    Counts are what *this* process put on / took off the wire (payload bytes, not protocol
-    overhead), so summing ``bytes_sent`` over ranks gives the total traffic of a collective.
-
-    The node split: ``inter_node_bytes_sent`` / ``inter_node_bytes_received`` are the part of
-    ``bytes_sent`` / ``bytes_received`` exchanged with processes on *other* nodes; the rest
-    (:attr:`intra_node_bytes_sent`, :attr:`intra_node_bytes_received`) stayed inside this
-    node. They are ``None`` ("not split") unless the algorithm was told the node layout (the ring,
-    flat with a ``layout`` or hierarchical); :meth:`as_dict` then adds the four keys
-    ``inter_node_bytes_sent``, ``inter_node_bytes_received``, ``intra_node_bytes_sent`` and
-    ``intra_node_bytes_received``.
+    Payload bytes this process put on / took off the wire (no protocol overhead): summed over ranks,
+    a collective's traffic. ``inter_node_bytes_*`` are the part exchanged with other nodes, ``None``
+    unless the algorithm knew the node layout (:meth:`as_dict` then adds them and the
+    ``intra_node_bytes_*`` rest).
 
     Attributes:
-        bytes_sent: payload bytes this process sent.
-        bytes_received: payload bytes this process received.
-        calls: number of communication calls (collectives, pushes, pulls) counted.
-        seconds: seconds spent inside those calls (wall time; device time where the counting
-            algorithm says so, e.g. the ring's reducer on CUDA).
-        inter_node_bytes_sent: of ``bytes_sent``, those sent to another node (``None``: not split).
-        inter_node_bytes_received: of ``bytes_received``, those from another node (``None``: not split).
+        bytes_sent, bytes_received: payload bytes.
+        calls: communication calls counted (collectives, pushes, pulls).
+        seconds: time inside them (wall time; device time where the algorithm says so).
+        inter_node_bytes_sent, inter_node_bytes_received: of the above, with other nodes.
     """
 
     bytes_sent: int = 0

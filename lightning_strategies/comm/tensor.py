@@ -1,27 +1,16 @@
 """Intra-layer (tensor) model parallelism: ``nn.Linear`` layers split Megatron-style, without Lightning.
 
-Shoeybi et al. 2019 (Megatron-LM, §3): a linear layer ``y = x A^T`` is split by its output
-features over a tensor-parallel group of ``tp`` ranks (*column-parallel*: each rank holds
-``out/tp`` rows of ``A`` and computes its slice of ``y``), and the next layer by its input
-features (*row-parallel*: each rank multiplies its slice of ``y`` by its ``in/tp`` columns and
-the partial products are summed). Elementwise ops between them (ReLU, GELU, ...) work on the
-slices, so a column/row pair costs one all-reduce of the pair's output in forward and one of
-its input's gradient in backward. A linear layer with no partner is column-parallel with its
-output all-gathered.
+Shoeybi et al. 2019 (Megatron-LM, §3): a linear layer is split by its output features over ``tp``
+ranks (*column-parallel*), the next by its input features (*row-parallel*, partial products
+summed); elementwise ops between them work on the slices, so a pair costs one all-reduce each
+way. A layer with no partner is column-parallel with its output all-gathered.
 
-Built on ``torch.distributed.tensor``: parameters are ``DTensor`` shards
-(``ColwiseParallel``/``RowwiseParallel``'s partitioning, ``Shard(0)`` / ``Shard(1)``), so
-optimizers, ``vector_norm`` and ``clip_grad_norm_`` see whole-layer values (a norm of a sharded
-``DTensor`` is all-reduced over the group when it is used), and the layer's math is DTensor's on
-gloo and NCCL alike. Only the two activation collectives are ours (:class:`_TimedColwise`,
-:class:`_TimedRowwise`): the same DTensor redistributions as torch's styles, but timed and
-counted (:class:`TensorParallelStats`), which torch's styles do not expose, and installed with
-hook handles, so :func:`unparallelize` can give the module back whole.
-
-Plans name layers by their module path: ``{"head.1": "colwise", "head.3": "rowwise",
-"fc": "colwise_gather"}`` (:data:`STYLES`). :func:`auto_plan` pairs consecutive linear layers of
-every ``nn.Sequential`` (with only elementwise modules between them) and makes every other
-linear layer ``colwise_gather`` (a ResNet's ``fc``).
+Parameters are ``torch.distributed.tensor`` shards, so optimizers and norms see whole-layer values
+and the math is DTensor's on gloo and NCCL alike. Only the two activation collectives are ours
+(:class:`_TimedColwise`, :class:`_TimedRowwise`): torch's redistributions, timed and counted
+(:class:`TensorParallelStats`) and installed with hook handles, so :func:`unparallelize` can give
+the module back whole. Plans name layers by module path (:data:`STYLES`); :func:`auto_plan` pairs
+consecutive linear layers of every ``nn.Sequential`` and gathers every other one.
 """
 
 from __future__ import annotations
@@ -182,14 +171,11 @@ def activation_bytes_per_step(
 ) -> int:
     """Activation bytes one rank sends per training step (forward + backward), by formula.
 
-    Per ``colwise``/``rowwise`` pair: a forward all-reduce of the row layer's output
-    (``rows x out_features``) and a backward all-reduce of the column layer's input gradient
-    (``rows x in_features``), each ``2 (tp-1)/tp x numel x itemsize`` under a ring. A
-    ``colwise_gather`` layer adds the backward all-reduce of its input gradient and a forward
-    all-gather of its output, ``(tp-1)/tp x rows x out_features x itemsize``. Layers whose input
-    needs no gradient (the first layer of a model fed with data) skip the backward all-reduce;
-    this formula counts it, as the strategy does not know in advance (see
-    :class:`TensorParallelStats`, which counts what ran).
+    Per ``colwise``/``rowwise`` pair: the row layer's output all-reduced in forward and the column
+    layer's input gradient in backward, each ``2 (tp-1)/tp x numel x itemsize``; a
+    ``colwise_gather`` layer adds its input gradient's all-reduce and its output's all-gather,
+    ``(tp-1)/tp x rows x out_features x itemsize``. Counts the first layer's backward all-reduce
+    too, which does not run for data inputs (:class:`TensorParallelStats` counts what ran).
 
     Args:
         rows: samples per step on this rank (the replica's batch) times positions per sample.
@@ -212,11 +198,9 @@ def activation_bytes_per_step(
 class TensorParallelStats:
     """The activation collectives of a tensor-parallel module, as this rank ran them.
 
-    ``bytes_sent`` follows the ring model (``2 (n-1)/n x payload`` per all-reduce,
-    ``(n-1)/n x payload`` per all-gather, payload = the tensor's ``numel x itemsize``), not
-    gloo's or NCCL's internal choice of algorithm (at ``tp = 2`` every algorithm sends the
-    payload once). ``seconds`` is the host's wall time inside each collective, including the wait
-    for its result; on CUDA, kernels are asynchronous, so it is a lower bound there.
+    ``bytes_sent`` follows the ring model (``2 (n-1)/n x payload`` per all-reduce, ``(n-1)/n`` per
+    all-gather), not the backend's choice of algorithm; ``seconds`` is host wall time including the
+    wait (a lower bound on CUDA).
 
     Attributes:
         forward: the forward collectives (row layers' all-reduces, gathered outputs).

@@ -59,10 +59,9 @@ def _destroy_groups_at_exit() -> None:
 class ModelParallelStrategy(StrategyBase):
     """A strategy whose model is split over ``model_parallel_size`` ranks, replicated ``replicas`` times.
 
-    Subclasses name their mesh axis (:attr:`mesh_axis`, e.g. ``"pp"``) and the option that sets
-    the group size (:attr:`size_option`, e.g. ``"num_stages"``), whose value they pass on as
-    ``model_parallel_size`` (``None``: the world size). The mesh is built in ``setup_environment``; the world size is
-    checked when the Trainer configures the launcher (before any process starts) and again there.
+    Subclasses name their mesh axis (:attr:`mesh_axis`) and size option (:attr:`size_option`), whose
+    value they pass as ``model_parallel_size`` (``None``: the world). The world size is checked when
+    the Trainer configures the launcher and again in ``setup_environment``, which builds the mesh.
     """
 
     wraps_ddp = False
@@ -136,13 +135,10 @@ class ModelParallelStrategy(StrategyBase):
 class GroupNormClipping:
     """Clipping by the norm of the whole (split) model, for a precision plugin (a mixin).
 
-    Each rank holds only part of the model's gradients: the squared norms of the parts it alone
-    holds (a pipeline stage's, a tensor-parallel shard's) are summed over ``group``, those every
-    rank of the group holds alike (replicated parameters) count once. Every rank of the group
-    takes part in the all-reduce, with or without gradients, so the collective always pairs up.
-    The norm is accumulated in float64 on the gradients' device (the group's backend needs it
-    there: an NCCL group has no CPU backend); reading it for the clip coefficient is the one
-    host synchronisation, and only when clipping is on.
+    The squared norms of the gradients this rank alone holds are summed over ``group``; replicated
+    ones count once. Every rank joins the all-reduce, gradients or not, so it always pairs up; the
+    norm is float64 on the gradients' device (an NCCL group has no CPU backend), read only when
+    clipping is on.
 
     Args:
         group: returns the model-parallel process group (``None`` before it exists).

@@ -38,24 +38,18 @@ __all__ = [
 class PipelineMixedPrecision(GroupNormClipping, MixedPrecision):
     """``bf16-mixed`` / ``16-mixed`` for a pipeline: autocast in the stages, one loss scale for all ranks.
 
-    The strategy runs each stage's forward chunks and the loss under :meth:`forward_context`
-    (autocast), and its backward chunks outside it, as Lightning runs a single device's
-    ``training_step`` and ``backward``. Under ``16-mixed`` the last stage multiplies its loss by
-    the scaler's scale, so every stage's gradients carry it; each rank's ``unscale_`` then sees
-    only its own stages' gradients, and :func:`~lightning_strategies.comm.amp.agree_found_inf`
-    makes the overflow verdict the maximum over the world (every stage, every replica): an inf
-    or nan on any rank skips the step on all of them, and every rank's scale is halved (or grown)
-    alike, so the next step scales every stage's gradients by the same factor.
-
-    Clipping by norm is :class:`~lightning_strategies.strategies._model_parallel.GroupNormClipping`'s,
-    after the gradients are unscaled (as Lightning's ``MixedPrecision``).
+    Forward chunks and the loss run under :meth:`forward_context`, backward chunks outside it. Under
+    ``16-mixed`` the last stage scales its loss, so every stage's gradients carry the scale; each
+    rank unscales its own and :func:`~lightning_strategies.comm.amp.agree_found_inf` takes the
+    overflow verdict over the world, so an inf on any rank skips the step everywhere and every scale
+    moves alike. Clipping is :class:`~lightning_strategies.strategies._model_parallel.GroupNormClipping`'s.
 
     Args:
         precision: ``"bf16-mixed"`` or ``"16-mixed"``.
-        device: the autocast device type (``"cuda"``, ``"cpu"``).
-        scaler: the gradient scaler (``16-mixed``; ``None`` makes torch's default one).
+        device: the autocast device type.
+        scaler: the gradient scaler (``16-mixed``; ``None``: torch's default).
         group: the pipeline's process group, for the clipping norm.
-        root_device: returns this rank's device (the all-reduced norm and overflow flag live there).
+        root_device: returns this rank's device.
     """
 
     def __init__(
@@ -118,12 +112,8 @@ def convert_sync_batchnorm(model: nn.Module, group: dist.ProcessGroup) -> nn.Mod
 
 
 class StageSyncBatchNorm(TorchSyncBatchNorm):
-    """``sync_batchnorm=True`` for a pipeline: batch norm synced across the replicas of a stage.
-
-    Each rank runs only its stages' blocks, so a layer's statistics can only be reduced among
-    the ranks that run it: the stage's data-parallel group. Lightning applies this plugin at the
-    start of fit and reverts it (to plain batch norm) at its end, as it does its own
-    :class:`~lightning.pytorch.plugins.TorchSyncBatchNorm`.
+    """``sync_batchnorm=True`` for a pipeline: batch norm synced over the replicas of a stage (the
+    ranks that run it), applied and reverted by Lightning as its own ``TorchSyncBatchNorm``.
 
     Args:
         group: returns the data-parallel group of this rank's stages.
@@ -164,10 +154,8 @@ def pipeline_precision(
 def stage_layer_sync(
     layer_sync: LayerSync | None, device: torch.device, replicas: int, dp_group: Callable[[], dist.ProcessGroup | None]
 ) -> LayerSync | None:
-    """``Trainer(sync_batchnorm=True)``'s plugin as one that syncs over a stage's replicas (or none).
-
-    Lightning's plugin would sync every batch norm over the world; a stage's layers run on its
-    replicas only, so they sync over the stage's data-parallel group.
+    """``Trainer(sync_batchnorm=True)``'s plugin as one that syncs over a stage's replicas (a stage's
+    layers run there only), or none with one replica.
 
     Raises:
         ValueError: off CUDA, where torch's ``SyncBatchNorm`` does not run.

@@ -108,11 +108,8 @@ class PipelineSplit(ModelParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        """Decide the stages and give each rank its own blocks on its device (rank 0's weights).
-
-        Called by DDP's setup for every trainer function, before the optimizers exist. A module
-        split already (a ``test`` after ``fit`` in the same processes) keeps its split and moves
-        its own tensors back to the device.
+        """Decide the stages and give each rank its own blocks on its device (rank 0's weights); a module
+        split already (``test`` after ``fit``) keeps its split.
         """
         module = self.lightning_module
         pp_group = self._group("pp")
@@ -226,11 +223,8 @@ class PipelineSplit(ModelParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model on global rank 0 (``{}`` on the other ranks), every tensor full.
-
-        Replica 0's stages send their tensors to rank 0 one at a time, into temporary files read
-        back memory-mapped (:func:`~lightning_strategies.comm.pipeline_stages.gather_state_dict`).
-        After fit: the state gathered when training ended.
+        """The whole model on global rank 0 (``{}`` elsewhere), streamed from replica 0's stages into
+        memory-mapped files (:func:`~lightning_strategies.comm.pipeline_stages.gather_state_dict`).
         """
         module = self.lightning_module
         assert module is not None
@@ -246,11 +240,7 @@ class PipelineSplit(ModelParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The full optimizer state (every stage's part), on global rank 0; ``{}`` elsewhere.
-
-        Indices are those of the optimizer over the whole module, so the state also loads into a
-        single-device run of the same module. After fit: the state gathered when training ended.
-        """
+        """The full optimizer state on global rank 0 (``{}`` elsewhere), indexed as over the whole module."""
         optimizer = unwrap_optimizer(optimizer)
         if self._mesh is None:
             kept = self._state_after_fit(optimizer)
@@ -278,10 +268,8 @@ class PipelineSplit(ModelParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Copy this rank's stages' tensors (and what lies outside the blocks) from the full state dict.
-
-        Keys are checked against the whole module as ``load_state_dict(strict=True)`` would, and
-        the shapes of the other stages' tensors against their placeholders.
+        """Copy this rank's stages' tensors (and those outside the blocks), checking keys as a strict load
+        and the other stages' shapes against their placeholders.
         """
         module = self.lightning_module
         assert module is not None
@@ -357,12 +345,8 @@ class PipelineSplit(ModelParallelStrategy):
             )
 
     def _balance_by_time(self, inputs: Tensor, autocast: Callable[[], Any] | None) -> None:
-        """Time every block on the first micro-batch where it lies, re-cut the stages, move the blocks.
-
-        The blocks were split by parameters at setup; each rank times its own (the micro-batch
-        flows through the stages as in a forward pass), every replica measures, and the mean
-        decides one layout for all. Blocks whose rank changes move there with their optimizer
-        state (a resumed one), before the first step.
+        """Time every block on the first micro-batch where it lies (the mean over replicas), re-cut the
+        stages and move the blocks that change rank, with their optimizer state, before the first step.
         """
         module, pp_group, layout, blocks = self.lightning_module, self._group("pp"), self._layout, self._blocks
         assert module is not None and pp_group is not None and layout is not None and blocks is not None
@@ -408,11 +392,10 @@ def check_balance(balance: Any) -> Balance:
 
 @contextmanager
 def no_state_broadcast(module: nn.Module | None) -> Iterator[None]:
-    """Within the block, DDP's setup for evaluation does not broadcast rank 0's whole module state:
-    the split already gave each rank rank 0's weights for its own stages, and the other stages'
-    placeholders have nothing to broadcast. Lightning's broadcast skips the names in
-    ``_ddp_params_and_buffers_to_ignore``; the attribute is removed again afterwards, so a later
-    DDP wrapper of the same module ignores nothing."""
+    """Within the block DDP's setup does not broadcast rank 0's module state (the split gave each rank
+    rank 0's weights already, and placeholders have none): Lightning skips the names in
+    ``_ddp_params_and_buffers_to_ignore``, set for the block only.
+    """
     if module is None:
         yield
         return

@@ -1,16 +1,11 @@
 """``"ring"``: Lightning's DDP with every gradient bucket reduced by our ring all-reduce.
 
-DDP keeps doing what it is good at (bucketing gradients, launching a bucket's reduction as
-soon as backward has produced it, so communication overlaps the rest of backward, and
-``no_sync`` for gradient accumulation). Only *how* a bucket is reduced changes: a DDP
-communication hook hands it to :class:`~lightning_strategies.comm.ring.RingBucketReducer`,
-which runs :func:`~lightning_strategies.comm.ring.ring_all_reduce` on a background thread and
-a process group of its own.
-
-On several nodes (Lightning's cluster environment says so: torchrun, SLURM, ...) the ring is
-hierarchical by default: reduce-scatter inside each node, one ring per local rank across the
-nodes on its L-th of the bucket, all-gather inside each node
-(:func:`~lightning_strategies.comm.ring.hierarchical_all_reduce`).
+DDP keeps bucketing gradients, overlapping their reduction with backward and ``no_sync``; only
+*how* a bucket is reduced changes: a DDP communication hook hands it to
+:class:`~lightning_strategies.comm.ring.RingBucketReducer` (a background thread and a process
+group of its own). The hooks changed: ``_setup_model`` (the bucket size), ``_register_ddp_hooks``
+(the ring as the hook, on CPU too), ``_after_optimizer_step`` (the ``comm/*`` metrics) and
+``teardown`` (the reducer and its groups).
 """
 
 # No ``from __future__ import annotations`` here: DDP compares the hook's annotations with
@@ -54,27 +49,19 @@ class RingAllReduceStrategy(StrategyBase):
     environments (torchrun, SLURM, ...), ``no_sync`` gradient accumulation and checkpointing are
     DDP's.
 
-    Nodes: at setup every rank tells the others its node rank and local rank as Lightning's
-    cluster environment reports them (:class:`~lightning_strategies.comm.ring.NodeLayout`), so
-    node membership is the launcher's, not guessed from host names. With more than one node and
-    more than one process per node the ring is hierarchical unless ``hierarchical=False``.
+    Nodes are the launcher's (each rank's node and local rank from Lightning's cluster
+    environment, :class:`~lightning_strategies.comm.ring.NodeLayout`), never guessed from host
+    names. On more than one node with more than one process each, the ring is hierarchical
+    (:func:`~lightning_strategies.comm.ring.hierarchical_all_reduce`) unless ``hierarchical=False``.
 
-    Logged at Lightning's step-logging cadence (``Trainer(log_every_n_steps=...)``), as per-step
-    means over the optimizer steps since the last log: this rank's ``comm/bytes_sent``,
-    ``comm/bytes_received``, ``comm/calls`` and ``comm/seconds`` (time inside the ring: on CPU the
-    reducer thread's wall time; on CUDA device time from CUDA events, read at the logging step
-    for the calls the device has finished, so no step waits for the device), through
-    ``LightningModule.log``, so they reach ``trainer.callback_metrics`` and the logger (which
-    writes rank 0's). On more than one node also ``comm/inter_node_bytes_sent``,
-    ``comm/inter_node_bytes_received``, ``comm/intra_node_bytes_sent`` and
-    ``comm/intra_node_bytes_received`` (the node split of the first two).
+    Logged when Lightning logs steps, as per-step means since the last log: this rank's
+    ``comm/bytes_sent``, ``comm/bytes_received``, ``comm/calls`` and ``comm/seconds`` (the reducer
+    thread's wall time on CPU; CUDA-event device time on CUDA, read without waiting), and on more
+    than one node their split ``comm/inter_node_bytes_*`` / ``comm/intra_node_bytes_*``.
 
-    On a fault: a peer that dies closes its connections, so its ring neighbours fail at once
-    (:class:`~lightning_strategies.comm.ring.RingPeerError`, naming the neighbour); a peer that
-    hangs fails them after ``timeout``. Either way every survivor's error names the lost rank(s)
-    from their heartbeats (``"ring: lost peer rank 1 of 4: ..."``, :mod:`lightning_strategies.faults`):
-    a :class:`~lightning_strategies.PeerLostError` when a training step failed, else the
-    diagnosis as a note on the error; teardown does not wait for the dead peer.
+    On a fault a dead peer's ring neighbours fail at once
+    (:class:`~lightning_strategies.comm.ring.RingPeerError`), a hung one's after ``timeout``; every
+    survivor's error names the lost rank(s) (:mod:`lightning_strategies.faults`).
 
     Args:
         bucket_cap_mb: DDP bucket size in MiB: each bucket is one ring call. Bigger buckets

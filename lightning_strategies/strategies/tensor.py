@@ -66,44 +66,34 @@ class TensorParallelStrategy(ModelParallelStrategy):
     """Intra-layer model parallelism of ``nn.Linear`` layers, optionally x data parallelism.
 
     Registered as ``"tensor"`` (and ``"tensor_fork"``) on ``import lightning_strategies``. Each
-    split layer holds ``1/tp_size`` of its weight on every rank of its tensor-parallel group;
-    the ranks of a group see the same batches and compute the same outputs. Optimizers run on the
-    shards: torch's optimizers, :class:`~lightning_strategies.optim.Lamb` and
-    :class:`~lightning_strategies.optim.Lars` (per-tensor path; ``foreach=True`` is refused)
-    see whole-layer norms, since the norm of a sharded ``DTensor`` is reduced over the group.
+    split layer holds ``1/tp_size`` of its weight on every rank of its tensor-parallel group, whose
+    ranks see the same batches. Optimizers run on the shards; torch's,
+    :class:`~lightning_strategies.optim.Lamb` and :class:`~lightning_strategies.optim.Lars`
+    (per-tensor path; ``foreach=True`` is refused) see whole-layer norms (a sharded ``DTensor``'s
+    norm is reduced over the group).
 
     The plan: ``None`` splits every linear layer (:func:`~lightning_strategies.comm.tensor.auto_plan`:
-    consecutive linear layers of an ``nn.Sequential`` become column/row pairs, a lone one such as a
-    ResNet's ``fc`` is column-parallel with its output gathered); or a mapping from module path
-    to style, e.g. ``{"head.0": "colwise", "head.2": "rowwise"}``, where a ``"rowwise"`` layer
-    must take the (split) output of a ``"colwise"`` one through elementwise ops only.
+    consecutive linear layers of an ``nn.Sequential`` become column/row pairs, a lone one is
+    column-parallel with its output gathered); or module path -> style, e.g. ``{"head.0": "colwise",
+    "head.2": "rowwise"}``, a ``"rowwise"`` layer taking a ``"colwise"`` one's output through
+    elementwise ops only.
 
-    Logged at Lightning's step-logging cadence, as per-step means: ``comm/bytes_sent``,
-    ``comm/bytes_received``, ``comm/calls``, ``comm/seconds`` (activation collectives and the
+    Logged when Lightning logs steps, per-step means: ``comm/*`` (activation collectives and the
     gradient averaging, bytes under the ring model ``2(n-1)/n x payload``),
-    ``tensor/activation_bytes_sent`` and ``tensor/allreduce_time_share`` (seconds inside the
-    activation collectives / step wall time).
-
-    Checkpoints hold the full, unsplit tensors (model and optimizer state), gathered tensor by
-    tensor to rank 0, so they load into the unsplit module on one device and resume at any
-    ``tp_size``. When fit ends the module is given back whole on every rank.
-
-    On a fault: as ``ddp`` (collectives fail on a dead peer, after ``timeout`` on a hung one; the
-    survivors' errors name the lost rank).
+    ``tensor/activation_bytes_sent`` and ``tensor/allreduce_time_share``. Checkpoints hold the full
+    tensors (any ``tp_size`` resumes them); after fit the module is whole on every rank. On a fault:
+    as ``ddp``.
 
     Args:
-        tp_size: ranks per tensor-parallel group; default the world size. The world size must be
-            a multiple (``replicas = world / tp_size``).
+        tp_size: ranks per tensor-parallel group; default the world size, which must be a multiple.
         plan: ``None`` (every linear layer) or module path -> ``"colwise"`` / ``"rowwise"`` /
             ``"colwise_gather"``.
-        timeout: process-group timeout, also of the mesh's groups (default 30 minutes, as DDP).
-        **kwargs: everything else ``DDPStrategy`` takes (``start_method``, ``process_group_backend``, ...).
+        **kwargs: everything else ``DDPStrategy`` takes (``timeout``, ``start_method``, ...).
 
     Raises:
         ValueError: for a non-positive ``tp_size`` or a malformed plan; at launch, a ``tp_size``
-            not dividing the world; at setup, a plan that does not fit the module (a width not
-            divisible by ``tp_size``, a name that is not a linear layer), another precision than
-            32-bit, manual optimization, or Lamb/Lars with ``foreach=True``.
+            not dividing the world; at setup, a plan that does not fit the module, another precision
+            than 32-bit, manual optimization, or Lamb/Lars with ``foreach=True``.
     """
 
     strategy_name = "tensor"
@@ -227,11 +217,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
         return closure_loss
 
     def _average_gradients(self) -> None:
-        """Sharded gradients averaged across replicas, the others across the whole mesh.
-
-        A replicated parameter's gradient is the same on every rank of a tensor-parallel group
-        (its inputs and output gradients are replicated), so averaging it over the mesh equals
-        averaging over replicas, and keeps every copy bit-identical.
+        """Sharded gradients averaged across replicas, the others across the whole mesh (a replicated
+        gradient is the same on every rank of a group, so this equals the replicas' average and keeps
+        every copy bit-identical).
         """
         module = self.lightning_module
         if module is None or self._mesh is None or not self._sync_replicas or self.world_size == 1:
@@ -279,11 +267,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full model, on global rank 0 (``{}`` elsewhere), gathered tensor by tensor.
-
-        Only replica 0 gathers (replicas hold the same weights); within it each shard goes to
-        group rank 0 alone, so no other rank ever holds more than its shards.
-        """
+        """The full model on global rank 0 (``{}`` elsewhere), each shard gathered to group rank 0 alone."""
         module = self.lightning_module
         assert module is not None
         state = module.state_dict()
@@ -300,10 +284,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The full optimizer state (whole tensors, indexed as over the unsplit module), on rank 0.
-
-        After fit, the state gathered when training ended (the shards are gone by then).
-        """
+        """The full optimizer state on rank 0, indexed as over the unsplit module (after fit: kept at its end)."""
         opt = unwrap_optimizer(optimizer)
         if self._tp is None:
             kept = self._state_after_fit(opt)
@@ -357,13 +338,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         """Give the module back whole (on every rank); keep the mesh for a later stage.
 
-        The fork launcher hands rank 0's module to the caller, and a later ``test()`` in the same
-        process splits it again at setup, on the same mesh: DTensor caches its sharding decisions
-        keyed by meshes that compare equal by layout, not by group, so a new mesh after this
-        one's groups were destroyed would meet cached specs naming dead groups ("Could not
-        resolve the process group"). The groups are destroyed at interpreter exit instead. After
-        an error nothing waits for peers: the module stays split and the groups are left to the
-        process's end.
+        A later ``test()`` splits again on the same mesh: DTensor caches sharding decisions keyed by
+        meshes equal by layout, so a new mesh after this one's groups died would meet cached specs
+        naming dead groups. The groups go at interpreter exit; after an error nothing waits for peers.
         """
         tp, self._tp = self._tp, None
         if tp is not None and not self.failed:

@@ -1,18 +1,11 @@
 """Ring all-reduce, flat and hierarchical, with byte accounting.
 
-The tensor is cut into P chunks (P = group size). In the *reduce-scatter* phase every rank
-sends one chunk to its successor and adds the chunk it receives from its predecessor, P-1
-times, after which rank ``r`` holds the full sum of chunk ``(r + 1) % P``. In the
-*all-gather* phase the reduced chunks travel once more around the ring (P-1 steps) and
-overwrite the stale copies. Every rank therefore sends ``2 (P-1) / P`` of the tensor, less
-than twice the tensor however many ranks there are: no link carries more, which is why the
-ring is bandwidth-optimal.
-
-**Hierarchical** (:func:`hierarchical_all_reduce`, Horovod's hierarchical all-reduce): on N nodes of
-L processes, a reduce-scatter ring inside each node, then L rings across the nodes, one per local
-rank, each on its L-th, then an all-gather ring inside each node. Every process sends
-``2 (L-1) / L`` of the tensor to its own node and only ``2 (N-1) / N x 1/L`` of it to other
-nodes, and the serial steps that cross nodes drop from 2(NL-1) to 2(N-1).
+*Reduce-scatter*: every rank sends one of P chunks to its successor and adds the one it receives,
+P-1 times, after which rank ``r`` holds the sum of chunk ``(r + 1) % P``; *all-gather*: the
+reduced chunks travel once more around the ring. Every rank sends ``2 (P-1) / P`` of the tensor,
+whatever P: the ring is bandwidth-optimal. **Hierarchical** (Horovod's): on N nodes of L
+processes, reduce-scatter inside each node, L rings across the nodes on an L-th each, all-gather
+inside: ``2 (N-1) / N x 1/L`` of the tensor crosses nodes, in 2(N-1) serial steps instead of 2(NL-1).
 """
 
 from __future__ import annotations
@@ -52,41 +45,32 @@ def ring_all_reduce(
 ) -> CommStats:
     """Reduce ``tensor`` in place across ``group`` with a ring (reduce-scatter, then all-gather).
 
-    Blocks until this rank's result is complete (on CUDA: until it is enqueued on the current
-    stream). Equals ``dist.all_reduce`` up to summation order. Integer ``"avg"`` divides the sum
-    with truncation toward zero (C / NCCL semantics).
+    Blocks until this rank's result is complete (on CUDA: enqueued on the current stream). Equals
+    ``dist.all_reduce`` up to summation order; integer ``"avg"`` truncates toward zero (as NCCL).
 
     Args:
-        tensor: contiguous tensor of a dtype in :data:`SUPPORTED_DTYPES`, same numel and dtype
-            on every rank.
-        group: process group (default: the world group). Use a dedicated group when another
-            thread issues collectives on the default one.
+        tensor: contiguous, of a dtype in :data:`SUPPORTED_DTYPES`, same numel and dtype everywhere.
+        group: default the world; a dedicated group when another thread uses the default one.
         op: ``"sum"`` or ``"avg"``.
-        wire_dtype: ``torch.bfloat16`` / ``torch.float16`` (or ``"bf16"`` / ``"fp16"``) to send
-            chunks in that narrower type while accumulating in the tensor's own dtype; partial
-            sums are rounded once per hop, and the final values are rounded once on every rank
-            (owner included) so all ranks end bit-identical. ``None`` sends the tensor's dtype.
-        check_peers: exchange (numel, dtype, op, wire dtype, input ok) with one small
-            all-gather first, so a mismatched or bad call raises a ``ValueError`` on every rank
-            instead of hanging. Pass ``False`` only where the caller guarantees agreement (the
-            DDP hook: DDP verifies parameter shapes across ranks and builds identical buckets);
-            all ranks must pass the same value.
-        segment_bytes: wire bytes per piece a chunk is sent in on gloo (the pipelining
-            granularity); default 4 MiB, or 2 MiB with a wire dtype.
-        layout: the world's :class:`NodeLayout`, to split the byte counts by node (the
-            returned stats' ``inter_node_bytes_sent`` / ``_received``: what went to / came from
-            the neighbour when it runs on another node); ``None`` leaves them unsplit.
+        wire_dtype: ``"bf16"`` / ``"fp16"`` (or the torch dtypes) to send chunks narrower while
+            accumulating in the tensor's dtype; partial sums are rounded once per hop and the result
+            once on every rank, so all ranks end bit-identical. ``None``: the tensor's dtype.
+        check_peers: one small all-gather of (numel, dtype, op, wire dtype, input ok) first, so a
+            mismatched or bad call raises ``ValueError`` on every rank instead of hanging. ``False``
+            only where agreement is guaranteed (the DDP hook); the same on every rank.
+        segment_bytes: wire bytes per piece on gloo; default 4 MiB, or 2 MiB with a wire dtype.
+        layout: the world's :class:`NodeLayout`, to split the byte counts by node
+            (``inter_node_bytes_*``); ``None`` leaves them unsplit.
 
     Returns:
-        What this rank sent, received and how long the call took (host wall time). ``bytes_sent``
-        is ``2 (P-1) / P x numel x wire itemsize`` up to two elements of uneven chunking.
+        What this rank sent and received (``2 (P-1) / P x numel x wire itemsize`` up to two elements)
+        and its host wall time.
 
     Raises:
-        TypeError: ``tensor`` is not a tensor, or of an unsupported dtype.
-        ValueError: non-contiguous tensor, bad ``op`` or ``wire_dtype``, a layout of another
-            world, or (with ``check_peers``) ranks disagreeing on the call.
-        RingPeerError: a neighbour died or stopped answering within the group's timeout
-            (``peer`` is its rank in ``group``).
+        TypeError: not a tensor, or an unsupported dtype.
+        ValueError: non-contiguous, bad ``op`` / ``wire_dtype``, a layout of another world, or ranks
+            disagreeing on the call.
+        RingPeerError: a neighbour died or stopped answering within the group's timeout.
     """
     start = time.perf_counter()
     pg = _process_group(group)
@@ -130,33 +114,21 @@ def hierarchical_all_reduce(
 ) -> CommStats:
     """Reduce ``tensor`` in place over N nodes of L processes: ring inside, ring across, ring inside.
 
-    1. reduce-scatter over ``intra_group`` (this node's L processes, L-1 steps): local rank i ends
-       with the node's sum of chunk ``(i + 1) % L`` of L;
-    2. a full ring over ``inter_group`` (local rank i of every node, 2 (N-1) steps) on that chunk
-       alone, 1/L of the tensor, dividing by N x L for ``"avg"``;
-    3. all-gather over ``intra_group`` (L-1 steps).
-
-    Each process sends ``2 (L-1)/L x numel`` elements inside its node and ``2 (N-1)/N x numel/L``
-    to other nodes (the flat ring: ``2 (NL-1)/(NL) x numel`` on the links that cross nodes). The
-    result equals ``dist.all_reduce`` over the N x L processes up to summation order and is
-    bit-identical on all of them (with a wire dtype too). With one node (N = 1) or one process per
-    node (L = 1) it is the flat ring over the other group.
+    Reduce-scatter over ``intra_group`` (L-1 steps), a full ring over ``inter_group`` on the chunk
+    this process then owns (2 (N-1) steps; ``"avg"`` divides by N x L), all-gather over
+    ``intra_group``. The result equals ``dist.all_reduce`` up to summation order and is
+    bit-identical everywhere (with a wire dtype too: ``(L-1) + (N-1)`` roundings at most). With
+    N = 1 or L = 1 it is the flat ring over the other group.
 
     Args:
-        tensor: as :func:`ring_all_reduce`.
+        tensor, op, wire_dtype, segment_bytes: as :func:`ring_all_reduce`.
         intra_group: this process's node (:func:`new_hierarchical_groups`).
         inter_group: this process's local rank on every node, in node order.
-        op: ``"sum"`` or ``"avg"``.
-        wire_dtype: as :func:`ring_all_reduce`; partial sums are rounded once per hop of each
-            stage (``(L-1) + (N-1)`` roundings at most, then the final value once).
-        check_peers: as :func:`ring_all_reduce`, checked inside each node and then across nodes
-            (a bad call on any process raises on every process).
-        segment_bytes: as :func:`ring_all_reduce`.
+        check_peers: as :func:`ring_all_reduce`, inside each node and then across nodes.
 
     Returns:
-        This process's bytes, with the node split: ``inter_node_bytes_sent`` (received) is what it
-        sent to (received from) other nodes, exactly ``2 (N-1)/N x numel/L x itemsize`` up to the
-        uneven chunking's few elements.
+        This process's bytes, with ``inter_node_bytes_sent`` / ``_received`` exactly
+        ``2 (N-1)/N x numel/L x itemsize`` up to the uneven chunking's few elements.
 
     Raises:
         TypeError, ValueError, RingPeerError: as :func:`ring_all_reduce`.

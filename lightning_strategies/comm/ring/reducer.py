@@ -22,36 +22,21 @@ class RingBucketReducer:
     """Reduce tensors with :func:`ring_all_reduce` (or :func:`hierarchical_all_reduce`) on one
     background thread, returning futures.
 
-    A ``DistributedDataParallel`` communication hook must return a future without blocking
-    the backward pass, but gloo's point-to-point ``Work`` has no ``get_future()``. So the hook
-    only enqueues the bucket; this thread reduces buckets one at a time *in submission order*
-    (DDP submits them in bucket-index order on every rank, so all ranks meet in the same ring
-    call) and completes each future. The thread uses its own process group so its messages
-    never interleave with collectives the main thread runs on the default group.
-
-    After a failure every later future fails at once with the same error, instead of each
-    waiting out the process-group timeout on a ring that is already broken.
-
-    The thread holds only a weak reference to the reducer: a reducer dropped without
-    :meth:`close` (its strategy never torn down) stops its thread once collected, and one still
-    alive at interpreter exit is closed then, before the interpreter tears down the modules a
-    thread inside a gloo call would still use.
-
-    On CUDA the reducer runs on a stream of its own, which waits for an event recorded on the
-    submitting stream; the futures are CUDA-aware (``devices=``), so whoever waits on one has its
-    stream wait for the reduction, and nothing blocks the host. Each call is timed with a pair
-    of CUDA events, read (without waiting) by :meth:`pop_device_seconds`.
+    A DDP communication hook must return a future without blocking backward, and gloo's
+    point-to-point ``Work`` has no ``get_future()``: the hook only enqueues the bucket, and this
+    thread reduces buckets in submission order (DDP's bucket order, the same on every rank) on a
+    process group of its own. After a failure every later future fails at once with the same error.
+    The thread holds only a weak reference: a reducer dropped without :meth:`close` stops its thread
+    once collected, and one alive at interpreter exit is closed before the modules go. On CUDA it
+    runs on a stream of its own that waits for an event of the submitting stream, completes
+    CUDA-aware futures, and times each call with CUDA events (:meth:`pop_device_seconds`).
 
     Args:
-        group: a process group used only by this reducer; with ``inter_group``, this process's
-            node (the intra-node group of :func:`new_hierarchical_groups`).
-        op: ``"sum"`` or ``"avg"`` (DDP expects averaged gradients: ``"avg"``).
-        wire_dtype: see :func:`ring_all_reduce`.
-        check_peers: see :func:`ring_all_reduce`; off by default because DDP already checks.
-        inter_group: this process's inter-node group: reduce hierarchically
-            (:func:`hierarchical_all_reduce`) instead of one flat ring over ``group``.
-        layout: for the flat ring, the world's :class:`NodeLayout`, to split the byte counts
-            by node (see :func:`ring_all_reduce`).
+        group: used only by this reducer; with ``inter_group``, this process's node.
+        op: ``"sum"`` or ``"avg"`` (DDP expects ``"avg"``).
+        wire_dtype, check_peers, layout: as :func:`ring_all_reduce` (``check_peers`` off by
+            default: DDP checks already).
+        inter_group: this process's inter-node group: reduce hierarchically instead of one flat ring.
     """
 
     def __init__(
@@ -107,20 +92,14 @@ class RingBucketReducer:
         return fut
 
     def pop_stats(self) -> CommStats:
-        """Everything counted since the last call (thread-safe), and reset the counters.
-
-        For CUDA tensors ``seconds`` stays 0: the host only enqueues the ring there, and its
-        device time is read by :meth:`pop_device_seconds`.
-        """
+        """Everything counted since the last call (thread-safe), and reset the counters (CUDA calls: ``seconds`` 0)."""
         with self._lock:
             return self._stats.reset()
 
     def pop_device_seconds(self) -> tuple[float, int]:
-        """Device seconds and number of the CUDA calls completed since the last call, oldest first.
+        """Device seconds and number of the CUDA calls completed since the last call (``(0.0, 0)`` on CPU).
 
-        Only events the device has passed are read (``Event.query``, which does not wait), so
-        calls still running are counted by a later call; read it at logging steps, not every
-        step. ``(0.0, 0)`` on CPU.
+        Only events the device has passed are read (``Event.query``, no wait): read it at logging steps.
         """
         seconds, done = 0.0, 0
         with self._lock:
@@ -133,10 +112,10 @@ class RingBucketReducer:
         return seconds, done
 
     def close(self, timeout: float = 10.0) -> bool:
-        """Stop the thread once queued work is done; return whether it stopped within ``timeout``.
+        """Stop the thread once queued work is done; whether it stopped within ``timeout``.
 
-        A thread still blocked in a ring call (a peer hung) is left behind: it is a daemon, so it
-        cannot keep the process alive, and its group must not be destroyed under it.
+        A thread blocked in a ring call (a hung peer) is left behind: a daemon, whose group must not be
+        destroyed under it.
         """
         self._stopper.detach()
         return _stop_reducer_thread(self._queue, self._thread, timeout)

@@ -1,17 +1,10 @@
 """The ring's steps over point-to-point messages: segmented on gloo, one grouped exchange per step on NCCL.
 
-The tensor is cut into P chunks (P = group size), split as evenly as the element count allows
-(sizes differ by at most one element) instead of being padded, so no padded copy of the tensor
-is ever made and the bytes summed over ranks are exactly ``2 (P-1) x numel x itemsize``.
-
-On gloo the chunks travel in segments (4 MiB, or 2 MiB with a wire dtype; gloo's own ring
-uses 1 MiB): a few receives are always posted ahead, and as soon as one segment has arrived
-and been added it is forwarded to the successor, so receiving, adding and sending overlap.
-With a wire dtype what is forwarded lives in a wire-dtype shadow of the tensor, so a
-segment is converted once per hop and an all-gather segment is forwarded as it arrived.
-On NCCL each step is one ``batch_isend_irecv`` of a whole chunk (NCCL p2p needs grouped calls
-to avoid deadlock; the point of the NCCL path is correctness, NCCL's own all-reduce is the
-fast one).
+Chunks are as even as the element count allows (no padded copy), so the bytes summed over ranks
+are exactly ``2 (P-1) x numel x itemsize``. On gloo they travel in segments (4 MiB, 2 MiB with a
+wire dtype) with a few receives posted ahead, each forwarded as soon as it has been added, so
+receiving, adding and sending overlap. On NCCL each step is one ``batch_isend_irecv`` of a whole
+chunk (NCCL p2p needs grouped calls; NCCL's own all-reduce is the fast one).
 """
 
 from __future__ import annotations
@@ -75,10 +68,8 @@ def _segments(bounds: tuple[int, int], seg_elems: int) -> list[tuple[int, int]]:
 class _Workspace(threading.local):
     """Scratch buffers reused across calls, one set per thread.
 
-    Freshly allocated large CPU buffers are fresh pages from the kernel, whose first-touch page
-    faults cost far more than the copy into them. The buffers grow to the largest call seen (on
-    gloo a few segments, plus with a wire dtype a shadow of ``numel`` wire elements; on NCCL two
-    chunks) and are kept until :func:`release_workspace`.
+    Fresh large CPU buffers cost first-touch page faults far above the copy into them; these grow to
+    the largest call seen and stay until :func:`release_workspace`.
     """
 
     def __init__(self) -> None:
@@ -105,8 +96,8 @@ def release_workspace() -> None:
 class _Ring:
     """Everything one call needs, computed once, so the step loop is only messages and adds.
 
-    ``first`` / ``stop`` select the steps run: all ``2 (P-1)`` (the default), the reduce-scatter
-    ``[0, P-1)`` or the all-gather ``[P-1, 2 (P-1))``, for the hierarchical ring's stages.
+    ``first`` / ``stop`` select the steps: all ``2 (P-1)``, the reduce-scatter ``[0, P-1)`` or the
+    all-gather ``[P-1, 2 (P-1))`` (the hierarchical ring's stages).
     """
 
     flat: torch.Tensor
@@ -173,12 +164,9 @@ class _Ring:
     ) -> None:
         """Fold the segment ``got`` received at step ``t`` into ``mine`` (the same range of the tensor).
 
-        Without a wire dtype the segment to forward at step ``t + 1`` is then ``mine``. With one,
-        reduce-scatter writes the wire-dtype value to forward into ``out`` (default ``got``), and
-        all-gather only upcasts ``got`` into ``mine``: ``got`` itself is forwarded, never cast
-        twice. ``scratch`` (tensor dtype, at least ``got.numel()``) holds the upcast segment:
-        a cast followed by a same-dtype add is cheaper than one mixed-dtype
-        ``torch.add(mine, got, out=scratch)``.
+        With a wire dtype, reduce-scatter writes the value to forward into ``out`` (default ``got``) and
+        all-gather only upcasts ``got``, which is forwarded as it came. ``scratch`` holds the upcast
+        segment: a cast then a same-dtype add is cheaper than one mixed-dtype add.
         """
         world, wire = self.world, self.wire
         if t >= world - 1:  # all-gather: the segment is final
@@ -257,19 +245,11 @@ def _reduce_segment(dst: torch.Tensor, src: torch.Tensor) -> None:
 def _ring_pipelined(ring: _Ring, seg_elems: int, window: int = _WINDOW) -> None:
     """gloo path: a stream of segments, ``window`` receives in flight, each forwarded on arrival.
 
-    The (step, segment) pairs form one sequence of *units* per direction, matched by tag.
-    ``window`` receives are posted ahead: gloo's tcp pair writes a send straight into the
-    socket from the calling thread once the peer has announced the matching receive, and
-    queues it for its event-loop thread otherwise. Reduce-scatter segments land in a few
-    segment-sized slots that are still in cache for the add.
-
-    A forwarded segment can wait a whole step in gloo's send queue (the link to the successor
-    is FIFO and still carries the current step), so what is forwarded lives in tensor-sized
-    storage in which every range is written once per phase: the tensor itself, or with a wire
-    dtype a wire-dtype *shadow* of it. All-gather segments that are forwarded land there
-    directly and leave from there (no copy), and the only wait on a send, before an
-    all-gather segment lands on a range, is for that range's reduce-scatter send a whole phase
-    earlier: no step waits for the previous one to drain.
+    Units (step, segment) are matched by tag. gloo writes a send straight into the socket only when
+    the peer has posted the receive (else its event-loop thread does), hence the window. A forwarded
+    segment may wait a whole step in gloo's FIFO send queue, so what is forwarded lives in
+    tensor-sized storage written once per range and phase (the tensor, or its wire-dtype shadow):
+    all-gather segments land where they leave from, and no step waits for the previous one to drain.
     """
     flat, pg, wire, world = ring.flat, ring.pg, ring.wire, ring.world
     segs = [_segments(c, seg_elems) for c in ring.chunks]
