@@ -44,6 +44,7 @@ __all__ = [
     "is_last_batch",
     "log_due",
     "log_values",
+    "optimizer_state_unsplit",
     "predict_nothing",
     "should_update_logs",
     "unwrap_optimizer",
@@ -375,3 +376,10 @@ def predict_nothing(trainer: pl.Trainer) -> None:
     loop.return_predictions = False
     # Lightning has no public switch for the warning; its cache skips a message it holds already.
     loop._warning_cache.add("predict returned None if it was on purpose, ignore this warning...")
+
+
+def optimizer_state_unsplit(strategy: StrategyBase, optimizer: Optimizer) -> dict[str, Any]:
+    """A model-parallel strategy's optimizer state once its model is whole again (after fit): the
+    state gathered when fit ended, else the optimizer's own."""
+    kept = strategy._state_after_fit(optimizer)
+    return kept if kept is not None else optimizer.state_dict()

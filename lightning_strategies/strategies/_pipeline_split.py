@@ -34,7 +34,7 @@ from lightning_strategies.comm.pipeline_stages import (
     tensors_of,
 )
 from lightning_strategies.pipeline_protocol import check_pipeline_module
-from lightning_strategies.strategies._base import exposed, unwrap_optimizer
+from lightning_strategies.strategies._base import exposed, optimizer_state_unsplit, unwrap_optimizer
 from lightning_strategies.strategies._model_parallel import ModelParallelStrategy
 
 __all__ = [
@@ -243,8 +243,7 @@ class PipelineSplit(ModelParallelStrategy):
         """The full optimizer state on global rank 0 (``{}`` elsewhere), indexed as over the whole module."""
         optimizer = unwrap_optimizer(optimizer)
         if self._mesh is None:
-            kept = self._state_after_fit(optimizer)
-            return kept if kept is not None else optimizer.state_dict()
+            return optimizer_state_unsplit(self, optimizer)
         pp_group = self._gathers()
         if pp_group is None:
             return optimizer.state_dict()

@@ -51,7 +51,7 @@ from lightning_strategies.comm.tensor import (
     shard_full_tensor,
 )
 from lightning_strategies.optim import Lamb, Lars
-from lightning_strategies.strategies._base import exposed, unwrap_optimizer
+from lightning_strategies.strategies._base import exposed, optimizer_state_unsplit, unwrap_optimizer
 from lightning_strategies.strategies._model_parallel import (
     GroupNormPrecision,
     ModelParallelStrategy,
@@ -287,8 +287,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         """The full optimizer state on rank 0, indexed as over the unsplit module (after fit: kept at its end)."""
         opt = unwrap_optimizer(optimizer)
         if self._tp is None:
-            kept = self._state_after_fit(opt)
-            return kept if kept is not None else opt.state_dict()
+            return optimizer_state_unsplit(self, opt)
         if self._replica_rank() != 0:
             return {}
         state = opt.state_dict()
