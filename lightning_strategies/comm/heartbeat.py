@@ -132,10 +132,8 @@ class Heartbeat:
         return self._found
 
     def diagnosis(self) -> PeerDiagnosis:
-        """The watch's diagnosis if it found a peer gone, waiting for one it is making; else
-        :meth:`diagnose` now. A step that failed because the watch aborted its communication (or
-        because a peer's abort ended a shared connection) takes the watch's finding rather than
-        watching the heartbeats for another grace, by when the finding's store host may be gone.
+        """The watch's diagnosis if it found a peer gone (waiting for one in progress), else :meth:`diagnose`
+        now: a step the watch's abort failed takes that finding instead of waiting another grace.
         """
         with self._diagnosing:
             return self._found or self.diagnose()

@@ -64,21 +64,17 @@ class RingAllReduceStrategy(StrategyBase):
     survivor's error names the lost rank(s) (:mod:`lightning_strategies.faults`).
 
     Args:
-        bucket_cap_mb: DDP bucket size in MiB: each bucket is one ring call. Bigger buckets
-            mean fewer calls but later overlap with backward. Grown to
-            ``world_size x min_chunk_bytes`` when that is larger.
-        wire_dtype: ``None`` (send gradients in their own dtype), ``"bf16"`` or ``"fp16"``:
-            send chunks in that type and accumulate in the gradient's dtype (compression).
-        hierarchical: ``None`` (default): hierarchical when the run spans more than one node
-            with more than one process on each; ``True``: the same, and with a single node or a
-            single process per node (where nothing is left to split) the flat ring, said in the
-            log; ``False``: always one flat ring over every process.
-        min_chunk_bytes: the smallest chunk a ring step should move; the bucket grows to
-            ``world_size x min_chunk_bytes`` (:func:`~lightning_strategies.comm.ring.ring_bucket_cap_mb`:
-            at 256 KiB, from 101 processes on for 25 MiB buckets). ``0`` keeps ``bucket_cap_mb``.
-        timeout: process-group timeout, also of the ring's own group: a stuck peer fails the
-            step after this long instead of hanging (default 30 minutes, as DDP; a dead one
-            fails it at once).
+        bucket_cap_mb: DDP bucket size in MiB, one ring call each (bigger: fewer calls, later
+            overlap with backward).
+        wire_dtype: ``None`` (the gradients' dtype), ``"bf16"`` or ``"fp16"``: chunks sent in
+            that type, accumulated in the gradient's.
+        hierarchical: ``None``: hierarchical on more than one node with more than one process
+            each; ``True``: the same, saying so in the log where nothing is left to split;
+            ``False``: always one flat ring.
+        min_chunk_bytes: the smallest chunk a ring step should move: the bucket grows to
+            ``world_size x min_chunk_bytes`` when larger
+            (:func:`~lightning_strategies.comm.ring.ring_bucket_cap_mb`); ``0`` keeps ``bucket_cap_mb``.
+        timeout: process-group timeout, the ring's own group's too (default 30 minutes, as DDP).
         **kwargs: everything else ``DDPStrategy`` takes (``start_method``,
             ``find_unused_parameters``, ``static_graph``, ``process_group_backend``, ...).
 

@@ -28,11 +28,9 @@ MIN_CHUNK_BYTES = 256 << 10
 class NodeLayout:
     """Which processes share a node: the global ranks on each node, in local-rank order.
 
-    Built from every process's node rank and local rank as the launcher assigns them
-    (:meth:`from_ranks`; Lightning's cluster environment reads torchrun's ``GROUP_RANK`` /
-    ``LOCAL_RANK``, SLURM's ``SLURM_NODEID`` / ``SLURM_LOCALID``), not from host names, which
-    containers, aliases and multi-homed hosts make unreliable. Global ranks need not be
-    contiguous per node (SLURM's cyclic distribution).
+    Built from the node and local ranks the launcher assigns (:meth:`from_ranks`: torchrun's
+    ``GROUP_RANK`` / ``LOCAL_RANK``, SLURM's ``SLURM_NODEID`` / ``SLURM_LOCALID``), never from host
+    names; global ranks need not be contiguous per node (SLURM's cyclic distribution).
 
     Attributes:
         nodes: ``nodes[n][i]`` is the global rank of local rank ``i`` on node ``n``.
@@ -171,12 +169,9 @@ def new_hierarchical_groups(
 def ring_bucket_cap_mb(bucket_cap_mb: float, world: int, min_chunk_bytes: int = MIN_CHUNK_BYTES) -> float:
     """The DDP bucket size (MiB) that gives each of a ``world``-process ring's chunks ``min_chunk_bytes``.
 
-    A ring call cuts its bucket into ``world`` chunks and moves one per step, 2 (world - 1) steps in
-    series; the flat and the hierarchical ring alike end with chunks of ``bucket / world``. The
-    rule: ``max(bucket_cap_mb, world x min_chunk_bytes / 2^20)``, so below
-    ``bucket_cap_mb x 2^20 / min_chunk_bytes`` processes nothing changes, and above it the bucket
-    grows linearly with P: fewer ring calls per backward pass (each with P-times-larger messages)
-    at the price of a later start of the first call (less overlap with backward).
+    Both rings cut a bucket into ``world`` chunks, one per serial step: the rule is
+    ``max(bucket_cap_mb, world x min_chunk_bytes / 2^20)``, so the bucket grows linearly with P past
+    ``bucket_cap_mb x 2^20 / min_chunk_bytes`` processes (fewer, larger calls; a later first one).
     ``min_chunk_bytes=0`` keeps ``bucket_cap_mb``.
     """
     if world < 1 or min_chunk_bytes < 0:
