@@ -10,8 +10,8 @@ shards, byte counting) and :mod:`lightning_strategies.comm.rpc`, with no Lightni
   (Zhang et al. 2016, "Staleness-aware async-SGD"). It also counts every worker's pushes.
 - :class:`AsyncParameterServerClient`, the worker's side: push (optionally with a pull in the
   same round trip) and pull. Its batches come from a lease
-  (:class:`~lightning_strategies.comm.lease.BatchLease`) of the
-  :class:`~lightning_strategies.comm.coordinator.AsyncCoordinator` (rank 0), which keeps the
+  (:class:`~lightning_strategies.comm.async_.lease.BatchLease`) of the
+  :class:`~lightning_strategies.comm.async_.coordinator.AsyncCoordinator` (rank 0), which keeps the
   workers' clocks, the staleness bound and the epoch's data queue.
 """
 
@@ -25,9 +25,16 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from lightning_strategies.comm.coordinator import RECORD_LIMIT
-from lightning_strategies.comm.ps import Packed, ParameterServerClient, ParameterShard, pack, payload_bytes
-from lightning_strategies.comm.rpc import ShardError, hosted_shard
+from lightning_strategies.comm.async_.messages import RECORD_LIMIT
+from lightning_strategies.comm.ps import (
+    Packed,
+    ParameterServerClient,
+    ParameterShard,
+    hosted_shard,
+    pack,
+    payload_bytes,
+)
+from lightning_strategies.comm.rpc import ShardError
 
 __all__ = [
     "STALENESS_LR",

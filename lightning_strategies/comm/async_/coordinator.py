@@ -1,0 +1,640 @@
+"""The async coordinator, hosted by rank 0 of an ``"async"`` run: it composes the batch queue
+(:mod:`.queue`), the staleness clocks (:mod:`.clocks`), the membership (:mod:`.membership`) and
+a watchdog (:mod:`.watchdog`), answers the workers' RPCs and keeps the chief's bulletin.
+
+A worker does not ask for each batch: it takes them from a local lease (:mod:`.lease`), refilled
+in the background; a refill carries the worker's clock and the batches it pushed since the last
+one (*acks*). The staleness bound is checked where steps start (:meth:`AsyncCoordinator.gate`),
+not where batches are drawn, so loader processes that fetch indices ahead change nothing; leases
+are also held back (flow control, :meth:`.clocks.SSPClocks.credit`), and held refills and gates
+wait in one heap keyed by the clock they need. The slowest worker is never held, so some worker
+always progresses.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+from torch.futures import Future
+
+from lightning_strategies.comm.async_.clocks import SSPClocks
+from lightning_strategies.comm.async_.membership import ChangingMembership, FixedMembership, Membership, Ready
+from lightning_strategies.comm.async_.messages import DataPlan, GateReply, JoinReply, LeaseReply, ReportReply
+from lightning_strategies.comm.async_.queue import BatchQueue
+from lightning_strategies.comm.async_.watchdog import DeadlineWatchdog, deliver
+from lightning_strategies.comm.async_.workers import Held, WorkerState
+from lightning_strategies.comm.rpc import ShardError, completed
+
+__all__ = ["AsyncCoordinator"]
+
+
+class AsyncCoordinator:
+    """The epoch's batch queue, leases, the staleness bound and worker membership, thread-safe.
+
+    Answers that must wait are futures, completed outside the lock (a future's callbacks
+    serialise the RPC reply inline).
+
+    Args:
+        workers: the training ranks (or their number, for ranks ``0 .. n-1``).
+        max_staleness: the SSP bound ``s``; ``None`` for no bound.
+        timeout: how long a held refill waits before failing with an error naming the workers it
+            waited for.
+        push_every: the workers' ``push_every`` (a clock counts pushes, a lease counts batches).
+        elastic: workers may be dropped and may join (:class:`.membership.ChangingMembership`);
+            the chief opens epochs.
+    """
+
+    def __init__(
+        self,
+        workers: int | Sequence[int],
+        max_staleness: int | None,
+        *,
+        timeout: timedelta = timedelta(minutes=30),
+        push_every: int = 1,
+        elastic: bool = False,
+    ) -> None:
+        ranks = list(range(workers)) if isinstance(workers, int) else list(workers)
+        if not ranks:
+            raise ValueError(f"AsyncCoordinator(workers={workers!r}): expected at least one worker")
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 or None, found {max_staleness}")
+        if push_every < 1:
+            raise ValueError(f"push_every must be >= 1, found {push_every}")
+        self.timeout = timeout
+        self.elastic = elastic
+        self._workers = {r: WorkerState(r) for r in ranks}
+        self._lock = threading.Lock()
+        self._progress = threading.Condition(self._lock)  # acks, drops, joins: the chief waits on it
+        self._clocks = SSPClocks(self._workers, max_staleness, push_every)
+        self._queue = BatchQueue(self._workers, self._clocks)
+        self._members: Membership = (ChangingMembership if elastic else FixedMembership)(self._workers, self._queue)
+        self._watchdog = DeadlineWatchdog(self._lock, self._expire)
+        self._waiting: list[tuple[int, int, Held]] = []  # heap of (need, seq, request held on credit)
+        self._seq = itertools.count()
+        self._current: int | None = None  # membership: the epoch the chief opened last
+        self._stopped = False
+        self._failure: str | None = None
+        self._lrs: list[float] | None = None
+        self._published: dict[str, Any] = {}
+        for w in self._workers.values():
+            self._clocks.push(w)
+
+    # -- inspection -------------------------------------------------------------------------
+
+    @property
+    def max_staleness(self) -> int | None:
+        return self._clocks.max_staleness
+
+    @max_staleness.setter
+    def max_staleness(self, value: int | None) -> None:
+        self._clocks.max_staleness = value
+
+    @property
+    def push_every(self) -> int:
+        return self._clocks.push_every
+
+    @property
+    def admissions(self) -> Any:
+        """(worker, clock in the staleness frame, lowest other clock) at every step admitted under a bound."""
+        return self._clocks.admissions
+
+    @property
+    def clock_log(self) -> Any:
+        """Every worker's clock after each change (-1: not alive or not active)."""
+        return self._clocks.clock_log
+
+    @property
+    def events(self) -> Any:
+        """(rank, incarnation, "join"/"drop"/"leave", seconds since start, why, time.time())."""
+        return self._members.events
+
+    @property
+    def on_drop(self) -> Callable[[int, int, str, str], None] | None:
+        """Called (outside the lock) with (rank, incarnation, name, reason) when a worker is dropped."""
+        return self._members.on_drop
+
+    @on_drop.setter
+    def on_drop(self, hook: Callable[[int, int, str, str], None] | None) -> None:
+        self._members.on_drop = hook
+
+    @property
+    def workers_lost(self) -> int:
+        return self._members.workers_lost
+
+    @property
+    def workers_joined(self) -> int:
+        return self._members.workers_joined
+
+    @property
+    def batches_redrawn(self) -> int:
+        return self._queue.batches_redrawn
+
+    @property
+    def batches_returned(self) -> int:
+        return self._queue.batches_returned
+
+    @property
+    def ranks(self) -> list[int]:
+        """Every worker rank the coordinator knows, in order."""
+        return sorted(self._workers)
+
+    def _per_worker(self, value: Callable[[WorkerState], Any]) -> list[Any]:
+        with self._lock:
+            return [value(self._workers[r]) for r in sorted(self._workers)]
+
+    @property
+    def clocks(self) -> list[int]:
+        """Every worker's clock (pushes reported), in rank order."""
+        return self._per_worker(lambda w: w.clock)
+
+    @property
+    def wait_seconds(self) -> list[float]:
+        """Seconds each worker's refills were held by the staleness bound, in rank order."""
+        return self._per_worker(lambda w: w.wait_seconds)
+
+    @property
+    def held_refills(self) -> list[int]:
+        """Refills held by the staleness bound, per worker in rank order."""
+        return self._per_worker(lambda w: w.held_refills)
+
+    @property
+    def alive(self) -> list[int]:
+        """The ranks of the workers alive now."""
+        with self._lock:
+            return sorted(r for r, w in self._workers.items() if w.alive)
+
+    @property
+    def current_epoch(self) -> int | None:
+        """The epoch the chief opened last (membership runs)."""
+        return self._current
+
+    @property
+    def stopped(self) -> bool:
+        """The run is over (:meth:`close`)."""
+        return self._stopped
+
+    def served(self, epoch: int) -> list[int]:
+        """Batches leased to each worker in epoch ``epoch``, in rank order (zeros when unknown)."""
+        with self._lock:
+            known = self._queue.epochs.get(epoch)
+            return [known.served.get(r, 0) if known else 0 for r in sorted(self._workers)]
+
+    def remaining(self, epoch: int) -> int:
+        """Batches of epoch ``epoch`` not leased yet."""
+        with self._lock:
+            known = self._queue.epochs.get(epoch)
+            return len(known.queue) if known is not None else 0
+
+    def name_of(self, rank: int) -> str:
+        """The RPC name the current incarnation of ``rank`` joined under ('' before it joined)."""
+        with self._lock:
+            w = self._workers.get(rank)
+            return w.name if w is not None else ""
+
+    def joined(self, rank: int) -> bool:
+        """Whether the current incarnation of ``rank`` has joined (membership runs)."""
+        with self._lock:
+            w = self._workers.get(rank)
+            return w is not None and w.alive and w.joined
+
+    def accounting(self, epoch: int) -> dict[str, Any]:
+        """Who counted each batch of ``epoch`` (``done``: index -> rank), and the redrawn indices."""
+        with self._lock:
+            return self._queue.accounting(epoch)
+
+    def done_count(self, epoch: int) -> int:
+        """Batches of ``epoch`` acked so far."""
+        with self._lock:
+            return self._queue.done_count(epoch)
+
+    def left_or_lost(self) -> bool:
+        """(Membership) Whether every worker has left or been dropped."""
+        with self._lock:
+            return not any(w.alive for w in self._workers.values())
+
+    # -- refills, reports, gates --------------------------------------------------------------
+
+    def refill(
+        self,
+        worker: int,
+        epoch: int,
+        want: int,
+        *,
+        clock: int,
+        acks: Sequence[tuple[int, int]] = (),
+        plan: DataPlan,
+        incarnation: int = 0,
+        prefetch: int = 0,
+    ) -> Future[LeaseReply | ShardError]:
+        """Lease up to ``want`` more batches to ``worker``, after taking its clock and acks.
+
+        With no work left, a worker that still holds batches is told ``over`` (its loop draws one
+        batch ahead of its step, so it could not finish them while waiting); one that holds none
+        waits for work (a redraw, the next epoch) or for the end of the run. The future completes
+        at once unless the staleness bound leaves no credit (``prefetch``: the batches the
+        worker's loader holds ahead of its steps, allowed on top) or there is no work yet.
+        """
+        fut: Future[LeaseReply | ShardError] = Future()
+        ready: list[Ready] = []
+        with self._lock:
+            w = self._workers.get(worker)
+            if self._failure is not None:
+                return completed(ShardError(f"the async coordinator has failed earlier: {self._failure}"))
+            if w is None:
+                return completed(
+                    ShardError(
+                        f"async coordinator: refill from worker {worker}, expected one of the workers {self.ranks}"
+                    )
+                )
+            error = self._members.check_refill(w, epoch, plan, incarnation)
+            if error is not None:
+                return completed(ShardError(error))
+            self._queue.take_acks(w, acks)
+            opened = self._clocks.set_clock(w, clock)
+            held = self._new_held(worker, fut, epoch=epoch, want=max(1, want), prefetch=max(0, prefetch))
+            if w.pending is not None and not w.pending.done:  # a new refill replaces an older held one
+                ready.append((w.pending.future, self._empty_reply(w, w.pending)))
+                w.pending.done = True
+            answer = self._answer(w, held)
+            if answer is not None:
+                ready.append((fut, answer))
+            else:
+                self._hold(w, held)
+            if opened:
+                ready += self._release_credit()
+            if acks:
+                self._progress.notify_all()
+        deliver(ready)
+        return fut
+
+    def report(
+        self,
+        worker: int,
+        clock: int,
+        acks: Sequence[tuple[int, int]] = (),
+        *,
+        incarnation: int = 0,
+        finished: bool = False,
+        publish: dict[str, Any] | None = None,
+        returned: Sequence[tuple[int, int]] = (),
+    ) -> ReportReply:
+        """``worker`` has pushed ``clock`` times, and pushed the batches ``acks``; never waits.
+
+        ``finished``: it has trained every batch it will get of its loop epoch, so it no longer
+        holds the others back until an epoch starts again (it would wait for them, at validation).
+        ``publish``: (membership) values the chief reads, such as the worker's latest buffers.
+        ``returned``: leased batches the worker will not train: back to the front of their queues.
+        """
+        with self._lock:
+            w = self._workers.get(worker)
+            if w is None or not w.alive or w.incarnation != incarnation:
+                return ReportReply(None)  # a dropped worker's late report changes nothing
+            self._queue.take_acks(w, acks)
+            if publish:
+                self._published.update(publish)
+            if returned:
+                self._queue.requeue(w, [(int(e), int(i)) for e, i in returned], redrawn=False)
+            changed = self._clocks.set_clock(w, clock)
+            if finished and not w.outstanding and w.active:
+                self._clocks.set_active(w, False)
+                self._clocks.log()
+                changed = True
+            ready = self._release_credit() if changed else []
+            if returned:
+                ready += self._retry_all()  # work came back: the held refills may take it
+            if w.pending is not None and not w.pending.done and w.pending.credit_held:
+                ready += self._retry(w.pending)  # its own acks gave it credit
+            if acks:
+                self._progress.notify_all()
+            low = self._clocks.min_other(worker)
+        deliver(ready)
+        return ReportReply(low)
+
+    def gate(self, worker: int, clock: int, *, incarnation: int = 0) -> Future[GateReply | ShardError]:
+        """Open when every other (active) worker has pushed ``clock - max_staleness`` times.
+
+        ``clock`` is the worker's clock at the step it is about to start, in the bound's frame
+        (with its offset); a held gate fails after ``timeout``, naming the workers it waited for.
+        """
+        with self._lock:
+            w = self._workers.get(worker)
+            if self._failure is not None:
+                return completed(ShardError(f"the async coordinator has failed earlier: {self._failure}"))
+            if w is None or not w.alive or w.incarnation != incarnation:
+                return completed(ShardError(f"async coordinator: gate of worker {worker}, which is not in the run"))
+            s = self.max_staleness
+            low = self._clocks.min_other(worker)
+            need = clock - (s or 0)
+            if s is None or low is None or low >= need:
+                if s is not None and low is not None:
+                    self.admissions.append((worker, clock, low))
+                return completed(GateReply(low))
+            fut: Future[GateReply | ShardError] = Future()
+            held = self._new_held(worker, fut, need=need, credit_held=True, gate=True)
+            if w.gate is not None and not w.gate.done:
+                w.gate.done = True  # replaced: its worker gave up on it
+            w.gate = held
+            w.held_refills += 1
+            heapq.heappush(self._waiting, (need, next(self._seq), held))
+            self._watchdog.watch(held)
+        return fut
+
+    def _new_held(self, worker: int, fut: Future[Any], **fields: Any) -> Held:
+        now = time.monotonic()
+        deadline = now + self.timeout.total_seconds() * self._members.patience
+        return Held(worker, fields.pop("epoch", -1), fields.pop("want", 0), now, fut, deadline, **fields)
+
+    def _answer(self, w: WorkerState, held: Held) -> LeaseReply | None:
+        """The answer to ``held`` if it can be given now (holding the lock), else ``None``."""
+        if self._stopped:
+            return LeaseReply([], over=True, stop=True, offset=w.offset, lrs=self._lrs)
+        sources = self._members.sources(w, held)
+        if sources is None:
+            return None  # membership: no work yet
+        if not sources:
+            return LeaseReply([], over=True, waited=self._waited(held), offset=w.offset, lrs=self._lrs)
+        credit, low = self._clocks.credit(w)
+        available = sum(n for _, n in sources)
+        alive = self._members.alive_count
+        n = min(held.want, available, max(1, math.ceil(available * self._queue.share(w, alive) / 2)))
+        if credit is not None:
+            credit += held.prefetch
+            if credit <= 0:
+                held.credit_held = True
+                assert self.max_staleness is not None
+                # credit reappears once the lowest other clock reaches this
+                beyond = len(w.outstanding) - held.prefetch
+                held.need = w.gate_clock - self.max_staleness + beyond // self.push_every
+                return None
+            n = min(n, credit)
+        leased = self._queue.lease(w, sources, n, low)
+        pace = self._queue.share(w, alive) * max(1, alive)
+        return LeaseReply(leased, waited=self._waited(held), offset=w.offset, lrs=self._lrs, pace=pace)
+
+    @staticmethod
+    def _waited(held: Held) -> float:
+        return time.monotonic() - held.start if held.credit_held or held.done else 0.0
+
+    def _empty_reply(self, w: WorkerState, held: Held) -> LeaseReply:
+        return LeaseReply([], waited=time.monotonic() - held.start, offset=w.offset, lrs=self._lrs)
+
+    def _hold(self, w: WorkerState, held: Held) -> None:
+        w.pending = held
+        if held.credit_held:
+            w.held_refills += 1
+            heapq.heappush(self._waiting, (held.need, next(self._seq), held))
+        self._watchdog.watch(held)
+
+    def _release_credit(self) -> list[Ready]:
+        """Answer the requests held on credit that the current lowest clock opens (holding the lock)."""
+        ready: list[Ready] = []
+        low = self._clocks.min_all()
+        while self._waiting and (low is None or self._waiting[0][0] <= low):
+            _, _, held = heapq.heappop(self._waiting)
+            ready += self._retry(held)
+            low = self._clocks.min_all()
+        return ready
+
+    def _retry(self, held: Held) -> list[Ready]:
+        """Try a held refill or gate again (holding the lock): its answer, or it is held again."""
+        w = self._workers[held.worker]
+        if held.gate:
+            return self._retry_gate(w, held)
+        if held.done or w.pending is not held:
+            return []
+        held.credit_held = False
+        answer = self._answer(w, held)
+        if answer is None:
+            if held.credit_held:  # still short of credit: wait for a higher clock
+                heapq.heappush(self._waiting, (held.need, next(self._seq), held))
+            return []
+        answer.waited = time.monotonic() - held.start
+        w.wait_seconds += answer.waited if self.max_staleness is not None else 0.0
+        held.done = True
+        w.pending = None
+        return [(held.future, answer)]
+
+    def _retry_gate(self, w: WorkerState, held: Held) -> list[Ready]:
+        if held.done or w.gate is not held:
+            return []
+        low = self._clocks.min_other(w.rank)
+        if low is not None and low < held.need:
+            heapq.heappush(self._waiting, (held.need, next(self._seq), held))
+            return []
+        waited = time.monotonic() - held.start
+        w.wait_seconds += waited
+        held.done = True
+        w.gate = None
+        if low is not None:
+            self.admissions.append((w.rank, held.need + (self.max_staleness or 0), low))
+        return [(held.future, GateReply(low, waited))]
+
+    def _retry_all(self) -> list[Ready]:
+        """Try every held request again (an epoch opened, work was put back, the run stopped): O(P)."""
+        ready: list[Ready] = []
+        for w in self._workers.values():
+            for held in w.held():
+                ready += self._retry(held)
+        return ready
+
+    def take_held(self) -> list[Held]:
+        """Every request still held, each marked answered (holding the lock)."""
+        held = []
+        for w in self._workers.values():
+            for h in w.held():
+                h.done = True
+                held.append(h)
+            w.pending = w.gate = None
+        self._waiting.clear()
+        return held
+
+    def _expire(self, held: Held) -> list[Ready]:
+        """The watchdog's answers for ``held``, past its deadline (holding the lock)."""
+        seconds = self.timeout.total_seconds()
+        if not held.credit_held:
+            message = (
+                f"worker {held.worker} waited {seconds:.0f}s for batches: no epoch was opened and none was "
+                "redrawn (the chief validating or checkpointing for longer than `timeout`?). To wait longer, raise "
+                "the strategy's `timeout`."
+            )
+        else:
+            mine = self._workers[held.worker].gate_clock
+            behind = {
+                r: x.gate_clock
+                for r, x in self._workers.items()
+                if r != held.worker and x.alive and x.gate_clock < held.need
+            }
+            message = (
+                f"worker {held.worker} (clock {mine}) waited {seconds:.0f}s for worker(s) {sorted(behind)} "
+                f"(clocks {list(behind.values())}) to push step {held.need} (max_staleness={self.max_staleness}). "
+                f"Worker(s) {sorted(behind)} died or are stuck; check their logs. To wait longer for slow workers, "
+                "raise the strategy's `timeout`."
+            )
+        return self._members.timed_out(self, held, ShardError(message, timed_out=True))
+
+    # -- failures and membership ---------------------------------------------------------------
+
+    def set_failure(self, message: str) -> None:
+        """The run failed with ``message`` (holding the lock): every later request fails with it."""
+        self._failure = message
+
+    def fail(self, worker: int, reason: str) -> None:
+        """Worker ``worker`` failed: with membership it is dropped; else every held and later refill
+        fails, naming it."""
+        self._members.failed(self, worker, reason)
+
+    def abort(self, reason: str) -> None:
+        """The run cannot go on (a server is lost): every held and later refill fails with ``reason``,
+        and so does the chief's :meth:`wait_done`."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = reason
+            error = ShardError(self._failure)
+            held = self.take_held()
+            self._progress.notify_all()
+        deliver([(h.future, error) for h in held])
+
+    def join(self, worker: int, incarnation: int, name: str = "") -> JoinReply:
+        """(Membership) ``worker`` starts, or restarts as ``incarnation``: alive, clock 0, and in the
+        staleness frame at the others' lowest clock, so that a newcomer does not hold them back."""
+        with self._lock:
+            w = self._workers.get(worker)
+            if w is None:
+                raise ValueError(f"async coordinator: join of rank {worker}, expected one of the workers {self.ranks}")
+            restarted = w.incarnation != incarnation or not w.alive
+            if w.alive and w.incarnation != incarnation:
+                self._drop_locked(w, f"rank {worker} restarted as incarnation {incarnation}")
+            if restarted:
+                low = self._clocks.min_all()
+                w = self._members.admit(worker, incarnation, name, low if low is not None else 0)
+                self._clocks.push(w)
+                self._clocks.log()
+            w.name, w.joined = name or w.name, True
+            self._progress.notify_all()
+            epoch = self._current if self._current is not None else 0
+            return JoinReply(epoch, w.offset, self._lrs, dict(self._published))
+
+    def drop(self, worker: int, reason: str, *, incarnation: int | None = None) -> bool:
+        """(Membership) Drop ``worker`` (lost, failed or frozen past the timeout): its leased,
+        unpushed batches go back to the front of their epochs' queues and are leased again.
+
+        Returns:
+            Whether it was alive (and ``incarnation`` matched, when given).
+        """
+        with self._lock:
+            w = self._workers.get(worker)
+            if w is None or not w.alive or (incarnation is not None and w.incarnation != incarnation):
+                return False
+            ready = self._drop_locked(w, reason)
+            name, inc = w.name, w.incarnation
+        deliver(ready)
+        if self.on_drop is not None:
+            self.on_drop(worker, inc, name, reason)
+        return True
+
+    def leave(self, worker: int, incarnation: int = 0) -> None:
+        """(Membership) ``worker`` finished the run and leaves (not counted as lost)."""
+        with self._lock:
+            w = self._workers.get(worker)
+            if w is None or not w.alive or w.incarnation != incarnation:
+                return
+            ready = self._drop_locked(w, "left", lost=False)
+        deliver(ready)
+
+    def _drop_locked(self, w: WorkerState, reason: str, *, lost: bool = True) -> list[Ready]:
+        self._members.remove(w, reason, lost=lost)
+        ready: list[Ready] = []
+        for held in w.held():
+            held.done = True
+            ready.append((held.future, ShardError(f"worker {w.rank} was dropped: {reason}")))
+        w.pending = w.gate = None
+        self._queue.dropped(w)
+        w.version += 1  # out of the staleness frame
+        self._clocks.log()
+        ready += self._release_credit()
+        ready += self._retry_all()
+        self._progress.notify_all()
+        return ready
+
+    # -- the chief (membership) -------------------------------------------------------------
+
+    def open_epoch(self, epoch: int, plan: DataPlan) -> None:
+        """Open data epoch ``epoch``: its batches are leased from now on (held refills are answered)."""
+        with self._lock:
+            if epoch not in self._queue.epochs:
+                self._queue.open(epoch, plan, self._members.alive_count)
+            self._clocks.activate_all()
+            self._current = epoch
+            ready = self._retry_all()
+        deliver(ready)
+
+    def wait_done(
+        self, epoch: int, at_least: int, *, timeout: float, should_stop: Callable[[], bool] | None = None
+    ) -> int:
+        """Block until ``at_least`` batches of ``epoch`` are acked (or the epoch is complete).
+
+        Raises:
+            TimeoutError: no worker was alive for ``timeout`` seconds while waiting.
+            RuntimeError: ``should_stop`` returned True, or the coordinator failed.
+        """
+        deadline = None
+        with self._lock:
+            while True:
+                known = self._queue.epochs.get(epoch)
+                done = len(known.done) if known is not None else 0
+                if known is not None and (done >= at_least or known.complete):
+                    return done
+                if self._failure is not None:
+                    raise RuntimeError(f"async coordinator: {self._failure}")
+                if any(w.alive for w in self._workers.values()):
+                    deadline = None
+                elif deadline is None:
+                    deadline = time.monotonic() + timeout
+                elif time.monotonic() > deadline:
+                    lost = sorted(r for r, w in self._workers.items() if not w.alive)
+                    raise TimeoutError(
+                        f"async coordinator: every worker is gone ({lost} lost or finished) and none joined within "
+                        f"{timeout:.0f}s, with {done} of {len(known.batches) if known else '?'} batches of epoch "
+                        f"{epoch} done. Fix: restart the lost workers (they rejoin), or raise the strategy's `timeout`."
+                    )
+                if should_stop is not None and should_stop():
+                    raise RuntimeError(f"async coordinator: told to stop while waiting for epoch {epoch}")
+                self._progress.wait(0.25)
+
+    def close(self) -> None:
+        """(Membership) The run is over: every held and later refill is answered ``stop``."""
+        with self._lock:
+            self._stopped = True
+            ready = self._retry_all()
+        deliver(ready)
+
+    def set_lrs(self, lrs: Sequence[float]) -> None:
+        """(Membership) The chief's current learning rates, handed to every worker with its leases."""
+        with self._lock:
+            self._lrs = [float(x) for x in lrs]
+
+    def publish(self, **state: Any) -> None:
+        """(Membership) Keep ``state`` (scheduler states, buffers, ...) for joining workers and the chief."""
+        with self._lock:
+            self._published.update(state)
+
+    def published(self, key: str) -> Any:
+        """The value last :meth:`publish` ed under ``key`` (``None`` if none)."""
+        with self._lock:
+            return self._published.get(key)
+
+    def shutdown(self) -> None:
+        """Stop the watchdog thread and fail what is still held (at teardown)."""
+        with self._lock:
+            held = self.take_held()
+            thread = self._watchdog.close()
+        deliver([(h.future, ShardError("the async coordinator shut down")) for h in held])
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)

@@ -1,0 +1,476 @@
+"""The worker's side of the async coordinator: a local lease of batches, refilled in the background.
+
+A worker draws each batch from its :class:`BatchLease`, a local queue of a few batches leased by
+the :class:`~lightning_strategies.comm.async_.coordinator.AsyncCoordinator` (rank 0). When the lease runs
+low (half of ``lease``) it asks for more without waiting (``rpc_async``: the answer fills the
+lease from an RPC thread), so the worker waits for the coordinator only when the lease is empty:
+at an epoch's first batch, or when the staleness bound holds leases back. Each refill carries the
+worker's clock and the batches it has pushed since the last message (acks); with a bound (or
+while a refill is held) the clock is also reported after each push, at most one report in flight
+(later clocks are coalesced into the next one), so the slow workers' progress reaches the
+coordinator without a message per step, and each step is admitted by :meth:`BatchLease.admit`
+in the training process: at once when the others' clocks known when its batch was leased allow
+it, else after a gate round trip.
+
+Every wait is bounded (the RPC timeout exceeds the coordinator's own) and polls ``should_stop``,
+so a process told to stop (SIGTERM) does not sit out the timeout. No Lightning import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch.futures import Future
+
+from lightning_strategies.comm.async_.endpoints import (
+    _rpc_fail,
+    _rpc_gate,
+    _rpc_join,
+    _rpc_leave,
+    _rpc_published,
+    _rpc_refill,
+    _rpc_report,
+    local_coordinator,
+)
+from lightning_strategies.comm.async_.messages import (
+    RECORD_LIMIT,
+    DataPlan,
+    GateReply,
+    JoinReply,
+    LeasedBatch,
+    LeaseReply,
+    ReportReply,
+)
+from lightning_strategies.comm.rpc import call_host, wait_reply
+
+__all__ = ["DEFAULT_LEASE", "BatchLease", "fetch_published", "join_run", "leave_run", "report_failure"]
+
+#: Batches a worker leases at a time: enough to hide a refill's round trip behind a few steps,
+#: few enough that the epoch's tail is shared out finely (the coordinator also shrinks leases
+#: as the queue drains).
+DEFAULT_LEASE = 4
+_POLL_S = 0.25
+
+
+def _local(coordinator_rank: int, worker: int) -> bool:
+    return worker == coordinator_rank and local_coordinator() is not None
+
+
+class BatchLease:
+    """A worker's lease of batches from the coordinator, and its clock reports.
+
+    Args:
+        worker: this worker's rank.
+        coordinator_rank: the rank hosting the coordinator.
+        rpc_timeout: seconds an RPC to the coordinator may take; it must exceed the coordinator's
+            own bound on a held refill (its ``timeout``), so that its error, naming the workers it
+            waited for, arrives first.
+        lease: batches to hold (refilled when half are used); a worker slower than the mean holds
+            fewer (:attr:`size`).
+        max_staleness: the bound ``s`` (``None``: none; then no clock is reported per push and no
+            step is gated).
+        prefetch: batches the training loop draws ahead of the step it runs (Lightning's one, plus
+            ``prefetch_factor x num_workers`` for loader processes): the bound's flow control
+            leases that many on top.
+        incarnation: this process's incarnation of the rank (membership runs).
+    """
+
+    def __init__(
+        self,
+        worker: int,
+        *,
+        coordinator_rank: int = 0,
+        rpc_timeout: float,
+        lease: int = DEFAULT_LEASE,
+        max_staleness: int | None = None,
+        prefetch: int = 1,
+        incarnation: int = 0,
+    ) -> None:
+        if lease < 1:
+            raise ValueError(f"BatchLease(lease={lease}): expected at least 1 batch")
+        self.worker = worker
+        self.coordinator_rank = coordinator_rank
+        self.rpc_timeout = rpc_timeout
+        self.lease = lease
+        self.max_staleness = max_staleness
+        self.report_clock = max_staleness is not None
+        self.prefetch = prefetch
+        self.incarnation = incarnation
+        self._known_min: int | None = None  # the others' lowest clock, as a gate last answered
+        self._cond = threading.Condition(threading.RLock())  # a local coordinator answers inline
+        self._batches: deque[LeasedBatch] = deque()
+        self._refill: Future[Any] | None = None
+        self._refill_started = 0.0
+        self._over = False
+        self._stop = False
+        self._error: BaseException | None = None
+        self._acks: list[tuple[int, int]] = []
+        # acks sent in reports not answered yet: a refill carries them again, so that the clock it
+        # reports and its unpushed batches agree (the coordinator ignores an ack it has counted)
+        self._unconfirmed: list[tuple[int, int]] = []
+        self._clock = 0
+        self._report: Future[Any] | None = None
+        self._report_due = False
+        self._taken = 0  # batches drawn in the current loop epoch
+        self._loop_epoch: int | None = None  # the loop epoch ``_taken`` counts
+        self._pace = 1.0  # this worker's speed over the mean worker's, as the coordinator measures it
+        self.offset = 0
+        self.lrs: list[float] | None = None
+        self.min_other: int | None = None
+        #: seconds the worker waited for a refill (lease empty), and for the staleness bound (its gate,
+        #: or a refill it held)
+        self.wait_seconds = 0.0
+        self.gate_seconds = 0.0
+        #: a refill was held by the bound since the last :meth:`take_held` (pull before training on)
+        self._held = False
+        self.refills = 0
+        self.reports = 0
+        #: (this worker's clock at a step, the others' lowest clock when its batch was leased)
+        self.admissions: deque[tuple[int, int]] = deque(maxlen=RECORD_LIMIT)
+
+    # -- drawing --------------------------------------------------------------------------------
+
+    @property
+    def stopped(self) -> bool:
+        """The coordinator ended the run (membership runs)."""
+        return self._stop
+
+    def next(
+        self,
+        epoch: int,
+        plan: DataPlan,
+        *,
+        limit: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> LeasedBatch | None:
+        """The next batch of this worker's loop epoch ``epoch``, or ``None`` when the epoch is over.
+
+        Args:
+            epoch: the loop epoch (the coordinator's epoch without membership).
+            plan: how the epoch is batched (the same on every rank).
+            limit: at most this many batches in the epoch (``Trainer(limit_train_batches=n)``).
+            should_stop: polled while waiting; when it returns True the wait raises.
+
+        Raises:
+            RuntimeError / TimeoutError: naming what the coordinator waited for, or the failure.
+        """
+        with self._cond:
+            if epoch != self._loop_epoch:
+                # a new loop epoch, also when the last one ended without a draw past its end
+                # (Lightning stops at `limit_train_batches` without fetching one batch more)
+                if self._loop_epoch is not None and self._taken:
+                    self._end_loop_epoch()
+                self._loop_epoch = epoch
+            start = None
+            while True:
+                if self._error is not None:
+                    raise self._error
+                if limit is not None and self._taken >= limit:
+                    self._end_loop_epoch()
+                    return None
+                if self._batches:
+                    batch = self._batches.popleft()
+                    self._taken += 1
+                    self._maybe_refill(epoch, plan, limit)
+                    if start is not None:
+                        self.wait_seconds += time.perf_counter() - start
+                    return batch
+                if self._stop or self._over:
+                    self._end_loop_epoch()
+                    if start is not None:
+                        self.wait_seconds += time.perf_counter() - start
+                    return None
+                if self._refill is None:
+                    self._start_refill(epoch, plan, self._want(limit))
+                    continue  # a local coordinator may have answered already
+                start = time.perf_counter() if start is None else start
+                self._cond.wait(_POLL_S)
+                if should_stop is not None and should_stop():
+                    raise RuntimeError(
+                        f"worker {self.worker}: told to stop while waiting for a lease of epoch {epoch} from the "
+                        f"async coordinator (rank {self.coordinator_rank})"
+                    )
+
+    def _end_loop_epoch(self) -> None:
+        self._over = False
+        self._taken = 0
+        self._known_min = None  # the next epoch counts workers that finished this one again
+
+    @property
+    def size(self) -> int:
+        """The lease held now: ``lease``, scaled down for a worker slower than the mean (at
+        least one batch), so that a straggler does not keep the epoch's last batches."""
+        return max(1, min(self.lease, math.ceil(self.lease * self._pace)))
+
+    def _want(self, limit: int | None) -> int:
+        want = self.size - len(self._batches)
+        if limit is not None:
+            want = min(want, limit - self._taken - len(self._batches))
+        return want
+
+    def _maybe_refill(self, epoch: int, plan: DataPlan, limit: int | None) -> None:
+        if self._refill is not None or self._over or self._stop or len(self._batches) > self.size // 2:
+            return
+        want = self._want(limit)
+        if want > 0:
+            self._start_refill(epoch, plan, want)
+
+    def _start_refill(self, epoch: int, plan: DataPlan, want: int) -> None:
+        acks = self._unconfirmed + self._acks
+        self._acks = []
+        self.refills += 1
+        self._refill_started = time.perf_counter()
+        fut = call_host(
+            self.coordinator_rank,
+            _rpc_refill,
+            self.worker,
+            epoch,
+            max(1, want),
+            self._clock,
+            acks,
+            plan,
+            self.incarnation,
+            self.prefetch,
+            local=_local(self.coordinator_rank, self.worker),
+            timeout=self.rpc_timeout,
+        )
+        self._refill = fut
+        fut.add_done_callback(lambda f: self._on_refill(f, epoch))
+
+    def _on_refill(self, fut: Future[Any], epoch: int) -> None:
+        with self._cond:
+            if self._refill is not fut:
+                return
+            self._refill = None
+            try:
+                reply: LeaseReply = wait_reply(
+                    fut,
+                    f"worker {self.worker}: a lease of epoch {epoch} from the async coordinator (rank "
+                    f"{self.coordinator_rank}) failed",
+                )
+            except (RuntimeError, TimeoutError) as err:
+                self._error = err
+                self._cond.notify_all()
+                return
+            self._batches.extend(reply.batches)
+            self._over = self._over or reply.over
+            self._stop = self._stop or reply.stop
+            self.offset = reply.offset
+            self._pace = reply.pace
+            if reply.lrs is not None:
+                self.lrs = reply.lrs
+            if reply.waited > 0 and reply.batches and self.max_staleness is not None:
+                self.gate_seconds += min(reply.waited, time.perf_counter() - self._refill_started)
+                self._held = True
+            self._cond.notify_all()
+
+    def take_held(self) -> bool:
+        """Whether a refill was held (by the staleness bound) since the last call: the others pushed
+        meanwhile, so the worker should pull before training on."""
+        with self._cond:
+            held, self._held = self._held, False
+            return held
+
+    def admit(self, batch: LeasedBatch, clock: int, *, should_stop: Callable[[], bool] | None = None) -> int | None:
+        """Admit the step that trains ``batch`` at this worker's ``clock`` under the bound.
+
+        Returns at once when the others' lowest clock known (when ``batch`` was leased, or from
+        the last gate) allows the step; else waits at the coordinator's gate until it does
+        (polling ``should_stop``). The wait counts in :attr:`gate_seconds`; a held gate also marks
+        the lease held (:meth:`take_held`).
+
+        Returns:
+            The step's staleness gap: this worker's clock (in the bound's frame) minus the others'
+            lowest clock that admitted it (at most ``max_staleness``); ``None`` without a bound,
+            or when no other worker was training.
+        """
+        if self.max_staleness is None:
+            return None
+        mine = clock + self.offset
+        known = max((x for x in (batch.admitted_min, self._known_min) if x is not None), default=None)
+        if batch.admitted_min is not None and (known is None or known < mine - self.max_staleness):
+            known = self._wait_gate(mine, should_stop)
+        if known is None:
+            return None
+        self.admissions.append((mine, known))
+        return mine - known
+
+    def _wait_gate(self, mine: int, should_stop: Callable[[], bool] | None) -> int | None:
+        start = time.perf_counter()
+        fut = call_host(
+            self.coordinator_rank,
+            _rpc_gate,
+            self.worker,
+            mine,
+            self.incarnation,
+            local=_local(self.coordinator_rank, self.worker),
+            timeout=self.rpc_timeout,
+        )
+        answered = threading.Event()
+        fut.add_done_callback(lambda _: answered.set())
+        while not answered.wait(_POLL_S):
+            if should_stop is not None and should_stop():
+                raise RuntimeError(
+                    f"worker {self.worker}: told to stop while the staleness gate held step {mine + 1 - self.offset}"
+                )
+        reply: GateReply = wait_reply(
+            fut,
+            f"worker {self.worker}: the staleness gate at clock {mine} (async coordinator, rank "
+            f"{self.coordinator_rank}) failed",
+        )
+        waited = time.perf_counter() - start
+        with self._cond:
+            self._known_min = reply.min_other
+            if reply.waited > 0:
+                self.gate_seconds += waited
+                self._held = True
+        return reply.min_other
+
+    # -- clocks and acks ------------------------------------------------------------------------
+
+    def pushed(self, clock: int, batches: Sequence[LeasedBatch]) -> None:
+        """This worker has pushed ``clock`` times, the last push carrying ``batches``."""
+        with self._cond:
+            self._clock = clock
+            self._acks.extend((b.epoch, b.index) for b in batches)
+            # with a bound the others wait for this clock; and while a refill is held, its acks are
+            # the only way the coordinator learns of the batches pushed meanwhile (with membership,
+            # an epoch ends only once every batch is acked)
+            if self.report_clock or (self._refill is not None and self._acks):
+                if self._report is None:
+                    self._send_report()
+                else:
+                    self._report_due = True  # coalesced into the next report
+
+    def give_back(self, batches: Sequence[LeasedBatch]) -> None:
+        """Return leased batches this worker will not train (its loop dropped them): the coordinator
+        puts them back in the queue. Waits for the answer."""
+        with self._cond:
+            fut = self._send_report(returned=[(b.epoch, b.index) for b in batches])
+        wait_reply(fut, f"worker {self.worker}: giving batches back to the async coordinator failed")
+
+    def _send_report(
+        self,
+        *,
+        finished: bool = False,
+        publish: dict[str, Any] | None = None,
+        returned: Sequence[tuple[int, int]] = (),
+    ) -> Future[Any]:
+        acks, self._acks = self._acks, []
+        self._unconfirmed = acks
+        self._report_due = False
+        self.reports += 1
+        fut = call_host(
+            self.coordinator_rank,
+            _rpc_report,
+            self.worker,
+            self._clock,
+            acks,
+            self.incarnation,
+            finished,
+            publish,
+            list(returned),
+            local=_local(self.coordinator_rank, self.worker),
+            timeout=self.rpc_timeout,
+        )
+        self._report = fut
+        fut.add_done_callback(self._on_report)  # a local coordinator has answered already: runs now
+        return fut
+
+    def _on_report(self, fut: Future[Any]) -> None:
+        with self._cond:
+            if self._report is not fut:
+                return
+            self._report = None
+            self._unconfirmed = []
+            try:
+                reply: ReportReply = wait_reply(
+                    fut,
+                    f"worker {self.worker}: reporting its clock to the async coordinator (rank "
+                    f"{self.coordinator_rank}) failed",
+                )
+                self.min_other = reply.min_other
+            except (RuntimeError, TimeoutError) as err:
+                self._error = err
+                return
+            if self._report_due:
+                self._send_report()
+
+    def flush(self, *, finished: bool = True, publish: dict[str, Any] | None = None) -> None:
+        """Send the clock and acks now and wait for the answer (at an epoch's last step), so the
+        coordinator counts every batch of the epoch before the worker moves on; ``finished``: the
+        worker has no batch of the epoch left, so it no longer holds the others back; ``publish``:
+        values for the chief (membership runs: the worker's buffers)."""
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            pending = self._report
+        if pending is not None:
+            with contextlib.suppress(Exception):  # its failure is reported below, or was already
+                pending.wait()
+        with self._cond:
+            self._report = None
+            fut = self._send_report(finished=finished, publish=publish)
+        fut.wait()
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+
+    @property
+    def clock(self) -> int:
+        """The pushes this worker has reported to the lease."""
+        return self._clock
+
+
+def report_failure(worker: int, reason: str, *, coordinator_rank: int = 0, timeout_s: float = 2.0) -> None:
+    """Tell the coordinator that ``worker`` failed, so nothing waits on its clock (or, with
+    membership, so it is dropped at once). Best effort and bounded: the coordinator's host may be gone."""
+    with contextlib.suppress(Exception):  # the coordinator's own timeout still bounds every wait
+        call_host(
+            coordinator_rank,
+            _rpc_fail,
+            worker,
+            reason,
+            local=_local(coordinator_rank, worker),
+            timeout=timeout_s,
+        ).wait()
+
+
+def join_run(worker: int, incarnation: int, name: str, *, coordinator_rank: int, rpc_timeout: float) -> JoinReply:
+    """(Membership) Register this process as ``worker``'s ``incarnation`` with the coordinator."""
+    fut = call_host(
+        coordinator_rank,
+        _rpc_join,
+        worker,
+        incarnation,
+        name,
+        local=_local(coordinator_rank, worker),
+        timeout=rpc_timeout,
+    )
+    reply: JoinReply = wait_reply(fut, f"worker {worker}: joining the async run (coordinator rank {coordinator_rank})")
+    return reply
+
+
+def leave_run(worker: int, incarnation: int, *, coordinator_rank: int, rpc_timeout: float) -> None:
+    """(Membership) Tell the coordinator this worker finished and leaves."""
+    fut = call_host(
+        coordinator_rank,
+        _rpc_leave,
+        worker,
+        incarnation,
+        local=_local(coordinator_rank, worker),
+        timeout=rpc_timeout,
+    )
+    wait_reply(fut, f"worker {worker}: leaving the async run (coordinator rank {coordinator_rank})")
+
+
+def fetch_published(key: str, *, coordinator_rank: int, worker: int, rpc_timeout: float) -> Any:
+    """(Membership) What the chief published under ``key`` (buffers, scheduler states), or ``None``."""
+    fut = call_host(coordinator_rank, _rpc_published, key, local=_local(coordinator_rank, worker), timeout=rpc_timeout)
+    return wait_reply(fut, f"worker {worker}: reading {key!r} from the async coordinator (rank {coordinator_rank})")
