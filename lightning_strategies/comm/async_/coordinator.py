@@ -13,9 +13,6 @@ always progresses.
 
 from __future__ import annotations
 
-import heapq
-import itertools
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +22,7 @@ from typing import Any
 from torch.futures import Future
 
 from lightning_strategies.comm.async_.clocks import SSPClocks
+from lightning_strategies.comm.async_.held import Bulletin, HeldRequests
 from lightning_strategies.comm.async_.membership import ChangingMembership, FixedMembership, Membership, Ready
 from lightning_strategies.comm.async_.messages import DataPlan, GateReply, JoinReply, LeaseReply, ReportReply
 from lightning_strategies.comm.async_.queue import BatchQueue
@@ -76,13 +74,11 @@ class AsyncCoordinator:
         self._queue = BatchQueue(self._workers, self._clocks)
         self._members: Membership = (ChangingMembership if elastic else FixedMembership)(self._workers, self._queue)
         self._watchdog = DeadlineWatchdog(self._lock, self._expire)
-        self._waiting: list[tuple[int, int, Held]] = []  # heap of (need, seq, request held on credit)
-        self._seq = itertools.count()
-        self._current: int | None = None  # membership: the epoch the chief opened last
-        self._stopped = False
+        self._board = Bulletin()
+        self._held = HeldRequests(
+            self._workers, self._clocks, self._queue, self._members, self._watchdog, self._board, timeout
+        )
         self._failure: str | None = None
-        self._lrs: list[float] | None = None
-        self._published: dict[str, Any] = {}
         for w in self._workers.values():
             self._clocks.push(w)
 
@@ -173,12 +169,12 @@ class AsyncCoordinator:
     @property
     def current_epoch(self) -> int | None:
         """The epoch the chief opened last (membership runs)."""
-        return self._current
+        return self._board.current
 
     @property
     def stopped(self) -> bool:
         """The run is over (:meth:`close`)."""
-        return self._stopped
+        return self._board.stopped
 
     def served(self, epoch: int) -> list[int]:
         """Batches leased to each worker in epoch ``epoch``, in rank order (zeros when unknown)."""
@@ -258,17 +254,17 @@ class AsyncCoordinator:
                 return completed(ShardError(error))
             self._queue.take_acks(w, acks)
             opened = self._clocks.set_clock(w, clock)
-            held = self._new_held(worker, fut, epoch=epoch, want=max(1, want), prefetch=max(0, prefetch))
+            held = self._held.new(worker, fut, epoch=epoch, want=max(1, want), prefetch=max(0, prefetch))
             if w.pending is not None and not w.pending.done:  # a new refill replaces an older held one
-                ready.append((w.pending.future, self._empty_reply(w, w.pending)))
+                ready.append((w.pending.future, self._held.empty_reply(w, w.pending)))
                 w.pending.done = True
-            answer = self._answer(w, held)
+            answer = self._held.answer(w, held)
             if answer is not None:
                 ready.append((fut, answer))
             else:
-                self._hold(w, held)
+                self._held.hold(w, held)
             if opened:
-                ready += self._release_credit()
+                ready += self._held.release_credit()
             if acks:
                 self._progress.notify_all()
         deliver(ready)
@@ -298,7 +294,7 @@ class AsyncCoordinator:
                 return ReportReply(None)  # a dropped worker's late report changes nothing
             self._queue.take_acks(w, acks)
             if publish:
-                self._published.update(publish)
+                self._board.published.update(publish)
             if returned:
                 self._queue.requeue(w, [(int(e), int(i)) for e, i in returned], redrawn=False)
             changed = self._clocks.set_clock(w, clock)
@@ -306,11 +302,11 @@ class AsyncCoordinator:
                 self._clocks.set_active(w, False)
                 self._clocks.log()
                 changed = True
-            ready = self._release_credit() if changed else []
+            ready = self._held.release_credit() if changed else []
             if returned:
-                ready += self._retry_all()  # work came back: the held refills may take it
+                ready += self._held.retry_all()  # work came back: the held refills may take it
             if w.pending is not None and not w.pending.done and w.pending.credit_held:
-                ready += self._retry(w.pending)  # its own acks gave it credit
+                ready += self._held.retry(w.pending)  # its own acks gave it credit
             if acks:
                 self._progress.notify_all()
             low = self._clocks.min_other(worker)
@@ -337,123 +333,8 @@ class AsyncCoordinator:
                     self.admissions.append((worker, clock, low))
                 return completed(GateReply(low))
             fut: Future[GateReply | ShardError] = Future()
-            held = self._new_held(worker, fut, need=need, credit_held=True, gate=True)
-            if w.gate is not None and not w.gate.done:
-                w.gate.done = True  # replaced: its worker gave up on it
-            w.gate = held
-            w.held_refills += 1
-            heapq.heappush(self._waiting, (need, next(self._seq), held))
-            self._watchdog.watch(held)
+            self._held.hold_gate(w, self._held.new(worker, fut, need=need, credit_held=True, gate=True))
         return fut
-
-    def _new_held(self, worker: int, fut: Future[Any], **fields: Any) -> Held:
-        now = time.monotonic()
-        deadline = now + self.timeout.total_seconds() * self._members.patience
-        return Held(worker, fields.pop("epoch", -1), fields.pop("want", 0), now, fut, deadline, **fields)
-
-    def _answer(self, w: WorkerState, held: Held) -> LeaseReply | None:
-        """The answer to ``held`` if it can be given now (holding the lock), else ``None``."""
-        if self._stopped:
-            return LeaseReply([], over=True, stop=True, offset=w.offset, lrs=self._lrs)
-        sources = self._members.sources(w, held)
-        if sources is None:
-            return None  # membership: no work yet
-        if not sources:
-            return LeaseReply([], over=True, waited=self._waited(held), offset=w.offset, lrs=self._lrs)
-        credit, low = self._clocks.credit(w)
-        available = sum(n for _, n in sources)
-        alive = self._members.alive_count
-        n = min(held.want, available, max(1, math.ceil(available * self._queue.share(w, alive) / 2)))
-        if credit is not None:
-            credit += held.prefetch
-            if credit <= 0:
-                held.credit_held = True
-                assert self.max_staleness is not None
-                # credit reappears once the lowest other clock reaches this
-                beyond = len(w.outstanding) - held.prefetch
-                held.need = w.gate_clock - self.max_staleness + beyond // self.push_every
-                return None
-            n = min(n, credit)
-        leased = self._queue.lease(w, sources, n, low)
-        pace = self._queue.share(w, alive) * max(1, alive)
-        return LeaseReply(leased, waited=self._waited(held), offset=w.offset, lrs=self._lrs, pace=pace)
-
-    @staticmethod
-    def _waited(held: Held) -> float:
-        return time.monotonic() - held.start if held.credit_held or held.done else 0.0
-
-    def _empty_reply(self, w: WorkerState, held: Held) -> LeaseReply:
-        return LeaseReply([], waited=time.monotonic() - held.start, offset=w.offset, lrs=self._lrs)
-
-    def _hold(self, w: WorkerState, held: Held) -> None:
-        w.pending = held
-        if held.credit_held:
-            w.held_refills += 1
-            heapq.heappush(self._waiting, (held.need, next(self._seq), held))
-        self._watchdog.watch(held)
-
-    def _release_credit(self) -> list[Ready]:
-        """Answer the requests held on credit that the current lowest clock opens (holding the lock)."""
-        ready: list[Ready] = []
-        low = self._clocks.min_all()
-        while self._waiting and (low is None or self._waiting[0][0] <= low):
-            _, _, held = heapq.heappop(self._waiting)
-            ready += self._retry(held)
-            low = self._clocks.min_all()
-        return ready
-
-    def _retry(self, held: Held) -> list[Ready]:
-        """Try a held refill or gate again (holding the lock): its answer, or it is held again."""
-        w = self._workers[held.worker]
-        if held.gate:
-            return self._retry_gate(w, held)
-        if held.done or w.pending is not held:
-            return []
-        held.credit_held = False
-        answer = self._answer(w, held)
-        if answer is None:
-            if held.credit_held:  # still short of credit: wait for a higher clock
-                heapq.heappush(self._waiting, (held.need, next(self._seq), held))
-            return []
-        answer.waited = time.monotonic() - held.start
-        w.wait_seconds += answer.waited if self.max_staleness is not None else 0.0
-        held.done = True
-        w.pending = None
-        return [(held.future, answer)]
-
-    def _retry_gate(self, w: WorkerState, held: Held) -> list[Ready]:
-        if held.done or w.gate is not held:
-            return []
-        low = self._clocks.min_other(w.rank)
-        if low is not None and low < held.need:
-            heapq.heappush(self._waiting, (held.need, next(self._seq), held))
-            return []
-        waited = time.monotonic() - held.start
-        w.wait_seconds += waited
-        held.done = True
-        w.gate = None
-        if low is not None:
-            self.admissions.append((w.rank, held.need + (self.max_staleness or 0), low))
-        return [(held.future, GateReply(low, waited))]
-
-    def _retry_all(self) -> list[Ready]:
-        """Try every held request again (an epoch opened, work was put back, the run stopped): O(P)."""
-        ready: list[Ready] = []
-        for w in self._workers.values():
-            for held in w.held():
-                ready += self._retry(held)
-        return ready
-
-    def take_held(self) -> list[Held]:
-        """Every request still held, each marked answered (holding the lock)."""
-        held = []
-        for w in self._workers.values():
-            for h in w.held():
-                h.done = True
-                held.append(h)
-            w.pending = w.gate = None
-        self._waiting.clear()
-        return held
 
     def _expire(self, held: Held) -> list[Ready]:
         """The watchdog's answers for ``held``, past its deadline (holding the lock)."""
@@ -481,6 +362,10 @@ class AsyncCoordinator:
 
     # -- failures and membership ---------------------------------------------------------------
 
+    def take_held(self) -> list[Held]:
+        """Every request still held, each marked answered (holding the lock)."""
+        return self._held.take_all()
+
     def set_failure(self, message: str) -> None:
         """The run failed with ``message`` (holding the lock): every later request fails with it."""
         self._failure = message
@@ -497,7 +382,7 @@ class AsyncCoordinator:
             if self._failure is None:
                 self._failure = reason
             error = ShardError(self._failure)
-            held = self.take_held()
+            held = self._held.take_all()
             self._progress.notify_all()
         deliver([(h.future, error) for h in held])
 
@@ -518,8 +403,8 @@ class AsyncCoordinator:
                 self._clocks.log()
             w.name, w.joined = name or w.name, True
             self._progress.notify_all()
-            epoch = self._current if self._current is not None else 0
-            return JoinReply(epoch, w.offset, self._lrs, dict(self._published))
+            epoch = self._board.current if self._board.current is not None else 0
+            return JoinReply(epoch, w.offset, self._board.lrs, dict(self._board.published))
 
     def drop(self, worker: int, reason: str, *, incarnation: int | None = None) -> bool:
         """(Membership) Drop ``worker`` (lost, failed or frozen past the timeout): its leased,
@@ -558,8 +443,8 @@ class AsyncCoordinator:
         self._queue.dropped(w)
         w.version += 1  # out of the staleness frame
         self._clocks.log()
-        ready += self._release_credit()
-        ready += self._retry_all()
+        ready += self._held.release_credit()
+        ready += self._held.retry_all()
         self._progress.notify_all()
         return ready
 
@@ -571,8 +456,8 @@ class AsyncCoordinator:
             if epoch not in self._queue.epochs:
                 self._queue.open(epoch, plan, self._members.alive_count)
             self._clocks.activate_all()
-            self._current = epoch
-            ready = self._retry_all()
+            self._board.current = epoch
+            ready = self._held.retry_all()
         deliver(ready)
 
     def wait_done(
@@ -611,29 +496,29 @@ class AsyncCoordinator:
     def close(self) -> None:
         """(Membership) The run is over: every held and later refill is answered ``stop``."""
         with self._lock:
-            self._stopped = True
-            ready = self._retry_all()
+            self._board.stopped = True
+            ready = self._held.retry_all()
         deliver(ready)
 
     def set_lrs(self, lrs: Sequence[float]) -> None:
         """(Membership) The chief's current learning rates, handed to every worker with its leases."""
         with self._lock:
-            self._lrs = [float(x) for x in lrs]
+            self._board.lrs = [float(x) for x in lrs]
 
     def publish(self, **state: Any) -> None:
         """(Membership) Keep ``state`` (scheduler states, buffers, ...) for joining workers and the chief."""
         with self._lock:
-            self._published.update(state)
+            self._board.published.update(state)
 
     def published(self, key: str) -> Any:
         """The value last :meth:`publish` ed under ``key`` (``None`` if none)."""
         with self._lock:
-            return self._published.get(key)
+            return self._board.published.get(key)
 
     def shutdown(self) -> None:
         """Stop the watchdog thread and fail what is still held (at teardown)."""
         with self._lock:
-            held = self.take_held()
+            held = self._held.take_all()
             thread = self._watchdog.close()
         deliver([(h.future, ShardError("the async coordinator shut down")) for h in held])
         if thread is not None and thread is not threading.current_thread():
