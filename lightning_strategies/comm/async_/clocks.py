@@ -37,6 +37,8 @@ class SSPClocks:
         self.admissions: deque[tuple[int, int, int]] = deque(maxlen=RECORD_LIMIT)
         # every worker's clock after each change (-1: not alive)
         self.clock_log: deque[tuple[int, ...]] = deque(maxlen=RECORD_LIMIT)
+        for w in workers.values():
+            self.push(w)
 
     def push(self, w: WorkerState) -> None:
         """A new version of ``w``'s clock: in the heap when alive and active, out of it otherwise."""

@@ -14,16 +14,16 @@ always progresses.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 from torch.futures import Future
 
+from lightning_strategies.comm.async_.chief import Chief
 from lightning_strategies.comm.async_.clocks import SSPClocks
-from lightning_strategies.comm.async_.held import Bulletin, HeldRequests
-from lightning_strategies.comm.async_.membership import ChangingMembership, FixedMembership, Membership, Ready
+from lightning_strategies.comm.async_.held import HeldRequests, Ready
+from lightning_strategies.comm.async_.membership import ChangingMembership, FixedMembership, Membership
 from lightning_strategies.comm.async_.messages import DataPlan, GateReply, JoinReply, LeaseReply, ReportReply
 from lightning_strategies.comm.async_.queue import BatchQueue
 from lightning_strategies.comm.async_.watchdog import DeadlineWatchdog, deliver
@@ -34,10 +34,8 @@ __all__ = ["AsyncCoordinator"]
 
 
 class AsyncCoordinator:
-    """The epoch's batch queue, leases, the staleness bound and worker membership, thread-safe.
-
-    Answers that must wait are futures, completed outside the lock (a future's callbacks
-    serialise the RPC reply inline).
+    """The epoch's batch queue, leases, the staleness bound and worker membership, thread-safe:
+    answers that must wait are futures, completed outside the lock.
 
     Args:
         workers: the training ranks (or their number, for ranks ``0 .. n-1``).
@@ -66,21 +64,27 @@ class AsyncCoordinator:
         if push_every < 1:
             raise ValueError(f"push_every must be >= 1, found {push_every}")
         self.timeout = timeout
-        self.elastic = elastic
         self._workers = {r: WorkerState(r) for r in ranks}
         self._lock = threading.Lock()
         self._progress = threading.Condition(self._lock)  # acks, drops, joins: the chief waits on it
         self._clocks = SSPClocks(self._workers, max_staleness, push_every)
         self._queue = BatchQueue(self._workers, self._clocks)
-        self._members: Membership = (ChangingMembership if elastic else FixedMembership)(self._workers, self._queue)
-        self._watchdog = DeadlineWatchdog(self._lock, self._expire)
-        self._board = Bulletin()
-        self._held = HeldRequests(
-            self._workers, self._clocks, self._queue, self._members, self._watchdog, self._board, timeout
+        self._members: Membership = (ChangingMembership if elastic else FixedMembership)(
+            self._workers, self._queue, self._clocks
         )
-        self._failure: str | None = None
-        for w in self._workers.values():
-            self._clocks.push(w)
+        self._watchdog = DeadlineWatchdog(self._lock, self._expire)
+        self._chief = Chief(self._progress, self._queue, self._workers)
+        self._held = HeldRequests(
+            self._workers, self._clocks, self._queue, self._members, self._watchdog, self._chief, timeout
+        )
+        #: called (outside the lock) with (rank, incarnation, name, reason) when a worker is dropped
+        self.on_drop: Callable[[int, int, str, str], None] | None = None
+        #: (worker, clock in the staleness frame, lowest other clock) at every step admitted under a bound
+        self.admissions = self._clocks.admissions
+        #: every worker's clock after each change (-1: not alive or not active)
+        self.clock_log = self._clocks.clock_log
+        #: (rank, incarnation, "join"/"drop"/"leave", seconds since start, why, time.time())
+        self.events = self._members.events
 
     # -- inspection -------------------------------------------------------------------------
 
@@ -91,34 +95,6 @@ class AsyncCoordinator:
     @max_staleness.setter
     def max_staleness(self, value: int | None) -> None:
         self._clocks.max_staleness = value
-
-    @property
-    def push_every(self) -> int:
-        return self._clocks.push_every
-
-    @property
-    def admissions(self) -> Any:
-        """(worker, clock in the staleness frame, lowest other clock) at every step admitted under a bound."""
-        return self._clocks.admissions
-
-    @property
-    def clock_log(self) -> Any:
-        """Every worker's clock after each change (-1: not alive or not active)."""
-        return self._clocks.clock_log
-
-    @property
-    def events(self) -> Any:
-        """(rank, incarnation, "join"/"drop"/"leave", seconds since start, why, time.time())."""
-        return self._members.events
-
-    @property
-    def on_drop(self) -> Callable[[int, int, str, str], None] | None:
-        """Called (outside the lock) with (rank, incarnation, name, reason) when a worker is dropped."""
-        return self._members.on_drop
-
-    @on_drop.setter
-    def on_drop(self, hook: Callable[[int, int, str, str], None] | None) -> None:
-        self._members.on_drop = hook
 
     @property
     def workers_lost(self) -> int:
@@ -169,24 +145,22 @@ class AsyncCoordinator:
     @property
     def current_epoch(self) -> int | None:
         """The epoch the chief opened last (membership runs)."""
-        return self._board.current
+        return self._chief.current
 
     @property
     def stopped(self) -> bool:
         """The run is over (:meth:`close`)."""
-        return self._board.stopped
+        return self._chief.stopped
 
     def served(self, epoch: int) -> list[int]:
         """Batches leased to each worker in epoch ``epoch``, in rank order (zeros when unknown)."""
         with self._lock:
-            known = self._queue.epochs.get(epoch)
-            return [known.served.get(r, 0) if known else 0 for r in sorted(self._workers)]
+            return self._queue.served(epoch, sorted(self._workers))
 
     def remaining(self, epoch: int) -> int:
         """Batches of epoch ``epoch`` not leased yet."""
         with self._lock:
-            known = self._queue.epochs.get(epoch)
-            return len(known.queue) if known is not None else 0
+            return self._queue.remaining(epoch)
 
     def name_of(self, rank: int) -> str:
         """The RPC name the current incarnation of ``rank`` joined under ('' before it joined)."""
@@ -231,18 +205,16 @@ class AsyncCoordinator:
     ) -> Future[LeaseReply | ShardError]:
         """Lease up to ``want`` more batches to ``worker``, after taking its clock and acks.
 
-        With no work left, a worker that still holds batches is told ``over`` (its loop draws one
-        batch ahead of its step, so it could not finish them while waiting); one that holds none
-        waits for work (a redraw, the next epoch) or for the end of the run. The future completes
-        at once unless the staleness bound leaves no credit (``prefetch``: the batches the
-        worker's loader holds ahead of its steps, allowed on top) or there is no work yet.
+        Answered at once unless the staleness bound leaves no credit (``prefetch``: batches the
+        worker's loader holds ahead of its steps, allowed on top) or there is no work yet; with
+        no work left, a worker that still holds batches is told ``over``.
         """
         fut: Future[LeaseReply | ShardError] = Future()
         ready: list[Ready] = []
         with self._lock:
             w = self._workers.get(worker)
-            if self._failure is not None:
-                return completed(ShardError(f"the async coordinator has failed earlier: {self._failure}"))
+            if self._chief.failure is not None:
+                return completed(ShardError(f"the async coordinator has failed earlier: {self._chief.failure}"))
             if w is None:
                 return completed(
                     ShardError(
@@ -283,10 +255,9 @@ class AsyncCoordinator:
     ) -> ReportReply:
         """``worker`` has pushed ``clock`` times, and pushed the batches ``acks``; never waits.
 
-        ``finished``: it has trained every batch it will get of its loop epoch, so it no longer
-        holds the others back until an epoch starts again (it would wait for them, at validation).
-        ``publish``: (membership) values the chief reads, such as the worker's latest buffers.
-        ``returned``: leased batches the worker will not train: back to the front of their queues.
+        ``finished``: it trained every batch of its loop epoch, so it no longer holds the others
+        back until an epoch starts again; ``publish``: (membership) values for the chief, such as
+        its buffers; ``returned``: leased batches it will not train, back to the front of the queue.
         """
         with self._lock:
             w = self._workers.get(worker)
@@ -294,7 +265,7 @@ class AsyncCoordinator:
                 return ReportReply(None)  # a dropped worker's late report changes nothing
             self._queue.take_acks(w, acks)
             if publish:
-                self._board.published.update(publish)
+                self._chief.published.update(publish)
             if returned:
                 self._queue.requeue(w, [(int(e), int(i)) for e, i in returned], redrawn=False)
             changed = self._clocks.set_clock(w, clock)
@@ -314,15 +285,12 @@ class AsyncCoordinator:
         return ReportReply(low)
 
     def gate(self, worker: int, clock: int, *, incarnation: int = 0) -> Future[GateReply | ShardError]:
-        """Open when every other (active) worker has pushed ``clock - max_staleness`` times.
-
-        ``clock`` is the worker's clock at the step it is about to start, in the bound's frame
-        (with its offset); a held gate fails after ``timeout``, naming the workers it waited for.
-        """
+        """Open when every other (active) worker has pushed ``clock - max_staleness`` times (``clock``:
+        at the step about to start, in the bound's frame); a held gate fails after ``timeout``."""
         with self._lock:
             w = self._workers.get(worker)
-            if self._failure is not None:
-                return completed(ShardError(f"the async coordinator has failed earlier: {self._failure}"))
+            if self._chief.failure is not None:
+                return completed(ShardError(f"the async coordinator has failed earlier: {self._chief.failure}"))
             if w is None or not w.alive or w.incarnation != incarnation:
                 return completed(ShardError(f"async coordinator: gate of worker {worker}, which is not in the run"))
             s = self.max_staleness
@@ -338,27 +306,7 @@ class AsyncCoordinator:
 
     def _expire(self, held: Held) -> list[Ready]:
         """The watchdog's answers for ``held``, past its deadline (holding the lock)."""
-        seconds = self.timeout.total_seconds()
-        if not held.credit_held:
-            message = (
-                f"worker {held.worker} waited {seconds:.0f}s for batches: no epoch was opened and none was "
-                "redrawn (the chief validating or checkpointing for longer than `timeout`?). To wait longer, raise "
-                "the strategy's `timeout`."
-            )
-        else:
-            mine = self._workers[held.worker].gate_clock
-            behind = {
-                r: x.gate_clock
-                for r, x in self._workers.items()
-                if r != held.worker and x.alive and x.gate_clock < held.need
-            }
-            message = (
-                f"worker {held.worker} (clock {mine}) waited {seconds:.0f}s for worker(s) {sorted(behind)} "
-                f"(clocks {list(behind.values())}) to push step {held.need} (max_staleness={self.max_staleness}). "
-                f"Worker(s) {sorted(behind)} died or are stuck; check their logs. To wait longer for slow workers, "
-                "raise the strategy's `timeout`."
-            )
-        return self._members.timed_out(self, held, ShardError(message, timed_out=True))
+        return self._members.timed_out(self, held, self._held.timeout_error(held))
 
     # -- failures and membership ---------------------------------------------------------------
 
@@ -368,7 +316,7 @@ class AsyncCoordinator:
 
     def set_failure(self, message: str) -> None:
         """The run failed with ``message`` (holding the lock): every later request fails with it."""
-        self._failure = message
+        self._chief.failure = message
 
     def fail(self, worker: int, reason: str) -> None:
         """Worker ``worker`` failed: with membership it is dropped; else every held and later refill
@@ -379,9 +327,9 @@ class AsyncCoordinator:
         """The run cannot go on (a server is lost): every held and later refill fails with ``reason``,
         and so does the chief's :meth:`wait_done`."""
         with self._lock:
-            if self._failure is None:
-                self._failure = reason
-            error = ShardError(self._failure)
+            if self._chief.failure is None:
+                self._chief.failure = reason
+            error = ShardError(self._chief.failure)
             held = self._held.take_all()
             self._progress.notify_all()
         deliver([(h.future, error) for h in held])
@@ -395,29 +343,24 @@ class AsyncCoordinator:
                 raise ValueError(f"async coordinator: join of rank {worker}, expected one of the workers {self.ranks}")
             restarted = w.incarnation != incarnation or not w.alive
             if w.alive and w.incarnation != incarnation:
-                self._drop_locked(w, f"rank {worker} restarted as incarnation {incarnation}")
+                why = f"rank {worker} restarted as incarnation {incarnation}"
+                self._members.remove(w, why, lost=True, held=self._held)
             if restarted:
-                low = self._clocks.min_all()
-                w = self._members.admit(worker, incarnation, name, low if low is not None else 0)
-                self._clocks.push(w)
-                self._clocks.log()
+                w = self._members.admit(worker, incarnation, name)
             w.name, w.joined = name or w.name, True
             self._progress.notify_all()
-            epoch = self._board.current if self._board.current is not None else 0
-            return JoinReply(epoch, w.offset, self._board.lrs, dict(self._board.published))
+            epoch = self._chief.current if self._chief.current is not None else 0
+            return JoinReply(epoch, w.offset, self._chief.lrs, dict(self._chief.published))
 
     def drop(self, worker: int, reason: str, *, incarnation: int | None = None) -> bool:
-        """(Membership) Drop ``worker`` (lost, failed or frozen past the timeout): its leased,
-        unpushed batches go back to the front of their epochs' queues and are leased again.
-
-        Returns:
-            Whether it was alive (and ``incarnation`` matched, when given).
-        """
+        """(Membership) Drop ``worker`` (lost, failed or frozen past the timeout): its leased, unpushed
+        batches are leased again. Returns whether it was alive (and ``incarnation`` matched, if given)."""
         with self._lock:
             w = self._workers.get(worker)
             if w is None or not w.alive or (incarnation is not None and w.incarnation != incarnation):
                 return False
-            ready = self._drop_locked(w, reason)
+            ready = self._members.remove(w, reason, lost=True, held=self._held)
+            self._progress.notify_all()
             name, inc = w.name, w.incarnation
         deliver(ready)
         if self.on_drop is not None:
@@ -430,23 +373,9 @@ class AsyncCoordinator:
             w = self._workers.get(worker)
             if w is None or not w.alive or w.incarnation != incarnation:
                 return
-            ready = self._drop_locked(w, "left", lost=False)
+            ready = self._members.remove(w, "left", lost=False, held=self._held)
+            self._progress.notify_all()
         deliver(ready)
-
-    def _drop_locked(self, w: WorkerState, reason: str, *, lost: bool = True) -> list[Ready]:
-        self._members.remove(w, reason, lost=lost)
-        ready: list[Ready] = []
-        for held in w.held():
-            held.done = True
-            ready.append((held.future, ShardError(f"worker {w.rank} was dropped: {reason}")))
-        w.pending = w.gate = None
-        self._queue.dropped(w)
-        w.version += 1  # out of the staleness frame
-        self._clocks.log()
-        ready += self._held.release_credit()
-        ready += self._held.retry_all()
-        self._progress.notify_all()
-        return ready
 
     # -- the chief (membership) -------------------------------------------------------------
 
@@ -456,7 +385,7 @@ class AsyncCoordinator:
             if epoch not in self._queue.epochs:
                 self._queue.open(epoch, plan, self._members.alive_count)
             self._clocks.activate_all()
-            self._board.current = epoch
+            self._chief.current = epoch
             ready = self._held.retry_all()
         deliver(ready)
 
@@ -469,51 +398,29 @@ class AsyncCoordinator:
             TimeoutError: no worker was alive for ``timeout`` seconds while waiting.
             RuntimeError: ``should_stop`` returned True, or the coordinator failed.
         """
-        deadline = None
-        with self._lock:
-            while True:
-                known = self._queue.epochs.get(epoch)
-                done = len(known.done) if known is not None else 0
-                if known is not None and (done >= at_least or known.complete):
-                    return done
-                if self._failure is not None:
-                    raise RuntimeError(f"async coordinator: {self._failure}")
-                if any(w.alive for w in self._workers.values()):
-                    deadline = None
-                elif deadline is None:
-                    deadline = time.monotonic() + timeout
-                elif time.monotonic() > deadline:
-                    lost = sorted(r for r, w in self._workers.items() if not w.alive)
-                    raise TimeoutError(
-                        f"async coordinator: every worker is gone ({lost} lost or finished) and none joined within "
-                        f"{timeout:.0f}s, with {done} of {len(known.batches) if known else '?'} batches of epoch "
-                        f"{epoch} done. Fix: restart the lost workers (they rejoin), or raise the strategy's `timeout`."
-                    )
-                if should_stop is not None and should_stop():
-                    raise RuntimeError(f"async coordinator: told to stop while waiting for epoch {epoch}")
-                self._progress.wait(0.25)
+        return self._chief.wait_done(epoch, at_least, timeout=timeout, should_stop=should_stop)
 
     def close(self) -> None:
         """(Membership) The run is over: every held and later refill is answered ``stop``."""
         with self._lock:
-            self._board.stopped = True
+            self._chief.stopped = True
             ready = self._held.retry_all()
         deliver(ready)
 
     def set_lrs(self, lrs: Sequence[float]) -> None:
         """(Membership) The chief's current learning rates, handed to every worker with its leases."""
         with self._lock:
-            self._board.lrs = [float(x) for x in lrs]
+            self._chief.lrs = [float(x) for x in lrs]
 
     def publish(self, **state: Any) -> None:
         """(Membership) Keep ``state`` (scheduler states, buffers, ...) for joining workers and the chief."""
         with self._lock:
-            self._board.published.update(state)
+            self._chief.published.update(state)
 
     def published(self, key: str) -> Any:
         """The value last :meth:`publish` ed under ``key`` (``None`` if none)."""
         with self._lock:
-            return self._board.published.get(key)
+            return self._chief.published.get(key)
 
     def shutdown(self) -> None:
         """Stop the watchdog thread and fail what is still held (at teardown)."""

@@ -8,30 +8,32 @@ import heapq
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from torch.futures import Future
 
+from lightning_strategies.comm.async_.chief import Chief
 from lightning_strategies.comm.async_.clocks import SSPClocks
-from lightning_strategies.comm.async_.membership import Membership, Ready
 from lightning_strategies.comm.async_.messages import GateReply, LeaseReply
-from lightning_strategies.comm.async_.queue import BatchQueue
+from lightning_strategies.comm.async_.queue import BatchQueue, Epoch
 from lightning_strategies.comm.async_.watchdog import DeadlineWatchdog
 from lightning_strategies.comm.async_.workers import Held, WorkerState
+from lightning_strategies.comm.rpc import ShardError
 
-__all__ = ["Bulletin", "HeldRequests"]
+__all__ = ["HeldRequests", "Ready", "Sources"]
+
+#: A future and the value to set on it, outside the coordinator's lock (its callbacks send the reply).
+Ready = tuple[Future[Any], Any]
 
 
-@dataclass
-class Bulletin:
-    """What the chief publishes to every worker (membership runs)."""
+class Sources(Protocol):
+    """Where a refill's batches come from, and how long a held request waits (the membership)."""
 
-    lrs: list[float] | None = None  # handed out with every lease
-    published: dict[str, Any] = field(default_factory=dict)  # scheduler states, buffers: for joiners
-    current: int | None = None  # the epoch the chief opened last
-    stopped: bool = False  # the run is over: every refill is answered ``stop``
+    patience: float
+    alive_count: int
+
+    def sources(self, w: WorkerState, held: Held) -> list[tuple[Epoch, int]] | None: ...
 
 
 class HeldRequests:
@@ -43,9 +45,9 @@ class HeldRequests:
         workers: dict[int, WorkerState],
         clocks: SSPClocks,
         queue: BatchQueue,
-        members: Membership,
+        members: Sources,
         watchdog: DeadlineWatchdog,
-        board: Bulletin,
+        board: Chief,
         timeout: timedelta,
     ) -> None:
         self._workers = workers
@@ -174,3 +176,27 @@ class HeldRequests:
             w.pending = w.gate = None
         self._waiting.clear()
         return held
+
+    def timeout_error(self, held: Held) -> ShardError:
+        """The error of ``held``, past its deadline: what it waited for."""
+        seconds = self.timeout.total_seconds()
+        if not held.credit_held:
+            message = (
+                f"worker {held.worker} waited {seconds:.0f}s for batches: no epoch was opened and none was "
+                "redrawn (the chief validating or checkpointing for longer than `timeout`?). To wait longer, raise "
+                "the strategy's `timeout`."
+            )
+        else:
+            mine, s = self._workers[held.worker].gate_clock, self._clocks.max_staleness
+            behind = {
+                r: x.gate_clock
+                for r, x in self._workers.items()
+                if r != held.worker and x.alive and x.gate_clock < held.need
+            }
+            message = (
+                f"worker {held.worker} (clock {mine}) waited {seconds:.0f}s for worker(s) {sorted(behind)} "
+                f"(clocks {list(behind.values())}) to push step {held.need} (max_staleness={s}). "
+                f"Worker(s) {sorted(behind)} died or are stuck; check their logs. To wait longer for slow workers, "
+                "raise the strategy's `timeout`."
+            )
+        return ShardError(message, timed_out=True)

@@ -16,20 +16,17 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, MutableMapping
-from typing import Any, Protocol
+from collections.abc import MutableMapping
+from typing import Protocol
 
-from torch.futures import Future
-
+from lightning_strategies.comm.async_.clocks import SSPClocks
+from lightning_strategies.comm.async_.held import HeldRequests, Ready
 from lightning_strategies.comm.async_.messages import RECORD_LIMIT, DataPlan
 from lightning_strategies.comm.async_.queue import BatchQueue, Epoch
 from lightning_strategies.comm.async_.workers import Held, WorkerState
 from lightning_strategies.comm.rpc import ShardError
 
 __all__ = ["ChangingMembership", "FixedMembership", "Membership", "Ready", "Run"]
-
-#: A future and the value to set on it, outside the coordinator's lock (its callbacks send the reply).
-Ready = tuple[Future[Any], Any]
 
 
 class Run(Protocol):
@@ -55,14 +52,13 @@ class Membership(ABC):
     #: a held request waits this many times the coordinator's ``timeout`` before it fails
     patience = 1.0
 
-    def __init__(self, workers: MutableMapping[int, WorkerState], queue: BatchQueue) -> None:
+    def __init__(self, workers: MutableMapping[int, WorkerState], queue: BatchQueue, clocks: SSPClocks) -> None:
         self.workers = workers
         self.queue = queue
+        self.clocks = clocks
         self.alive_count = len(workers)
         self.workers_lost = 0
         self.workers_joined = 0
-        #: called (outside the lock) with (rank, incarnation, name, reason) when a worker is dropped
-        self.on_drop: Callable[[int, int, str, str], None] | None = None
         # (rank, incarnation, what, seconds since start, why, time.time()): joins, drops, leaves
         self.events: deque[tuple[int, int, str, float, str, float]] = deque(maxlen=RECORD_LIMIT)
         self._start = time.monotonic()
@@ -70,21 +66,34 @@ class Membership(ABC):
     def _event(self, w: WorkerState, what: str, why: str) -> None:
         self.events.append((w.rank, w.incarnation, what, time.monotonic() - self._start, why, time.time()))
 
-    def admit(self, rank: int, incarnation: int, name: str, offset: int) -> WorkerState:
-        """A fresh record for ``rank``'s ``incarnation``, alive at clock 0 with ``offset``."""
-        w = self.workers[rank] = WorkerState(rank, incarnation, name, offset=offset)
+    def admit(self, rank: int, incarnation: int, name: str) -> WorkerState:
+        """A fresh record for ``rank``'s ``incarnation``: alive, clock 0, and in the staleness frame at
+        the others' lowest clock, so that a newcomer does not hold them back."""
+        low = self.clocks.min_all()
+        w = self.workers[rank] = WorkerState(rank, incarnation, name, offset=low if low is not None else 0)
         self.alive_count += 1
         self.queue.joined(rank)
         self.workers_joined += int(incarnation > 0)
         self._event(w, "join", name)
+        self.clocks.push(w)
+        self.clocks.log()
         return w
 
-    def remove(self, w: WorkerState, reason: str, *, lost: bool) -> None:
-        """``w`` is out of the run: lost (dropped) or gone after finishing (``lost=False``)."""
+    def remove(self, w: WorkerState, reason: str, *, lost: bool, held: HeldRequests) -> list[Ready]:
+        """``w`` is out of the run, lost (dropped) or gone after finishing (``lost=False``): its held
+        requests fail, its unpushed batches are redrawn, and the others' held requests are retried."""
         w.alive = False
         self.alive_count -= 1
         self.workers_lost += int(lost)
         self._event(w, "drop" if lost else "leave", reason)
+        ready: list[Ready] = [(h.future, ShardError(f"worker {w.rank} was dropped: {reason}")) for h in w.held()]
+        for h in w.held():
+            h.done = True
+        w.pending = w.gate = None
+        self.queue.dropped(w)
+        w.version += 1  # out of the staleness frame
+        self.clocks.log()
+        return ready + held.release_credit() + held.retry_all()
 
     @abstractmethod
     def check_refill(self, w: WorkerState, epoch: int, plan: DataPlan, incarnation: int) -> str | None:

@@ -147,6 +147,14 @@ class BatchQueue:
                 break
         return leased
 
+    def served(self, epoch: int, ranks: list[int]) -> list[int]:
+        known = self.epochs.get(epoch)
+        return [known.served.get(r, 0) if known else 0 for r in ranks]
+
+    def remaining(self, epoch: int) -> int:
+        known = self.epochs.get(epoch)
+        return len(known.queue) if known is not None else 0
+
     def accounting(self, epoch: int) -> dict[str, Any]:
         known = self.epochs.get(epoch)
         if known is None:
