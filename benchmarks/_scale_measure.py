@@ -47,10 +47,14 @@ from benchmarks._pipeline_models import loss as pipeline_loss
 from benchmarks._pipeline_models import real_balanced
 from benchmarks._scale_costs import CALIB_BIG, CALIB_SMALL
 from benchmarks._scale_model import ddp_buckets
-from lightning_strategies.comm.async_ import register_coordinator, unregister_coordinator
+from lightning_strategies.comm.async_ import (
+    AsyncCoordinator,
+    BatchLease,
+    DataPlan,
+    register_coordinator,
+    unregister_coordinator,
+)
 from lightning_strategies.comm.async_ps import AsyncParameterServerClient, AsyncParameterShard
-from lightning_strategies.comm.coordinator import AsyncCoordinator, DataPlan
-from lightning_strategies.comm.lease import BatchLease
 from lightning_strategies.comm.pipeline import PipelineRuntime
 from lightning_strategies.comm.ps import (
     OptimizerSpec,

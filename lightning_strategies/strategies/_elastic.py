@@ -38,8 +38,17 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from torch.utils.data import Sampler
 from typing_extensions import override
 
-from lightning_strategies.comm.async_ import register_coordinator
-from lightning_strategies.comm.coordinator import AsyncCoordinator, DataPlan, JoinReply, _rpc_run_state
+from lightning_strategies.comm.async_ import (
+    AsyncCoordinator,
+    BatchLease,
+    DataPlan,
+    JoinReply,
+    fetch_published,
+    join_run,
+    leave_run,
+    register_coordinator,
+)
+from lightning_strategies.comm.async_.endpoints import _rpc_run_state
 from lightning_strategies.comm.elastic import (
     MembershipMonitor,
     connect_store,
@@ -51,7 +60,6 @@ from lightning_strategies.comm.elastic import (
     run_prefix,
 )
 from lightning_strategies.comm.heartbeat import DEFAULT_STORE_TIMEOUT, Heartbeat
-from lightning_strategies.comm.lease import BatchLease, fetch_published, join_run, leave_run
 from lightning_strategies.comm.ps import Packed, pack, register_shard, slice_of, unpack
 from lightning_strategies.comm.rpc import shutdown_rpc, worker_name
 

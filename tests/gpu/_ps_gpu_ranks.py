@@ -14,9 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_strategies.comm.async_ import register_coordinator, unregister_coordinator
+from lightning_strategies.comm.async_ import AsyncCoordinator, register_coordinator, unregister_coordinator
 from lightning_strategies.comm.async_ps import AsyncParameterServerClient, AsyncParameterShard
-from lightning_strategies.comm.coordinator import AsyncCoordinator
 from lightning_strategies.comm.ps import (
     OptimizerSpec,
     ParameterServerClient,

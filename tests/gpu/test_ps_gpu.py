@@ -16,9 +16,8 @@ from gpu_utils import no_host_sync
 from torch.utils.data import DataLoader
 
 from benchmarks._workers import run_workers
-from lightning_strategies.comm.async_ import register_coordinator, unregister_coordinator
+from lightning_strategies.comm.async_ import AsyncCoordinator, register_coordinator, unregister_coordinator
 from lightning_strategies.comm.async_ps import AsyncParameterServerClient, AsyncParameterShard
-from lightning_strategies.comm.coordinator import AsyncCoordinator
 from lightning_strategies.comm.ps import (
     OptimizerSpec,
     ParameterServerClient,

@@ -22,9 +22,15 @@ from typing import Any
 
 import pytest
 
-from lightning_strategies.comm.async_ import register_coordinator, unregister_coordinator
-from lightning_strategies.comm.coordinator import AsyncCoordinator, DataPlan, LeasedBatch, LeaseReply
-from lightning_strategies.comm.lease import BatchLease
+from lightning_strategies.comm.async_ import (
+    AsyncCoordinator,
+    BatchLease,
+    DataPlan,
+    LeasedBatch,
+    LeaseReply,
+    register_coordinator,
+    unregister_coordinator,
+)
 from lightning_strategies.comm.rpc import ShardError
 
 PLAN = DataPlan(num_samples=20, batch_size=4, drop_last=False, shuffle=True, seed=3)

@@ -23,15 +23,7 @@ from lightning_strategies.comm.async_.lease import (
     leave_run,
     report_failure,
 )
-from lightning_strategies.comm.async_.messages import (
-    RECORD_LIMIT,
-    DataPlan,
-    GateReply,
-    JoinReply,
-    LeasedBatch,
-    LeaseReply,
-    ReportReply,
-)
+from lightning_strategies.comm.async_.messages import RECORD_LIMIT, DataPlan, JoinReply, LeasedBatch, LeaseReply
 
 __all__ = [
     "DEFAULT_LEASE",
@@ -39,11 +31,9 @@ __all__ = [
     "AsyncCoordinator",
     "BatchLease",
     "DataPlan",
-    "GateReply",
     "JoinReply",
     "LeaseReply",
     "LeasedBatch",
-    "ReportReply",
     "fetch_published",
     "hosted_coordinator",
     "join_run",
