@@ -14,16 +14,10 @@ _SPLIT = ("inter_node_bytes_sent", "inter_node_bytes_received")
 class CommStats:
     """Bytes and time spent communicating, as counted by one process.
 
-    Counts are what *this* process put on / took off the wire (payload bytes, not protocol
-    overhead), so summing ``bytes_sent`` over ranks gives the total traffic of a collective.
-
-    The node split: ``inter_node_bytes_sent`` / ``inter_node_bytes_received`` are the part of
-    ``bytes_sent`` / ``bytes_received`` exchanged with processes on *other* nodes; the rest
-    (:attr:`intra_node_bytes_sent`, :attr:`intra_node_bytes_received`) stayed inside this
-    node. They are ``None`` ("not split") unless the algorithm was told the node layout (the ring,
-    flat with a ``layout`` or hierarchical); :meth:`as_dict` then adds the four keys
-    ``inter_node_bytes_sent``, ``inter_node_bytes_received``, ``intra_node_bytes_sent`` and
-    ``intra_node_bytes_received``.
+    Counts are payload bytes *this* process put on / took off the wire (not protocol overhead), so
+    summing ``bytes_sent`` over ranks gives a collective's traffic. The node split is ``None``
+    unless the algorithm was told the node layout (the ring); :meth:`as_dict` then adds the
+    inter- and intra-node keys.
 
     Attributes:
         bytes_sent: payload bytes this process sent.

@@ -66,9 +66,8 @@ class BatchLease:
     Args:
         worker: this worker's rank.
         coordinator_rank: the rank hosting the coordinator.
-        rpc_timeout: seconds an RPC to the coordinator may take; it must exceed the coordinator's
-            own bound on a held refill (its ``timeout``), so that its error, naming the workers it
-            waited for, arrives first.
+        rpc_timeout: seconds an RPC to the coordinator may take: more than the coordinator's own
+            ``timeout``, so that its error, naming the workers it waited for, arrives first.
         lease: batches to hold (refilled when half are used); a worker slower than the mean holds
             fewer (:attr:`size`).
         max_staleness: the bound ``s`` (``None``: none; then no clock is reported per push and no

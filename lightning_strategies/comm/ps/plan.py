@@ -54,11 +54,10 @@ def partition_parameters(sizes: Sequence[int], num_servers: int, *, align: int =
     The tensors are laid end to end in the optimizer's order (``N = sum(sizes)`` elements) and
     cut at ``s * N / num_servers`` for ``s = 1 .. num_servers - 1``, each cut moved to the nearest
     multiple of ``align`` elements from the start of the tensor it falls in (or that tensor's end).
-    A tensor may thus span servers (BytePS-style); each server's elements differ from ``N / S`` by
-    at most ``align``. The plan depends only on ``sizes``, so every rank computes the same one.
+    A tensor may thus span servers; each server's elements differ from ``N / S`` by at most ``align``.
 
     Args:
-        sizes: number of elements of each tensor, in the optimizer's parameter order.
+        sizes: elements of each tensor, in the optimizer's parameter order.
         num_servers: number of shards.
         align: granularity of a cut inside a tensor, in elements.
 
@@ -123,16 +122,13 @@ def _check_plan_args(sizes: Sequence[int], num_servers: int) -> None:
 def shard_parameters(sizes: Sequence[int], num_servers: int) -> list[list[int]]:
     """Assign whole tensors to shards, balancing the number of elements per shard.
 
-    The plan for optimizers that need whole tensors (a layer-wise trust ratio: LAMB, LARS);
-    :func:`partition_parameters` balances better and is used for elementwise optimizers.
     Longest-processing-time greedy: tensors from largest to smallest (ties by index) each go to
     the shard with the fewest elements so far (ties by shard index). The busiest shard holds at
     most ``4/3`` of the optimum, and at most ``mean + largest tensor``: on ResNet-50 at 64 shards
-    that is ~6x the mean, since one tensor alone holds 2.36M of 25.6M elements. The plan depends
-    only on ``sizes`` and ``num_servers``, so every process computes the same plan without talking.
+    that is ~6x the mean, since one tensor alone holds 2.36M of 25.6M elements.
 
     Args:
-        sizes: number of elements of each tensor, in the optimizer's parameter order.
+        sizes: elements of each tensor, in the optimizer's parameter order.
         num_servers: number of shards.
 
     Returns:

@@ -76,15 +76,11 @@ class _PendingStep:
 class ParameterShard:
     """One server shard: a range of the model's flattened parameters and the optimizer over it.
 
-    The shard holds :class:`Slice` s: whole tensors (kept in their shapes) or parts of tensors
-    (held flat), each optimized as a parameter of its own, in the param group of its tensor.
-
-    Pushes arrive on RPC threads (and on the co-located worker's training thread), so all
-    state is guarded by one lock; the optimizer step runs on the thread of the push that
-    completes the step, and the futures of the waiting workers are completed outside the lock
-    (their callbacks serialise the reply inline). No thread is started per step: one watchdog
-    thread per shard (started at the first barrier, ended by :meth:`close`) fails a step still
-    open at its deadline.
+    Each :class:`Slice` (a whole tensor in its shape, or part of one held flat) is optimized as a
+    parameter of its own, in its tensor's param group. One lock guards the state (pushes arrive on
+    RPC threads and the co-located worker's thread); the step runs on the thread of the last push,
+    and the waiting futures are completed outside the lock. One watchdog thread (started at the
+    first barrier, ended by :meth:`close`) fails a step still open at its deadline.
 
     Args:
         shard_id: index of this shard (the rank that hosts it).

@@ -18,10 +18,9 @@ __all__ = ["ELEMENTWISE_OPTIMIZERS", "OptimizerSpec", "hyperparameters"]
 class OptimizerSpec:
     """What a shard needs to rebuild the worker's optimizer over its own tensors.
 
-    The convention of :mod:`torch.optim` is that ``optimizer.defaults`` holds exactly the
-    constructor's keyword arguments, and each param group holds its own values of them; a shard
-    builds ``optimizer_class(groups, **defaults)`` where ``groups`` keeps, per group of the
-    worker's optimizer, the tensors this shard holds and that group's hyperparameters.
+    By :mod:`torch.optim`'s convention ``optimizer.defaults`` holds exactly the constructor's
+    keywords, so a shard builds ``optimizer_class(groups, **defaults)``, each group with the
+    tensors this shard holds and that group's hyperparameters.
 
     Attributes:
         optimizer_class: the class of the worker's optimizer.
