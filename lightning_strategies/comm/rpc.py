@@ -172,7 +172,7 @@ def shutdown_rpc(*, failed: bool, timeout: timedelta, grace_seconds: float = 1.0
 def async_execution(entry: F) -> F:
     """Mark an RPC entry point that returns a future at once: its RPC thread is free while the
     reply waits (a barrier, a held refill), so a handful of threads serve any number of callers."""
-    return rpc.functions.async_execution(entry)  # type: ignore[no-any-return]
+    return rpc.functions.async_execution(entry)
 
 
 @dataclass

@@ -27,11 +27,10 @@ from lightning_strategies.comm.ps.shard import (
     register_shard,
     unregister_shard,
 )
-from lightning_strategies.comm.ps.spec import ELEMENTWISE_OPTIMIZERS, OptimizerSpec
+from lightning_strategies.comm.ps.spec import OptimizerSpec
 from lightning_strategies.comm.ps.wire import Packed, pack, payload_bytes, slice_of, unpack
 
 __all__ = [
-    "ELEMENTWISE_OPTIMIZERS",
     "PARTITION_ALIGN",
     "OptimizerSpec",
     "Packed",
