@@ -1,14 +1,10 @@
-"""The async coordinator, hosted by rank 0 of an ``"async"`` run: it composes the batch queue
-(:mod:`.queue`), the staleness clocks (:mod:`.clocks`), the membership (:mod:`.membership`) and
-a watchdog (:mod:`.watchdog`), answers the workers' RPCs and keeps the chief's bulletin.
+"""The async coordinator, hosted by rank 0 of an ``"async"`` run, composing the batch queue, the
+staleness clocks, the membership, the held requests, the chief's bulletin and a watchdog.
 
-A worker does not ask for each batch: it takes them from a local lease (:mod:`.lease`), refilled
-in the background; a refill carries the worker's clock and the batches it pushed since the last
-one (*acks*). The staleness bound is checked where steps start (:meth:`AsyncCoordinator.gate`),
-not where batches are drawn, so loader processes that fetch indices ahead change nothing; leases
-are also held back (flow control, :meth:`.clocks.SSPClocks.credit`), and held refills and gates
-wait in one heap keyed by the clock they need. The slowest worker is never held, so some worker
-always progresses.
+Workers take batches from a local lease (:mod:`.lease`) whose refills carry their clock and acks.
+The staleness bound is checked where steps start (:meth:`AsyncCoordinator.gate`), not where
+batches are drawn, so loader processes that fetch indices ahead change nothing; leases are also
+held back (:meth:`.clocks.SSPClocks.credit`). The slowest worker is never held.
 """
 
 from __future__ import annotations
