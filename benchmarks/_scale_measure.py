@@ -47,16 +47,23 @@ from benchmarks._pipeline_models import loss as pipeline_loss
 from benchmarks._pipeline_models import real_balanced
 from benchmarks._scale_costs import CALIB_BIG, CALIB_SMALL
 from benchmarks._scale_model import ddp_buckets
+from lightning_strategies.comm.async_ import (
+    AsyncCoordinator,
+    BatchLease,
+    DataPlan,
+    register_coordinator,
+    unregister_coordinator,
+)
 from lightning_strategies.comm.async_ps import AsyncParameterServerClient, AsyncParameterShard
-from lightning_strategies.comm.coordinator import AsyncCoordinator, DataPlan
-from lightning_strategies.comm.lease import BatchLease
 from lightning_strategies.comm.pipeline import PipelineRuntime
 from lightning_strategies.comm.ps import (
     OptimizerSpec,
     ParameterServerClient,
     ParameterShard,
     partition_parameters,
+    register_shard,
     slice_of,
+    unregister_shard,
 )
 from lightning_strategies.comm.ring import (
     NodeLayout,
@@ -64,15 +71,7 @@ from lightning_strategies.comm.ring import (
     new_hierarchical_groups,
     ring_all_reduce,
 )
-from lightning_strategies.comm.rpc import (
-    init_rpc,
-    register_coordinator,
-    register_shard,
-    shutdown_rpc,
-    unregister_coordinator,
-    unregister_shard,
-    worker_name,
-)
+from lightning_strategies.comm.rpc import init_rpc, shutdown_rpc, worker_name
 
 __all__ = ["SYNC", "compute_standin", "standin_iters", "world_worker"]
 

@@ -132,7 +132,7 @@ class Costs:
             256 KiB): its buckets grow to P x this once that exceeds ``bucket_bytes``; 0: fixed buckets.
         overlap_s: seconds of the all-reduce (ddp, ring, ring_hier) hidden under the backward pass;
             0: compute, then communicate (what the validation runs do).
-        async_lease: batches an async worker leases at a time (``comm.lease.DEFAULT_LEASE``).
+        async_lease: batches an async worker leases at a time (``comm.async_.lease.DEFAULT_LEASE``).
     """
 
     compute_s: float

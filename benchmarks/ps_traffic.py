@@ -63,21 +63,17 @@ from lightning_strategies.comm.ps import (
     OptimizerSpec,
     ParameterServerClient,
     ParameterShard,
+    local_shard,
     partition_loads,
     partition_parameters,
+    register_shard,
     shard_loads,
     shard_parameters,
     slice_of,
-)
-from lightning_strategies.comm.ring import ring_all_reduce
-from lightning_strategies.comm.rpc import (
-    init_rpc,
-    local_shard,
-    register_shard,
-    rendezvous_store,
-    shutdown_rpc,
     unregister_shard,
 )
+from lightning_strategies.comm.ring import ring_all_reduce
+from lightning_strategies.comm.rpc import init_rpc, rendezvous_store, shutdown_rpc
 
 
 def resnet50_sizes() -> list[int]:

@@ -86,7 +86,7 @@ def _fit(name: str, world: int, k: float, base_ms: float, epochs: int, bound: in
 
     import lightning_strategies  # noqa: F401
     from lightning_strategies.comm.async_ps import AsyncParameterShard
-    from lightning_strategies.comm.rpc import local_shard
+    from lightning_strategies.comm.ps import local_shard
     from lightning_strategies.scaling import ScalingConfig
     from lightning_strategies.strategies.async_ps import AsyncParameterServerStrategy
     from lightning_strategies.strategies.parameter_server import ParameterServerStrategy

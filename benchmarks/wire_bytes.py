@@ -96,18 +96,12 @@ from lightning_strategies.comm.ps import (
     OptimizerSpec,
     ParameterServerClient,
     ParameterShard,
+    register_shard,
     shard_parameters,
+    unregister_shard,
 )
 from lightning_strategies.comm.ring import ring_all_reduce
-from lightning_strategies.comm.rpc import (
-    init_rpc,
-    register_shard,
-    rendezvous_store,
-    shutdown_rpc,
-    store_url,
-    unregister_shard,
-    worker_name,
-)
+from lightning_strategies.comm.rpc import init_rpc, rendezvous_store, shutdown_rpc, store_url, worker_name
 
 CASES = ("ddp", "ring", "ring_bf16", "ps", "ps_1")
 GOAL = (0.9, 2.0)  # wire / formula: above 1 by framing only; far off means a wrong formula or count
@@ -290,9 +284,7 @@ def _setup(
     return (lambda: client.push_pull([0.1])), teardown, store.port
 
 
-def _worker(
-    rank: int, world: int, case: str, sizes: Sequence[int], steps: int, bar: Any, pids: Any
-) -> dict[str, Any]:
+def _worker(rank: int, world: int, case: str, sizes: Sequence[int], steps: int, bar: Any, pids: Any) -> dict[str, Any]:
     pids[rank] = os.getpid()
     # rpc.init_rpc's internal all_gather_object warns about a deprecated group type, not ours to fix
     warnings.filterwarnings("ignore", message="You are using a Backend")

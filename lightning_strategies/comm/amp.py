@@ -1,34 +1,23 @@
 """Mixed precision over a process group: one loss-scale decision for every rank.
 
-``torch.amp.GradScaler`` decides from the gradients a rank holds whether a step overflowed
-(``unscale_`` records an inf/nan flag per device) and skips the step and halves the scale, or
-steps and eventually grows it. When each rank holds different gradients (a pipeline's stages,
-parameter-server shards whose gradients are never averaged locally) the ranks decide apart: one
-skips while another steps, and their scales drift, so the next step's gradients are scaled
-differently on each rank. :func:`agree_found_inf` makes the decision common: after ``unscale_``,
-every rank's flag becomes the maximum over the group, so ``step`` skips on all ranks or on none
-and ``update`` moves every rank's scale the same way.
+``torch.amp.GradScaler`` decides from a rank's own gradients whether a step overflowed. When the
+ranks hold different gradients (a pipeline's stages, parameter-server shards) one may skip while
+another steps, and their scales drift. :func:`agree_found_inf` makes the inf/nan flag the maximum
+over the group after ``unscale_``, so ``step`` skips on all ranks or on none (used by the
+pipeline's precision plugin, between ``unscale_`` and ``step``).
 
-Used by the pipeline's precision plugin (``strategies/_pipeline_plugins.py``); any strategy whose
-ranks hold different gradients can call it between ``unscale_`` and ``step``.
+:class:`AgreedGradScaler` does so itself, for the parameter servers (the strategy swaps the
+plugin's scaler for one with the same options and state):
 
-:class:`AgreedGradScaler` is a ``GradScaler`` that does so itself, for the parameter servers,
-whose precision plugin is Lightning's own (the strategy swaps the plugin's scaler for one with the
-same options and state):
+- ``agree=True`` (``"ps"``): a rank that skipped alone would never push and the shards' barrier
+  would wait for it; with the verdict shared, an overflow anywhere skips the step everywhere, as
+  under DDP, and no inf reaches a shard.
+- ``agree=False`` (``"async"``, where a per-step collective would pair different steps): a rank
+  that overflows skips its own push and lowers its own scale (the skipped step still counts for
+  the staleness bound and the lease, so nothing waits for it).
 
-- ``agree=True`` (synchronous ``"ps"``): a rank that skipped alone would never push, and the
-  shards' barrier would wait for it until its timeout. With the verdict shared, an overflow on
-  any rank skips the step everywhere, as under DDP (which decides from averaged gradients), and
-  no gradient with an inf reaches a shard.
-- ``agree=False`` (``"async"``, where ranks step at their own pace and a per-step collective
-  would pair different steps): a rank whose gradients overflow skips its own push and lowers its
-  own scale; the others go on. Pushes never carry an inf into the shards, and no one waits for
-  the skipped push (async has no barrier; the skipped step still counts as the worker's step for
-  the staleness bound and its lease of batches, so a bounded run does not wait for it either).
-
-Either way :attr:`AgreedGradScaler.skipped` holds the last step's verdict as a device tensor (1.0
-skipped, 0.0 stepped), which the strategies log at Lightning's cadence without reading it per
-step.
+:attr:`AgreedGradScaler.skipped` holds the last verdict as a device tensor (1.0 skipped), logged
+at Lightning's cadence without a read per step.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Asynchronous parameter servers: shards that apply each push at once, and the worker's client.
 
-Built on :mod:`lightning_strategies.comm.ps` (the same sharding plan, optimizer rebuilt on the
-shards, byte counting) and :mod:`lightning_strategies.comm.rpc`, with no Lightning import:
-
-- :class:`AsyncParameterShard` applies every pushed gradient immediately with its optimizer (no
-  barrier). It records each gradient's *staleness*: the updates this shard applied between the
-  worker's last pull (the weights its gradient was computed on) and this push. With
-  ``staleness_lr="inverse"`` it divides that gradient's learning rate by ``1 + staleness``
-  (Zhang et al. 2016, "Staleness-aware async-SGD"). It also counts every worker's pushes.
-- :class:`AsyncParameterServerClient`, the worker's side: push (optionally with a pull in the
-  same round trip) and pull. Its batches come from a lease
-  (:class:`~lightning_strategies.comm.lease.BatchLease`) of the
-  :class:`~lightning_strategies.comm.coordinator.AsyncCoordinator` (rank 0), which keeps the
-  workers' clocks, the staleness bound and the epoch's data queue.
+Built on :mod:`lightning_strategies.comm.ps` (plan, optimizer spec, wire format), with no
+Lightning import. :class:`AsyncParameterShard` applies every push at once (no barrier) and
+records its *staleness*: the updates the shard applied between the worker's last pull and this
+push; with ``staleness_lr="inverse"`` it divides that gradient's learning rate by
+``1 + staleness`` (Zhang et al. 2016, "Staleness-aware async-SGD").
+:class:`AsyncParameterServerClient` pushes (optionally pulling in the same round trip) and
+pulls; its batches come from a lease of the coordinator (:mod:`lightning_strategies.comm.async_`).
 """
 
 from __future__ import annotations
@@ -25,9 +19,16 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from lightning_strategies.comm.coordinator import RECORD_LIMIT
-from lightning_strategies.comm.ps import Packed, ParameterServerClient, ParameterShard, pack, payload_bytes
-from lightning_strategies.comm.rpc import ShardError, hosted_shard
+from lightning_strategies.comm.async_.messages import RECORD_LIMIT
+from lightning_strategies.comm.ps import (
+    Packed,
+    ParameterServerClient,
+    ParameterShard,
+    hosted_shard,
+    pack,
+    payload_bytes,
+)
+from lightning_strategies.comm.rpc import ShardError
 
 __all__ = [
     "STALENESS_LR",

@@ -45,8 +45,8 @@ import torch.distributed.rpc as rpc
 from torch.distributed.rpc._utils import _update_group_membership
 
 from lightning_strategies.comm.heartbeat import _FAILED, DEFAULT_INTERVAL, GRACE_INTERVALS, Heartbeat
-from lightning_strategies.comm.ps import Packed
-from lightning_strategies.comm.rpc import hosted_shard, store_url, worker_name
+from lightning_strategies.comm.ps import Packed, hosted_shard
+from lightning_strategies.comm.rpc import store_url, worker_name
 
 __all__ = [
     "MembershipMonitor",

@@ -1,19 +1,13 @@
-"""RPC plumbing shared by the parameter servers (:mod:`.ps`, :mod:`.async_ps`) and the async
-coordinator (:mod:`.coordinator`), with no Lightning import.
+"""The one module that names torch RPC: names, rendezvous, start and stop, calls and replies.
 
-- Names, rendezvous, start and stop: :func:`worker_name`, :func:`rendezvous_store`,
-  :func:`init_rpc`, :func:`shutdown_rpc`. RPC meets in a TCP store of its own (the process
-  group's store holds ``MASTER_PORT``), which rank 0 binds on a port the kernel picks *while*
-  binding it: no port is chosen first and bound later, so no other socket can take it in between
-  (an ephemeral port picked by ``bind(0)`` and released is free for any outgoing connection or
-  ``bind(0)`` of another process until RPC binds it again).
-- What this process hosts: the shards it serves (``register_shard`` ...) and, on rank 0 of an
-  async run, the coordinator (``register_coordinator`` ...). RPC entry points find the object
-  they serve here, so they stay plain module-level functions, as RPC requires.
-- :func:`call_host`: run an entry point directly when this process hosts its object, else on its
-  host over ``rpc_async``; a future either way. A worker thus calls its co-located shard without
-  serialisation.
-- :class:`ShardError` and :func:`wait_reply`: a failure travels as a value and is raised here.
+A leaf, with no Lightning import and no import of the objects it carries calls to: the shards
+(:mod:`.ps.shard`) and the async coordinator (:mod:`.async_.coordinator`) keep their own
+registries, and their RPC entry points are plain module-level functions, as RPC requires. So the
+transport can change here alone.
+
+RPC meets in a TCP store of its own (the process group's store holds ``MASTER_PORT``), which
+rank 0 binds on a port the kernel picks *while* binding it: an ephemeral port picked by
+``bind(0)`` and released is free for any other socket until RPC binds it again.
 """
 
 from __future__ import annotations
@@ -23,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import torch
@@ -32,44 +26,33 @@ import torch.distributed.rpc as rpc
 from torch.distributed.rendezvous import register_rendezvous_handler
 from torch.futures import Future
 
-from lightning_strategies.comm.heartbeat import PeerDiagnosis, add_abort_hook
-
-if TYPE_CHECKING:  # the hosted objects' modules import this one
-    from lightning_strategies.comm.coordinator import AsyncCoordinator
-    from lightning_strategies.comm.ps import ParameterShard
-
 __all__ = [
     "ShardError",
+    "async_execution",
     "call_host",
     "completed",
-    "hosted_coordinator",
-    "hosted_shard",
+    "current_name",
     "init_rpc",
     "is_failure",
-    "local_coordinator",
-    "local_shard",
-    "register_coordinator",
-    "register_shard",
     "rendezvous_store",
     "shutdown_rpc",
     "store_url",
-    "unregister_coordinator",
-    "unregister_shard",
     "wait_reply",
     "worker_name",
 ]
 
 T = TypeVar("T")
-
-
-# --------------------------------------------------------------------------------------------
-# Names, ports, start and stop
-# --------------------------------------------------------------------------------------------
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def worker_name(rank: int) -> str:
     """The RPC name of the training process of global rank ``rank``."""
     return f"ps_worker{rank}"
+
+
+def current_name() -> str:
+    """This process's RPC name (its agent must be running)."""
+    return str(rpc.get_worker_info().name)
 
 
 def rendezvous_store(
@@ -82,9 +65,6 @@ def rendezvous_store(
 ) -> dist.TCPStore:
     """The store RPC's processes meet in: rank 0 serves it on a port bound as it is chosen.
 
-    Rank 0's store binds port 0, so the kernel picks a free port and the store holds it from that
-    moment; ``share`` hands its number to every rank, and the others connect to ``host`` there.
-
     Args:
         rank: global rank.
         world_size: number of processes.
@@ -92,9 +72,6 @@ def rendezvous_store(
         timeout: how long a rank waits for the store (and the store for its peers).
         share: called by every rank with rank 0's port (0 elsewhere), returns rank 0's port; by
             default a broadcast over the default process group, which must then be initialized.
-
-    Returns:
-        The store, for :func:`init_rpc`.
     """
     store = dist.TCPStore(host, 0, world_size, True, timeout=timeout, wait_for_workers=False) if rank == 0 else None
     port = (share or _broadcast_port)(store.port if store is not None else 0)
@@ -144,10 +121,6 @@ def init_rpc(
 ) -> None:
     """Start this process's TensorPipe RPC agent as :func:`worker_name` ``(rank)``.
 
-    Rank and world size are explicit and the rendezvous is ``init_method``, a store of its own
-    (:func:`rendezvous_store`), so it does not collide with the process group's store on
-    ``MASTER_PORT``.
-
     Args:
         rank: global rank.
         world_size: number of processes.
@@ -192,100 +165,14 @@ def shutdown_rpc(*, failed: bool, timeout: timedelta, grace_seconds: float = 1.0
 
 
 # --------------------------------------------------------------------------------------------
-# What this process hosts
-# --------------------------------------------------------------------------------------------
-
-_SHARDS: dict[int, ParameterShard] = {}
-# shards dropped because their host failed, with the error late pushes get: a survivor's push
-# that arrives after the drop must name the failure, not suggest disagreeing sharding plans
-_STOPPED: dict[int, str] = {}
-_COORDINATORS: list[AsyncCoordinator] = []  # at most one, on rank 0 of an async run
-
-
-def register_shard(shard: ParameterShard) -> None:
-    """Make ``shard`` reachable by RPC in this process (one process may host several)."""
-    _STOPPED.pop(shard.shard_id, None)
-    _SHARDS[shard.shard_id] = shard
-
-
-def unregister_shard(shard_id: int, *, reason: str | None = None) -> None:
-    """Forget the shard (at teardown), so a later fit in this process starts clean.
-
-    Args:
-        shard_id: the shard to drop.
-        reason: why, when this process failed (the failure's first line): pushes waiting in the
-            shard's barrier, and any that arrive until RPC shuts down, get an error carrying it.
-    """
-    shard = _SHARDS.pop(shard_id, None)
-    if shard is not None:
-        failure = shard.close(reason)  # its watchdog thread ends
-        if failure is not None:
-            _STOPPED[shard_id] = failure
-
-
-def stop_hosted_shards(diagnosis: PeerDiagnosis | None) -> None:
-    """Drop every hosted shard, answering the workers waiting in its barrier with the loss: the
-    heartbeat's abort hook (a frozen worker's push never comes, and no connection ends that wait)."""
-    text = diagnosis.describe("parameter_server") if diagnosis is not None else None
-    reason = f"PeerLostError: {text.splitlines()[0]}" if text else "PeerLostError: a peer is gone"
-    for shard_id in list(_SHARDS):
-        unregister_shard(shard_id, reason=reason)
-
-
-add_abort_hook(stop_hosted_shards)
-
-
-def local_shard(shard_id: int) -> ParameterShard | None:
-    """The shard ``shard_id`` when this process hosts it."""
-    return _SHARDS.get(shard_id)
-
-
-def hosted_shard(shard_id: int) -> ParameterShard:
-    """The shard ``shard_id``, which this process must host (RPC entry points call this).
-
-    Raises:
-        RuntimeError: when this process does not host it.
-    """
-    shard = _SHARDS.get(shard_id)
-    if shard is None and shard_id in _STOPPED:
-        raise RuntimeError(_STOPPED[shard_id])
-    if shard is None:
-        raise RuntimeError(
-            f"parameter server shard {shard_id} is not hosted by {rpc.get_worker_info().name} "
-            f"(this process hosts {sorted(_SHARDS)}); the sharding plans of the workers disagree"
-        )
-    return shard
-
-
-def register_coordinator(coordinator: AsyncCoordinator) -> None:
-    """Make ``coordinator`` reachable by RPC in this process (rank 0 hosts it)."""
-    _COORDINATORS[:] = [coordinator]
-
-
-def unregister_coordinator() -> None:
-    """Forget this process's coordinator (at teardown)."""
-    _COORDINATORS.clear()
-
-
-def local_coordinator() -> AsyncCoordinator | None:
-    """The coordinator when this process hosts it."""
-    return _COORDINATORS[0] if _COORDINATORS else None
-
-
-def hosted_coordinator() -> AsyncCoordinator:
-    """The coordinator, which this process must host (RPC entry points call this).
-
-    Raises:
-        RuntimeError: when this process does not host it.
-    """
-    if not _COORDINATORS:
-        raise RuntimeError(f"{rpc.get_worker_info().name} hosts no async coordinator; rank 0 should")
-    return _COORDINATORS[0]
-
-
-# --------------------------------------------------------------------------------------------
 # Calls and replies
 # --------------------------------------------------------------------------------------------
+
+
+def async_execution(entry: F) -> F:
+    """Mark an RPC entry point that returns a future at once: its RPC thread is free while the
+    reply waits (a barrier, a held refill), so a handful of threads serve any number of callers."""
+    return rpc.functions.async_execution(entry)
 
 
 @dataclass
@@ -312,18 +199,15 @@ def completed(value: T) -> Future[T]:
 
 
 def call_host(host: int, entry: Callable[..., Any], *args: Any, local: bool, timeout: float) -> Future[Any]:
-    """``entry(*args)`` on rank ``host``: called directly when this process hosts its object.
+    """``entry(*args)`` on rank ``host``: called directly (no serialisation) when ``local``.
 
     Args:
         host: the rank hosting the object ``entry`` serves.
-        entry: an RPC entry point of this package: it finds its object with ``hosted_*`` and
-            returns a reply (or, under ``@rpc.functions.async_execution``, a future of one).
+        entry: an RPC entry point: it finds its object in its module's registry and returns a
+            reply (or, under :func:`async_execution`, a future of one).
         *args: its arguments.
-        local: this process hosts the object: skip RPC (and serialisation).
+        local: this process hosts the object.
         timeout: the RPC timeout in seconds.
-
-    Returns:
-        The future of the reply (already done for a direct call that returned a value).
     """
     if local:
         reply = entry(*args)

@@ -1,38 +1,25 @@
 """CUDA stream order for the parameter servers' tensors, with no Lightning import.
 
-A shard's tensors are touched by many host threads: RPC threads deliver pushes, the co-located
-worker calls its shard directly, and a lock orders them on the host only. On a GPU each of those
-threads enqueues work on its own *current stream* (TensorPipe runs a handler on the pool streams
-that received its message; the training thread uses the default stream), and kernels on
-different streams run in any order. :class:`StreamOrder` gives a shard one stream of its own and
-three rules, which together make the device order follow the host's lock order:
+A shard's tensors are touched by many host threads (RPC threads deliver pushes on the streams
+TensorPipe received them on; the co-located worker uses the default stream), and a lock orders
+them on the host only. :class:`StreamOrder` gives a shard one stream of its own and three rules
+that make the device order follow the lock's order:
 
-- :meth:`StreamOrder.take`: before the shard uses tensors that a caller produced (gradients
-  packed by the co-located worker) or that arrived on the caller's stream (an RPC's tensors), the
-  shard stream waits for the caller's current stream, and each tensor's memory is recorded on the
-  shard stream (``record_stream``) so the caching allocator does not hand it out again while the
-  shard's kernels still read it.
-- :meth:`StreamOrder.running`: the shard's own work (averaging, the optimizer step, the snapshot
-  of its values for a reply) runs with the shard stream current, so consecutive steps, whichever
-  thread enqueued them, are ordered on one stream as they were under the lock.
-- :meth:`StreamOrder.reply` / :meth:`StreamOrder.complete`: a reply completed later (the sync
-  barrier's, set by whichever thread pushed last) is a future created with ``devices=[device]``
-  and completed while the shard stream is current. Such a future records an event on that
-  stream; whoever waits on it (``Future.wait``: the co-located worker, or TensorPipe before it
-  sends the response of an ``async_execution`` handler) has its current stream wait on the event
-  and the value's tensors recorded on that stream. :meth:`StreamOrder.give`: a result returned
-  directly (an async push or pull, a state dict) makes the caller's current stream wait for the
-  shard stream instead; for an RPC handler that is the stream TensorPipe sends the response from.
-  Either way a reply holds a *snapshot* (a copy made on the shard stream), never the live
-  parameters, so a later step cannot change a reply still being read or sent.
+- :meth:`StreamOrder.take`: before using tensors a caller produced or that arrived on its
+  stream, the shard stream waits for the caller's, and ``record_stream`` keeps the caching
+  allocator from handing their memory out while the shard's kernels still read it.
+- :meth:`StreamOrder.running`: the shard's own work (averaging, the step, the snapshot for a
+  reply) runs on the shard stream, so consecutive steps stay ordered whichever thread enqueued them.
+- :meth:`StreamOrder.reply` / :meth:`StreamOrder.complete`: a reply completed later is a future
+  made with ``devices=[device]`` and completed on the shard stream, so whoever waits on it (the
+  co-located worker, or TensorPipe before it sends the response) waits on its event;
+  :meth:`StreamOrder.give` makes the caller's stream wait for a result returned directly. A
+  reply holds a *snapshot*, never the live parameters.
 
-On the worker side no extra code is needed: ``rpc_async`` orders its send after the caller's
-current stream, and ``Future.wait`` orders the caller's stream after the reply's, which is where
-:class:`~lightning_strategies.comm.ps.ParameterServerClient` copies the values into the model.
-
-On CPU (and with no backend) every rule is a no-op and replies are plain futures. The rules call
-a :class:`StreamBackend`; :class:`CudaStreams` is torch's, and tests pass a fake one to check,
-without a GPU, which stream waits on which and where each future is completed.
+The worker side needs nothing: ``rpc_async`` orders its send after the caller's stream, and
+``Future.wait`` orders the caller's stream after the reply's. On CPU every rule is a no-op. The
+rules call a :class:`StreamBackend` (:class:`CudaStreams`, or a fake one in tests, to check
+without a GPU which stream waits on which).
 """
 
 from __future__ import annotations

@@ -38,7 +38,17 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from torch.utils.data import Sampler
 from typing_extensions import override
 
-from lightning_strategies.comm.coordinator import AsyncCoordinator, DataPlan, JoinReply, _rpc_run_state
+from lightning_strategies.comm.async_ import (
+    AsyncCoordinator,
+    BatchLease,
+    DataPlan,
+    JoinReply,
+    fetch_published,
+    join_run,
+    leave_run,
+    register_coordinator,
+)
+from lightning_strategies.comm.async_.endpoints import _rpc_run_state
 from lightning_strategies.comm.elastic import (
     MembershipMonitor,
     connect_store,
@@ -50,9 +60,8 @@ from lightning_strategies.comm.elastic import (
     run_prefix,
 )
 from lightning_strategies.comm.heartbeat import DEFAULT_STORE_TIMEOUT, Heartbeat
-from lightning_strategies.comm.lease import BatchLease, fetch_published, join_run, leave_run
-from lightning_strategies.comm.ps import Packed, pack, slice_of, unpack
-from lightning_strategies.comm.rpc import register_coordinator, register_shard, shutdown_rpc, worker_name
+from lightning_strategies.comm.ps import Packed, pack, register_shard, slice_of, unpack
+from lightning_strategies.comm.rpc import shutdown_rpc, worker_name
 
 log = logging.getLogger(__name__)
 
@@ -392,6 +401,7 @@ class DedicatedServers:
         log.warning(f"async: worker rank {rank} (incarnation {incarnation}) dropped: {reason}; its batches are redrawn")
         if self.monitor is not None:
             self.monitor.forget(rank)
+
         # out of the RPC group, so that a relaunched worker can join (off the caller's thread: an
         # RPC thread or the monitor)
         def out_of_the_group() -> None:

@@ -60,16 +60,23 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
+from lightning_strategies.comm.async_ import (
+    DEFAULT_LEASE,
+    AsyncCoordinator,
+    BatchLease,
+    DataPlan,
+    LeasedBatch,
+    register_coordinator,
+    report_failure,
+    unregister_coordinator,
+)
 from lightning_strategies.comm.async_ps import (
     STALENESS_LR,
     AsyncParameterServerClient,
     AsyncParameterShard,
     StalenessLR,
 )
-from lightning_strategies.comm.coordinator import AsyncCoordinator, DataPlan, LeasedBatch
-from lightning_strategies.comm.lease import DEFAULT_LEASE, BatchLease, report_failure
 from lightning_strategies.comm.ps import OptimizerSpec, Slice, broadcast_from_rank0, pack
-from lightning_strategies.comm.rpc import register_coordinator, unregister_coordinator
 from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.data import DevicePrefetcher
 from lightning_strategies.strategies._base import is_last_batch

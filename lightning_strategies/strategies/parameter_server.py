@@ -46,21 +46,16 @@ from lightning_strategies.comm.ps import (
     ParameterShard,
     Slice,
     broadcast_from_rank0,
+    local_shard,
     partition_loads,
     partition_parameters,
+    register_shard,
     shard_parameters,
     slice_of,
+    unregister_shard,
     whole_tensor_slices,
 )
-from lightning_strategies.comm.rpc import (
-    init_rpc,
-    local_shard,
-    register_shard,
-    rendezvous_store,
-    shutdown_rpc,
-    unregister_shard,
-    worker_name,
-)
+from lightning_strategies.comm.rpc import init_rpc, rendezvous_store, shutdown_rpc, worker_name
 from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.strategies._base import StrategyBase, unwrap_optimizer
 

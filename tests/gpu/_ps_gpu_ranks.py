@@ -14,25 +14,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_strategies.comm.async_ import AsyncCoordinator, register_coordinator, unregister_coordinator
 from lightning_strategies.comm.async_ps import AsyncParameterServerClient, AsyncParameterShard
-from lightning_strategies.comm.coordinator import AsyncCoordinator
 from lightning_strategies.comm.ps import (
     OptimizerSpec,
     ParameterServerClient,
     ParameterShard,
     partition_parameters,
-    slice_of,
-)
-from lightning_strategies.comm.rpc import (
-    init_rpc,
-    register_coordinator,
     register_shard,
-    rendezvous_store,
-    shutdown_rpc,
-    unregister_coordinator,
+    slice_of,
     unregister_shard,
-    worker_name,
 )
+from lightning_strategies.comm.rpc import init_rpc, rendezvous_store, shutdown_rpc, worker_name
 
 SIZES = (1 << 18, 4096, 1 << 16, 8)  # big enough that kernels take time, cuts inside tensors
 SLEEP_CYCLES = 2_000_000  # ~1 ms of GPU time before each rank's gradients are written

@@ -16,19 +16,15 @@ from gpu_utils import no_host_sync
 from torch.utils.data import DataLoader
 
 from benchmarks._workers import run_workers
+from lightning_strategies.comm.async_ import AsyncCoordinator, register_coordinator, unregister_coordinator
 from lightning_strategies.comm.async_ps import AsyncParameterServerClient, AsyncParameterShard
-from lightning_strategies.comm.coordinator import AsyncCoordinator
 from lightning_strategies.comm.ps import (
     OptimizerSpec,
     ParameterServerClient,
     ParameterShard,
     partition_parameters,
-    slice_of,
-)
-from lightning_strategies.comm.rpc import (
-    register_coordinator,
     register_shard,
-    unregister_coordinator,
+    slice_of,
     unregister_shard,
 )
 from lightning_strategies.strategies.async_ps import AsyncParameterServerStrategy

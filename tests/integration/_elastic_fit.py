@@ -34,7 +34,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_strategies import AsyncParameterServerStrategy
-from lightning_strategies.comm.rpc import local_shard
+from lightning_strategies.comm.ps import local_shard
 from lightning_strategies.scaling import ScalingConfig
 from recipes.classification import ClassificationModule
 from recipes.data import DigitsDataModule

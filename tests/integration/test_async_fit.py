@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_strategies  # noqa: F401  (registers "async")
 from lightning_strategies.comm.async_ps import AsyncParameterShard
-from lightning_strategies.comm.rpc import local_shard
+from lightning_strategies.comm.ps import local_shard
 from lightning_strategies.scaling import ScalingConfig
 from lightning_strategies.strategies.async_ps import AsyncParameterServerStrategy
 from recipes.classification import ClassificationModule

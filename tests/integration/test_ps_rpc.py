@@ -14,8 +14,15 @@ import torch
 import torch.distributed as dist
 
 from lightning_strategies.comm.heartbeat import failure_reason
-from lightning_strategies.comm.ps import OptimizerSpec, ParameterServerClient, ParameterShard, shard_parameters
-from lightning_strategies.comm.rpc import init_rpc, register_shard, rendezvous_store, shutdown_rpc, unregister_shard
+from lightning_strategies.comm.ps import (
+    OptimizerSpec,
+    ParameterServerClient,
+    ParameterShard,
+    register_shard,
+    shard_parameters,
+    unregister_shard,
+)
+from lightning_strategies.comm.rpc import init_rpc, rendezvous_store, shutdown_rpc
 from tests.dist_utils import run_workers
 
 pytestmark = pytest.mark.slow

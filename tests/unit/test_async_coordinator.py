@@ -22,9 +22,16 @@ from typing import Any
 
 import pytest
 
-from lightning_strategies.comm.coordinator import AsyncCoordinator, DataPlan, LeasedBatch, LeaseReply
-from lightning_strategies.comm.lease import BatchLease
-from lightning_strategies.comm.rpc import ShardError, register_coordinator, unregister_coordinator
+from lightning_strategies.comm.async_ import (
+    AsyncCoordinator,
+    BatchLease,
+    DataPlan,
+    LeasedBatch,
+    LeaseReply,
+    register_coordinator,
+    unregister_coordinator,
+)
+from lightning_strategies.comm.rpc import ShardError
 
 PLAN = DataPlan(num_samples=20, batch_size=4, drop_last=False, shuffle=True, seed=3)
 
@@ -158,13 +165,13 @@ def test_a_clock_change_retries_only_the_refills_it_can_open() -> None:
     held = [c.refill(w, 0, 1, clock=w % 5 + 1, plan=plan) for w in range(1, workers)]
     assert not any(f.done() for f in held)
     retried: list[int] = []
-    original = c._retry
+    original = c._held.retry
 
     def counting(pending: Any) -> Any:
         retried.append(pending.worker)
         return original(pending)
 
-    c._retry = counting  # type: ignore[method-assign]
+    c._held.retry = counting  # type: ignore[method-assign]
     c.report(0, 1)  # worker 0 reaches clock 1: only the workers at clock 1 get credit (they need 1)
     opened = sorted(w for w, f in zip(range(1, workers), held, strict=True) if f.done())
     assert opened == [w for w in range(1, workers) if w % 5 + 1 == 1]

@@ -12,8 +12,8 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_strategies  # noqa: F401  (registers "async")
+from lightning_strategies.comm.async_ import DataPlan
 from lightning_strategies.comm.async_ps import AsyncParameterShard, AsyncReply
-from lightning_strategies.comm.coordinator import DataPlan
 from lightning_strategies.comm.ps import OptimizerSpec
 from lightning_strategies.comm.rpc import ShardError
 from lightning_strategies.strategies.async_ps import AsyncParameterServerStrategy, DynamicBatchSampler

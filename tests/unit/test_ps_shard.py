@@ -22,13 +22,16 @@ from lightning_strategies.comm.ps import (
     ParameterServerClient,
     ParameterShard,
     Slice,
+    hosted_shard,
     partition_loads,
     partition_parameters,
+    register_shard,
     shard_loads,
     shard_parameters,
     slice_of,
+    unregister_shard,
 )
-from lightning_strategies.comm.rpc import ShardError, hosted_shard, register_shard, unregister_shard
+from lightning_strategies.comm.rpc import ShardError
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 
 # ResNet-50's 161 tensor sizes, grouped: the realistic case for balance

@@ -25,10 +25,11 @@ from lightning_strategies.comm.ps import (
     Slice,
     pack,
     partition_parameters,
+    register_shard,
     slice_of,
     unpack,
+    unregister_shard,
 )
-from lightning_strategies.comm.rpc import register_shard, unregister_shard
 from lightning_strategies.comm.streams import StreamOrder
 
 

@@ -1,19 +1,15 @@
 """The worker's side of the async coordinator: a local lease of batches, refilled in the background.
 
-A worker draws each batch from its :class:`BatchLease`, a local queue of a few batches leased by
-the :class:`~lightning_strategies.comm.coordinator.AsyncCoordinator` (rank 0). When the lease runs
-low (half of ``lease``) it asks for more without waiting (``rpc_async``: the answer fills the
-lease from an RPC thread), so the worker waits for the coordinator only when the lease is empty:
-at an epoch's first batch, or when the staleness bound holds leases back. Each refill carries the
-worker's clock and the batches it has pushed since the last message (acks); with a bound (or
-while a refill is held) the clock is also reported after each push, at most one report in flight
-(later clocks are coalesced into the next one), so the slow workers' progress reaches the
-coordinator without a message per step, and each step is admitted by :meth:`BatchLease.admit`
-in the training process: at once when the others' clocks known when its batch was leased allow
-it, else after a gate round trip.
-
-Every wait is bounded (the RPC timeout exceeds the coordinator's own) and polls ``should_stop``,
-so a process told to stop (SIGTERM) does not sit out the timeout. No Lightning import.
+A worker draws each batch from its :class:`BatchLease`, a few batches leased by the coordinator
+(rank 0). At half a lease it asks for more without waiting (the answer fills the lease from an
+RPC thread), so it waits only when the lease is empty: at an epoch's first batch, or when the
+staleness bound holds leases back. A refill carries the worker's clock and the batches pushed
+since the last message (acks); with a bound (or while a refill is held) the clock is also
+reported after each push, at most one report in flight (later clocks coalesce into the next),
+and each step is admitted by :meth:`BatchLease.admit`: at once when the others' clocks known at
+its lease allow it, else after a gate round trip. Every wait is bounded (the RPC timeout exceeds
+the coordinator's own) and polls ``should_stop``, so a process told to stop does not sit out the
+timeout. No Lightning import.
 """
 
 from __future__ import annotations
@@ -28,14 +24,7 @@ from typing import Any
 
 from torch.futures import Future
 
-from lightning_strategies.comm.coordinator import (
-    RECORD_LIMIT,
-    DataPlan,
-    GateReply,
-    JoinReply,
-    LeasedBatch,
-    LeaseReply,
-    ReportReply,
+from lightning_strategies.comm.async_.endpoints import (
     _rpc_fail,
     _rpc_gate,
     _rpc_join,
@@ -43,8 +32,18 @@ from lightning_strategies.comm.coordinator import (
     _rpc_published,
     _rpc_refill,
     _rpc_report,
+    local_coordinator,
 )
-from lightning_strategies.comm.rpc import call_host, local_coordinator, wait_reply
+from lightning_strategies.comm.async_.messages import (
+    RECORD_LIMIT,
+    DataPlan,
+    GateReply,
+    JoinReply,
+    LeasedBatch,
+    LeaseReply,
+    ReportReply,
+)
+from lightning_strategies.comm.rpc import call_host, wait_reply
 
 __all__ = ["DEFAULT_LEASE", "BatchLease", "fetch_published", "join_run", "leave_run", "report_failure"]
 
@@ -55,8 +54,10 @@ DEFAULT_LEASE = 4
 _POLL_S = 0.25
 
 
-def _local(coordinator_rank: int, worker: int) -> bool:
-    return worker == coordinator_rank and local_coordinator() is not None
+def _call(coordinator_rank: int, worker: int, entry: Callable[..., Any], *args: Any, timeout: float) -> Future[Any]:
+    # the chief's own worker calls its coordinator directly, without RPC
+    local = worker == coordinator_rank and local_coordinator() is not None
+    return call_host(coordinator_rank, entry, *args, local=local, timeout=timeout)
 
 
 class BatchLease:
@@ -65,9 +66,8 @@ class BatchLease:
     Args:
         worker: this worker's rank.
         coordinator_rank: the rank hosting the coordinator.
-        rpc_timeout: seconds an RPC to the coordinator may take; it must exceed the coordinator's
-            own bound on a held refill (its ``timeout``), so that its error, naming the workers it
-            waited for, arrives first.
+        rpc_timeout: seconds an RPC to the coordinator may take: more than the coordinator's own
+            ``timeout``, so that its error, naming the workers it waited for, arrives first.
         lease: batches to hold (refilled when half are used); a worker slower than the mean holds
             fewer (:attr:`size`).
         max_staleness: the bound ``s`` (``None``: none; then no clock is reported per push and no
@@ -130,6 +130,9 @@ class BatchLease:
         self.reports = 0
         #: (this worker's clock at a step, the others' lowest clock when its batch was leased)
         self.admissions: deque[tuple[int, int]] = deque(maxlen=RECORD_LIMIT)
+
+    def _call(self, entry: Callable[..., Any], *args: Any) -> Future[Any]:
+        return _call(self.coordinator_rank, self.worker, entry, *args, timeout=self.rpc_timeout)
 
     # -- drawing --------------------------------------------------------------------------------
 
@@ -223,19 +226,8 @@ class BatchLease:
         self._acks = []
         self.refills += 1
         self._refill_started = time.perf_counter()
-        fut = call_host(
-            self.coordinator_rank,
-            _rpc_refill,
-            self.worker,
-            epoch,
-            max(1, want),
-            self._clock,
-            acks,
-            plan,
-            self.incarnation,
-            self.prefetch,
-            local=_local(self.coordinator_rank, self.worker),
-            timeout=self.rpc_timeout,
+        fut = self._call(
+            _rpc_refill, self.worker, epoch, max(1, want), self._clock, acks, plan, self.incarnation, self.prefetch
         )
         self._refill = fut
         fut.add_done_callback(lambda f: self._on_refill(f, epoch))
@@ -300,15 +292,7 @@ class BatchLease:
 
     def _wait_gate(self, mine: int, should_stop: Callable[[], bool] | None) -> int | None:
         start = time.perf_counter()
-        fut = call_host(
-            self.coordinator_rank,
-            _rpc_gate,
-            self.worker,
-            mine,
-            self.incarnation,
-            local=_local(self.coordinator_rank, self.worker),
-            timeout=self.rpc_timeout,
-        )
+        fut = self._call(_rpc_gate, self.worker, mine, self.incarnation)
         answered = threading.Event()
         fut.add_done_callback(lambda _: answered.set())
         while not answered.wait(_POLL_S):
@@ -363,18 +347,8 @@ class BatchLease:
         self._unconfirmed = acks
         self._report_due = False
         self.reports += 1
-        fut = call_host(
-            self.coordinator_rank,
-            _rpc_report,
-            self.worker,
-            self._clock,
-            acks,
-            self.incarnation,
-            finished,
-            publish,
-            list(returned),
-            local=_local(self.coordinator_rank, self.worker),
-            timeout=self.rpc_timeout,
+        fut = self._call(
+            _rpc_report, self.worker, self._clock, acks, self.incarnation, finished, publish, list(returned)
         )
         self._report = fut
         fut.add_done_callback(self._on_report)  # a local coordinator has answered already: runs now
@@ -429,47 +403,23 @@ def report_failure(worker: int, reason: str, *, coordinator_rank: int = 0, timeo
     """Tell the coordinator that ``worker`` failed, so nothing waits on its clock (or, with
     membership, so it is dropped at once). Best effort and bounded: the coordinator's host may be gone."""
     with contextlib.suppress(Exception):  # the coordinator's own timeout still bounds every wait
-        call_host(
-            coordinator_rank,
-            _rpc_fail,
-            worker,
-            reason,
-            local=_local(coordinator_rank, worker),
-            timeout=timeout_s,
-        ).wait()
+        _call(coordinator_rank, worker, _rpc_fail, worker, reason, timeout=timeout_s).wait()
 
 
 def join_run(worker: int, incarnation: int, name: str, *, coordinator_rank: int, rpc_timeout: float) -> JoinReply:
     """(Membership) Register this process as ``worker``'s ``incarnation`` with the coordinator."""
-    fut = call_host(
-        coordinator_rank,
-        _rpc_join,
-        worker,
-        incarnation,
-        name,
-        local=_local(coordinator_rank, worker),
-        timeout=rpc_timeout,
-    )
+    fut = _call(coordinator_rank, worker, _rpc_join, worker, incarnation, name, timeout=rpc_timeout)
     reply: JoinReply = wait_reply(fut, f"worker {worker}: joining the async run (coordinator rank {coordinator_rank})")
     return reply
 
 
 def leave_run(worker: int, incarnation: int, *, coordinator_rank: int, rpc_timeout: float) -> None:
     """(Membership) Tell the coordinator this worker finished and leaves."""
-    fut = call_host(
-        coordinator_rank,
-        _rpc_leave,
-        worker,
-        incarnation,
-        local=_local(coordinator_rank, worker),
-        timeout=rpc_timeout,
-    )
+    fut = _call(coordinator_rank, worker, _rpc_leave, worker, incarnation, timeout=rpc_timeout)
     wait_reply(fut, f"worker {worker}: leaving the async run (coordinator rank {coordinator_rank})")
 
 
 def fetch_published(key: str, *, coordinator_rank: int, worker: int, rpc_timeout: float) -> Any:
     """(Membership) What the chief published under ``key`` (buffers, scheduler states), or ``None``."""
-    fut = call_host(
-        coordinator_rank, _rpc_published, key, local=_local(coordinator_rank, worker), timeout=rpc_timeout
-    )
+    fut = _call(coordinator_rank, worker, _rpc_published, key, timeout=rpc_timeout)
     return wait_reply(fut, f"worker {worker}: reading {key!r} from the async coordinator (rank {coordinator_rank})")

@@ -1,0 +1,132 @@
+"""What the async coordinator and its workers exchange: the data plan, leased batches, replies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["RECORD_LIMIT", "DataPlan", "GateReply", "JoinReply", "LeaseReply", "LeasedBatch", "ReportReply"]
+
+# Records kept for inspection (tests, logs), bounded so that a long run's memory stays flat:
+# about 1.3 MB per kind at this size, far more than any test or report reads.
+RECORD_LIMIT = 10_000
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """How an epoch's samples become batches; every worker must send the same plan.
+
+    Attributes:
+        num_samples: samples in the training set.
+        batch_size: indices per batch.
+        drop_last: drop the last batch when it is short (as ``DataLoader(drop_last=True)``).
+        shuffle: a fresh permutation every epoch (seeded by ``seed + epoch``), else in order.
+        seed: base seed of the permutation.
+    """
+
+    num_samples: int
+    batch_size: int
+    drop_last: bool = False
+    shuffle: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 0 or self.batch_size < 1:
+            raise ValueError(
+                f"DataPlan(num_samples={self.num_samples}, batch_size={self.batch_size}): expected "
+                "num_samples >= 0 and batch_size >= 1"
+            )
+
+    @property
+    def num_batches(self) -> int:
+        """Batches in one epoch over all workers."""
+        full, rest = divmod(self.num_samples, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """The epoch's batches, in the order the queue hands them out."""
+        if self.shuffle:
+            order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
+        else:
+            order = torch.arange(self.num_samples)
+        ids = order.tolist()
+        return [ids[i : i + self.batch_size] for i in range(0, self.batch_size * self.num_batches, self.batch_size)]
+
+
+@dataclass(frozen=True)
+class LeasedBatch:
+    """One batch of a lease.
+
+    Attributes:
+        epoch: the data epoch it belongs to (under membership it may be trained in a later loop epoch).
+        index: its position among the epoch's batches (:meth:`DataPlan.batches`).
+        indices: its sample indices.
+        admitted_min: the lowest clock (in the staleness frame) of the other workers when it was
+            leased; with a bound the worker checks its own clock against it at the step
+            (``None`` without a bound or without other workers).
+    """
+
+    epoch: int
+    index: int
+    indices: list[int]
+    admitted_min: int | None = None
+
+
+@dataclass
+class LeaseReply:
+    """The coordinator's answer to a refill.
+
+    Attributes:
+        batches: the leased batches (possibly none).
+        over: no further batch of this worker's loop epoch: its epoch ends once its lease is used.
+        stop: the run is over (membership runs: the chief closed it).
+        waited: seconds the refill was held (staleness credit, or no work yet).
+        offset: added to this worker's clock in the staleness bound (a joined worker starts at
+            the others' lowest clock).
+        lrs: the chief's learning rates, per param group (membership runs), else ``None``.
+        pace: the worker's speed over the mean worker's (1 until speeds are measured): a slow
+            worker holds a smaller lease, so the epoch's last batches do not wait in it.
+    """
+
+    batches: list[LeasedBatch]
+    over: bool = False
+    stop: bool = False
+    waited: float = 0.0
+    offset: int = 0
+    lrs: list[float] | None = None
+    pace: float = 1.0
+
+
+@dataclass
+class ReportReply:
+    """The answer to a clock report: the lowest clock of the other workers (``None``: no other)."""
+
+    min_other: int | None
+
+
+@dataclass
+class GateReply:
+    """The answer to a staleness gate: the others' lowest clock, and the seconds it was held."""
+
+    min_other: int | None
+    waited: float = 0.0
+
+
+@dataclass
+class JoinReply:
+    """What a joining worker needs from the coordinator.
+
+    Attributes:
+        epoch: the run's current (or next) data epoch.
+        offset: the worker's staleness offset (see :class:`LeaseReply`).
+        lrs: the chief's learning rates (``None`` before the chief published any).
+        state: whatever the chief published for joiners (:meth:`AsyncCoordinator.publish`), e.g.
+            its LR schedulers' state and the latest buffers.
+    """
+
+    epoch: int
+    offset: int
+    lrs: list[float] | None
+    state: dict[str, Any]

@@ -1,0 +1,55 @@
+"""Sharded parameter servers, with no Lightning import: plan, optimizer spec, wire format, shard, client.
+
+The trainable tensors, flattened in the optimizer's order, are split across ``num_servers``
+shards (:mod:`.plan`). Shards are co-located with the training processes: rank ``r`` hosts
+shard ``r`` for ``r < num_servers``. Each shard owns a copy of its slices and the user's
+optimizer rebuilt over them (:mod:`.spec`), so the optimizer *runs on the servers*; workers
+(:mod:`.client`) push gradients and pull values, one payload per shard each way (:mod:`.wire`).
+The synchronous shard is a barrier (:mod:`.shard`); the asynchronous one
+(:mod:`lightning_strategies.comm.async_ps`) builds on the same pieces.
+"""
+
+from lightning_strategies.comm.ps.client import ParameterServerClient, broadcast_from_rank0
+from lightning_strategies.comm.ps.plan import (
+    PARTITION_ALIGN,
+    Slice,
+    partition_loads,
+    partition_parameters,
+    shard_loads,
+    shard_parameters,
+    whole_tensor_slices,
+)
+from lightning_strategies.comm.ps.shard import (
+    ParameterShard,
+    ShardReply,
+    hosted_shard,
+    local_shard,
+    register_shard,
+    unregister_shard,
+)
+from lightning_strategies.comm.ps.spec import OptimizerSpec
+from lightning_strategies.comm.ps.wire import Packed, pack, payload_bytes, slice_of, unpack
+
+__all__ = [
+    "PARTITION_ALIGN",
+    "OptimizerSpec",
+    "Packed",
+    "ParameterServerClient",
+    "ParameterShard",
+    "ShardReply",
+    "Slice",
+    "broadcast_from_rank0",
+    "hosted_shard",
+    "local_shard",
+    "pack",
+    "partition_loads",
+    "partition_parameters",
+    "payload_bytes",
+    "register_shard",
+    "shard_loads",
+    "shard_parameters",
+    "slice_of",
+    "unpack",
+    "unregister_shard",
+    "whole_tensor_slices",
+]

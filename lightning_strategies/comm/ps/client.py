@@ -1,0 +1,237 @@
+"""The worker's side of the parameter servers: push gradients, pull values, count bytes.
+
+One step (:meth:`ParameterServerClient.push_pull`) sends each shard its slices of the gradients
+as one payload (:class:`~lightning_strategies.comm.ps.wire.Packed`) with the worker's current
+learning rates (so LR schedulers and warmup on the worker keep working), to all shards at once,
+and copies each answer into the local parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.futures import Future
+
+from lightning_strategies.comm.ps.plan import Slice, as_slice
+from lightning_strategies.comm.ps.shard import _rpc_push, _rpc_state_dict, local_shard
+from lightning_strategies.comm.ps.spec import OptimizerSpec, hyperparameters
+from lightning_strategies.comm.ps.wire import Packed, pack, slice_of, unpack, write_slice
+from lightning_strategies.comm.rpc import call_host, is_failure, wait_reply, worker_name
+from lightning_strategies.comm.stats import CommStats
+
+__all__ = ["ParameterServerClient", "broadcast_from_rank0"]
+
+
+class ParameterServerClient:
+    """A worker's handle on every shard: push gradients, pull values, count bytes.
+
+    Args:
+        worker: this worker's index (its global rank).
+        params: the worker's trainable tensors in the optimizer's flat order; the pulled
+            values are copied into them in place.
+        plan: per shard, its :class:`Slice` s (:func:`partition_parameters`) or the indices of
+            its whole tensors (:func:`shard_parameters`); shard ``s`` is hosted by rank ``s``.
+        timeout: the barrier timeout of the shards; the RPC timeout is a little longer so the
+            shard's error, which names the missing workers, arrives first.
+    """
+
+    def __init__(
+        self,
+        worker: int,
+        params: Sequence[Tensor],
+        plan: Sequence[Sequence[Slice | int]],
+        *,
+        timeout: timedelta = timedelta(minutes=30),
+    ) -> None:
+        self.worker = worker
+        self.params = list(params)
+        self.plan = [[x if isinstance(x, Slice) else as_slice(x, self.params[x].numel()) for x in p] for p in plan]
+        self.rpc_timeout = timeout.total_seconds() + max(5.0, 0.1 * timeout.total_seconds())
+        self.stats = CommStats()
+        self.step = 0
+        self.last_wait_seconds = 0.0
+        self.last_server_bytes = [0] * len(self.plan)
+
+    @property
+    def num_servers(self) -> int:
+        return len(self.plan)
+
+    def push_pull(self, lrs: Sequence[float]) -> None:
+        """Push ``p.grad`` of every tensor to its shard, wait for all shards, copy the answers.
+
+        One message per shard each way: the gradients of the shard's slices packed into one
+        flat tensor (per dtype), and its values likewise. All shards are contacted before
+        waiting on any (``rpc_async``), so the shards work in parallel; the co-located shard is
+        called directly. This is the worker's only synchronisation point of the step.
+
+        Raises:
+            RuntimeError: naming the shard and its host rank when a shard fails or times out.
+        """
+        start = time.perf_counter()
+        grads = [p.grad for p in self.params]
+        replies = self._call_shards(
+            _rpc_push, lambda idx: (self.worker, self.step, self._outgoing(grads, idx), list(lrs))
+        )
+        for s, reply in replies.items():
+            self._apply_reply(s, reply)
+        self._end_step(start)
+
+    def _call_shards(
+        self, entry: Callable[..., Any], args_for: Callable[[list[Slice]], tuple[Any, ...]]
+    ) -> dict[int, Any]:
+        """``entry(s, *args_for(plan[s]))`` for every shard ``s`` holding tensors, all in flight at
+        once; their replies (a failure raises, naming its shard)."""
+        futures = {
+            s: call_host(s, entry, s, *args_for(idx), local=local_shard(s) is not None, timeout=self.rpc_timeout)
+            for s, idx in enumerate(self.plan)
+            if idx  # more shards than tensors: nothing to exchange with an empty one
+        }
+        self.stats.calls += len(futures)
+        return self._wait_all(futures)
+
+    def _outgoing(self, grads: Sequence[Tensor | None], slices: Sequence[Slice]) -> Packed:
+        """The gradients of ``slices`` packed into one payload, counted as sent."""
+        packed = pack([slice_of(g, sl) if (g := grads[sl.tensor]) is not None else None for sl in slices])
+        self.stats.bytes_sent += packed.nbytes
+        return packed
+
+    def _apply_reply(self, s: int, reply: Any) -> None:
+        """Copy shard ``s``'s values (if the reply has any) into the local tensors."""
+        self.last_server_bytes[s] = reply.step_bytes
+        if reply.values is None:
+            return
+        slices = self.plan[s]
+        values = unpack(reply.values, [slice_of(self.params[sl.tensor], sl) for sl in slices])
+        with torch.no_grad():
+            for sl, v in zip(slices, values, strict=True):
+                if v is not None:  # values are always whole payloads: never None
+                    write_slice(self.params[sl.tensor], sl, v)
+        self.stats.bytes_received += reply.values.nbytes
+
+    def _end_step(self, start: float) -> None:
+        self.step += 1
+        self.last_wait_seconds = time.perf_counter() - start
+        self.stats.seconds += self.last_wait_seconds
+
+    def _wait_all(self, futures: Mapping[int, Future[Any]]) -> dict[int, Any]:
+        """Each shard's result (shard id -> future), or the first failure as soon as it happens.
+
+        Waiting in shard order would report a dead host only after an earlier shard's barrier
+        timed out; a gate future opened by the first failure (or by the last success) reports
+        the dead one at once.
+        """
+        if not futures:
+            return {}
+        gate: Future[int] = Future()
+        lock = threading.Lock()
+        pending = [len(futures)]
+
+        def on_done(s: int, fut: Future[Any]) -> None:
+            failed = fut.done() and is_failure(fut)
+            with lock:
+                pending[0] -= 1
+                if gate.done():
+                    return
+                if failed:
+                    gate.set_result(s)
+                elif pending[0] == 0:
+                    gate.set_result(-1)
+
+        for s, fut in futures.items():
+            fut.add_done_callback(functools.partial(on_done, s))
+        first_failed = gate.wait()
+        if first_failed >= 0:
+            self._wait(first_failed, futures[first_failed])  # raises, naming the shard
+        return {s: self._wait(s, fut) for s, fut in futures.items()}
+
+    def _wait(self, s: int, fut: Future[Any]) -> Any:
+        where = (
+            f"worker {self.worker}: parameter server shard {s} (hosted by rank {s}, RPC name "
+            f"{worker_name(s)!r}) failed at step {self.step}"
+        )
+        return wait_reply(fut, where)
+
+    def gather_state_dict(
+        self, spec: OptimizerSpec, worker_param_groups: Sequence[Mapping[str, Any]]
+    ) -> dict[str, Any]:
+        """Collect every shard's optimizer state into one ``Optimizer.state_dict()``-shaped dict.
+
+        The result indexes tensors by the worker optimizer's flat order, so it loads into the
+        same optimizer class over the same model on a single device, and back into the shards
+        with :meth:`ParameterShard.load_state_dict`. Group options come from a shard holding a
+        tensor of the group (they carry what the optimizer stores in its groups), else from the
+        worker's optimizer.
+        """
+        futures = {
+            s: call_host(s, _rpc_state_dict, s, local=local_shard(s) is not None, timeout=self.rpc_timeout)
+            for s in range(self.num_servers)
+        }
+        pieces: dict[int, list[tuple[Slice, Any]]] = {}
+        group_options: dict[int, dict[str, Any]] = {}
+        for part in self._wait_all(futures).values():
+            for sl, st in part["state"].items():
+                pieces.setdefault(sl.tensor, []).append((sl, st))
+            for g, options in part["param_groups"].items():
+                group_options.setdefault(int(g), options)
+        state = {i: _join_state(sorted(p, key=lambda x: x[0].start), self.params[i]) for i, p in pieces.items()}
+        groups = []
+        start = 0
+        for g, n in enumerate(spec.group_sizes):
+            worker_group = worker_param_groups[g]
+            options = group_options.get(g, hyperparameters(worker_group))
+            if "param_names" in worker_group:
+                options = {**options, "param_names": list(worker_group["param_names"])}
+            groups.append({**options, "params": list(range(start, start + n))})
+            start += n
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def _join_state(pieces: Sequence[tuple[Slice, Mapping[str, Any]]], param: Tensor) -> dict[str, Any]:
+    """One tensor's optimizer state from its slices' states (in element order).
+
+    The per-element state of the slices (flat tensors of the slice's size) is concatenated and
+    shaped like ``param``; scalars (a step count) are equal in every slice and taken once.
+    """
+    if len(pieces) == 1 and pieces[0][0].numel == param.numel():
+        return dict(pieces[0][1])
+    covered = sum(sl.numel for sl, _ in pieces)
+    if covered != param.numel():
+        raise RuntimeError(
+            f"the optimizer state of tensor {pieces[0][0].tensor} covers {covered} of its {param.numel()} "
+            "elements: a shard is missing from the gathered state"
+        )
+    joined: dict[str, Any] = {}
+    for key, first in pieces[0][1].items():
+        per_element = isinstance(first, Tensor) and first.dim() >= 1
+        if per_element:
+            joined[key] = torch.cat([st[key].reshape(-1) for _, st in pieces]).view(param.shape)
+        else:
+            joined[key] = first
+    return joined
+
+
+def broadcast_from_rank0(tensors: Sequence[Tensor]) -> None:
+    """Rank 0's values of ``tensors`` everywhere, one broadcast per dtype (flattened).
+
+    A collective of the default process group: every rank calls it with the same tensors. The
+    workers keep non-trainable buffers (BatchNorm statistics) in step this way; the servers hold
+    only what the optimizer updates.
+    """
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        flat = _flatten_dense_tensors(group)
+        dist.broadcast(flat, src=0)
+        with torch.no_grad():
+            for t, synced in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+                t.copy_(synced)

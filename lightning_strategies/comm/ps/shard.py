@@ -1,0 +1,503 @@
+"""One parameter server shard (the server side), the registry of the shards this process hosts,
+and their RPC entry points.
+
+A shard is a barrier: it keeps every worker's push for the step, and when the last one arrives it
+averages the gradients (divide by the number of workers, then sum in worker order, as DDP's
+reducer does), takes one optimizer step and answers every worker with the new values: DDP's
+arithmetic with the optimizer moved to the server. The push handler runs under
+:func:`~lightning_strategies.comm.rpc.async_execution`: a blocking handler deadlocks once the
+waiting pushes occupy every RPC thread.
+
+On a GPU the step runs on the shard's own stream after the streams the gradients came on, and
+every reply is a *snapshot* (a copy packed on that stream) handed out through a stream-aware
+future (:class:`~lightning_strategies.comm.streams.StreamOrder`). This was chosen over staging
+through pinned CPU buffers, which adds a device-to-host copy and a host wait to every push;
+``benchmarks/ps_snapshot.py`` measures what a snapshot costs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.futures import Future
+
+from lightning_strategies.comm.heartbeat import PeerDiagnosis, add_abort_hook
+from lightning_strategies.comm.ps.plan import Slice, as_slice
+from lightning_strategies.comm.ps.spec import OptimizerSpec, hyperparameters
+from lightning_strategies.comm.ps.wire import Packed, pack, payload_bytes, unpack
+from lightning_strategies.comm.rpc import ShardError, async_execution, completed, current_name
+from lightning_strategies.comm.stats import CommStats
+from lightning_strategies.comm.streams import StreamBackend, StreamOrder
+
+__all__ = [
+    "ParameterShard",
+    "ShardReply",
+    "hosted_shard",
+    "local_shard",
+    "register_shard",
+    "stop_hosted_shards",
+    "unregister_shard",
+]
+
+
+@dataclass
+class ShardReply:
+    """A shard's answer to one push.
+
+    Attributes:
+        values: the shard's tensors after the step, in the shard's order, packed (one flat
+            tensor per dtype; the same payload for every worker).
+        version: optimizer steps the shard has taken (the workers' step count).
+        step_bytes: payload bytes the shard received plus sent for this step (all workers), so
+            every worker can log the busiest shard without an extra collective.
+    """
+
+    values: Packed
+    version: int
+    step_bytes: int
+
+
+@dataclass
+class _PendingStep:
+    grads: dict[int, list[Tensor | None]] = field(default_factory=dict)
+    futures: dict[int, Future[ShardReply | ShardError]] = field(default_factory=dict)
+    lrs: list[float] | None = None
+    bytes_in: int = 0
+    deadline: float | None = None  # time.monotonic() by which the last push must arrive
+
+
+class ParameterShard:
+    """One server shard: a range of the model's flattened parameters and the optimizer over it.
+
+    Each :class:`Slice` (a whole tensor in its shape, or part of one held flat) is optimized as a
+    parameter of its own, in its tensor's param group. One lock guards the state (pushes arrive on
+    RPC threads and the co-located worker's thread); the step runs on the thread of the last push,
+    and the waiting futures are completed outside the lock. One watchdog thread (started at the
+    first barrier, ended by :meth:`close`) fails a step still open at its deadline.
+
+    Args:
+        shard_id: index of this shard (the rank that hosts it).
+        slices: what it holds, in flat order: :class:`Slice` s, or optimizer-order indices of
+            whole tensors.
+        params: their initial values (copied; the shard owns its tensors): for a slice, its
+            elements in any shape (:func:`slice_of`).
+        spec: how to rebuild the worker's optimizer over them.
+        num_workers: workers that push every step (the barrier's width).
+        timeout: how long the barrier waits for the last worker of a step before failing every
+            waiting worker with an error that names the missing ones.
+        streams: the stream operations of :class:`~lightning_strategies.comm.streams.StreamOrder`
+            (default: CUDA streams for tensors on a GPU, none on CPU; tests pass a fake).
+    """
+
+    def __init__(
+        self,
+        shard_id: int,
+        slices: Sequence[Slice | int],
+        params: Sequence[Tensor],
+        spec: OptimizerSpec,
+        num_workers: int,
+        *,
+        timeout: timedelta = timedelta(minutes=30),
+        streams: StreamBackend | None = None,
+    ) -> None:
+        if len(slices) != len(params):
+            raise ValueError(f"{len(slices)} slices for {len(params)} tensors")
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, found {num_workers}")
+        self.slices = [as_slice(sl, p.numel()) for sl, p in zip(slices, params, strict=True)]
+        if any(sl.numel != p.numel() for sl, p in zip(self.slices, params, strict=True)):
+            raise ValueError(
+                f"slice sizes {[sl.numel for sl in self.slices]} != tensor sizes {[p.numel() for p in params]}"
+            )
+        self.shard_id = shard_id
+        self.flat_indices = [sl.tensor for sl in self.slices]
+        self.params = [p.detach().clone().requires_grad_(True) for p in params]
+        # the shard's device work runs on a stream of its own, after the clones above (see .streams)
+        self._order = StreamOrder.for_tensors(self.params, streams)
+        self._order.take(self.params)
+        self.spec = spec
+        self.num_workers = num_workers
+        self.timeout = timeout
+        self.optimizer = spec.build(list(zip(self.flat_indices, self.params, strict=True)))
+        self._groups = [spec.group_of(i) for i in self.flat_indices]
+        # which of the worker's groups each of this optimizer's groups is (empty ones are skipped)
+        self._group_ids = sorted(set(self._groups))
+        self._values_bytes = payload_bytes(self.params)
+        self.stats = CommStats()
+        self.version = 0
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # wakes the watchdog for a new deadline
+        self._watchdog: threading.Thread | None = None
+        self._closed = False
+        self._pending = _PendingStep()
+        self._failure: str | None = None
+
+    # -- pushes -------------------------------------------------------------------------------
+
+    def push(
+        self, worker: int, step: int, grads: list[Tensor | None], lrs: list[float]
+    ) -> Future[ShardReply | ShardError]:
+        """Take worker ``worker``'s gradients for step ``step``; the future holds the new values.
+
+        Args:
+            worker: the pushing worker's index in ``[0, num_workers)``.
+            step: the worker's step count; every worker must push the shard's current step
+                exactly once.
+            grads: one gradient (or ``None`` for an unused tensor) per slice of this shard.
+            lrs: the worker's current learning rate of every param group of its optimizer.
+        """
+        # completed later, maybe on another thread: a stream-aware future set on the shard stream
+        fut: Future[ShardReply | ShardError] = self._order.future()
+        nbytes = payload_bytes(grads)
+        with self._lock:
+            self.stats.bytes_received += nbytes
+            self.stats.calls += 1
+            error = self._check_push(worker, grads, lrs) or self._check_step(worker, step)
+            if error is not None:
+                fut.set_result(ShardError(error))
+                return fut
+            # the gradients were made (or received) on this thread's stream: the step waits for them
+            self._order.take(grads)
+            pending = self._pending
+            pending.grads[worker] = grads
+            pending.futures[worker] = fut
+            pending.lrs = lrs
+            pending.bytes_in += nbytes
+            if len(pending.grads) == 1 and self.num_workers > 1:
+                pending.deadline = time.monotonic() + self.timeout.total_seconds()
+                self._start_watchdog()
+                self._cond.notify()
+            if len(pending.grads) < self.num_workers:
+                return fut
+            self._pending = _PendingStep()  # the watchdog finds no deadline: nothing to fail
+            sent = self.num_workers * self._values_bytes
+            self.stats.bytes_sent += sent
+            with self._order.running():
+                self._step([pending.grads[w] for w in range(self.num_workers)], pending.lrs)
+                # a snapshot, one for every worker: packing copies once per step, not once per worker,
+                # and no later step can change a reply still being read or sent
+                reply = ShardReply(pack(self.params), self.version, pending.bytes_in + sent)
+        self._order.complete([pending.futures[w] for w in sorted(pending.futures)], reply)
+        return fut
+
+    def _check_push(self, worker: int, grads: list[Tensor | None], lrs: list[float]) -> str | None:
+        """What is wrong with a push, whatever its step (``None``: nothing)."""
+        where = f"parameter server shard {self.shard_id}"
+        if self._failure is not None:
+            return f"{where} has failed earlier and takes no more pushes: {self._failure}"
+        if not 0 <= worker < self.num_workers:
+            return f"{where}: push from worker {worker}, expected a worker in [0, {self.num_workers})"
+        if len(grads) != len(self.params):
+            return f"{where}: worker {worker} pushed {len(grads)} gradients, expected {len(self.params)}"
+        if len(lrs) != len(self.spec.group_sizes):
+            return (
+                f"{where}: worker {worker} sent {len(lrs)} learning rates, expected one per param group "
+                f"({len(self.spec.group_sizes)})"
+            )
+        return None
+
+    def _check_step(self, worker: int, step: int) -> str | None:
+        """What is wrong with the step of a push to the barrier (``None``: nothing)."""
+        where = f"parameter server shard {self.shard_id}"
+        if step != self.version:
+            return (
+                f"{where}: worker {worker} pushed step {step} while the shard is at step {self.version}; "
+                "every worker must push every step once (did a worker skip an "
+                "optimizer step, e.g. a training_step returning None on one rank only?)"
+            )
+        if worker in self._pending.grads:
+            return f"{where}: worker {worker} pushed step {step} twice"
+        return None
+
+    # -- the barrier's timeout ----------------------------------------------------------------
+
+    def _start_watchdog(self) -> None:
+        """Start the shard's one watchdog thread, at its first barrier (called under the lock).
+
+        One thread for the shard's life instead of a timer per step: it sleeps until the open
+        step's deadline, and a step that completes first just leaves it nothing to do.
+        """
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(
+                target=self._watch, name=f"ps-shard-{self.shard_id}-watchdog", daemon=True
+            )
+            self._watchdog.start()
+
+    def _watch(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._closed:
+                        return
+                    deadline = self._pending.deadline
+                    now = time.monotonic()
+                    if deadline is not None and now >= deadline:
+                        break
+                    self._cond.wait(None if deadline is None else deadline - now)
+                pending = self._expire()
+            # the remote workers' errors first: once the co-located worker (index == shard_id)
+            # wakes up it fails and shuts RPC down, which would drop replies not yet on the wire
+            assert self._failure is not None
+            for w in sorted(pending.futures, key=lambda w: (w == self.shard_id, w)):
+                pending.futures[w].set_result(ShardError(self._failure, timed_out=True))
+
+    def _expire(self) -> _PendingStep:
+        """Fail the open step (under the lock), naming the workers that never pushed; its
+        futures are completed by the caller, outside the lock."""
+        pending = self._pending
+        missing = [w for w in range(self.num_workers) if w not in pending.grads]
+        self._failure = (
+            f"parameter server shard {self.shard_id} waited {self.timeout.total_seconds():.0f}s for "
+            f"the gradients of step {self.version} from worker(s) {missing} (received from "
+            f"{sorted(pending.grads)}). Worker(s) {missing} died or are stuck; check their logs. "
+            "To wait longer for slow workers, raise the strategy's `timeout`."
+        )
+        self._pending = _PendingStep()
+        return pending
+
+    def close(self, reason: str | None = None) -> str | None:
+        """Stop the watchdog thread: the shard is being dropped.
+
+        Args:
+            reason: why, when the host failed (the failure's first line). The workers waiting
+                in the open step's barrier are then answered at once with an error that carries
+                it, so a survivor names the peer whose loss started the failure instead of
+                waiting for the barrier's timeout or the host's connection to drop. Without a
+                reason (a clean teardown) pending pushes stay pending.
+
+        Returns:
+            The error later pushes to this shard's id should get (``None`` without a reason).
+        """
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            if reason is None:
+                return None
+            if self._failure is None:
+                self._failure = f"parameter server shard {self.shard_id} stopped because its host failed: {reason}"
+            pending, self._pending = self._pending, _PendingStep()
+            failure = self._failure
+        for w in sorted(pending.futures):
+            pending.futures[w].set_result(ShardError(failure))
+        return failure
+
+    # -- optimizer ----------------------------------------------------------------------------
+
+    def _set_lrs(self, lrs: Sequence[float]) -> None:
+        if self.optimizer is None:
+            return
+        for group, g in zip(self.optimizer.param_groups, self._group_ids, strict=True):
+            group["lr"] = lrs[g]
+
+    def _step(self, grads_by_worker: list[list[Tensor | None]], lrs: Sequence[float] | None) -> None:
+        if self.optimizer is None:
+            self.version += 1
+            return
+        n = len(grads_by_worker)
+        for i, p in enumerate(self.params):
+            avg: Tensor | None = None
+            for grads in grads_by_worker:
+                g = grads[i]
+                if g is None:
+                    continue
+                # divide then sum in worker order: DDP's reducer divides each rank's gradient by
+                # the world size before the sum-all-reduce, so the rounding matches for P=2
+                part = g.to(p.device, p.dtype).div(n) if n > 1 else g.to(p.device, p.dtype)
+                avg = part if avg is None else avg.add_(part)
+            p.grad = avg
+        if lrs is not None:
+            self._set_lrs(lrs)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def values(self) -> list[Tensor]:
+        """Copies of the shard's current tensors, ordered for the caller's stream."""
+        with self._lock:
+            with self._order.running():
+                copies = [p.detach().clone() for p in self.params]
+            self._order.give(copies)
+        return copies
+
+    def unpack(self, packed: Packed) -> list[Tensor | None]:
+        """A pushed payload as one gradient (or ``None``) per slice."""
+        return unpack(packed, self.params)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This shard's optimizer state keyed by :class:`Slice`.
+
+        Returns:
+            ``{"state": {slice: its state}, "param_groups": {group: options}}``;
+            :meth:`ParameterServerClient.gather_state_dict` joins the slices of every tensor
+            into one state dict shaped like ``worker_optimizer.state_dict()``.
+        """
+        with self._lock:
+            if self.optimizer is None:
+                return {"state": {}, "param_groups": {}, "version": self.version}
+            with self._order.running():
+                sd = self.optimizer.state_dict()
+                # copies, like the replies: the caller reads (or an RPC sends) them after the lock
+                state = {self.slices[i]: _copy_state(st) for i, st in sd["state"].items()}
+            self._order.give(v for st in state.values() for v in st.values() if isinstance(v, Tensor))
+            return {
+                "state": state,
+                "param_groups": {
+                    g: hyperparameters(group) for g, group in zip(self._group_ids, sd["param_groups"], strict=True)
+                },
+                "version": self.version,
+            }
+
+    def load_state_dict(self, full_state: Mapping[str, Any], version: int | None = None) -> None:
+        """Load this shard's part of a full optimizer state dict (worker optimizer format).
+
+        Args:
+            full_state: ``{"state": {flat_index: ...}, "param_groups": [...]}`` as returned by
+                :meth:`ParameterServerClient.gather_state_dict` (or a plain optimizer's
+                ``state_dict()`` of the same model).
+            version: the step count to resume at (the barrier needs the workers' step).
+
+        A slice of a tensor takes its elements of the tensor's per-element state (a state
+        tensor larger than the slice); scalars such as a step count are shared.
+        """
+        with self._lock:
+            if version is not None:
+                self.version = version
+            if self.optimizer is None:
+                return
+            groups = []
+            for g in self._group_ids:
+                options = hyperparameters(full_state["param_groups"][g])
+                groups.append({**options, "params": [k for k, gk in enumerate(self._groups) if gk == g]})
+            by_tensor = {int(f): s for f, s in full_state["state"].items()}
+            self._order.take(v for st in by_tensor.values() for v in st.values() if isinstance(v, Tensor))
+            with self._order.running():
+                state = {
+                    k: _slice_state(by_tensor[sl.tensor], sl, p)
+                    for k, (sl, p) in enumerate(zip(self.slices, self.params, strict=True))
+                    if sl.tensor in by_tensor
+                }
+                self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def load_values(self, values: Sequence[Tensor]) -> None:
+        """Overwrite the shard's tensors (e.g. with the weights of a restored checkpoint)."""
+        with self._lock, torch.no_grad():
+            self._order.take(values)
+            with self._order.running():
+                for p, v in zip(self.params, values, strict=True):
+                    p.copy_(v.reshape(p.shape))
+
+
+def _copy_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with every tensor copied."""
+    return {key: v.clone() if isinstance(v, Tensor) else v for key, v in state.items()}
+
+
+def _slice_state(state: Mapping[str, Any], sl: Slice, param: Tensor) -> dict[str, Any]:
+    """A slice's part of its tensor's optimizer state.
+
+    Per-element state is a tensor with more elements than the slice (the whole tensor's); a
+    whole tensor's state, and scalars such as a step count, are taken as they are. Tensors are
+    copied: ``Optimizer.load_state_dict`` keeps a ``step`` tensor as given, and the slices of a
+    tensor sharing one would each increment it.
+    """
+    return {
+        key: (
+            v.reshape(-1)[sl.start : sl.stop].clone().view(param.shape)
+            if v.dim() >= 1 and v.numel() > param.numel()
+            else v.clone()
+        )
+        if isinstance(v, Tensor)
+        else v
+        for key, v in state.items()
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# What this process hosts: RPC entry points find their shard here
+# --------------------------------------------------------------------------------------------
+
+_SHARDS: dict[int, ParameterShard] = {}
+# shards dropped because their host failed, with the error late pushes get: a survivor's push
+# that arrives after the drop must name the failure, not suggest disagreeing sharding plans
+_STOPPED: dict[int, str] = {}
+
+
+def register_shard(shard: ParameterShard) -> None:
+    """Make ``shard`` reachable by RPC in this process (one process may host several)."""
+    _STOPPED.pop(shard.shard_id, None)
+    _SHARDS[shard.shard_id] = shard
+
+
+def unregister_shard(shard_id: int, *, reason: str | None = None) -> None:
+    """Forget the shard (at teardown), so a later fit in this process starts clean.
+
+    Args:
+        shard_id: the shard to drop.
+        reason: why, when this process failed (the failure's first line): pushes waiting in the
+            shard's barrier, and any that arrive until RPC shuts down, get an error carrying it.
+    """
+    shard = _SHARDS.pop(shard_id, None)
+    if shard is not None:
+        failure = shard.close(reason)  # its watchdog thread ends
+        if failure is not None:
+            _STOPPED[shard_id] = failure
+
+
+def stop_hosted_shards(diagnosis: PeerDiagnosis | None) -> None:
+    """Drop every hosted shard, answering the workers waiting in its barrier with the loss: the
+    heartbeat's abort hook (a frozen worker's push never comes, and no connection ends that wait)."""
+    text = diagnosis.describe("parameter_server") if diagnosis is not None else None
+    reason = f"PeerLostError: {text.splitlines()[0]}" if text else "PeerLostError: a peer is gone"
+    for shard_id in list(_SHARDS):
+        unregister_shard(shard_id, reason=reason)
+
+
+add_abort_hook(stop_hosted_shards)
+
+
+def local_shard(shard_id: int) -> ParameterShard | None:
+    """The shard ``shard_id`` when this process hosts it."""
+    return _SHARDS.get(shard_id)
+
+
+def hosted_shard(shard_id: int) -> ParameterShard:
+    """The shard ``shard_id``, which this process must host (RPC entry points call this).
+
+    Raises:
+        RuntimeError: when this process does not host it.
+    """
+    shard = _SHARDS.get(shard_id)
+    if shard is None and shard_id in _STOPPED:
+        raise RuntimeError(_STOPPED[shard_id])
+    if shard is None:
+        raise RuntimeError(
+            f"parameter server shard {shard_id} is not hosted by {current_name()} "
+            f"(this process hosts {sorted(_SHARDS)}); the sharding plans of the workers disagree"
+        )
+    return shard
+
+
+@async_execution
+def _rpc_push(
+    shard_id: int, worker: int, step: int, grads: Packed, lrs: list[float]
+) -> Future[ShardReply | ShardError]:
+    # returns the barrier's future at once: the RPC thread is free while the step waits
+    shard = hosted_shard(shard_id)
+    try:
+        unpacked = shard.unpack(grads)
+    except ValueError as err:
+        return completed(ShardError(f"parameter server shard {shard_id}: worker {worker} pushed {err}"))
+    return shard.push(worker, step, unpacked, lrs)
+
+
+def _rpc_state_dict(shard_id: int) -> dict[str, Any]:
+    return hosted_shard(shard_id).state_dict()
