@@ -73,7 +73,7 @@ STRATEGY_ROWS: tuple[StrategyRow, ...] = (
     ),
     StrategyRow(
         "async_elastic",
-        "lightning_strategies.strategies.async_ps:AsyncParameterServerStrategy",
+        "lightning_strategies.strategies.async_elastic:AsyncElasticStrategy",
         "'async' with a dedicated server (rank 0): lost workers are dropped and their batches redrawn, "
         "relaunched ones rejoin",
         init_params={"dedicated_servers": True, "num_servers": 1},

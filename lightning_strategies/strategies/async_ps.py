@@ -30,14 +30,10 @@ changed relative to ``"ps"`` are:
   differ here, so a per-step collective would pair steps of different ranks).
 - ``on_validation_start`` / ``on_train_end`` / ``lightning_module_state_dict``: a barrier (all
   pushes are in), then every worker pulls the latest weights and rank 0's buffers, so
-  validation, the checkpoint and the returned model see one consistent state (with dedicated
-  servers: the chief, once the epoch's every batch is pushed, with the latest worker's buffers).
+  validation, the checkpoint and the returned model see one consistent state.
 - ``on_exception``: tell the coordinator, so no refill waits on this worker's clock.
-- with ``dedicated_servers``: ``setup_distributed`` / ``_start_rpc`` (the job's store, a process
-  group per process, RPC with joins), ``setup`` / ``_start_servers`` (roles, the coordinator and
-  the membership monitor on the chief, joins), ``process_dataloader`` (the servers' loop follows
-  the workers' progress), ``distributed_sampler_kwargs`` / ``barrier`` / ``reduce_boolean_decision``
-  (nothing spans processes), ``on_train_end`` / ``teardown`` (leave, no graceful RPC shutdown).
+
+Dedicated servers whose workers come and go are :mod:`.async_elastic` (``"async_elastic"``).
 """
 
 from __future__ import annotations
@@ -53,7 +49,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
@@ -68,12 +63,12 @@ from lightning_strategies.comm.async_ps import (
 )
 from lightning_strategies.comm.coordinator import AsyncCoordinator, DataPlan, LeasedBatch
 from lightning_strategies.comm.lease import DEFAULT_LEASE, BatchLease, report_failure
-from lightning_strategies.comm.ps import OptimizerSpec, Slice, broadcast_from_rank0, pack
+from lightning_strategies.comm.ps import OptimizerSpec, Packed, Slice, broadcast_from_rank0
 from lightning_strategies.comm.rpc import register_coordinator, unregister_coordinator
 from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.data import DevicePrefetcher
 from lightning_strategies.strategies._base import is_last_batch
-from lightning_strategies.strategies._elastic import DedicatedServers, ElasticScriptLauncher
+from lightning_strategies.strategies._lightning_internals import per_rank_sigterm
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 
 __all__ = ["AsyncParameterServerStrategy", "DynamicBatchSampler"]
@@ -156,8 +151,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     2016, "Asynchrony begets momentum"), so lower the optimizer's momentum (the digits ResNet
     diverges at 0.9 with ``P=2`` and trains at 0.5) or the learning rate; ``staleness_lr=
     "inverse"`` damps stale gradients further. LR schedules run on each worker's own step count,
-    estimated as the mean batches per worker (a fast worker reaches the schedule's end early);
-    with dedicated servers on the chief's, which follows the mean worker's.
+    estimated as the mean batches per worker (a fast worker reaches the schedule's end early).
 
     Requirements (each checked at setup, with the fix in the message): epochs, not steps
     (``max_steps=-1``; the ranks take different numbers of steps), validation once per epoch or
@@ -172,21 +166,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     ``timeout``) or an RPC to it (after ``timeout`` + max(5 s, 10%)) gives up. The error names the
     lost rank(s) (``"async: lost peer rank 1 of 4: ..."``; :class:`~lightning_strategies.PeerLostError`
     when a step failed). A rank that fails on its own error first tells the coordinator, so no
-    refill waits on its clock.
-
-    With ``dedicated_servers=True`` (``"async_elastic"``) the run survives its workers: ranks
-    ``0 .. num_servers-1`` serve the shards and do not train, rank 0 (the chief) also serves the
-    job's store and the coordinator, validates on the whole validation set, writes the
-    checkpoints and logs ``async/workers_alive``, ``async/workers_lost``, ``async/workers_joined``
-    and ``async/batches_redrawn``. A worker killed, frozen past ``timeout`` or preempted (SIGTERM)
-    is dropped and its leased, unpushed batches are trained by the others (every batch of an epoch
-    counted once); a worker started again with the same rank rejoins, pulls the current weights
-    and trains. Each process has a process group of its own, so no Lightning collective
-    (barrier, broadcast, ``sync_dist``, the checkpoint's barrier) waits for another process; the
-    LR schedule runs on the chief (its steps follow the mean worker's) and travels with the
-    leases; BatchNorm statistics are the latest worker's. Servers are not replicated: a lost server
-    fails every worker (naming it), and ``ckpt_path`` of the last checkpoint restores the shards
-    exactly. (:mod:`lightning_strategies.strategies._elastic`, :mod:`lightning_strategies.comm.elastic`.)
+    refill waits on its clock. To survive lost workers: :class:`~lightning_strategies.AsyncElasticStrategy`.
 
     Args:
         max_staleness: the bound ``s`` on the workers' clock gap; ``None`` for none.
@@ -196,10 +176,6 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
             ``1 + staleness`` on the shard.
         lease: batches a worker leases at a time (refilled when half are used; the coordinator
             leases fewer as the epoch's queue drains).
-        dedicated_servers: ranks ``0 .. num_servers-1`` (``num_servers`` default 1) serve the shards
-            and do not train, the others are workers; a lost worker is dropped and its batches
-            redrawn, a restarted one rejoins (see "When a worker dies" in the README). Needs
-            processes started independently (torchrun, SLURM, by hand) or ``start_method="popen"``.
         **kwargs: everything :class:`~lightning_strategies.ParameterServerStrategy` takes
             (``num_servers``: shards, one per process by default; ``timeout``: how long
             collectives and a gated draw wait for a slow or hung peer before failing, 30 minutes
@@ -208,8 +184,9 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
 
     Raises:
         ValueError: for an invalid ``max_staleness``, ``push_every``, ``pull_every``, ``lease`` or
-            ``staleness_lr``, or ``dedicated_servers`` with a fork/spawn launcher.
-        TypeError: for a ``timeout`` that is not a ``datetime.timedelta``.
+            ``staleness_lr``.
+        TypeError: for a ``timeout`` that is not a ``datetime.timedelta``, or ``dedicated_servers=True``
+            (that is :class:`~lightning_strategies.AsyncElasticStrategy`).
     """
 
     strategy_name = "async"
@@ -229,15 +206,16 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         pull_every: int = 1,
         staleness_lr: StalenessLR = "none",
         lease: int = DEFAULT_LEASE,
-        dedicated_servers: bool = False,
         **kwargs: Any,
     ) -> None:
+        if kwargs.pop("dedicated_servers", False):
+            raise TypeError(
+                "AsyncParameterServerStrategy(dedicated_servers=True): found the option of the elastic strategy: "
+                "expected AsyncElasticStrategy, the class of 'async_elastic'. Fix: AsyncElasticStrategy(num_servers=S), "
+                "or Trainer(strategy='async_elastic')."
+            )
         _check_options(max_staleness, push_every, pull_every, kwargs.get("timeout"), staleness_lr, lease)
-        _check_dedicated(dedicated_servers, kwargs.get("start_method", "popen"))
         super().__init__(**kwargs)
-        self.dedicated_servers = dedicated_servers
-        # the layout whose workers may come and go: ranks 0 .. num_servers-1 serve, the others train
-        self._members = DedicatedServers(self, self._num_servers or 1) if dedicated_servers else None
         self.max_staleness = max_staleness
         self.push_every = push_every
         self.pull_every = pull_every
@@ -280,106 +258,36 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         return client if isinstance(client, AsyncParameterServerClient) else None
 
     @property
-    def members(self) -> DedicatedServers | None:
-        """The dedicated-servers layout (``None`` with shared hosting)."""
-        return self._members
-
-    def epoch_samples(self, epoch: int) -> int | None:
-        """With dedicated servers, on the chief: the samples of epoch ``epoch``'s batches the workers
-        have pushed so far (throughput is counted there; the servers train nothing), else ``None``."""
-        coordinator, plan = self._coordinator, self._plan
-        if self._members is None or coordinator is None or plan is None:
-            return None
-        done = coordinator.done_count(epoch)
-        full = done if done < plan.num_batches or plan.drop_last else done - 1
-        last = plan.num_samples - (plan.num_batches - 1) * plan.batch_size if full < done else 0
-        return full * plan.batch_size + last
-
-    def _is_server_only(self) -> bool:
-        return self._members is not None and self._members.is_server
-
-    @property
     def _num_workers(self) -> int:
-        """The training ranks: every rank with shared hosting, the non-servers with dedicated ones."""
-        processes = self.num_nodes * self.num_processes
-        return len(self._members.workers) if self._members is not None else processes
-
-    # -- environment (dedicated servers: a process group per process, RPC with joins) -----------
-
-    @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if self._members is not None and self._start_method == "popen":
-            assert self.cluster_environment is not None
-            self._launcher = ElasticScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    @override
-    def setup_distributed(self) -> None:
-        if self._members is not None:
-            self.set_world_ranks()
-            self._members.connect()  # a one-rank group: Lightning then finds it initialised
-        super().setup_distributed()
-
-    @override
-    def _start_rpc(self) -> None:
-        if self._members is None:
-            super()._start_rpc()
-        else:
-            self._members.start_rpc()
-
-    @override
-    def setup_environment(self) -> None:
-        if self._members is not None:
-            self._members.check_world()
-        super().setup_environment()
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # dedicated servers: only the chief validates and tests run per process, on the whole set
-        if self._members is not None:
-            return {"num_replicas": 1, "rank": 0}
-        return super().distributed_sampler_kwargs
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if self._members is None:
-            super().barrier(*args, **kwargs)  # with dedicated servers no process waits for another
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        if self._members is not None:
-            return bool(decision)  # each process decides for itself (the chief for the run)
-        return super().reduce_boolean_decision(decision, all=all)
+        return self.num_nodes * self.num_processes
 
     # -- setup ---------------------------------------------------------------------------------
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        if trainer.state.fn == TrainerFn.FITTING and self._members is not None:
-            self._check_loop(trainer)
-            self._reset_fit_state()
-            self._members.setup(trainer)
-            _without_per_step_collective(trainer)
-        elif trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == TrainerFn.FITTING:
             self._check_loop(trainer)
             self._reset_fit_state()
             # the training loader draws its first batch while the optimizers are configured
-            if self.global_rank == _COORDINATOR_RANK:
-                self._coordinator = AsyncCoordinator(
-                    self.world_size, self.max_staleness, timeout=self.ps_timeout, push_every=self.push_every
-                )
-                register_coordinator(self._coordinator)
-            self._lease = BatchLease(
-                self.global_rank,
-                coordinator_rank=_COORDINATOR_RANK,
-                rpc_timeout=self._rpc_timeout,
-                lease=self.lease,
-                max_staleness=self.max_staleness,
-            )
-            self.barrier("async_coordinator_ready")
-            _without_per_step_collective(trainer)
+            self._start_coordination(trainer)
         super().setup(trainer)
+
+    def _start_coordination(self, trainer: pl.Trainer) -> None:
+        """The coordinator on rank 0, a lease on every rank, no per-step collective."""
+        if self.global_rank == _COORDINATOR_RANK:
+            self._coordinator = AsyncCoordinator(
+                self.world_size, self.max_staleness, timeout=self.ps_timeout, push_every=self.push_every
+            )
+            register_coordinator(self._coordinator)
+        self._lease = BatchLease(
+            self.global_rank,
+            coordinator_rank=_COORDINATOR_RANK,
+            rpc_timeout=self._rpc_timeout,
+            lease=self.lease,
+            max_staleness=self.max_staleness,
+        )
+        self.barrier("async_coordinator_ready")
+        per_rank_sigterm(trainer)
 
     def _reset_fit_state(self) -> None:
         self._local_steps, self._accumulated, self._accumulated_steps = 0, [], 0
@@ -459,13 +367,6 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
                 return
 
     @override
-    def _start_servers(self) -> None:
-        if self._members is None:
-            super()._start_servers()
-        else:
-            self._members.start_servers()
-
-    @override
     def _make_shard(
         self, shard_id: int, slices: Sequence[Slice], params: Sequence[Tensor], spec: OptimizerSpec
     ) -> AsyncParameterShard:
@@ -516,9 +417,13 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
                 "worker, because a rank that trains on no batch skips the epoch-end validation its peers run. "
                 "Fix: a smaller batch size, or fewer processes."
             )
-        if self._members is not None and self._members.is_server:
-            self._plan = plan
-            return self._members.servers_loader(dataloader, plan)
+        return self._training_loader(dataloader, plan)
+
+    def _training_loader(self, dataloader: DataLoader, plan: DataPlan) -> object:
+        """The training loader over ``plan``: the same loader with a :class:`DynamicBatchSampler`."""
+        name = type(self).__name__
+        trainer = self.trainer
+        assert trainer is not None
         limit = trainer.limit_train_batches
         self._limit = limit if isinstance(limit, int) else None
         if isinstance(limit, int) and plan.num_batches < limit * self.world_size:
@@ -589,11 +494,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         The bound is applied here, where the step starts, not in the sampler (which runs ahead of
         the steps, by the loader's prefetch). When it held the step (or a refill) back, the slower
         workers pushed meanwhile: pull their updates first (with ``pull_every=1``), as a gated
-        synchronous step would see them. A dedicated server trains nothing: its step's loss is a
-        zero that needs no forward.
+        synchronous step would see them.
         """
-        if self._fitting() and self._is_server_only():
-            return torch.zeros((), device=self.root_device, requires_grad=True)
         if self._fitting() and self._drawn:
             batch = self._drawn.popleft()
             self._unpushed.append(batch)
@@ -625,7 +527,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         """
         self._stepped = False
         out = super().optimizer_step(optimizer, *args, **kwargs)
-        if not self._stepped and self._fitting() and self.async_client is not None and not self._is_server_only():
+        if not self._stepped and self._fitting() and self.async_client is not None:
             self._end_step(optimizer, skipped=True)
         return out
 
@@ -639,8 +541,6 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         not pushed, nor accumulated)."""
         client = self.async_client
         assert client is not None
-        if self._is_server_only():
-            return  # the servers' steps follow the workers' pushes; nothing to push
         grads: list[Tensor | None] | None = None if skipped else [p.grad for p in client.params]
         self._local_steps += 1
         trainer = self.trainer
@@ -651,10 +551,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
             grads = self._accumulate(grads, take=push_due)
         if push_due:
             if grads is not None:
-                lrs = [float(g["lr"]) for g in optimizer.param_groups]
-                if self._lease is not None and self._lease.lrs is not None and self._members is not None:
-                    lrs = self._lease.lrs  # dedicated servers: the chief's schedule, which follows the mean worker
-                client.push(grads, lrs, pull=pull_due)
+                client.push(grads, self._push_lrs(optimizer), pull=pull_due)
                 self._step_staleness = client.last_staleness
             else:
                 self._skipped_pushes += 1  # every step since the last push was skipped: nothing to push
@@ -668,10 +565,16 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         if flush:
             self._local_steps = 0
             if self._lease is not None:
-                # the epoch's clock and acks reach the coordinator before its end (with dedicated
-                # servers, the buffers too: the chief validates and saves with the latest worker's)
-                buffers = {"buffers": pack(self._buffers)} if self._members is not None and self._buffers else None
-                self._lease.flush(publish=buffers)
+                # the epoch's clock and acks reach the coordinator before its end
+                self._lease.flush(publish=self._epoch_end_publish())
+
+    def _push_lrs(self, optimizer: Optimizer) -> list[float]:
+        """The learning rates a push carries: the worker's."""
+        return [float(g["lr"]) for g in optimizer.param_groups]
+
+    def _epoch_end_publish(self) -> dict[str, Packed] | None:
+        """What a worker publishes with its last push of an epoch: nothing here."""
+        return None
 
     def _accumulate(self, grads: list[Tensor | None] | None, *, take: bool) -> list[Tensor | None] | None:
         """Add this step's gradients (``None``: a skipped step's, left out) to the local sums; when
@@ -698,10 +601,6 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     def _collect_own_metrics(self, stats: CommStats) -> None:
         client = self.async_client
         assert client is not None
-        if self._is_server_only():
-            assert self._members is not None
-            self.metrics.latest(**self._members.metrics())
-            return
         # means per step, except the staleness: its mean and maximum over the window's pushes
         staleness, self._step_staleness = self._step_staleness, []
         self._staleness_sum += sum(staleness)
@@ -743,42 +642,20 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
             self.barrier(f"{reason}_pulled")
 
     @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        members, trainer = self._members, self.trainer
-        if members is not None and not members.is_server and trainer is not None:
-            # a worker's loop runs until the chief ends the run: a lost worker's batches may come
-            # after its last epoch, and a joined worker's loop epochs are not the run's
-            trainer.fit_loop.max_epochs = -1
-
-    @override
     def on_validation_start(self) -> None:
-        if self._members is not None:
-            self._members.pull_latest()  # the chief, once the epoch's every batch is pushed
-        else:
-            self._pull_latest("async_validation")
+        self._pull_latest("async_validation")
         super().on_validation_start()
 
     @override
     def on_train_end(self) -> None:
-        if self._members is not None:
-            self._members.train_end()
-            super().on_train_end()  # the chief gathers the shards' optimizer state here
-            self._members.after_train_end()
-            return
         self._pull_latest("async_train_end", last=True)
         super().on_train_end()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The latest weights: every rank calls this from ``Trainer.save_checkpoint``, before the
-        optimizer state is gathered, so after the barrier the shards hold every push. With
-        dedicated servers only the chief writes, at an epoch's end (every batch pushed)."""
-        if self._members is not None:
-            if self._members.is_chief and self._fitting():
-                self._members.pull_latest()
-        else:
-            self._pull_latest("async_checkpoint")
+        optimizer state is gathered, so after the barrier the shards hold every push."""
+        self._pull_latest("async_checkpoint")
         return super().lightning_module_state_dict()
 
     @override
@@ -791,8 +668,6 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._members is not None:
-            self._members.teardown()  # before the coordinator goes: the membership monitor uses it
         if self._coordinator is not None:
             unregister_coordinator()
             self._coordinator.shutdown()
@@ -839,16 +714,6 @@ def _check_options(
         )
 
 
-def _check_dedicated(dedicated: bool, start_method: str) -> None:
-    if dedicated and start_method != "popen":
-        raise ValueError(
-            f"AsyncParameterServerStrategy(dedicated_servers=True, start_method={start_method!r}): Lightning's "
-            f"{start_method!r} launcher ends every process when one dies, which dedicated servers are there to "
-            "survive. Expected processes started independently (torchrun, SLURM, by hand) or "
-            "start_method='popen'. Fix: pass start_method='popen' (the default)."
-        )
-
-
 def _plan_of(dataloader: DataLoader) -> DataPlan:
     """The batching of ``dataloader`` as a :class:`DataPlan` (its sampler decides shuffle and seed)."""
     sampler = dataloader.sampler
@@ -867,19 +732,3 @@ def _plan_of(dataloader: DataLoader) -> DataPlan:
     shuffle = isinstance(sampler, RandomSampler) or bool(getattr(sampler, "shuffle", False))
     seed = int(sampler.seed) if isinstance(sampler, DistributedSampler) else 0
     return DataPlan(len(dataloader.dataset), batch_size, drop_last, shuffle, seed)  # type: ignore[arg-type]
-
-
-def _without_per_step_collective(trainer: pl.Trainer) -> None:
-    """Replace the training loop's per-step SIGTERM broadcast by a local check.
-
-    Lightning broadcasts a SIGTERM flag from rank 0 before every training step; with ranks
-    taking different numbers of steps that broadcast would pair with a peer's epoch-end
-    collective. Each rank still stops on its own SIGTERM.
-    """
-    epoch_loop = trainer.fit_loop.epoch_loop
-
-    def check_sigterm() -> None:
-        if getattr(trainer, "received_sigterm", False):
-            raise SIGTERMException()
-
-    epoch_loop._broadcast_sigterm_tensor = check_sigterm  # type: ignore[method-assign]

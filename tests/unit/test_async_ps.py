@@ -16,6 +16,7 @@ from lightning_strategies.comm.async_ps import AsyncParameterShard, AsyncReply
 from lightning_strategies.comm.coordinator import DataPlan
 from lightning_strategies.comm.ps import OptimizerSpec
 from lightning_strategies.comm.rpc import ShardError
+from lightning_strategies.strategies.async_elastic import AsyncElasticStrategy
 from lightning_strategies.strategies.async_ps import AsyncParameterServerStrategy, DynamicBatchSampler
 
 
@@ -121,18 +122,21 @@ def test_registered_names() -> None:
 
 
 def test_dedicated_servers_options_are_checked() -> None:
+    assert StrategyRegistry["async_elastic"]["strategy"] is AsyncElasticStrategy
     with pytest.raises(ValueError, match=r"start_method='fork'\): Lightning's 'fork' launcher ends every process"):
-        AsyncParameterServerStrategy(dedicated_servers=True, start_method="fork")
-    strategy = AsyncParameterServerStrategy(dedicated_servers=True, parallel_devices=[torch.device("cpu")])
+        AsyncElasticStrategy(dedicated_servers=True, start_method="fork")
+    strategy = AsyncElasticStrategy(dedicated_servers=True, parallel_devices=[torch.device("cpu")])
     members = strategy.members
-    assert members is not None and members.num_servers == 1  # the default: one server, rank 0
+    assert members.num_servers == 1 and strategy.num_servers == 1  # the default: one server, rank 0
     with pytest.raises(ValueError, match=r"num_servers=1\) with 1 processes: expected at least one worker"):
-        members.check_world()
+        members.check_world(strategy.num_nodes * strategy.num_processes)
     cpus = [torch.device("cpu")] * 4
-    two = AsyncParameterServerStrategy(dedicated_servers=True, num_servers=2, parallel_devices=cpus)
-    assert two.members is not None and two.members.workers == [2, 3] and two._num_workers == 2
+    two = AsyncElasticStrategy(dedicated_servers=True, num_servers=2, parallel_devices=cpus)
+    assert two.workers == [2, 3] and two._num_workers == 2
     assert two.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}  # the chief validates on everything
-    assert AsyncParameterServerStrategy().members is None
+    # the plain strategy has no membership: the option names the class that has it
+    with pytest.raises(TypeError, match=r"dedicated_servers=True\).*Fix: AsyncElasticStrategy"):
+        AsyncParameterServerStrategy(dedicated_servers=True)
 
 
 def test_dynamic_sampler_draws_until_the_queue_is_empty_and_has_no_length() -> None:
