@@ -40,7 +40,6 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Sampler
 from typing_extensions import override
@@ -237,10 +236,11 @@ class DedicatedServers:
         caller's thread: an RPC thread or the monitor)."""
         if self.monitor is not None:
             self.monitor.forget(rank)
-        store = self.connected_store()
+        store, tcp = self.connected_store(), self._tcp
+        assert tcp is not None
 
         def out_of_the_group() -> None:
-            evict(name or worker_name(rank))
+            evict(name or worker_name(rank), dist.PrefixStore("rpc", dist.PrefixStore(run_prefix(), tcp.clone())))
             mark_evicted(store, rank, incarnation)
 
         thread = threading.Thread(target=out_of_the_group, name=f"async-evict-{rank}", daemon=True)
@@ -484,10 +484,11 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
         process gets its client; a worker pulls the current weights and joins the coordinator."""
         store = self._members.connected_store()
         _, spec, params, plan = self._plan_servers()
+        rank = self.global_rank
         if self.is_server:
-            mine = plan[self.global_rank]
-            register_shard(self._make_shard(self.global_rank, mine, [slice_of(params[s.tensor], s) for s in mine], spec))
-            store.set(f"shard_ready/{self.global_rank}", "1")
+            mine = plan[rank]
+            register_shard(self._make_shard(rank, mine, [slice_of(params[s.tensor], s) for s in mine], spec))
+            store.set(f"shard_ready/{rank}", "1")
         store.wait([f"shard_ready/{k}" for k in range(self.num_servers)], self._startup)
         self._start_client(params, plan)
         if self.is_chief:

@@ -46,7 +46,6 @@ from datetime import timedelta
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
@@ -211,8 +210,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         if kwargs.pop("dedicated_servers", False):
             raise TypeError(
                 "AsyncParameterServerStrategy(dedicated_servers=True): found the option of the elastic strategy: "
-                "expected AsyncElasticStrategy, the class of 'async_elastic'. Fix: AsyncElasticStrategy(num_servers=S), "
-                "or Trainer(strategy='async_elastic')."
+                "expected AsyncElasticStrategy, the class of 'async_elastic'. Fix: "
+                "AsyncElasticStrategy(num_servers=S), or Trainer(strategy='async_elastic')."
             )
         _check_options(max_staleness, push_every, pull_every, kwargs.get("timeout"), staleness_lr, lease)
         super().__init__(**kwargs)

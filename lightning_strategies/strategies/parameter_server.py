@@ -12,8 +12,8 @@ optimizer step becomes "push gradients, pull new values". The hooks changed are:
 - ``setup_optimizers``: then build this rank's shard and its client (``_make_shard``,
   ``_make_client``: what ``"async"`` overrides).
 - ``training_step``: broadcast rank 0's buffers first, as DDP does (BatchNorm statistics).
-- ``optimizer_step``: run Lightning's closure, then push/pull instead of a local step; its
-  metrics are collected after the step (``_after_optimizer_step``).
+- ``optimizer_step``: the optimizer's step runs Lightning's closure, then push/pull instead of a
+  local update (a step pre-hook); its metrics are collected after the step (``_after_optimizer_step``).
 - ``optimizer_state`` / ``load_optimizer_state_dict``: gather / scatter the shards' state;
   ``on_train_end`` keeps the gathered state for a ``Trainer.save_checkpoint`` after fit.
 - ``teardown``: shut RPC down (gracefully unless the run failed).
@@ -22,7 +22,7 @@ optimizer step becomes "push gradients, pull new values". The hooks changed are:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -36,6 +36,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_strategies.comm.amp import AgreedGradScaler
@@ -149,7 +150,7 @@ class ParameterServerStrategy(StrategyBase):
         self._rpc_started = False
         self._client: ParameterServerClient | None = None
         self._spec: OptimizerSpec | None = None
-        self._server_step: _ServerStepOptimizer | None = None
+        self._step_hook: RemovableHandle | None = None
         self._buffers: list[Tensor] = []  # rank 0's are broadcast (each step, or at sync points)
 
     @property
@@ -291,7 +292,7 @@ class ParameterServerStrategy(StrategyBase):
 
     def _start_servers(self) -> None:
         """Build this rank's shard and its client; a barrier makes every shard reachable first."""
-        optimizer, spec, params, plan = self._plan_servers()
+        _, spec, params, plan = self._plan_servers()
         self._share_overflow_decision()
         rank = self.global_rank
         if rank < self.num_servers:
@@ -300,10 +301,36 @@ class ParameterServerStrategy(StrategyBase):
         log.debug(f"{type(self).__name__}: shard loads (elements) {partition_loads(plan)}")
         # no push may reach a rank before its shard is registered
         self.barrier("ps_shards_ready")
+        self._start_client(params, plan)
+
+    def _start_client(self, params: list[Tensor], plan: list[list[Slice]]) -> None:
+        """This worker's client, its optimizer's step turned into push/pull, the buffers to share."""
         self._client = self._make_client(params, plan)
-        self._server_step = _ServerStepOptimizer(optimizer, self._push_pull)
+        if self._step_hook is not None:
+            self._step_hook.remove()
+        self._step_hook = self.optimizers[0].register_step_pre_hook(self._step_on_servers)
         assert self.model is not None
         self._buffers = [b for b in self.model.buffers() if self.world_size > 1]
+
+    def _step_on_servers(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The optimizer's step, as the precision plugin calls it: Lightning's closure (forward,
+        backward, the ``on_before_optimizer_step`` hooks), then push/pull; the local update that
+        follows finds no gradient left (the servers stepped), so it changes nothing.
+
+        A pre-hook (public torch API) keeps every precision plugin's handling as it is: under
+        ``16-mixed`` the scaler calls ``step`` only when it does not skip, and torch's LR
+        schedulers see the step.
+        """
+        kwargs = dict(kwargs)
+        closure = kwargs.pop("closure", None) if "closure" in kwargs else (args[0] if args else None)
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        self._push_pull(optimizer)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        return (), kwargs
 
     def _share_overflow_decision(self) -> None:
         """Replace a mixed-precision gradient scaler by an :class:`~lightning_strategies.comm.amp.AgreedGradScaler`
@@ -323,16 +350,6 @@ class ParameterServerStrategy(StrategyBase):
     def _make_client(self, params: Sequence[Tensor], plan: Sequence[Sequence[Slice]]) -> ParameterServerClient:
         """This worker's handle on every shard."""
         return ParameterServerClient(self.global_rank, params, plan, timeout=self.ps_timeout)
-
-    @override
-    def optimizer_step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """Run Lightning's closure (forward, backward, hooks), then push/pull instead of stepping.
-
-        The precision plugin receives a stand-in whose ``step`` is the push/pull, so every
-        precision plugin's closure handling and ``on_before_optimizer_step`` hooks still run.
-        """
-        server_step = self._server_step
-        return super().optimizer_step(server_step if server_step is not None else optimizer, *args, **kwargs)
 
     def _push_pull(self, optimizer: Optimizer) -> None:
         assert self._client is not None
@@ -451,7 +468,9 @@ class ParameterServerStrategy(StrategyBase):
         """
         if self._client is not None:
             self._client = None
-            self._server_step = None
+            if self._step_hook is not None:
+                self._step_hook.remove()
+                self._step_hook = None
             self._buffers = []
             unregister_shard(self.global_rank)
         if self._rpc_started:
@@ -463,29 +482,3 @@ class ParameterServerStrategy(StrategyBase):
                 shutdown_rpc(failed=True, timeout=self.ps_timeout, grace_seconds=0.0)
         super().teardown()
 
-
-class _ServerStepOptimizer(Optimizer):
-    """The worker optimizer as the precision plugin sees it, with ``step`` = push/pull.
-
-    It shares the worker optimizer's param groups (the very dicts LR schedulers write) and its
-    (empty) state, so hooks and gradient scalers see the real parameters, while the update
-    itself happens on the servers.
-    """
-
-    def __init__(self, worker: Optimizer, push_pull: Callable[[Optimizer], None]) -> None:
-        super().__init__(worker.param_groups, worker.defaults)
-        self.param_groups = worker.param_groups
-        self.state = worker.state
-        self.worker = worker
-        self._push_pull = push_pull
-
-    @override
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._push_pull(self.worker)
-        # tell torch's LR schedulers that this optimizer did step (on the servers)
-        self.worker._opt_called = True  # type: ignore[attr-defined]
-        return loss
