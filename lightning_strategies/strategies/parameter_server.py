@@ -321,8 +321,9 @@ class ParameterServerStrategy(StrategyBase):
         ``16-mixed`` the scaler calls ``step`` only when it does not skip, and torch's LR
         schedulers see the step.
         """
+        # torch passes the step's own arguments, the optimizer first
         kwargs = dict(kwargs)
-        closure = kwargs.pop("closure", None) if "closure" in kwargs else (args[0] if args else None)
+        closure = kwargs.pop("closure", None) if "closure" in kwargs else (args[1] if len(args) > 1 else None)
         if closure is not None:
             with torch.enable_grad():
                 closure()
@@ -330,7 +331,7 @@ class ParameterServerStrategy(StrategyBase):
         for group in optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
-        return (), kwargs
+        return args[:1], kwargs
 
     def _share_overflow_decision(self) -> None:
         """Replace a mixed-precision gradient scaler by an :class:`~lightning_strategies.comm.amp.AgreedGradScaler`
