@@ -9,7 +9,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-__all__ = ["logged_step", "per_rank_sigterm", "should_update_logs"]
+__all__ = ["every_n_train_steps", "logged_step", "per_rank_sigterm", "should_update_logs"]
 
 
 def should_update_logs(trainer: pl.Trainer | None) -> bool:
@@ -31,12 +31,19 @@ def logged_step(trainer: pl.Trainer) -> int:
     return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
 
 
+def every_n_train_steps(callback: object) -> int:
+    """A ``ModelCheckpoint``'s ``every_n_train_steps`` (0 for none, or for another callback)."""
+    return int(getattr(callback, "_every_n_train_steps", 0) or 0)
+
+
 def per_rank_sigterm(trainer: pl.Trainer) -> None:
     """Replace the training loop's per-step SIGTERM broadcast by a local check.
 
-    Lightning broadcasts a SIGTERM flag from rank 0 before every training step; when the ranks
-    take different numbers of steps (``"async"``) that broadcast would pair with a peer's
-    epoch-end collective. Each rank still stops on its own SIGTERM.
+    Lightning broadcasts a SIGTERM flag from rank 0 before every training step, on the default
+    group, whenever it spans more than one process; when the ranks take different numbers of
+    steps (``"async"``) that broadcast would pair with a peer's epoch-end collective. Lightning has
+    no option to turn it off, so this (the package's one write into Lightning's state) does. Each
+    rank still stops on its own SIGTERM.
     """
 
     def check_sigterm() -> None:

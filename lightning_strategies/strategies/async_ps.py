@@ -9,28 +9,18 @@ by rank 0), a few at a time (a lease, refilled in the background), so a fast wor
 more batches than a slow one while the epoch still covers every sample exactly once. The hooks
 changed relative to ``"ps"`` are:
 
-- ``setup``: host the coordinator (clocks, bound, queue;
-  :mod:`lightning_strategies.comm.coordinator`) on rank 0 and give every rank its lease
-  (:mod:`lightning_strategies.comm.lease`); refuse what cannot work with different batch counts
-  per rank (``max_steps``, batch-based validation).
-- ``process_dataloader``: replace the training loader's sampler by a :class:`DynamicBatchSampler`
-  that reads the lease (Lightning's ``DistributedSampler``, if it injected one, is dropped;
-  validation and test loaders keep it); a :class:`~lightning_strategies.DevicePrefetcher` keeps wrapping
-  the new loader.
-- ``training_step``: note which leased batch the step trains (its push acks it) and the
-  staleness gap; pull first when the bound held the lease back.
-- ``setup_optimizers``: give ``Trainer.estimated_stepping_batches`` the mean batches per worker
-  (the dynamic loader has no length) while ``configure_optimizers`` runs.
-- ``_make_shard`` / ``_make_client``: asynchronous shards and clients instead of ``"ps"``'s.
-- ``optimizer_step`` (through ``_push_pull``): accumulate ``push_every`` steps, push, pull
-  every ``pull_every`` steps, tell the lease; flush at the epoch's last batch. A step the
-  gradient scaler skipped pushes nothing but still counts (acked, the clock advances).
-  ``_collect_own_metrics``: the staleness, the bound's wait, the lease's wait and the clock.
-- ``broadcast_buffers_each_step = False``: no per-step collective (the ranks' step counts
-  differ here, so a per-step collective would pair steps of different ranks).
-- ``on_validation_start`` / ``on_train_end`` / ``lightning_module_state_dict``: a barrier (all
-  pushes are in), then every worker pulls the latest weights and rank 0's buffers, so
-  validation, the checkpoint and the returned model see one consistent state.
+- ``setup``: the coordinator (:mod:`lightning_strategies.comm.coordinator`) on rank 0, a lease
+  (:mod:`lightning_strategies.comm.lease`) on every rank; refuse what needs equal batch counts.
+- ``process_dataloader``: the training loader draws from the lease (:class:`DynamicBatchSampler`).
+- ``training_step``: note the leased batch the step trains; admit it under the bound.
+- ``setup_optimizers``: ``estimated_stepping_batches`` sees the mean batches per worker.
+- ``_make_shard`` / ``_make_client``: asynchronous shards and clients.
+- ``optimizer_step`` (``_push_pull``): accumulate ``push_every`` steps, push, pull every
+  ``pull_every``, tell the lease; flush at the epoch's last batch. A step the gradient scaler
+  skipped pushes nothing but still counts. ``_collect_own_metrics``: staleness, waits, clock.
+- ``broadcast_buffers_each_step = False``: no per-step collective (the ranks' step counts differ).
+- ``on_validation_start`` / ``on_train_end`` / ``lightning_module_state_dict``: a barrier, then
+  the latest weights and rank 0's buffers everywhere (one consistent state).
 - ``on_exception``: tell the coordinator, so no refill waits on this worker's clock.
 
 Dedicated servers whose workers come and go are :mod:`.async_elastic` (``"async_elastic"``).
@@ -67,7 +57,7 @@ from lightning_strategies.comm.rpc import register_coordinator, unregister_coord
 from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.data import DevicePrefetcher
 from lightning_strategies.strategies._base import is_last_batch
-from lightning_strategies.strategies._lightning_internals import per_rank_sigterm
+from lightning_strategies.strategies._lightning_internals import every_n_train_steps, per_rank_sigterm
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 
 __all__ = ["AsyncParameterServerStrategy", "DynamicBatchSampler"]
@@ -119,53 +109,38 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     Every worker pushes its gradients to the shards, which apply them at once with the user's
     optimizer (the worker's learning rate travels with each push), and pulls the weights back,
     without waiting for any other worker. Batches come from one shared queue per epoch, leased a
-    few at a time (``lease``) and refilled in the background, so a fast worker processes more of
-    them than a slow one and no step waits for the coordinator while its lease lasts; each epoch
-    still covers every sample exactly once.
+    few at a time (``lease``), so a fast worker processes more of them than a slow one; each
+    epoch still covers every sample exactly once.
 
     A worker's *clock* is the number of pushes it has made. With ``max_staleness=s`` no worker
     starts step ``c+1`` before every worker has pushed step ``c-s`` (stale-synchronous
-    parallel): ``s=0`` is a bulk-synchronous schedule, ``None`` never waits. The bound is checked
-    where each step starts, in the training process (not in the sampler, which loader processes
-    and Lightning's one-batch prefetch run ahead of the steps), so it holds with
-    ``DataLoader(num_workers > 0)`` too: at once when the clocks known when the step's batch was
-    leased allow it, else after a round trip to the coordinator's gate; leases are also held back
-    near the bound, so a waiting worker does not hoard the queue (with ``s=0``, about one gate
-    round trip per step). At an epoch's end a worker whose batches are used up no longer holds
-    the others back until the next epoch starts (it has nothing left to push). A gradient's
-    *staleness* is the number of updates a shard applied between the worker's pull of the
-    weights it used and its push; with ``P`` equally fast workers it averages about ``P-1``.
+    parallel; ``s=0`` is bulk-synchronous, ``None`` never waits). The bound is checked where each
+    step starts, in the training process (loader processes and Lightning's prefetch run ahead of
+    the steps), so it holds with ``DataLoader(num_workers > 0)`` too; leases are held back near the
+    bound, so a waiting worker does not hoard the queue. A worker whose epoch's batches are used
+    up no longer holds the others back. A gradient's *staleness* is the number of updates a shard
+    applied between the worker's pull and its push (about ``P-1`` with ``P`` equally fast workers).
 
-    Logged at Lightning's step-logging cadence, as per-step means since the last log:
-    ``comm/bytes_sent``, ``comm/bytes_received``, ``ps/server_bytes_max`` (as for ``"ps"``),
-    ``async/staleness_mean``, ``async/staleness_max`` (over the pushes since the last log),
-    ``async/wait_seconds`` (time the staleness bound held the lease back), ``async/lease_wait_seconds``
-    (time a step waited for its lease: the coordinator on the critical path), ``async/clock`` and,
-    with a bound, ``async/clock_gap_max`` (this worker's clock at a step minus the others' lowest
-    clock when its batch was leased: at most ``max_staleness``).
+    Logged at Lightning's step-logging cadence: ``"ps"``'s bytes, ``async/staleness_mean`` and
+    ``async/staleness_max`` (over the pushes since the last log), ``async/wait_seconds`` (the
+    bound's wait), ``async/lease_wait_seconds`` (a step's wait for its lease), ``async/clock`` and,
+    with a bound, ``async/clock_gap_max`` (at most ``max_staleness``).
 
-    Learning rate and momentum: each worker's push is one optimizer step on its *own* batch (not
-    the average of ``P`` batches), so use the per-worker batch's learning rate (no linear scaling
-    by ``P``). Asynchrony behaves like extra momentum of about ``1 - 1/P`` (Mitliagkas et al.
-    2016, "Asynchrony begets momentum"), so lower the optimizer's momentum (the digits ResNet
-    diverges at 0.9 with ``P=2`` and trains at 0.5) or the learning rate; ``staleness_lr=
-    "inverse"`` damps stale gradients further. LR schedules run on each worker's own step count,
-    estimated as the mean batches per worker (a fast worker reaches the schedule's end early).
+    Learning rate and momentum: each push is one optimizer step on one worker's batch, so use the
+    per-worker batch's learning rate. Asynchrony behaves like extra momentum of about ``1 - 1/P``
+    (Mitliagkas et al. 2016), so lower the optimizer's momentum (the digits ResNet diverges at 0.9
+    with ``P=2`` and trains at 0.5) or the learning rate; ``staleness_lr="inverse"`` damps stale
+    gradients further. LR schedules run on each worker's own steps, estimated as the mean
+    batches per worker.
 
-    Requirements (each checked at setup, with the fix in the message): epochs, not steps
-    (``max_steps=-1``; the ranks take different numbers of steps), validation once per epoch or
-    every n epochs (``val_check_interval=1.0``), a map-style training dataset in a
-    ``DataLoader`` with at least as many batches per epoch as processes, and everything ``"ps"``
-    requires. Checkpoints are consistent
-    at epoch ends (where ``ModelCheckpoint`` saves by default); a mid-epoch checkpoint does not
-    record the queue's position.
+    Requirements (checked at setup): ``max_steps=-1``, validation at epoch ends, a map-style
+    training dataset in a ``DataLoader`` with at least one batch per process, and what ``"ps"``
+    requires. Checkpoints are consistent at epoch ends (a mid-epoch one does not record the queue).
 
-    On a fault: as for ``"ps"``, a dead rank's shard (and, for rank 0, the coordinator) fails the
-    survivors' next push, pull or refill at once; a hung rank fails them when the gate (after
-    ``timeout``) or an RPC to it (after ``timeout`` + max(5 s, 10%)) gives up. The error names the
-    lost rank(s) (``"async: lost peer rank 1 of 4: ..."``; :class:`~lightning_strategies.PeerLostError`
-    when a step failed). A rank that fails on its own error first tells the coordinator, so no
-    refill waits on its clock. To survive lost workers: :class:`~lightning_strategies.AsyncElasticStrategy`.
+    On a fault: as for ``"ps"``; a hung rank fails the others when the gate (after ``timeout``) or
+    an RPC to it (``timeout`` + max(5 s, 10%)) gives up, the error naming the lost rank(s). A rank
+    failing on its own error first tells the coordinator. To survive lost workers:
+    :class:`~lightning_strategies.AsyncElasticStrategy`.
 
     Args:
         max_staleness: the bound ``s`` on the workers' clock gap; ``None`` for none.
@@ -229,8 +204,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         self._gap_max: int | None = None
         self._lease_waited = (0.0, 0.0)  # the lease's (wait, gate) seconds at the last log
         self._local_steps = 0
-        self._accumulated: list[Tensor | None] = []
-        self._accumulated_steps = 0
+        self._accumulated = _Accumulator()
         # pushes a skipped step (its gradient scaler found an overflow) did not make: the clock the
         # lease and the staleness bound see is the client's pushes plus these
         self._skipped_pushes = 0
@@ -265,7 +239,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
-            self._check_loop(trainer)
+            _check_loop(type(self).__name__, trainer)
             self._reset_fit_state()
             # the training loader draws its first batch while the optimizers are configured
             self._start_coordination(trainer)
@@ -289,7 +263,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         per_rank_sigterm(trainer)
 
     def _reset_fit_state(self) -> None:
-        self._local_steps, self._accumulated, self._accumulated_steps = 0, [], 0
+        self._local_steps, self._accumulated = 0, _Accumulator()
         self._skipped_pushes = 0
         self._drawn.clear()
         self._unpushed, self._gap_max, self._lease_waited = [], None, (0.0, 0.0)
@@ -299,31 +273,6 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         # as the shards' clients: the coordinator's own error (after `timeout`) arrives first
         seconds = self.ps_timeout.total_seconds()
         return seconds + max(5.0, 0.1 * seconds)
-
-    def _check_loop(self, trainer: pl.Trainer) -> None:
-        name = type(self).__name__
-        if trainer.max_steps != -1:
-            raise ValueError(
-                f"{name} found Trainer(max_steps={trainer.max_steps}): expected max_steps=-1, because the ranks "
-                "take different numbers of steps per epoch, so they would stop in different epochs and their "
-                "epoch-end collectives would never match. Fix: train for max_epochs (and drop max_steps)."
-            )
-        interval = trainer.val_check_interval
-        if not (isinstance(interval, float) and interval == 1.0) or trainer.check_val_every_n_epoch is None:
-            raise ValueError(
-                f"{name} found Trainer(val_check_interval={interval!r}, check_val_every_n_epoch="
-                f"{trainer.check_val_every_n_epoch!r}): expected validation at epoch ends "
-                "(val_check_interval=1.0 and check_val_every_n_epoch an integer), because the ranks count "
-                "different batches and would validate at different times. Fix: validate every n epochs."
-            )
-        for callback in trainer.checkpoint_callbacks:
-            every = getattr(callback, "_every_n_train_steps", 0)
-            if every:
-                raise ValueError(
-                    f"{name} found ModelCheckpoint(every_n_train_steps={every}): expected checkpoints at epoch "
-                    "ends, because the ranks take different numbers of steps and saving is collective (and the "
-                    "queue's position within an epoch is not saved). Fix: ModelCheckpoint(every_n_epochs=...)."
-                )
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -346,24 +295,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
             super().setup_optimizers(trainer)
         finally:
             fit_loop.max_batches = unknown
-        self._warn_high_momentum()
-
-    def _warn_high_momentum(self) -> None:
-        # Asynchrony adds an implicit momentum of about 1 - 1/P (Mitliagkas et al. 2016); on top
-        # of SGD's usual 0.9 the sum passes 1 and training diverges (the digits ResNet does at P=2).
-        workers = self._num_workers
-        if workers < 2:
-            return
-        implicit = 1.0 - 1.0 / workers
-        for optimizer in self.optimizers:
-            momenta = [float(g.get("momentum", g.get("betas", (0.0,))[0])) for g in optimizer.param_groups]
-            if momenta and max(momenta) + implicit > 1.0:
-                rank_zero_warn(
-                    f"async with {workers} workers adds an implicit momentum of about {implicit:.2f} "
-                    f"to the optimizer's {max(momenta):g} (Mitliagkas et al. 2016): together above 1, training "
-                    f"often diverges. Lower it, e.g. optimizer.momentum={max(0.0, 1.0 - implicit):g}, or the lr."
-                )
-                return
+        _warn_high_momentum(self._num_workers, self.optimizers)
 
     @override
     def _make_shard(
@@ -438,23 +370,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
             workers = dataloader.num_workers
             self._lease.prefetch = 1 + (workers * (dataloader.prefetch_factor or 2) if workers > 0 else 0)
         sampler = DynamicBatchSampler(plan, self._draw, self._current_epoch, self._give_back)
-        kwargs: dict[str, Any] = {}
-        if dataloader.num_workers > 0:
-            kwargs.update(
-                prefetch_factor=dataloader.prefetch_factor,
-                persistent_workers=dataloader.persistent_workers,
-                worker_init_fn=dataloader.worker_init_fn,
-                multiprocessing_context=dataloader.multiprocessing_context,
-            )
-        return DataLoader(
-            dataloader.dataset,
-            batch_sampler=sampler,
-            num_workers=dataloader.num_workers,
-            collate_fn=dataloader.collate_fn,
-            pin_memory=dataloader.pin_memory,
-            timeout=dataloader.timeout,
-            **kwargs,
-        )
+        return _with_batch_sampler(dataloader, sampler)
 
     def _current_epoch(self) -> int:
         trainer = self.trainer
@@ -547,7 +463,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         push_due = self._local_steps % self.push_every == 0 or flush
         pull_due = self._local_steps % self.pull_every == 0 or flush
         if self.push_every > 1:
-            grads = self._accumulate(grads, take=push_due)
+            grads = self._accumulated.add(grads, take=push_due)
         if push_due:
             if grads is not None:
                 client.push(grads, self._push_lrs(optimizer), pull=pull_due)
@@ -574,27 +490,6 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     def _epoch_end_publish(self) -> dict[str, Packed] | None:
         """What a worker publishes with its last push of an epoch: nothing here."""
         return None
-
-    def _accumulate(self, grads: list[Tensor | None] | None, *, take: bool) -> list[Tensor | None] | None:
-        """Add this step's gradients (``None``: a skipped step's, left out) to the local sums; when
-        ``take``, return their mean (``None`` if every step was skipped) and reset."""
-        if grads is not None:
-            if not self._accumulated:
-                self._accumulated = [None] * len(grads)
-            for i, g in enumerate(grads):
-                if g is None:
-                    continue
-                acc = self._accumulated[i]
-                self._accumulated[i] = g.detach().clone() if acc is None else acc.add_(g.detach())
-            self._accumulated_steps += 1
-        if not take:
-            return grads
-        n = self._accumulated_steps
-        if n == 0:
-            return None
-        mean = [a.div_(n) if a is not None else None for a in self._accumulated]
-        self._accumulated, self._accumulated_steps = [], 0
-        return mean
 
     @override
     def _collect_own_metrics(self, stats: CommStats) -> None:
@@ -674,7 +569,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         self._lease = None
         self._drawn.clear()
         self._unpushed = []
-        self._accumulated = []
+        self._accumulated = _Accumulator()
         self._staleness_sum = self._staleness_count = 0
         super().teardown()
 
@@ -731,3 +626,93 @@ def _plan_of(dataloader: DataLoader) -> DataPlan:
     shuffle = isinstance(sampler, RandomSampler) or bool(getattr(sampler, "shuffle", False))
     seed = int(sampler.seed) if isinstance(sampler, DistributedSampler) else 0
     return DataPlan(len(dataloader.dataset), batch_size, drop_last, shuffle, seed)  # type: ignore[arg-type]
+
+
+def _check_loop(name: str, trainer: pl.Trainer) -> None:
+    """Refuse what needs the same batches on every rank: steps, mid-epoch validation or saves."""
+    if trainer.max_steps != -1:
+        raise ValueError(
+            f"{name} found Trainer(max_steps={trainer.max_steps}): expected max_steps=-1, because the ranks "
+            "take different numbers of steps per epoch, so they would stop in different epochs and their "
+            "epoch-end collectives would never match. Fix: train for max_epochs (and drop max_steps)."
+        )
+    interval = trainer.val_check_interval
+    if not (isinstance(interval, float) and interval == 1.0) or trainer.check_val_every_n_epoch is None:
+        raise ValueError(
+            f"{name} found Trainer(val_check_interval={interval!r}, check_val_every_n_epoch="
+            f"{trainer.check_val_every_n_epoch!r}): expected validation at epoch ends "
+            "(val_check_interval=1.0 and check_val_every_n_epoch an integer), because the ranks count "
+            "different batches and would validate at different times. Fix: validate every n epochs."
+        )
+    for callback in trainer.checkpoint_callbacks:
+        if every := every_n_train_steps(callback):
+            raise ValueError(
+                f"{name} found ModelCheckpoint(every_n_train_steps={every}): expected checkpoints at epoch "
+                "ends, because the ranks take different numbers of steps and saving is collective (and the "
+                "queue's position within an epoch is not saved). Fix: ModelCheckpoint(every_n_epochs=...)."
+            )
+
+
+def _warn_high_momentum(workers: int, optimizers: Sequence[Optimizer]) -> None:
+    # Asynchrony adds an implicit momentum of about 1 - 1/P (Mitliagkas et al. 2016); on top
+    # of SGD's usual 0.9 the sum passes 1 and training diverges (the digits ResNet does at P=2).
+    if workers < 2:
+        return
+    implicit = 1.0 - 1.0 / workers
+    for optimizer in optimizers:
+        momenta = [float(g.get("momentum", g.get("betas", (0.0,))[0])) for g in optimizer.param_groups]
+        if momenta and max(momenta) + implicit > 1.0:
+            rank_zero_warn(
+                f"async with {workers} workers adds an implicit momentum of about {implicit:.2f} "
+                f"to the optimizer's {max(momenta):g} (Mitliagkas et al. 2016): together above 1, training "
+                f"often diverges. Lower it, e.g. optimizer.momentum={max(0.0, 1.0 - implicit):g}, or the lr."
+            )
+            return
+
+
+def _with_batch_sampler(dataloader: DataLoader, sampler: Sampler[list[int]]) -> DataLoader:
+    """``dataloader`` with ``sampler`` for its batches (and its own loader processes, if any)."""
+    kwargs: dict[str, Any] = {}
+    if dataloader.num_workers > 0:
+        kwargs.update(
+            prefetch_factor=dataloader.prefetch_factor,
+            persistent_workers=dataloader.persistent_workers,
+            worker_init_fn=dataloader.worker_init_fn,
+            multiprocessing_context=dataloader.multiprocessing_context,
+        )
+    return DataLoader(
+        dataloader.dataset,
+        batch_sampler=sampler,
+        num_workers=dataloader.num_workers,
+        collate_fn=dataloader.collate_fn,
+        pin_memory=dataloader.pin_memory,
+        timeout=dataloader.timeout,
+        **kwargs,
+    )
+
+
+class _Accumulator:
+    """Local gradient sums over the steps between two pushes (``push_every``)."""
+
+    def __init__(self) -> None:
+        self.sums: list[Tensor | None] = []
+        self.steps = 0
+
+    def add(self, grads: list[Tensor | None] | None, *, take: bool) -> list[Tensor | None] | None:
+        """Add this step's gradients (``None``: a skipped step's, left out); when ``take``, return
+        their mean (``None`` if every step was skipped) and reset."""
+        if grads is not None:
+            if not self.sums:
+                self.sums = [None] * len(grads)
+            for i, g in enumerate(grads):
+                if g is not None:
+                    acc = self.sums[i]
+                    self.sums[i] = g.detach().clone() if acc is None else acc.add_(g.detach())
+            self.steps += 1
+        if not take:
+            return grads
+        if self.steps == 0:
+            return None
+        mean = [a.div_(self.steps) if a is not None else None for a in self.sums]
+        self.sums, self.steps = [], 0
+        return mean

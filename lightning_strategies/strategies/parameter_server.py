@@ -482,4 +482,3 @@ class ParameterServerStrategy(StrategyBase):
                 log.warning(f"{type(self).__name__}: RPC shutdown failed: {err}")
                 shutdown_rpc(failed=True, timeout=self.ps_timeout, grace_seconds=0.0)
         super().teardown()
-

@@ -7,10 +7,16 @@ import inspect
 
 import lightning.pytorch as pl
 import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_strategies.strategies._lightning_internals import logged_step, per_rank_sigterm, should_update_logs
+from lightning_strategies.strategies._lightning_internals import (
+    every_n_train_steps,
+    logged_step,
+    per_rank_sigterm,
+    should_update_logs,
+)
 
 
 def _trainer(log_every_n_steps: int) -> pl.Trainer:
@@ -41,3 +47,9 @@ def test_the_sigterm_broadcast_is_a_method_the_epoch_loop_calls_and_per_rank_sig
     trainer._signal_connector.received_sigterm = True
     with pytest.raises(SIGTERMException):
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+
+
+def test_every_n_train_steps_reads_the_checkpoint_callbacks_option() -> None:
+    assert every_n_train_steps(ModelCheckpoint(every_n_train_steps=5)) == 5
+    assert every_n_train_steps(ModelCheckpoint(every_n_epochs=1)) == 0
+    assert every_n_train_steps(object()) == 0
