@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -40,8 +40,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_strategies.comm.async_ps import (
@@ -57,7 +56,13 @@ from lightning_strategies.comm.rpc import register_coordinator, unregister_coord
 from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.data import DevicePrefetcher
 from lightning_strategies.strategies._base import is_last_batch
-from lightning_strategies.strategies._lightning_internals import every_n_train_steps, per_rank_sigterm
+from lightning_strategies.strategies._dynamic_batches import (
+    DynamicBatchSampler,
+    check_loop,
+    training_plan,
+    with_batch_sampler,
+)
+from lightning_strategies.strategies._lightning_internals import per_rank_sigterm
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 
 __all__ = ["AsyncParameterServerStrategy", "DynamicBatchSampler"]
@@ -67,79 +72,29 @@ log = logging.getLogger(__name__)
 _COORDINATOR_RANK = 0
 
 
-class DynamicBatchSampler(Sampler[list[int]]):
-    """A batch sampler that takes each next batch from a shared queue and stops when it is empty.
-
-    It has no ``__len__`` on purpose: each rank takes as many batches as it can process, so
-    Lightning treats the loader as of unknown length (fetching one batch ahead to find the
-    epoch's last batch, and validating after it).
-
-    Args:
-        plan: how the epoch is batched (the same on every rank).
-        draw: ``draw(epoch, plan)`` returns the next indices, or ``None`` at the end (it runs in
-            the training process, also with loader processes: they receive indices from it).
-        restart: called when an iteration starts (Lightning drops an iterator it prefetched from
-            when it starts a new one).
-        epoch: returns the current epoch when an iteration starts.
-    """
-
-    def __init__(
-        self,
-        plan: DataPlan,
-        draw: Callable[[int, DataPlan], list[int] | None],
-        epoch: Callable[[], int],
-        restart: Callable[[], None] | None = None,
-    ) -> None:
-        self.plan = plan
-        self._draw = draw
-        self._epoch = epoch
-        self._restart = restart
-
-    def __iter__(self) -> Iterator[list[int]]:
-        if self._restart is not None:
-            self._restart()  # a new iteration: what the last one drew and no step trained is given back
-        epoch = self._epoch()  # read lazily: Lightning creates the iterator before the epoch starts
-        while (batch := self._draw(epoch, self.plan)) is not None:
-            yield batch
-
-
 class AsyncParameterServerStrategy(ParameterServerStrategy):
     """Asynchronous data parallelism through sharded, co-located parameter servers.
 
-    Every worker pushes its gradients to the shards, which apply them at once with the user's
-    optimizer (the worker's learning rate travels with each push), and pulls the weights back,
-    without waiting for any other worker. Batches come from one shared queue per epoch, leased a
-    few at a time (``lease``), so a fast worker processes more of them than a slow one; each
-    epoch still covers every sample exactly once.
+    Every worker pushes its gradients to the shards, which apply them at once (the worker's
+    learning rate travels with each push), and pulls the weights back, without waiting for any
+    other worker. Batches come from one shared queue per epoch, leased a few at a time, so a fast
+    worker processes more of them; each epoch still covers every sample exactly once. A worker's
+    *clock* is its pushes: with ``max_staleness=s`` no worker starts step ``c+1`` before every
+    worker has pushed step ``c-s`` (checked where each step starts, so it holds with loader
+    processes too). A gradient's *staleness* is the updates a shard applied between the worker's
+    pull and its push (about ``P-1`` with ``P`` equally fast workers).
 
-    A worker's *clock* is the number of pushes it has made. With ``max_staleness=s`` no worker
-    starts step ``c+1`` before every worker has pushed step ``c-s`` (stale-synchronous
-    parallel; ``s=0`` is bulk-synchronous, ``None`` never waits). The bound is checked where each
-    step starts, in the training process (loader processes and Lightning's prefetch run ahead of
-    the steps), so it holds with ``DataLoader(num_workers > 0)`` too; leases are held back near the
-    bound, so a waiting worker does not hoard the queue. A worker whose epoch's batches are used
-    up no longer holds the others back. A gradient's *staleness* is the number of updates a shard
-    applied between the worker's pull and its push (about ``P-1`` with ``P`` equally fast workers).
+    Logged at Lightning's cadence: ``"ps"``'s bytes, ``async/staleness_mean``,
+    ``async/staleness_max``, ``async/wait_seconds`` (the bound's wait), ``async/lease_wait_seconds``,
+    ``async/clock`` and, with a bound, ``async/clock_gap_max`` (at most ``max_staleness``).
 
-    Logged at Lightning's step-logging cadence: ``"ps"``'s bytes, ``async/staleness_mean`` and
-    ``async/staleness_max`` (over the pushes since the last log), ``async/wait_seconds`` (the
-    bound's wait), ``async/lease_wait_seconds`` (a step's wait for its lease), ``async/clock`` and,
-    with a bound, ``async/clock_gap_max`` (at most ``max_staleness``).
-
-    Learning rate and momentum: each push is one optimizer step on one worker's batch, so use the
-    per-worker batch's learning rate. Asynchrony behaves like extra momentum of about ``1 - 1/P``
-    (Mitliagkas et al. 2016), so lower the optimizer's momentum (the digits ResNet diverges at 0.9
-    with ``P=2`` and trains at 0.5) or the learning rate; ``staleness_lr="inverse"`` damps stale
-    gradients further. LR schedules run on each worker's own steps, estimated as the mean
-    batches per worker.
-
-    Requirements (checked at setup): ``max_steps=-1``, validation at epoch ends, a map-style
-    training dataset in a ``DataLoader`` with at least one batch per process, and what ``"ps"``
-    requires. Checkpoints are consistent at epoch ends (a mid-epoch one does not record the queue).
-
-    On a fault: as for ``"ps"``; a hung rank fails the others when the gate (after ``timeout``) or
-    an RPC to it (``timeout`` + max(5 s, 10%)) gives up, the error naming the lost rank(s). A rank
-    failing on its own error first tells the coordinator. To survive lost workers:
+    Each push is one optimizer step on one worker's batch: use the per-worker batch's learning
+    rate. Asynchrony adds momentum of about ``1 - 1/P`` (Mitliagkas et al. 2016): lower the
+    optimizer's (the digits ResNet diverges at 0.9 with ``P=2``, trains at 0.5) or the lr. LR
+    schedules count each worker's steps, estimated as the mean batches per worker. Checked at
+    setup: ``max_steps=-1``, validation and checkpoints at epoch ends, a map-style dataset with a
+    batch per process. On a fault: as ``"ps"``; a hung rank fails the others when the gate (after
+    ``timeout``) or an RPC to it gives up. To survive lost workers:
     :class:`~lightning_strategies.AsyncElasticStrategy`.
 
     Args:
@@ -148,13 +103,9 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         pull_every: fetch the weights every this many steps (with the push when both are due).
         staleness_lr: ``"none"``, or ``"inverse"`` to divide each gradient's learning rate by
             ``1 + staleness`` on the shard.
-        lease: batches a worker leases at a time (refilled when half are used; the coordinator
-            leases fewer as the epoch's queue drains).
+        lease: batches a worker leases at a time (refilled when half are used).
         **kwargs: everything :class:`~lightning_strategies.ParameterServerStrategy` takes
-            (``num_servers``: shards, one per process by default; ``timeout``: how long
-            collectives and a gated draw wait for a slow or hung peer before failing, 30 minutes
-            by default, as DDP; ``rpc_threads``, ``process_group_backend``, ``start_method``, and
-            the plugins the Trainer sets).
+            (``timeout`` also bounds a gated draw).
 
     Raises:
         ValueError: for an invalid ``max_staleness``, ``push_every``, ``pull_every``, ``lease`` or
@@ -164,12 +115,9 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     """
 
     strategy_name = "async"
-    # Buffers (BatchNorm statistics) stay local during the epoch and are taken from rank 0 before
-    # validation and checkpoints (_pull_latest): ranks take different numbers of steps, so a
-    # per-step collective would pair the steps of different ranks.
+    # ranks take different numbers of steps: a per-step collective would pair different steps, so
+    # buffers come from rank 0 at consistent points only and an overflow skips one worker's push
     broadcast_buffers_each_step: ClassVar[bool] = False
-    # Under 16-mixed a worker whose gradients overflow skips its own push and lowers its own
-    # scale (lightning_strategies.comm.amp); a per-step collective would pair different steps.
     agree_on_overflow: ClassVar[bool] = False
 
     def __init__(
@@ -182,13 +130,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         lease: int = DEFAULT_LEASE,
         **kwargs: Any,
     ) -> None:
-        if kwargs.pop("dedicated_servers", False):
-            raise TypeError(
-                "AsyncParameterServerStrategy(dedicated_servers=True): found the option of the elastic strategy: "
-                "expected AsyncElasticStrategy, the class of 'async_elastic'. Fix: "
-                "AsyncElasticStrategy(num_servers=S), or Trainer(strategy='async_elastic')."
-            )
-        _check_options(max_staleness, push_every, pull_every, kwargs.get("timeout"), staleness_lr, lease)
+        _check_options(max_staleness, push_every, pull_every, kwargs, staleness_lr, lease)
         super().__init__(**kwargs)
         self.max_staleness = max_staleness
         self.push_every = push_every
@@ -216,12 +158,12 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
 
     @property
     def coordinator(self) -> AsyncCoordinator | None:
-        """The clocks, bound and data queue (on rank 0 while fitting; ``None`` elsewhere)."""
+        """The clocks, bound and data queue (on rank 0 while fitting)."""
         return self._coordinator
 
     @property
     def batch_lease(self) -> BatchLease | None:
-        """This worker's lease of batches (``None`` outside of fitting)."""
+        """This worker's lease of batches (while fitting)."""
         return self._lease
 
     @property
@@ -239,7 +181,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
-            _check_loop(type(self).__name__, trainer)
+            check_loop(type(self).__name__, trainer)
             self._reset_fit_state()
             # the training loader draws its first batch while the optimizers are configured
             self._start_coordination(trainer)
@@ -267,6 +209,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         self._skipped_pushes = 0
         self._drawn.clear()
         self._unpushed, self._gap_max, self._lease_waited = [], None, (0.0, 0.0)
+        self._staleness_sum = self._staleness_count = 0
 
     @property
     def _rpc_timeout(self) -> float:
@@ -276,13 +219,9 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        """Configure the optimizers with a finite ``estimated_stepping_batches``.
-
-        The dynamic loader has no length, for which Lightning estimates ``max_steps`` (-1), and
-        LR schedules built from the estimate break. While ``configure_optimizers`` runs, the
-        estimate sees the mean batches per worker and epoch; afterwards the loop's length is
-        unknown again (a known length would end a fast worker's epoch at its "share").
-        """
+        """Configure the optimizers with ``estimated_stepping_batches`` from the mean batches per
+        worker (the dynamic loader has no length); afterwards the loop's length is unknown again,
+        since a known one would end a fast worker's epoch at its "share"."""
         if trainer.state.fn != TrainerFn.FITTING:
             super().setup_optimizers(trainer)
             return
@@ -302,13 +241,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         self, shard_id: int, slices: Sequence[Slice], params: Sequence[Tensor], spec: OptimizerSpec
     ) -> AsyncParameterShard:
         return AsyncParameterShard(
-            shard_id,
-            slices,
-            params,
-            spec,
-            self.world_size,
-            staleness_lr=self.staleness_lr,
-            timeout=self.ps_timeout,
+            shard_id, slices, params, spec, self.world_size, staleness_lr=self.staleness_lr, timeout=self.ps_timeout
         )
 
     @override
@@ -323,31 +256,14 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         trainer = self.trainer
         if trainer is None or trainer.state.fn != TrainerFn.FITTING or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
-        name = type(self).__name__
         if isinstance(dataloader, DevicePrefetcher):
-            # the copy ahead wraps the loader rebuilt below; on CUDA it takes each batch one step
-            # before Lightning does: one more batch drawn ahead of the step (the bound is checked at
-            # the step, so nothing else changes)
+            # on CUDA the copy ahead takes each batch one step before Lightning does: one more drawn ahead
             inner = self.process_dataloader(dataloader.loader)
             if dataloader.active and self._lease is not None:
                 self._lease.prefetch += 1
             return DevicePrefetcher(inner, dataloader.device, non_blocking=dataloader.non_blocking)  # type: ignore[arg-type]
-        if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
-            raise TypeError(
-                f"{name} found a training loader of type {type(dataloader).__qualname__}"
-                f"{' over an IterableDataset' if isinstance(dataloader, DataLoader) else ''}: expected a "
-                "torch DataLoader over a map-style dataset, because workers draw batch indices from a shared "
-                "queue. Fix: return a DataLoader(dataset, batch_size=..., shuffle=...) from train_dataloader() "
-                "(optionally in a DevicePrefetcher)."
-            )
-        plan = _plan_of(dataloader)
-        if plan.num_batches < self._num_workers:
-            raise ValueError(
-                f"{name} found {plan.num_batches} training batches per epoch ({plan.num_samples} samples in "
-                f"batches of {plan.batch_size}) for {self._num_workers} workers: expected at least one batch per "
-                "worker, because a rank that trains on no batch skips the epoch-end validation its peers run. "
-                "Fix: a smaller batch size, or fewer processes."
-            )
+        plan = training_plan(type(self).__name__, dataloader, self._num_workers)
+        assert isinstance(dataloader, DataLoader)
         return self._training_loader(dataloader, plan)
 
     def _training_loader(self, dataloader: DataLoader, plan: DataPlan) -> object:
@@ -370,7 +286,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
             workers = dataloader.num_workers
             self._lease.prefetch = 1 + (workers * (dataloader.prefetch_factor or 2) if workers > 0 else 0)
         sampler = DynamicBatchSampler(plan, self._draw, self._current_epoch, self._give_back)
-        return _with_batch_sampler(dataloader, sampler)
+        return with_batch_sampler(dataloader, sampler)
 
     def _current_epoch(self) -> int:
         trainer = self.trainer
@@ -384,8 +300,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         assert self._lease is not None
         batch = self._lease.next(epoch, plan, limit=self._limit, should_stop=self._told_to_stop)
         if batch is None:
-            trainer = self.trainer
-            if self._lease.stopped and trainer is not None:
+            if self._lease.stopped and (trainer := self.trainer) is not None:
                 trainer.should_stop = True  # the chief ended the run: this loop ends with it
             return None
         self._drawn.append(batch)  # loaders keep the sampler's order: the steps train them in this order
@@ -404,13 +319,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Note the leased batch this step trains, admit the step under the bound, then step.
-
-        The bound is applied here, where the step starts, not in the sampler (which runs ahead of
-        the steps, by the loader's prefetch). When it held the step (or a refill) back, the slower
-        workers pushed meanwhile: pull their updates first (with ``pull_every=1``), as a gated
-        synchronous step would see them.
-        """
+        """Note the leased batch this step trains and admit it under the bound (here, not in the
+        sampler, which runs ahead); when the bound held it back, pull the others' pushes first."""
         if self._fitting() and self._drawn:
             batch = self._drawn.popleft()
             self._unpushed.append(batch)
@@ -425,21 +335,15 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         return super().training_step(*args, **kwargs)
 
     @property
-    def _step_clock(self) -> int:
-        """This worker's steps as the lease and the staleness bound count them: its pushes, plus
-        the pushes its gradient scaler skipped."""
+    def _step_clock(self) -> int:  # as the lease and the bound count steps: pushes made and skipped
         client = self.async_client
         return (client.clock if client is not None else 0) + self._skipped_pushes
 
     @override
     def optimizer_step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """Push/pull as ``"ps"`` does; a step the gradient scaler skipped still ends as a step.
-
-        Under ``16-mixed`` a step whose gradients overflow (or whose loss is ``None``) never calls
-        the optimizer's ``step``, so no push happens. It still counts for the lease and the bound:
-        its batch is acked, the worker's clock advances (the others would otherwise wait for a
-        push that never comes) and the epoch's last step still flushes.
-        """
+        """Push/pull as ``"ps"`` does. A step the gradient scaler skipped (or whose loss is
+        ``None``) pushes nothing but still counts: its batch is acked and the clock advances (the
+        others would wait for a push that never comes)."""
         self._stepped = False
         out = super().optimizer_step(optimizer, *args, **kwargs)
         if not self._stepped and self._fitting() and self.async_client is not None:
@@ -520,11 +424,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     # -- consistent points: validation, checkpoints, the end -----------------------------------
 
     def _pull_latest(self, reason: str, *, last: bool = False) -> None:
-        """Barrier (every rank's pushes are applied), then the latest weights and rank 0's buffers.
-
-        With ``last``, a second barrier keeps every shard up until every rank has pulled: the
-        next step is teardown, which drops this rank's shard.
-        """
+        """Barrier (every push is in), the latest weights and rank 0's buffers; with ``last`` a
+        second barrier keeps every shard up until every rank has pulled (teardown drops them)."""
         client = self.async_client
         if client is None:
             return
@@ -567,17 +468,21 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
             self._coordinator.shutdown()
             self._coordinator = None
         self._lease = None
-        self._drawn.clear()
-        self._unpushed = []
-        self._accumulated = _Accumulator()
-        self._staleness_sum = self._staleness_count = 0
+        self._reset_fit_state()
         super().teardown()
 
 
 def _check_options(
-    max_staleness: int | None, push_every: int, pull_every: int, timeout: object, staleness_lr: str, lease: int
+    max_staleness: int | None, push_every: int, pull_every: int, kwargs: dict[str, Any], staleness_lr: str, lease: int
 ) -> None:
     name = "AsyncParameterServerStrategy"
+    if kwargs.pop("dedicated_servers", False):
+        raise TypeError(
+            f"{name}(dedicated_servers=True): found the option of the elastic strategy: expected "
+            "AsyncElasticStrategy, the class of 'async_elastic'. Fix: AsyncElasticStrategy(num_servers=S), or "
+            "Trainer(strategy='async_elastic')."
+        )
+    timeout = kwargs.get("timeout")
     if max_staleness is not None and (
         isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0
     ):
@@ -608,51 +513,6 @@ def _check_options(
         )
 
 
-def _plan_of(dataloader: DataLoader) -> DataPlan:
-    """The batching of ``dataloader`` as a :class:`DataPlan` (its sampler decides shuffle and seed)."""
-    sampler = dataloader.sampler
-    batch_size = dataloader.batch_size
-    drop_last = dataloader.drop_last
-    if batch_size is None:  # a custom batch sampler
-        batch_size = getattr(dataloader.batch_sampler, "batch_size", None)
-        drop_last = bool(getattr(dataloader.batch_sampler, "drop_last", False))
-        sampler = getattr(dataloader.batch_sampler, "sampler", sampler)
-    if not isinstance(batch_size, int):
-        raise TypeError(
-            f"AsyncParameterServerStrategy could not find the batch size of the training DataLoader (batch "
-            f"sampler {type(dataloader.batch_sampler).__qualname__}): expected DataLoader(batch_size=...) or a "
-            "batch sampler with a `batch_size`. Fix: pass batch_size to the DataLoader."
-        )
-    shuffle = isinstance(sampler, RandomSampler) or bool(getattr(sampler, "shuffle", False))
-    seed = int(sampler.seed) if isinstance(sampler, DistributedSampler) else 0
-    return DataPlan(len(dataloader.dataset), batch_size, drop_last, shuffle, seed)  # type: ignore[arg-type]
-
-
-def _check_loop(name: str, trainer: pl.Trainer) -> None:
-    """Refuse what needs the same batches on every rank: steps, mid-epoch validation or saves."""
-    if trainer.max_steps != -1:
-        raise ValueError(
-            f"{name} found Trainer(max_steps={trainer.max_steps}): expected max_steps=-1, because the ranks "
-            "take different numbers of steps per epoch, so they would stop in different epochs and their "
-            "epoch-end collectives would never match. Fix: train for max_epochs (and drop max_steps)."
-        )
-    interval = trainer.val_check_interval
-    if not (isinstance(interval, float) and interval == 1.0) or trainer.check_val_every_n_epoch is None:
-        raise ValueError(
-            f"{name} found Trainer(val_check_interval={interval!r}, check_val_every_n_epoch="
-            f"{trainer.check_val_every_n_epoch!r}): expected validation at epoch ends "
-            "(val_check_interval=1.0 and check_val_every_n_epoch an integer), because the ranks count "
-            "different batches and would validate at different times. Fix: validate every n epochs."
-        )
-    for callback in trainer.checkpoint_callbacks:
-        if every := every_n_train_steps(callback):
-            raise ValueError(
-                f"{name} found ModelCheckpoint(every_n_train_steps={every}): expected checkpoints at epoch "
-                "ends, because the ranks take different numbers of steps and saving is collective (and the "
-                "queue's position within an epoch is not saved). Fix: ModelCheckpoint(every_n_epochs=...)."
-            )
-
-
 def _warn_high_momentum(workers: int, optimizers: Sequence[Optimizer]) -> None:
     # Asynchrony adds an implicit momentum of about 1 - 1/P (Mitliagkas et al. 2016); on top
     # of SGD's usual 0.9 the sum passes 1 and training diverges (the digits ResNet does at P=2).
@@ -668,27 +528,6 @@ def _warn_high_momentum(workers: int, optimizers: Sequence[Optimizer]) -> None:
                 f"often diverges. Lower it, e.g. optimizer.momentum={max(0.0, 1.0 - implicit):g}, or the lr."
             )
             return
-
-
-def _with_batch_sampler(dataloader: DataLoader, sampler: Sampler[list[int]]) -> DataLoader:
-    """``dataloader`` with ``sampler`` for its batches (and its own loader processes, if any)."""
-    kwargs: dict[str, Any] = {}
-    if dataloader.num_workers > 0:
-        kwargs.update(
-            prefetch_factor=dataloader.prefetch_factor,
-            persistent_workers=dataloader.persistent_workers,
-            worker_init_fn=dataloader.worker_init_fn,
-            multiprocessing_context=dataloader.multiprocessing_context,
-        )
-    return DataLoader(
-        dataloader.dataset,
-        batch_sampler=sampler,
-        num_workers=dataloader.num_workers,
-        collate_fn=dataloader.collate_fn,
-        pin_memory=dataloader.pin_memory,
-        timeout=dataloader.timeout,
-        **kwargs,
-    )
 
 
 class _Accumulator:

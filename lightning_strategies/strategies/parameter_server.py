@@ -84,24 +84,20 @@ class ParameterServerStrategy(StrategyBase):
     shard's received + sent bytes in one step; the maximum) and ``ps/wait_seconds`` (from the
     first push to the last answer).
 
-    Under ``16-mixed`` the gradient scaler's skip decision is shared: the found-inf flag is summed
-    over the ranks before it decides (:class:`~lightning_strategies.comm.amp.AgreedGradScaler`,
-    which replaces Lightning's ``GradScaler`` with the same options and state), so an overflow on
-    any rank skips the step on every rank, as under DDP, and ``amp/step_skipped`` (the share of
-    skipped steps) is logged from the device flag. On CUDA the shards order their device work on
-    streams of their own (:mod:`lightning_strategies.comm.streams`); this has not run on a GPU yet.
+    Under ``16-mixed`` the gradient scaler's skip decision is shared over the ranks
+    (:class:`~lightning_strategies.comm.amp.AgreedGradScaler` replaces Lightning's, same options and
+    state), so an overflow on any rank skips the step everywhere, as under DDP; ``amp/step_skipped``
+    is logged. On CUDA the shards order their device work on streams of their own.
 
     Not supported (each raises at setup, saying what to change): manual optimization and more
     than one optimizer (the servers run one optimizer inside Lightning's step), gradient
     clipping (DDP clips the averaged gradient, which no single shard holds whole), and an
     optimizer-side global norm (``Lamb(max_grad_norm=...)``) over more than one shard.
 
-    On a fault: when a rank dies, the RPCs to its shard fail at once (its connections close),
-    and a shard waiting for its push fails after ``timeout``; a hung rank fails the others after
-    ``timeout``. The survivors' errors name the lost rank(s) from their heartbeats
-    (``"parameter_server: lost peer rank 1 of 4: ..."``, :mod:`lightning_strategies.faults`; a
-    :class:`~lightning_strategies.PeerLostError` when a step failed, else a note on the error),
-    and RPC shuts down without waiting for the dead.
+    On a fault: the RPCs to a dead rank's shard fail at once, a shard waiting for a push fails
+    after ``timeout``; the survivors' errors name the lost rank(s) (``"parameter_server: lost peer
+    rank 1 of 4: ..."``, a :class:`~lightning_strategies.PeerLostError` when a step failed), and
+    RPC shuts down without waiting for the dead.
 
     Args:
         num_servers: number of shards, hosted by ranks ``0 .. num_servers-1``; default the
@@ -182,12 +178,8 @@ class ParameterServerStrategy(StrategyBase):
         self._start_rpc()
 
     def _start_rpc(self) -> None:
-        """Start the RPC agent, meeting in a store of its own that rank 0 serves.
-
-        ``MASTER_PORT`` already carries the process group's store, so rank 0 serves RPC's on a
-        port the kernel picks as the store binds it, and broadcasts it over the process group
-        (:func:`~lightning_strategies.comm.rpc.rendezvous_store`).
-        """
+        """Start the RPC agent, meeting in a store of its own that rank 0 serves on a port of the
+        kernel's choice (``MASTER_PORT`` carries the process group's store)."""
         assert self.cluster_environment is not None
         store = rendezvous_store(
             self.global_rank, self.world_size, self.cluster_environment.main_address, timeout=self.ps_timeout
@@ -422,12 +414,9 @@ class ParameterServerStrategy(StrategyBase):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Restore each shard's part of the gathered state, and the worker's group options.
-
-        The worker's optimizer never steps, but its param groups hold the learning rate the LR
-        schedulers read and write, so they are restored too. No collective is needed: a shard
-        steps only once its own host's worker has pushed, which happens after this returns.
-        """
+        """Restore each shard's part of the gathered state, and the worker's group options (the
+        learning rate the LR schedulers read and write). No collective: a shard steps only once its
+        own host's worker has pushed, after this returns."""
         if self._client is None:
             super().load_optimizer_state_dict(checkpoint)
             return
@@ -449,24 +438,16 @@ class ParameterServerStrategy(StrategyBase):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Close this rank's shard with the failure's reason before the lost-peer diagnosis waits.
-
-        Peers blocked in its barrier (or pushing to it until RPC stops) are answered at once with
-        an error that carries the reason, so each survivor names the peer whose loss started the
-        failure, instead of waiting for the barrier's timeout or reading "not hosted here".
-        """
+        """Close this rank's shard with the failure's reason, so peers blocked in its barrier are
+        answered at once and name the peer whose loss started the failure."""
         if self._client is not None:
             unregister_shard(self.global_rank, reason=failure_reason(exception))
         super().on_exception(exception)
 
     @override
     def teardown(self) -> None:
-        """Drop the shard and stop RPC.
-
-        A graceful shutdown waits (bounded by ``timeout``) until every rank has finished its
-        RPCs, so no rank closes while a peer still needs its shard; after a failure the
-        shutdown is local, since the peers may be dead.
-        """
+        """Drop the shard and stop RPC: gracefully (no rank closes while a peer still needs its
+        shard), or after a failure locally, since the peers may be dead."""
         if self._client is not None:
             self._client = None
             if self._step_hook is not None:
