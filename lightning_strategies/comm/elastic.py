@@ -1,24 +1,20 @@
 """Membership for asynchronous training with dedicated servers: rendezvous, joins, lost workers.
 
-No Lightning import. The pieces (used by ``AsyncParameterServerStrategy(dedicated_servers=True)``):
+No Lightning import. The pieces (used by :class:`~lightning_strategies.AsyncElasticStrategy`):
 
-- **The store.** The job's ``MASTER_ADDR:MASTER_PORT`` TCP store, served by rank 0 (the chief: it
-  also serves shard 0 and the coordinator, and does not train) or by torchrun's agent. Every
-  process connects to it on start, a relaunched one too: it is the rendezvous.
-- **Incarnations.** Each process adds 1 to ``incarnation/<rank>`` when it starts; the first start
-  of a rank is incarnation 0, a relaunch (by hand, a supervisor, a SLURM requeue of the task,
-  with the same rank and world size) 1, 2, ... It joins RPC under a name and an id of its own
-  (:func:`member_name`, :func:`member_id`), so nothing is confused with the dead process.
+- **The store.** The job's ``MASTER_ADDR:MASTER_PORT`` TCP store, served by rank 0 (the chief) or
+  by torchrun's agent: the rendezvous of every process, a relaunched one too.
+- **Incarnations.** Each start of a rank takes the next number (0, then 1, 2, ... for relaunches
+  with the same rank) and joins RPC under a name and an id of its own (:func:`member_name`,
+  :func:`member_id`), so nothing is confused with the dead process.
 - **Dynamic RPC.** torch's TensorPipe agent without a world size (``rpc.init_rpc(world_size=None)``)
   lets processes join a running group; every member is told of each join. It does not forget a
   member that died without leaving, and the next join asks every member it knows of, the dead
   one included, and fails: :func:`evict` removes a dead member the way its leave would have.
 - **Detection.** :class:`MembershipMonitor` (a thread on the chief) reads every member's
-  heartbeat (:mod:`.heartbeat`) in one store request per second. A member that reported a
-  failure is dropped at once; one whose heartbeat stops for the grace is pinged over RPC: a dead
-  process refuses at once (SIGKILL: dropped), a frozen one (SIGSTOP) answers nothing and is
-  dropped once it has been silent for ``timeout``. A lost *server* fails the run (servers are not
-  replicated).
+  heartbeat in one store request per interval. A member that reported a failure is dropped at
+  once; one silent for the grace is pinged over RPC: a dead process refuses at once (dropped), a
+  frozen one is dropped once silent for ``timeout``. A lost *server* fails the run.
 
 The group's list, its membership token and ``_update_group_membership`` are torch 2.14 internals,
 all in :func:`remove_from_torch_rpc_group` (the only function that touches them).
@@ -66,21 +62,14 @@ _MAX_ID = 2**15 - 1  # TensorPipe worker ids are int16
 
 
 def run_prefix() -> str:
-    """This run's namespace in the job's store (one per torchrun attempt)."""
-    return _attempt_prefix()
-
-
-def _attempt_prefix() -> str:
-    # torchrun's agent keeps its store across restarts of the whole group: one namespace per attempt
+    """This run's namespace in the job's store: one per torchrun attempt (torchrun's agent keeps its
+    store across restarts of the whole group)."""
     return f"{_PREFIX}/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def connect_store(host: str, port: int, rank: int, *, timeout: timedelta) -> tuple[dist.Store, dist.TCPStore]:
-    """The job's store, served by rank 0 (or by torchrun's agent), and this run's namespace in it.
-
-    Returns:
-        ``(namespaced store, the TCP store underneath)``.
-    """
+    """``(this run's namespace, the TCP store underneath)`` of the job's store, served by rank 0 or
+    by torchrun's agent."""
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     serve = rank == 0 and not agent
     base = dist.TCPStore(host, port, is_master=serve, wait_for_workers=False, timeout=timeout, multi_tenant=True)
@@ -98,11 +87,7 @@ def member_name(rank: int, incarnation: int) -> str:
 
 
 def member_id(rank: int, incarnation: int, world_size: int) -> int:
-    """The RPC id of ``rank``'s ``incarnation``: unique within the run (ids of the dead are not reused).
-
-    Raises:
-        ValueError: past TensorPipe's id range (int16).
-    """
+    """The RPC id of ``rank``'s ``incarnation``, unique within the run; ValueError past TensorPipe's int16."""
     value = rank + incarnation * world_size
     if value > _MAX_ID:
         raise ValueError(
@@ -268,17 +253,13 @@ class MembershipMonitor:
 
     Args:
         heartbeat: the chief's own heartbeat (its store is the one every member beats in).
-        workers: the worker ranks.
-        servers: the server ranks other than the chief.
-        name_of: the current RPC name of a rank (joins change it).
-        alive: returns the worker ranks alive now (the coordinator's view).
-        joined: whether the current incarnation of a worker rank has joined; a worker is watched
-            from its join on, and dropped if it has not joined ``timeout`` after the monitor started.
-        drop: ``drop(rank, reason)``, called for a lost worker.
-        fail: ``fail(rank, reason)``, called once for a lost server.
+        workers: the worker ranks; ``servers``: the server ranks other than the chief.
+        name_of: the current RPC name of a rank; ``alive``: the worker ranks alive now.
+        joined: whether a worker's current incarnation has joined (it is watched from then on, and
+            dropped if it has not joined ``timeout`` after the monitor started).
+        drop: ``drop(rank, reason)`` for a lost worker; ``fail(rank, reason)``, once, for a lost server.
         timeout: a silent member that still holds its connections (frozen) is dropped after this long.
-        interval: seconds between two reads of the heartbeats.
-        grace: seconds of silence before a member is pinged.
+        interval: seconds between two reads of the heartbeats; ``grace``: of silence before a ping.
     """
 
     def __init__(
