@@ -227,7 +227,8 @@ def remove_from_torch_rpc_group(
             info = rpc.get_worker_info(name)
             _update_group_membership(info, [], {}, False)
             others = {entry.rsplit("-", 1)[0] for entry in listed.split(",") if entry} - {me, name}
-            futures, update = [], (info, [], {}, False)
+            futures: list[Any] = []
+            update: tuple[Any, ...] = (info, [], {}, False)
             for w in others:
                 with contextlib.suppress(Exception):  # listed by a join that failed before telling anyone
                     futures.append(rpc.rpc_async(w, _update_group_membership, args=update, timeout=timeout))

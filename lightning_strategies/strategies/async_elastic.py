@@ -507,8 +507,8 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
         else:
             store.wait(["ps_ready"], self._startup)
         if not self.is_server:
-            assert self._client is not None
-            self._client.pull()  # the current weights (a joining worker's first step is on them)
+            assert self.async_client is not None
+            self.async_client.pull()  # the current weights (a joining worker's first step is on them)
             self._load_buffers(self._fetch_buffers())
 
     def _fetch_buffers(self) -> Packed | None:
