@@ -223,17 +223,12 @@ def is_last_batch(trainer: pl.Trainer) -> bool:
 
 
 def join_restarted_process_group(backend: str, timeout: timedelta | None) -> bool:
-    """Initialise the default process group through a per-attempt store after a torchrun restart.
+    """Initialise the default process group through a per-attempt store after a torchrun restart;
+    returns whether it did (not outside torchrun, in its first attempt, or with a group already).
 
-    torch 2.14's workers share the elastic agent's TCP store across restarts and key it only by
-    group name, so a restarted rank can read the dead attempt's gloo addresses before its peers
-    overwrite them ("Gloo connectFullMesh failed ... Connection refused"; pytorch/pytorch#167288
-    looks like the same with NCCL). A store prefixed by the attempt number avoids that; Lightning
-    then finds the group initialised and leaves it alone.
-
-    Returns:
-        Whether this call initialised the group: False outside torchrun, in its first attempt,
-        without the agent's store, or when a group exists already.
+    torch 2.14's workers share the agent's store across restarts, keyed by group name only, so a
+    restarted rank can read the dead attempt's gloo addresses ("Gloo connectFullMesh failed";
+    pytorch/pytorch#167288 looks like the same with NCCL); Lightning then leaves our group alone.
     """
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if restart == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():

@@ -96,19 +96,11 @@ class ElasticScriptLauncher(_SubprocessScriptLauncher):
 class ServersSampler(Sampler[list[int]]):
     """The training loop of a dedicated server: it trains nothing and follows the workers.
 
-    Each epoch yields ``steps`` marker batches, the ``j``-th once the workers have pushed
-    ``j/steps`` of the epoch's batches, and ends once they have pushed them all, so the server's
-    global step and LR schedule follow the mean worker's and its epoch end (validation,
-    checkpoint) sees every batch in. The first marker needs no wait: Lightning draws it while the
-    strategy is being set up.
-
-    Args:
-        plan: the epoch's batching.
-        steps: marker batches per epoch (the mean batches per worker).
-        epoch: returns the epoch being run.
-        open_epoch: called once per epoch before the first marker.
-        wait: ``wait(epoch, batches_done)`` blocks until that many batches are pushed; False: the
-            run is over.
+    Each epoch yields ``steps`` marker batches (the mean batches per worker), the ``j``-th once the
+    workers have pushed ``j/steps`` of the epoch's batches, and ends once they have pushed them
+    all, so the server's step and LR schedule follow the mean worker's and its epoch end sees every
+    batch in. ``open_epoch(epoch)`` runs before the first marker (which Lightning draws during
+    setup, so it needs no wait); ``wait(epoch, batches_done)`` blocks, False: the run is over.
     """
 
     def __init__(
@@ -192,11 +184,8 @@ class DedicatedServers:
 
     def join_rpc(self, rank: int, world: int, *, device: torch.device, num_threads: int, timeout: timedelta,
                  startup: timedelta) -> Heartbeat:  # fmt: skip
-        """Join the run's RPC group, then beat in the job's store; returns the heartbeat.
-
-        The heartbeat starts after the join: a relaunched worker beats in its rank's slot, and
-        the chief must first see the old incarnation silent (and evict it) for the join to go through.
-        """
+        """Join the run's RPC group, then beat in the job's store (after the join: a relaunch beats
+        in its rank's slot, where the chief must first see the old incarnation silent)."""
         store, tcp = self.connected_store(), self._tcp
         assert tcp is not None
         device_maps: Mapping[str, Mapping[torch.device, torch.device]] | None = None
