@@ -108,7 +108,7 @@ def init_member_rpc(
     timeout: timedelta,
     num_threads: int = 4,
     device_maps: Mapping[str, Mapping[torch.device, torch.device]] | None = None,
-    join_timeout: float = 10.0,
+    join_timeout: float = 30.0,
 ) -> str:
     """Join (or found, for the first member) the run's dynamic RPC group; returns this member's name.
 
@@ -117,8 +117,9 @@ def init_member_rpc(
     rank order. One attempt per process: torch names the group's store after a per-process count
     of inits, which every member must share, so a failed join cleans up after itself and raises,
     and the process is started again (a fresh incarnation). The agent's default RPC timeout is
-    ``join_timeout``, which bounds the join's calls (a dead member still listed fails it); every
-    call of ours passes its own timeout.
+    ``join_timeout``, which bounds the join's calls (a frozen member still listed fails it after
+    that long, a dead one at once; a loaded machine needs more than a few seconds); every call of
+    ours passes its own timeout.
 
     Args:
         store: the run's namespace in the job's store (this process's connection).
