@@ -58,7 +58,7 @@ def _rank_main(args: dict[str, Any]) -> None:
 
     import lightning_strategies  # noqa: F401
     from lightning_strategies.scaling import ScalingConfig
-    from lightning_strategies.strategies.async_ps import AsyncParameterServerStrategy
+    from lightning_strategies.strategies.async_elastic import AsyncElasticStrategy
     from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
     from recipes.classification import ClassificationModule
     from recipes.data import DigitsDataModule
@@ -115,7 +115,7 @@ def _rank_main(args: dict[str, Any]) -> None:
         ckpt_path = str(last) if last.exists() else None
         devices, nodes = WORKERS, 1
     else:
-        strategy = AsyncParameterServerStrategy(dedicated_servers=True, num_servers=1, timeout=timeout)
+        strategy = AsyncElasticStrategy(dedicated_servers=True, num_servers=1, timeout=timeout)
         devices, nodes = 1, WORKERS + 1
     trainer = pl.Trainer(
         accelerator="cpu",

@@ -22,6 +22,7 @@ from lightning_strategies.scaling import (
     scaled_lr,
 )
 from lightning_strategies.strategies._registry import register_fabric_refusals, register_strategies
+from lightning_strategies.strategies.async_elastic import AsyncElasticStrategy
 from lightning_strategies.strategies.async_ps import AsyncParameterServerStrategy
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 from lightning_strategies.strategies.pipeline import PipelineStrategy
@@ -31,6 +32,7 @@ from lightning_strategies.strategies.tensor import TensorParallelStrategy
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncElasticStrategy",
     "AsyncParameterServerStrategy",
     "AtomicCheckpointIO",
     "CommStats",

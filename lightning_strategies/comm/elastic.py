@@ -1,31 +1,23 @@
 """Membership for asynchronous training with dedicated servers: rendezvous, joins, lost workers.
 
-No Lightning import. The pieces (used by ``AsyncParameterServerStrategy(dedicated_servers=True)``):
+No Lightning import. The pieces (used by :class:`~lightning_strategies.AsyncElasticStrategy`):
 
-- **The store.** The job's ``MASTER_ADDR:MASTER_PORT`` TCP store, served by rank 0 (the chief: it
-  also serves shard 0 and the coordinator, and does not train) or by torchrun's agent. Every
-  process connects to it on start, a relaunched one too: it is the rendezvous.
-- **Incarnations.** Each process adds 1 to ``incarnation/<rank>`` when it starts; the first start
-  of a rank is incarnation 0, a relaunch (by hand, a supervisor, a SLURM requeue of the task,
-  with the same rank and world size) 1, 2, ... It joins RPC under a name and an id of its own
-  (:func:`member_name`, :func:`member_id`), so nothing is confused with the dead process.
+- **The store.** The job's ``MASTER_ADDR:MASTER_PORT`` TCP store, served by rank 0 (the chief) or
+  by torchrun's agent: the rendezvous of every process, a relaunched one too.
+- **Incarnations.** Each start of a rank takes the next number (0, then 1, 2, ... for relaunches
+  with the same rank) and joins RPC under a name and an id of its own (:func:`member_name`,
+  :func:`member_id`), so nothing is confused with the dead process.
 - **Dynamic RPC.** torch's TensorPipe agent without a world size (``rpc.init_rpc(world_size=None)``)
   lets processes join a running group; every member is told of each join. It does not forget a
-  member that died without leaving (it has no way to learn of it), and the next join asks every
-  member it knows of, the dead one included, and fails. :func:`evict` removes a dead member the
-  way its graceful leave would have: from the group's list in the store and from every live
-  agent's tables, under the group's membership token (released even when a member does not
-  answer, which torch's own leave does not do).
+  member that died without leaving, and the next join asks every member it knows of, the dead
+  one included, and fails: :func:`evict` removes a dead member the way its leave would have.
 - **Detection.** :class:`MembershipMonitor` (a thread on the chief) reads every member's
-  heartbeat (:mod:`.heartbeat`) in one store request per second. A member that reported a
-  failure is dropped at once; one whose heartbeat stops for the grace is pinged over RPC: a dead
-  process refuses at once (SIGKILL: dropped), a frozen one (SIGSTOP) answers nothing and is
-  dropped once it has been silent for ``timeout``. A lost *server* fails the run (servers are not
-  replicated).
+  heartbeat in one store request per interval. A member that reported a failure is dropped at
+  once; one silent for the grace is pinged over RPC: a dead process refuses at once (dropped), a
+  frozen one is dropped once silent for ``timeout``. A lost *server* fails the run.
 
-The agent's group list (``names/_ALL_WORKER_INFOS`` under the ``rpc_prefix_0`` of its store), the
-membership token and ``_update_group_membership`` are torch 2.14 internals (the package pins
-torch); ``tests/integration/test_async_elastic.py`` fails if they change.
+The group's list, its membership token and ``_update_group_membership`` are torch 2.14 internals,
+all in :func:`remove_from_torch_rpc_group` (the only function that touches them).
 """
 
 from __future__ import annotations
@@ -58,6 +50,7 @@ __all__ = [
     "member_id",
     "member_name",
     "next_incarnation",
+    "remove_from_torch_rpc_group",
     "run_prefix",
 ]
 
@@ -69,21 +62,14 @@ _MAX_ID = 2**15 - 1  # TensorPipe worker ids are int16
 
 
 def run_prefix() -> str:
-    """This run's namespace in the job's store (one per torchrun attempt)."""
-    return _attempt_prefix()
-
-
-def _attempt_prefix() -> str:
-    # torchrun's agent keeps its store across restarts of the whole group: one namespace per attempt
+    """This run's namespace in the job's store: one per torchrun attempt (torchrun's agent keeps its
+    store across restarts of the whole group)."""
     return f"{_PREFIX}/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def connect_store(host: str, port: int, rank: int, *, timeout: timedelta) -> tuple[dist.Store, dist.TCPStore]:
-    """The job's store, served by rank 0 (or by torchrun's agent), and this run's namespace in it.
-
-    Returns:
-        ``(namespaced store, the TCP store underneath)``.
-    """
+    """``(this run's namespace, the TCP store underneath)`` of the job's store, served by rank 0 or
+    by torchrun's agent."""
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     serve = rank == 0 and not agent
     base = dist.TCPStore(host, port, is_master=serve, wait_for_workers=False, timeout=timeout, multi_tenant=True)
@@ -101,11 +87,7 @@ def member_name(rank: int, incarnation: int) -> str:
 
 
 def member_id(rank: int, incarnation: int, world_size: int) -> int:
-    """The RPC id of ``rank``'s ``incarnation``: unique within the run (ids of the dead are not reused).
-
-    Raises:
-        ValueError: past TensorPipe's id range (int16).
-    """
+    """The RPC id of ``rank``'s ``incarnation``, unique within the run; ValueError past TensorPipe's int16."""
     value = rank + incarnation * world_size
     if value > _MAX_ID:
         raise ValueError(
@@ -126,62 +108,55 @@ def init_member_rpc(
     timeout: timedelta,
     num_threads: int = 4,
     device_maps: Mapping[str, Mapping[torch.device, torch.device]] | None = None,
-    retry_every: float = 1.0,
-    attempt_timeout: float = 10.0,
+    join_timeout: float = 30.0,
 ) -> str:
     """Join (or found, for the first member) the run's dynamic RPC group; returns this member's name.
 
     A relaunched worker first waits until its rank's last incarnation in the group has been
-    evicted (:func:`evict`, by the chief once it saw it lost). A join then asks every member the
-    group knows of for its devices: if a dead member is still listed (another worker lost moments
-    ago), that fails before any member has been told of the join, torch's clean-up waits for the
-    membership token the join holds (bounded here by ``attempt_timeout``: the agent's RPC timeout
-    is raised to ``timeout`` only once joined), and this process takes its name off the group's
-    list, releases the token and tries again, for ``timeout`` and a minute more.
+    evicted (:func:`evict`, by the chief once it saw it lost); the run's first members join in
+    rank order. One attempt per process: torch names the group's store after a per-process count
+    of inits, which every member must share, so a failed join cleans up after itself and raises,
+    and the process is started again (a fresh incarnation). The agent's default RPC timeout is
+    ``join_timeout``, which bounds the join's calls (a frozen member still listed fails it after
+    that long, a dead one at once; a loaded machine needs more than a few seconds); every call of
+    ours passes its own timeout.
 
     Args:
         store: the run's namespace in the job's store (this process's connection).
-        connect: a new connection to the same namespace. Each attempt gets its own: torch sets
-            the store's timeout to the RPC timeout, and a store wait that timed out leaves its
-            connection unusable (the late answer is still on the wire).
+        connect: a new connection to the same namespace (torch sets the RPC store's timeout to
+            the RPC timeout, and a store wait that timed out leaves its connection unusable).
+
+    Raises:
+        RuntimeError: the join failed (the message names the cause and the fix).
     """
     name = member_name(rank, incarnation)
     rpc_id = member_id(rank, incarnation, world_size)
-    # a failed attempt costs up to attempt_timeout twice (the join's RPCs, then torch's clean-up):
-    # give the retries a minute beyond the run's timeout, so a short timeout still lets a join through
-    deadline = time.monotonic() + timeout.total_seconds() + 60.0
     # a lost incarnation is dropped after the grace (killed) or the timeout (frozen), then evicted
     _wait_evicted(store, rank, incarnation, timeout + timedelta(minutes=1))
     if incarnation == 0:
-        # the run's first members join in rank order: each join asks every member before it, and
-        # joins that contend for the membership token on a loaded machine time out one another
+        # each join asks every member before it, and joins that contend for the membership token
+        # on a loaded machine time out one another
         earlier = [f"rpc_joined/{k}/0" for k in range(rank)]
         if earlier:
             store.wait(earlier, max(timeout, timedelta(minutes=5)))
-    while True:
-        rpc_store = dist.PrefixStore("rpc", connect())
-        options = rpc.TensorPipeRpcBackendOptions(
-            num_worker_threads=num_threads,
-            rpc_timeout=attempt_timeout,
-            init_method=store_url(rpc_store),
-        )
-        for peer, mapping in (device_maps or {}).items():
-            options.set_device_map(peer, dict(mapping))  # type: ignore[arg-type]
-        with rpc._init_counter_lock:
-            # torch prefixes the store with a per-process count of inits: every member must use the same
-            rpc._init_counter = 0
-        try:
-            rpc.init_rpc(name, rank=rpc_id, world_size=None, rpc_backend_options=options)
-            rpc._set_rpc_timeout(timeout.total_seconds())
-            store.set(f"rpc_joined/{rank}/{incarnation}", name)
-            return name
-        except Exception as err:
-            _undo_join(dist.PrefixStore("rpc_prefix_0", dist.PrefixStore("rpc", connect())), name, rpc_id)
-            if time.monotonic() + retry_every > deadline:
-                raise
-            cause = err.__context__ or err  # torch's clean-up error hides the join's own
-            log.warning(f"{name}: joining the RPC group failed ({str(cause).splitlines()[0]}); retrying")
-            time.sleep(retry_every)
+    rpc_store = dist.PrefixStore("rpc", connect())
+    options = rpc.TensorPipeRpcBackendOptions(
+        num_worker_threads=num_threads, rpc_timeout=join_timeout, init_method=store_url(rpc_store)
+    )
+    for peer, mapping in (device_maps or {}).items():
+        options.set_device_map(peer, dict(mapping))  # type: ignore[arg-type]
+    try:
+        rpc.init_rpc(name, rank=rpc_id, world_size=None, rpc_backend_options=options)
+    except Exception as err:
+        remove_from_torch_rpc_group(dist.PrefixStore("rpc", connect()), name, rpc_id, me=None)
+        cause = err.__context__ or err  # torch's clean-up error hides the join's own
+        raise RuntimeError(
+            f"{name}: found the RPC group refusing the join ({str(cause).splitlines()[0]}): expected every "
+            "listed member alive or evicted. Fix: start the worker again (a new incarnation); if it keeps "
+            "failing, restart the run from its last checkpoint."
+        ) from err
+    store.set(f"rpc_joined/{rank}/{incarnation}", name)
+    return name
 
 
 def _wait_evicted(store: dist.Store, rank: int, incarnation: int, timeout: timedelta) -> None:
@@ -204,30 +179,40 @@ def mark_evicted(store: dist.Store, rank: int, incarnation: int) -> None:
     store.set(f"evicted/{rank}/{incarnation}", "1")
 
 
-def _undo_join(store: dist.Store, name: str, rpc_id: int) -> None:
-    """Take a failed join's traces out of the group's store: its list entry and the token."""
-    with contextlib.suppress(Exception):
-        names = dist.PrefixStore("names", store)
-        listed = names.get("_ALL_WORKER_INFOS").decode()
-        names.set("_ALL_WORKER_INFOS", listed.replace(f"{name}-{rpc_id},", ""))
-    _release(store, f"Token_for_{name}_join")
-
-
-def evict(name: str, *, timeout: float = 5.0) -> bool:
+def evict(name: str, rpc_store: dist.Store, *, timeout: float = 5.0) -> bool:
     """Remove the member ``name`` (a dead process) from the RPC group, as its leave would have.
 
-    Runs on a live member (the chief). Returns whether the member was known.
+    Runs on a live member (the chief); ``rpc_store`` is the group's RPC store (a new connection).
+    Returns whether the member was known.
     """
-    agent = rpc.api._get_current_rpc_agent()
     try:
-        info = agent.get_worker_info(name)
+        info = rpc.get_worker_info(name)
+        me = rpc.get_worker_info().name
     except Exception:
         return False
-    store = agent.store  # type: ignore[attr-defined]
-    me = agent.get_worker_info().name
-    token = f"Token_for_{me}_evict_{name}"
+    remove_from_torch_rpc_group(rpc_store, info.name, info.id, me=me, timeout=timeout)
+    return True
+
+
+def remove_from_torch_rpc_group(
+    rpc_store: dist.Store, name: str, rpc_id: int, *, me: str | None, timeout: float = 5.0
+) -> None:
+    """The one function of the package that uses torch RPC internals (torch 2.14).
+
+    torch's dynamic RPC group forgets a member only when it leaves gracefully; one that died (or
+    whose join failed) stays listed, the next join asks it for its devices and fails. There is no
+    public way to remove it, so this does what torch's own leave does, under the same membership
+    token: ``name`` comes off the group's list (``names/_ALL_WORKER_INFOS`` in the ``rpc_prefix_0``
+    namespace torch gives a process's first init) and, with ``me`` (a live member), off every live
+    agent's tables (``torch.distributed.rpc._utils._update_group_membership``). Without ``me`` (a
+    failed join cleaning after itself) the join's token is released. The token is released even
+    when a member does not answer, which torch's leave does not do.
+    ``tests/unit/test_torch_rpc_internals.py`` fails when torch changes any of these.
+    """
+    store = dist.PrefixStore("rpc_prefix_0", rpc_store)
+    token = f"Token_for_{me}_evict_{name}" if me is not None else f"Token_for_{name}_join"
     deadline = time.monotonic() + timeout
-    while True:  # torch's membership critical section, with a release that always happens
+    while me is not None:  # torch's membership critical section, with a release that always happens
         holder = store.compare_set(_TOKEN, "", token).decode()
         if holder == token:
             break
@@ -238,26 +223,27 @@ def evict(name: str, *, timeout: float = 5.0) -> bool:
     try:
         names = dist.PrefixStore("names", store)
         listed = names.get("_ALL_WORKER_INFOS").decode()
-        names.set("_ALL_WORKER_INFOS", listed.replace(f"{info.name}-{info.id},", ""))
-        _update_group_membership(info, [], {}, False)
-        futures = [
-            rpc.rpc_async(w.name, _update_group_membership, args=(info, [], {}, False), timeout=timeout)
-            for w in agent.get_worker_infos()
-            if w.name not in (me, name)
-        ]
-        for fut in futures:
-            with contextlib.suppress(Exception):  # a member that does not answer is evicted in turn
-                fut.wait()
+        names.set("_ALL_WORKER_INFOS", listed.replace(f"{name}-{rpc_id},", ""))
+        if me is not None:
+            info = rpc.get_worker_info(name)
+            _update_group_membership(info, [], {}, False)
+            others = {entry.rsplit("-", 1)[0] for entry in listed.split(",") if entry} - {me, name}
+            futures: list[Any] = []
+            update: tuple[Any, ...] = (info, [], {}, False)
+            for w in others:
+                with contextlib.suppress(Exception):  # listed by a join that failed before telling anyone
+                    futures.append(rpc.rpc_async(w, _update_group_membership, args=update, timeout=timeout))
+            for fut in futures:
+                with contextlib.suppress(Exception):  # a member that does not answer is evicted in turn
+                    fut.wait()
+    except Exception as err:
+        if me is not None:
+            raise
+        log.debug(f"{name}: cleaning up a failed join: {err}")
     finally:
-        _release(store, token)
-    return True
-
-
-def _release(store: dist.Store, token: str) -> None:
-    """Release the membership token ``token`` as torch does: waiters wait for a key named after it."""
-    with contextlib.suppress(Exception):
-        store.compare_set(_TOKEN, token, "")
-        store.set(token, "Done")
+        with contextlib.suppress(Exception):  # released as torch does: waiters wait for a key named after it
+            store.compare_set(_TOKEN, token, "")
+            store.set(token, "Done")
 
 
 def _rpc_ping() -> bool:
@@ -269,17 +255,13 @@ class MembershipMonitor:
 
     Args:
         heartbeat: the chief's own heartbeat (its store is the one every member beats in).
-        workers: the worker ranks.
-        servers: the server ranks other than the chief.
-        name_of: the current RPC name of a rank (joins change it).
-        alive: returns the worker ranks alive now (the coordinator's view).
-        joined: whether the current incarnation of a worker rank has joined; a worker is watched
-            from its join on, and dropped if it has not joined ``timeout`` after the monitor started.
-        drop: ``drop(rank, reason)``, called for a lost worker.
-        fail: ``fail(rank, reason)``, called once for a lost server.
+        workers: the worker ranks; ``servers``: the server ranks other than the chief.
+        name_of: the current RPC name of a rank; ``alive``: the worker ranks alive now.
+        joined: whether a worker's current incarnation has joined (it is watched from then on, and
+            dropped if it has not joined ``timeout`` after the monitor started).
+        drop: ``drop(rank, reason)`` for a lost worker; ``fail(rank, reason)``, once, for a lost server.
         timeout: a silent member that still holds its connections (frozen) is dropped after this long.
-        interval: seconds between two reads of the heartbeats.
-        grace: seconds of silence before a member is pinged.
+        interval: seconds between two reads of the heartbeats; ``grace``: of silence before a ping.
     """
 
     def __init__(

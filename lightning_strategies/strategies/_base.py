@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import operator
+import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ClassVar, cast
@@ -34,7 +35,7 @@ from typing_extensions import override
 
 from lightning_strategies.checkpoint import ATOMIC_CHECKPOINT_IO_DEFAULT
 from lightning_strategies.faults import PeerFailureMixin
-from lightning_strategies.strategies._elastic import ElasticRestartMixin
+from lightning_strategies.strategies._lightning_internals import logged_step, should_update_logs
 
 __all__ = [
     "MetricsWindow",
@@ -42,6 +43,7 @@ __all__ = [
     "divisors",
     "exposed",
     "is_last_batch",
+    "join_restarted_process_group",
     "log_due",
     "log_values",
     "optimizer_state_unsplit",
@@ -49,20 +51,6 @@ __all__ = [
     "should_update_logs",
     "unwrap_optimizer",
 ]
-
-
-def should_update_logs(trainer: pl.Trainer | None) -> bool:
-    """Whether Lightning writes step metrics at this step (``Trainer(log_every_n_steps=...)``).
-
-    Every rank agrees on the answer (it depends on the global step only), so a collective made
-    only when it is true pairs up across ranks.
-    """
-    if trainer is None:
-        return False
-    try:
-        return bool(trainer._logger_connector.should_update_logs)
-    except (AttributeError, NotImplementedError):  # another Lightning version: log every step
-        return True
 
 
 def divisors(n: int) -> list[int]:
@@ -221,7 +209,7 @@ def log_values(module: pl.LightningModule, values: dict[str, float], *, at_epoch
     trainer = module._trainer
     if not at_epoch_end or trainer is None:
         return
-    step = trainer.fit_loop.epoch_loop._batches_that_stepped  # the step Lightning logs this one at (0-based)
+    step = logged_step(trainer)
     for logger in trainer.loggers:  # rank zero only, as Lightning's own logging
         logger.log_metrics(values, step=step)
 
@@ -236,6 +224,29 @@ def is_last_batch(trainer: pl.Trainer) -> bool:
         return isinstance(batches, int) and loop.batch_idx + 1 >= batches
     except (AttributeError, RuntimeError, TypeError):
         return False
+
+
+def join_restarted_process_group(backend: str, timeout: timedelta | None) -> bool:
+    """Initialise the default process group through a per-attempt store after a torchrun restart;
+    returns whether it did (not outside torchrun, in its first attempt, or with a group already).
+
+    torch 2.14's workers share the agent's store across restarts, keyed by group name only, so a
+    restarted rank can read the dead attempt's gloo addresses ("Gloo connectFullMesh failed";
+    pytorch/pytorch#167288 looks like the same with NCCL); Lightning then leaves our group alone.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+        return False
+    timeout = timeout or timedelta(minutes=30)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"/worker/attempt_{restart}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+    )
+    return True
 
 
 #: The options every strategy here takes besides its own (the Trainer sets the plugins).
@@ -253,7 +264,7 @@ _LAUNCH_OPTIONS = frozenset(
 )
 
 
-class StrategyBase(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
+class StrategyBase(PeerFailureMixin, DDPStrategy):
     """The base of every strategy in this package (a ``DDPStrategy``: same launchers, same groups).
 
     Subclasses override only the hooks that make them what they are. They share:
@@ -296,6 +307,11 @@ class StrategyBase(PeerFailureMixin, ElasticRestartMixin, DDPStrategy):
         """The trainer running this strategy (``None`` before a module is attached to one)."""
         module = self.lightning_module
         return module._trainer if module is not None else None
+
+    @override
+    def setup_distributed(self) -> None:
+        join_restarted_process_group(self._get_process_group_backend(), self._timeout)
+        super().setup_distributed()
 
     def _init_mesh(self, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
         """A device mesh over the world whose groups get this strategy's backend and timeout

@@ -42,83 +42,73 @@ class StrategyRow:
         return getattr(importlib.import_module(module_name), cls_name)
 
 
+_PS = "lightning_strategies.strategies.parameter_server:ParameterServerStrategy"
+_ASYNC = "lightning_strategies.strategies.async_ps:AsyncParameterServerStrategy"
+_RING = "lightning_strategies.strategies.ring:RingAllReduceStrategy"
+_PIPELINE = "lightning_strategies.strategies.pipeline:PipelineStrategy"
+_TENSOR = "lightning_strategies.strategies.tensor:TensorParallelStrategy"
+
+
+def _fork(name: str, target: str) -> StrategyRow:
+    """``name`` with fork-started processes, as Lightning's ``ddp_fork``."""
+    return StrategyRow(
+        f"{name}_fork",
+        target,
+        f"'{name}' with fork-started processes (like 'ddp_fork'; CPU, notebooks, tests)",
+        init_params={"start_method": "fork"},
+    )
+
+
 STRATEGY_ROWS: tuple[StrategyRow, ...] = (
     StrategyRow(
         "parameter_server",
-        "lightning_strategies.strategies.parameter_server:ParameterServerStrategy",
+        _PS,
         "Synchronous sharded parameter servers over torch.distributed.rpc (one shard per process)",
     ),
-    StrategyRow(
-        "ps",
-        "lightning_strategies.strategies.parameter_server:ParameterServerStrategy",
-        "Alias of 'parameter_server'",
-    ),
-    StrategyRow(
-        "ps_fork",
-        "lightning_strategies.strategies.parameter_server:ParameterServerStrategy",
-        "'ps' with fork-started processes (like 'ddp_fork'; CPU, notebooks, tests)",
-        init_params={"start_method": "fork"},
-    ),
+    StrategyRow("ps", _PS, "Alias of 'parameter_server'"),
+    _fork("ps", _PS),
     StrategyRow(
         "async",
-        "lightning_strategies.strategies.async_ps:AsyncParameterServerStrategy",
+        _ASYNC,
         "Asynchronous sharded parameter servers: pushes applied on arrival, optional staleness bound, "
         "dynamic batches",
     ),
-    StrategyRow(
-        "async_fork",
-        "lightning_strategies.strategies.async_ps:AsyncParameterServerStrategy",
-        "'async' with fork-started processes (like 'ddp_fork'; CPU, notebooks, tests)",
-        init_params={"start_method": "fork"},
-    ),
+    _fork("async", _ASYNC),
     StrategyRow(
         "async_elastic",
-        "lightning_strategies.strategies.async_ps:AsyncParameterServerStrategy",
+        "lightning_strategies.strategies.async_elastic:AsyncElasticStrategy",
         "'async' with a dedicated server (rank 0): lost workers are dropped and their batches redrawn, "
         "relaunched ones rejoin",
         init_params={"dedicated_servers": True, "num_servers": 1},
     ),
     StrategyRow(
-        "ring",
-        "lightning_strategies.strategies.ring:RingAllReduceStrategy",
-        "DDP whose gradient buckets are averaged by our ring all-reduce (reduce-scatter + all-gather)",
+        "ring", _RING, "DDP whose gradient buckets are averaged by our ring all-reduce (reduce-scatter + all-gather)"
     ),
     StrategyRow(
         "ring_bf16",
-        "lightning_strategies.strategies.ring:RingAllReduceStrategy",
+        _RING,
         "'ring' sending gradients as bfloat16 on the wire, accumulating in their own dtype",
         init_params={"wire_dtype": "bf16"},
     ),
     StrategyRow(
         "ring_hier",
-        "lightning_strategies.strategies.ring:RingAllReduceStrategy",
+        _RING,
         "'ring' hierarchical on any number of nodes: reduce-scatter inside each node, a ring across nodes on "
         "1/local_size of the gradients, all-gather inside each node ('ring' does this itself on >1 node)",
         init_params={"hierarchical": True},
     ),
     StrategyRow(
         "pipeline",
-        "lightning_strategies.strategies.pipeline:PipelineStrategy",
-        "Pipeline model parallelism (GPipe / 1F1B / interleaved 1F1B, torch.distributed.pipelining)"
-        " x data parallel",
+        _PIPELINE,
+        "Pipeline model parallelism (GPipe / 1F1B / interleaved 1F1B, torch.distributed.pipelining) x data parallel",
     ),
-    StrategyRow(
-        "pipeline_fork",
-        "lightning_strategies.strategies.pipeline:PipelineStrategy",
-        "'pipeline' with fork-started processes (like 'ddp_fork'; CPU, notebooks, tests)",
-        init_params={"start_method": "fork"},
-    ),
+    _fork("pipeline", _PIPELINE),
     StrategyRow(
         "tensor",
-        "lightning_strategies.strategies.tensor:TensorParallelStrategy",
+        _TENSOR,
         "Intra-layer model parallelism: nn.Linear layers split Megatron-style (DTensor) x data parallel",
     ),
-    StrategyRow(
-        "tensor_fork",
-        "lightning_strategies.strategies.tensor:TensorParallelStrategy",
-        "'tensor' with fork-started processes (like 'ddp_fork'; CPU, notebooks, tests)",
-        init_params={"start_method": "fork"},
-    ),
+    _fork("tensor", _TENSOR),
 )
 
 

@@ -12,8 +12,8 @@ optimizer step becomes "push gradients, pull new values". The hooks changed are:
 - ``setup_optimizers``: then build this rank's shard and its client (``_make_shard``,
   ``_make_client``: what ``"async"`` overrides).
 - ``training_step``: broadcast rank 0's buffers first, as DDP does (BatchNorm statistics).
-- ``optimizer_step``: run Lightning's closure, then push/pull instead of a local step; its
-  metrics are collected after the step (``_after_optimizer_step``).
+- ``optimizer_step``: the optimizer's step runs Lightning's closure, then push/pull instead of a
+  local update (a step pre-hook); its metrics are collected after the step (``_after_optimizer_step``).
 - ``optimizer_state`` / ``load_optimizer_state_dict``: gather / scatter the shards' state;
   ``on_train_end`` keeps the gathered state for a ``Trainer.save_checkpoint`` after fit.
 - ``teardown``: shut RPC down (gracefully unless the run failed).
@@ -22,7 +22,7 @@ optimizer step becomes "push gradients, pull new values". The hooks changed are:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -36,6 +36,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_strategies.comm.amp import AgreedGradScaler
@@ -78,24 +79,20 @@ class ParameterServerStrategy(StrategyBase):
     shard's received + sent bytes in one step; the maximum) and ``ps/wait_seconds`` (from the
     first push to the last answer).
 
-    Under ``16-mixed`` the gradient scaler's skip decision is shared: the found-inf flag is summed
-    over the ranks before it decides (:class:`~lightning_strategies.comm.amp.AgreedGradScaler`,
-    which replaces Lightning's ``GradScaler`` with the same options and state), so an overflow on
-    any rank skips the step on every rank, as under DDP, and ``amp/step_skipped`` (the share of
-    skipped steps) is logged from the device flag. On CUDA the shards order their device work on
-    streams of their own (:mod:`lightning_strategies.comm.streams`); this has not run on a GPU yet.
+    Under ``16-mixed`` the gradient scaler's skip decision is shared over the ranks
+    (:class:`~lightning_strategies.comm.amp.AgreedGradScaler` replaces Lightning's, same options and
+    state), so an overflow on any rank skips the step everywhere, as under DDP; ``amp/step_skipped``
+    is logged. On CUDA the shards order their device work on streams of their own.
 
     Not supported (each raises at setup, saying what to change): manual optimization and more
     than one optimizer (the servers run one optimizer inside Lightning's step), gradient
     clipping (DDP clips the averaged gradient, which no single shard holds whole), and an
     optimizer-side global norm (``Lamb(max_grad_norm=...)``) over more than one shard.
 
-    On a fault: when a rank dies, the RPCs to its shard fail at once (its connections close),
-    and a shard waiting for its push fails after ``timeout``; a hung rank fails the others after
-    ``timeout``. The survivors' errors name the lost rank(s) from their heartbeats
-    (``"parameter_server: lost peer rank 1 of 4: ..."``, :mod:`lightning_strategies.faults`; a
-    :class:`~lightning_strategies.PeerLostError` when a step failed, else a note on the error),
-    and RPC shuts down without waiting for the dead.
+    On a fault: the RPCs to a dead rank's shard fail at once, a shard waiting for a push fails
+    after ``timeout``; the survivors' errors name the lost rank(s) (``"parameter_server: lost peer
+    rank 1 of 4: ..."``, a :class:`~lightning_strategies.PeerLostError` when a step failed), and
+    RPC shuts down without waiting for the dead.
 
     Args:
         num_servers: number of shards, hosted by ranks ``0 .. num_servers-1``; default the
@@ -144,7 +141,7 @@ class ParameterServerStrategy(StrategyBase):
         self._rpc_started = False
         self._client: ParameterServerClient | None = None
         self._spec: OptimizerSpec | None = None
-        self._server_step: _ServerStepOptimizer | None = None
+        self._step_hook: RemovableHandle | None = None
         self._buffers: list[Tensor] = []  # rank 0's are broadcast (each step, or at sync points)
 
     @property
@@ -176,12 +173,8 @@ class ParameterServerStrategy(StrategyBase):
         self._start_rpc()
 
     def _start_rpc(self) -> None:
-        """Start the RPC agent, meeting in a store of its own that rank 0 serves.
-
-        ``MASTER_PORT`` already carries the process group's store, so rank 0 serves RPC's on a
-        port the kernel picks as the store binds it, and broadcasts it over the process group
-        (:func:`~lightning_strategies.comm.rpc.rendezvous_store`).
-        """
+        """Start the RPC agent, meeting in a store of its own that rank 0 serves on a port of the
+        kernel's choice (``MASTER_PORT`` carries the process group's store)."""
         assert self.cluster_environment is not None
         store = rendezvous_store(
             self.global_rank, self.world_size, self.cluster_environment.main_address, timeout=self.ps_timeout
@@ -286,7 +279,7 @@ class ParameterServerStrategy(StrategyBase):
 
     def _start_servers(self) -> None:
         """Build this rank's shard and its client; a barrier makes every shard reachable first."""
-        optimizer, spec, params, plan = self._plan_servers()
+        _, spec, params, plan = self._plan_servers()
         self._share_overflow_decision()
         rank = self.global_rank
         if rank < self.num_servers:
@@ -295,10 +288,37 @@ class ParameterServerStrategy(StrategyBase):
         log.debug(f"{type(self).__name__}: shard loads (elements) {partition_loads(plan)}")
         # no push may reach a rank before its shard is registered
         self.barrier("ps_shards_ready")
+        self._start_client(params, plan)
+
+    def _start_client(self, params: list[Tensor], plan: list[list[Slice]]) -> None:
+        """This worker's client, its optimizer's step turned into push/pull, the buffers to share."""
         self._client = self._make_client(params, plan)
-        self._server_step = _ServerStepOptimizer(optimizer, self._push_pull)
+        if self._step_hook is not None:
+            self._step_hook.remove()
+        self._step_hook = self.optimizers[0].register_step_pre_hook(self._step_on_servers)
         assert self.model is not None
         self._buffers = [b for b in self.model.buffers() if self.world_size > 1]
+
+    def _step_on_servers(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The optimizer's step, as the precision plugin calls it: Lightning's closure (forward,
+        backward, the ``on_before_optimizer_step`` hooks), then push/pull; the local update that
+        follows finds no gradient left (the servers stepped), so it changes nothing.
+
+        A pre-hook (public torch API) keeps every precision plugin's handling as it is: under
+        ``16-mixed`` the scaler calls ``step`` only when it does not skip, and torch's LR
+        schedulers see the step.
+        """
+        # torch passes the step's own arguments, the optimizer first
+        kwargs = dict(kwargs)
+        closure = kwargs.pop("closure", None) if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        self._push_pull(optimizer)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        return args[:1], kwargs
 
     def _share_overflow_decision(self) -> None:
         """Replace a mixed-precision gradient scaler by an :class:`~lightning_strategies.comm.amp.AgreedGradScaler`
@@ -318,16 +338,6 @@ class ParameterServerStrategy(StrategyBase):
     def _make_client(self, params: Sequence[Tensor], plan: Sequence[Sequence[Slice]]) -> ParameterServerClient:
         """This worker's handle on every shard."""
         return ParameterServerClient(self.global_rank, params, plan, timeout=self.ps_timeout)
-
-    @override
-    def optimizer_step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """Run Lightning's closure (forward, backward, hooks), then push/pull instead of stepping.
-
-        The precision plugin receives a stand-in whose ``step`` is the push/pull, so every
-        precision plugin's closure handling and ``on_before_optimizer_step`` hooks still run.
-        """
-        server_step = self._server_step
-        return super().optimizer_step(server_step if server_step is not None else optimizer, *args, **kwargs)
 
     def _push_pull(self, optimizer: Optimizer) -> None:
         assert self._client is not None
@@ -399,12 +409,9 @@ class ParameterServerStrategy(StrategyBase):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Restore each shard's part of the gathered state, and the worker's group options.
-
-        The worker's optimizer never steps, but its param groups hold the learning rate the LR
-        schedulers read and write, so they are restored too. No collective is needed: a shard
-        steps only once its own host's worker has pushed, which happens after this returns.
-        """
+        """Restore each shard's part of the gathered state, and the worker's group options (the
+        learning rate the LR schedulers read and write). No collective: a shard steps only once its
+        own host's worker has pushed, after this returns."""
         if self._client is None:
             super().load_optimizer_state_dict(checkpoint)
             return
@@ -426,27 +433,21 @@ class ParameterServerStrategy(StrategyBase):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Close this rank's shard with the failure's reason before the lost-peer diagnosis waits.
-
-        Peers blocked in its barrier (or pushing to it until RPC stops) are answered at once with
-        an error that carries the reason, so each survivor names the peer whose loss started the
-        failure, instead of waiting for the barrier's timeout or reading "not hosted here".
-        """
+        """Close this rank's shard with the failure's reason, so peers blocked in its barrier are
+        answered at once and name the peer whose loss started the failure."""
         if self._client is not None:
             unregister_shard(self.global_rank, reason=failure_reason(exception))
         super().on_exception(exception)
 
     @override
     def teardown(self) -> None:
-        """Drop the shard and stop RPC.
-
-        A graceful shutdown waits (bounded by ``timeout``) until every rank has finished its
-        RPCs, so no rank closes while a peer still needs its shard; after a failure the
-        shutdown is local, since the peers may be dead.
-        """
+        """Drop the shard and stop RPC: gracefully (no rank closes while a peer still needs its
+        shard), or after a failure locally, since the peers may be dead."""
         if self._client is not None:
             self._client = None
-            self._server_step = None
+            if self._step_hook is not None:
+                self._step_hook.remove()
+                self._step_hook = None
             self._buffers = []
             unregister_shard(self.global_rank)
         if self._rpc_started:
@@ -457,30 +458,3 @@ class ParameterServerStrategy(StrategyBase):
                 log.warning(f"{type(self).__name__}: RPC shutdown failed: {err}")
                 shutdown_rpc(failed=True, timeout=self.ps_timeout, grace_seconds=0.0)
         super().teardown()
-
-
-class _ServerStepOptimizer(Optimizer):
-    """The worker optimizer as the precision plugin sees it, with ``step`` = push/pull.
-
-    It shares the worker optimizer's param groups (the very dicts LR schedulers write) and its
-    (empty) state, so hooks and gradient scalers see the real parameters, while the update
-    itself happens on the servers.
-    """
-
-    def __init__(self, worker: Optimizer, push_pull: Callable[[Optimizer], None]) -> None:
-        super().__init__(worker.param_groups, worker.defaults)
-        self.param_groups = worker.param_groups
-        self.state = worker.state
-        self.worker = worker
-        self._push_pull = push_pull
-
-    @override
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._push_pull(self.worker)
-        # tell torch's LR schedulers that this optimizer did step (on the servers)
-        self.worker._opt_called = True  # type: ignore[attr-defined]
-        return loss

@@ -33,7 +33,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_strategies import AsyncParameterServerStrategy
+from lightning_strategies import AsyncElasticStrategy, AsyncParameterServerStrategy
 from lightning_strategies.comm.ps import local_shard
 from lightning_strategies.scaling import ScalingConfig
 from recipes.classification import ClassificationModule
@@ -125,9 +125,8 @@ class _Record(Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
-        assert isinstance(strategy, AsyncParameterServerStrategy)
+        assert isinstance(strategy, AsyncElasticStrategy)
         members = strategy.members
-        assert members is not None
         record: dict[str, Any] = {
             "rank": trainer.global_rank,
             "incarnation": members.incarnation,
@@ -189,7 +188,7 @@ def run_rank(rank: int, world: int, *, out_dir: str, epochs: int = 4, timeout_s:
         accelerator="cpu",
         devices=1,
         num_nodes=world,
-        strategy=AsyncParameterServerStrategy(
+        strategy=AsyncElasticStrategy(
             dedicated_servers=True, num_servers=num_servers, timeout=timedelta(seconds=timeout_s)
         ),
         max_epochs=epochs,

@@ -43,7 +43,7 @@ from dist_utils import reserved_port
 from fault_utils import Job, Zygote
 
 import lightning_strategies.faults as faults
-from lightning_strategies.strategies._elastic import MEMBERSHIP_INTERVAL
+from lightning_strategies.strategies.async_elastic import MEMBERSHIP_INTERVAL
 
 pytestmark = pytest.mark.slow
 

@@ -16,6 +16,7 @@ from lightning_strategies.comm.async_ import DataPlan
 from lightning_strategies.comm.async_ps import AsyncParameterShard, AsyncReply
 from lightning_strategies.comm.ps import OptimizerSpec
 from lightning_strategies.comm.rpc import ShardError
+from lightning_strategies.strategies.async_elastic import AsyncElasticStrategy
 from lightning_strategies.strategies.async_ps import AsyncParameterServerStrategy, DynamicBatchSampler
 
 
@@ -121,18 +122,21 @@ def test_registered_names() -> None:
 
 
 def test_dedicated_servers_options_are_checked() -> None:
+    assert StrategyRegistry["async_elastic"]["strategy"] is AsyncElasticStrategy
     with pytest.raises(ValueError, match=r"start_method='fork'\): Lightning's 'fork' launcher ends every process"):
-        AsyncParameterServerStrategy(dedicated_servers=True, start_method="fork")
-    strategy = AsyncParameterServerStrategy(dedicated_servers=True, parallel_devices=[torch.device("cpu")])
+        AsyncElasticStrategy(dedicated_servers=True, start_method="fork")
+    strategy = AsyncElasticStrategy(dedicated_servers=True, parallel_devices=[torch.device("cpu")])
     members = strategy.members
-    assert members is not None and members.num_servers == 1  # the default: one server, rank 0
+    assert members.num_servers == 1 and strategy.num_servers == 1  # the default: one server, rank 0
     with pytest.raises(ValueError, match=r"num_servers=1\) with 1 processes: expected at least one worker"):
-        members.check_world()
+        members.check_world(strategy.num_nodes * strategy.num_processes)
     cpus = [torch.device("cpu")] * 4
-    two = AsyncParameterServerStrategy(dedicated_servers=True, num_servers=2, parallel_devices=cpus)
-    assert two.members is not None and two.members.workers == [2, 3] and two._num_workers == 2
+    two = AsyncElasticStrategy(dedicated_servers=True, num_servers=2, parallel_devices=cpus)
+    assert two.workers == [2, 3] and two._num_workers == 2
     assert two.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}  # the chief validates on everything
-    assert AsyncParameterServerStrategy().members is None
+    # the plain strategy has no membership: the option names the class that has it
+    with pytest.raises(TypeError, match=r"dedicated_servers=True\).*Fix: AsyncElasticStrategy"):
+        AsyncParameterServerStrategy(dedicated_servers=True)
 
 
 def test_dynamic_sampler_draws_until_the_queue_is_empty_and_has_no_length() -> None:
@@ -153,29 +157,29 @@ def test_warns_when_momentum_plus_asynchrony_exceeds_one() -> None:
 
     import torch
 
-    from lightning_strategies.strategies.async_ps import AsyncParameterServerStrategy
+    from lightning_strategies.strategies.async_ps import AsyncParameterServerStrategy, _warn_high_momentum
 
     strategy = AsyncParameterServerStrategy(parallel_devices=[torch.device("cpu")] * 2)
     params = [torch.nn.Parameter(torch.zeros(2))]
     strategy.optimizers = [torch.optim.SGD(params, lr=0.1, momentum=0.9)]
     with pytest.warns(UserWarning, match=r"implicit momentum of about 0.50 to the optimizer's 0.9.*momentum=0.5"):
-        strategy._warn_high_momentum()
+        _warn_high_momentum(strategy._num_workers, strategy.optimizers)
     strategy.optimizers = [torch.optim.SGD(params, lr=0.1, momentum=0.5)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        strategy._warn_high_momentum()  # 0.5 + 0.5 is not above 1: no warning
+        _warn_high_momentum(strategy._num_workers, strategy.optimizers)  # 0.5 + 0.5 is not above 1: no warning
 
 
 def test_push_every_mean_leaves_out_the_steps_the_gradient_scaler_skipped() -> None:
     strategy = AsyncParameterServerStrategy(push_every=3)
     g = [torch.tensor([1.0, 2.0]), None]
     h = [torch.tensor([3.0, 6.0]), None]
-    assert strategy._accumulate(g, take=False) is g
-    assert strategy._accumulate(None, take=False) is None  # skipped (an overflow): not added
-    mean = strategy._accumulate(h, take=True)
+    assert strategy._accumulated.add(g, take=False) is g
+    assert strategy._accumulated.add(None, take=False) is None  # skipped (an overflow): not added
+    mean = strategy._accumulated.add(h, take=True)
     assert mean is not None and mean[1] is None
     torch.testing.assert_close(mean[0], torch.tensor([2.0, 4.0]), rtol=0, atol=0)  # (g + h) / 2, not / 3
     # a push whose every step was skipped has nothing to push; the sums start afresh
-    assert strategy._accumulate(None, take=False) is None
-    assert strategy._accumulate(None, take=True) is None
-    torch.testing.assert_close(strategy._accumulate(g, take=True)[0], g[0], rtol=0, atol=0)  # type: ignore[index]
+    assert strategy._accumulated.add(None, take=False) is None
+    assert strategy._accumulated.add(None, take=True) is None
+    torch.testing.assert_close(strategy._accumulated.add(g, take=True)[0], g[0], rtol=0, atol=0)  # type: ignore[index]

@@ -1,0 +1,53 @@
+"""The Lightning internals this package touches: Lightning offers no public way to do these.
+
+Each is pinned by ``tests/unit/test_lightning_internals.py``, which fails when a Lightning release
+changes it, so the one place to fix is here.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+__all__ = ["every_n_train_steps", "logged_step", "per_rank_sigterm", "should_update_logs"]
+
+
+def should_update_logs(trainer: pl.Trainer | None) -> bool:
+    """Whether Lightning writes step metrics at this step (``Trainer(log_every_n_steps=...)``).
+
+    Every rank agrees on the answer (it depends on the global step only), so a collective made
+    only when it is true pairs up across ranks.
+    """
+    if trainer is None:
+        return False
+    try:
+        return bool(trainer._logger_connector.should_update_logs)
+    except (AttributeError, NotImplementedError):  # another Lightning version: log every step
+        return True
+
+
+def logged_step(trainer: pl.Trainer) -> int:
+    """The step Lightning logs the current one at (0-based, as its logger connector does)."""
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def every_n_train_steps(callback: object) -> int:
+    """A ``ModelCheckpoint``'s ``every_n_train_steps`` (0 for none, or for another callback)."""
+    return int(getattr(callback, "_every_n_train_steps", 0) or 0)
+
+
+def per_rank_sigterm(trainer: pl.Trainer) -> None:
+    """Replace the training loop's per-step SIGTERM broadcast by a local check.
+
+    Lightning broadcasts a SIGTERM flag from rank 0 before every training step, on the default
+    group, whenever it spans more than one process; when the ranks take different numbers of
+    steps (``"async"``) that broadcast would pair with a peer's epoch-end collective. Lightning has
+    no option to turn it off, so this (the package's one write into Lightning's state) does. Each
+    rank still stops on its own SIGTERM.
+    """
+
+    def check_sigterm() -> None:
+        if getattr(trainer, "received_sigterm", False):
+            raise SIGTERMException()
+
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = check_sigterm  # type: ignore[method-assign]
