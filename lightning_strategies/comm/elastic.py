@@ -34,7 +34,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
-from torch.distributed.rpc._utils import _update_group_membership
 
 from lightning_strategies.comm.heartbeat import _FAILED, DEFAULT_INTERVAL, GRACE_INTERVALS, Heartbeat
 from lightning_strategies.comm.ps import Packed, hosted_shard
@@ -209,6 +208,9 @@ def remove_from_torch_rpc_group(
     when a member does not answer, which torch's leave does not do.
     ``tests/unit/test_torch_rpc_internals.py`` fails when torch changes any of these.
     """
+    # the internal, imported here only, so that no other function of the package can reach it
+    from torch.distributed.rpc._utils import _update_group_membership
+
     store = dist.PrefixStore("rpc_prefix_0", rpc_store)
     token = f"Token_for_{me}_evict_{name}" if me is not None else f"Token_for_{name}_join"
     deadline = time.monotonic() + timeout

@@ -35,7 +35,7 @@ from typing_extensions import override
 
 from lightning_strategies.checkpoint import ATOMIC_CHECKPOINT_IO_DEFAULT
 from lightning_strategies.faults import PeerFailureMixin
-from lightning_strategies.strategies._lightning_internals import logged_step, should_update_logs
+from lightning_strategies.strategies._lightning_internals import logged_step, predict_nothing, should_update_logs
 
 __all__ = [
     "MetricsWindow",
@@ -383,15 +383,6 @@ def exposed(attribute: str, doc: str) -> Any:
     exposed("_wire_dtype", "...")``).
     """
     return property(operator.attrgetter(attribute), doc=doc)
-
-
-def predict_nothing(trainer: pl.Trainer) -> None:
-    """Have ``trainer.predict()`` return ``None`` on this rank, without Lightning's "predict returned
-    None" warning: a rank that makes no predictions by design (a pipeline's first stages)."""
-    loop = trainer.predict_loop
-    loop.return_predictions = False
-    # Lightning has no public switch for the warning; its cache skips a message it holds already.
-    loop._warning_cache.add("predict returned None if it was on purpose, ignore this warning...")
 
 
 def optimizer_state_unsplit(strategy: StrategyBase, optimizer: Optimizer) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-__all__ = ["every_n_train_steps", "logged_step", "per_rank_sigterm", "should_update_logs"]
+__all__ = ["every_n_train_steps", "logged_step", "per_rank_sigterm", "predict_nothing", "should_update_logs"]
 
 
 def should_update_logs(trainer: pl.Trainer | None) -> bool:
@@ -51,3 +51,12 @@ def per_rank_sigterm(trainer: pl.Trainer) -> None:
             raise SIGTERMException()
 
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = check_sigterm  # type: ignore[method-assign]
+
+
+def predict_nothing(trainer: pl.Trainer) -> None:
+    """Have ``trainer.predict()`` return ``None`` on this rank, without Lightning's "predict returned
+    None" warning: a rank that makes no predictions by design (a pipeline's first stages)."""
+    loop = trainer.predict_loop
+    loop.return_predictions = False
+    # Lightning has no public switch for the warning; its cache skips a message it holds already.
+    loop._warning_cache.add("predict returned None if it was on purpose, ignore this warning...")

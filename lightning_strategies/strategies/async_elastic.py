@@ -37,7 +37,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-import torch.distributed.rpc as rpc
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch.optim import Optimizer
@@ -67,7 +66,7 @@ from lightning_strategies.comm.elastic import (
 )
 from lightning_strategies.comm.heartbeat import DEFAULT_STORE_TIMEOUT, Heartbeat
 from lightning_strategies.comm.ps import Packed, pack, register_shard, slice_of, unpack
-from lightning_strategies.comm.rpc import shutdown_rpc, worker_name
+from lightning_strategies.comm.rpc import call_host, shutdown_rpc, worker_name
 from lightning_strategies.strategies.async_ps import AsyncParameterServerStrategy
 
 __all__ = [
@@ -551,7 +550,7 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
             self._coordinator.wait_done(epoch, at_least, timeout=seconds, should_stop=self._told_to_stop)
             return not self._coordinator.stopped
         while True:  # another server: the chief's coordinator, polled
-            done, complete, stopped, _ = rpc.rpc_sync(worker_name(0), _rpc_run_state, args=(epoch,), timeout=seconds)
+            done, complete, stopped, _ = call_host(0, _rpc_run_state, epoch, local=False, timeout=seconds).wait()
             if stopped:
                 return False
             if complete or done >= at_least:
