@@ -582,6 +582,9 @@ class DedicatedServers:
             thread.join(timeout=10.0)
         self._evictions = []
         strategy = self.strategy
+        if strategy._peer_heartbeat is not None:  # before its store closes: a beat after that fails in C++,
+            strategy._peer_heartbeat.stop()  # which prints a stack trace at the end of a clean run
+            strategy._peer_heartbeat = None
         if strategy._rpc_started:
             strategy._rpc_started = False
             shutdown_rpc(failed=True, timeout=self.timeout, grace_seconds=0.5)
