@@ -84,10 +84,22 @@ def _first_to_report() -> bool:
     return True
 
 
+def _child_error(text: str) -> str | None:
+    """The error at the end of a traceback's text (what torch.multiprocessing's fork/spawn launchers
+    raise in the parent, carrying the child's traceback as its message), without the frames."""
+    _, found, tail = text.rpartition("Traceback (most recent call last):")
+    if not found:
+        return None
+    lines = tail.splitlines()
+    while lines and (not lines[0].strip() or lines[0].startswith((" ", "\t"))):
+        lines.pop(0)
+    return "\n".join(lines).strip() or None
+
+
 def _message(err: BaseException) -> str:
     """The error and those of its notes that add something: a peer's note that repeats this rank's own
     message ("peer rank 1 of 2 stopped on an error: <the same>") is dropped."""
-    own = f"{type(err).__name__}: {err}"
+    own = _child_error(str(err)) or f"{type(err).__name__}: {err}"
     notes = [n for n in getattr(err, "__notes__", ()) if own not in n and not (str(err) and str(err) in n)]
     return app_message("\n".join([own, *notes]))
 
