@@ -64,8 +64,8 @@ def task(cfg: DictConfig) -> float | None:
     chosen = choose_threads(_local_processes(cfg))
     if chosen is not None:
         log.info(
-            f"torch threads: {chosen['threads']} per process for {chosen['processes']} process(es) (the cores not busy "
-            f"at load {chosen['load']:.1f}); OMP_NUM_THREADS=N sets it"
+            f"torch threads: {chosen['threads']} per process for {chosen['processes']} process(es) (cores not busy: "
+            f"{chosen['busy_cores']:.1f} busy with other work); OMP_NUM_THREADS=N sets it"
         )
     try:
         return objective(run(cfg), cfg.get("optimized_metric"))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import inspect
 import os
+import time
+from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
@@ -14,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
+    "busy_cores",
     "check_missing_values",
     "check_strategy_options",
     "choose_threads",
@@ -121,21 +124,40 @@ def _classes_taking(option: str) -> set[str]:
     return found
 
 
-def threads_per_process(processes: int) -> int:
-    """Torch threads for each of ``processes`` CPU processes: the cores not busy with other work,
-    shared out, at least one.
+def _cpu_times() -> tuple[float, float] | None:
+    """(idle, total) jiffies of all CPUs from /proc/stat (Linux), or None."""
+    try:
+        fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return fields[3] + (fields[4] if len(fields) > 4 else 0.0), sum(fields[:8])
 
-    Cores are this process's (``os.sched_getaffinity``); busy ones are the 1-minute load average,
-    read before this run starts its own work. More threads than free cores only make them wait for
-    one another: on a machine loaded by other jobs the default (one per core) ran the digits recipe
-    6x slower than one thread (README "Quickstart").
+
+def busy_cores(window_s: float = 0.3) -> float:
+    """How many cores other work keeps busy now: measured over ``window_s`` from /proc/stat, else the
+    1-minute load average (which lags a load that just started by about a minute)."""
+    before = _cpu_times()
+    if before is not None:
+        time.sleep(window_s)
+        after = _cpu_times()
+        if after is not None and after[1] > before[1]:
+            cores = os.cpu_count() or 1
+            return cores * (1.0 - (after[0] - before[0]) / (after[1] - before[1]))
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # no load average on this OS: assume the cores are free
+        return 0.0
+
+
+def threads_per_process(processes: int, busy: float | None = None) -> int:
+    """Torch threads for each of ``processes`` CPU processes: the cores not busy with other work
+    (``busy``, measured by :func:`busy_cores` when None), shared out, at least one.
+
+    More threads than free cores only make them wait for one another: on a machine loaded by other
+    jobs the default (one per core) ran the digits recipe 6x slower than one thread (issue 27).
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        busy = os.getloadavg()[0]
-    except OSError:  # no load average on this OS: assume the cores are free
-        busy = 0.0
-    free = max(1, round(cores - busy))
+    free = max(1, round(cores - (busy_cores() if busy is None else busy)))
     return max(1, free // max(1, processes))
 
 
@@ -146,11 +168,8 @@ def choose_threads(processes: int) -> dict[str, Any] | None:
         return None
     import torch
 
-    threads = threads_per_process(processes)
+    busy = busy_cores()
+    threads = threads_per_process(processes, busy)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = float("nan")
-    return {"threads": threads, "processes": processes, "load": load}
+    return {"threads": threads, "processes": processes, "busy_cores": busy}

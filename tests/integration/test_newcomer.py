@@ -35,7 +35,9 @@ def test_every_strategy_trains_the_default_recipe_from_the_app(strategy: str, tm
     proc = run_train([*_strategy_args(strategy), "hydra.run.dir=run"], cwd=tmp_path, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert metrics["status"] == "ok" and metrics["strategy"] == strategy and metrics["steps"] >= 1
+    assert metrics["status"] == "ok" and metrics["strategy"] == strategy
+    # it trained and tested (under fork the launching process learns the metrics, not the step count)
+    assert metrics["train_loss"] is not None and metrics["test_acc"] is not None, metrics
     assert metrics["world_size"] == (1 if strategy == "single" else 2)
     # a clean run ends without a stack trace (async_elastic's store once printed a C++ one)
     assert not TRACEBACK.search(proc.stderr), proc.stderr[-4000:]
@@ -61,7 +63,7 @@ def test_a_multi_process_config_error_prints_one_message_with_the_fix(tmp_path: 
     logs = "".join(p.read_text() for p in (tmp_path / "run").glob("*.log"))
     assert "Traceback (most recent call last)" in logs and "is not divisible by 5 microbatches" in logs
     # the user can ask for the traceback
-    loud = run_train(args[:-len(FEW_BATCHES)] + ["hydra.run.dir=run2", *FEW_BATCHES], cwd=tmp_path, timeout=300,
+    loud = run_train([*args[:-len(FEW_BATCHES)], "hydra.run.dir=run2", *FEW_BATCHES], cwd=tmp_path, timeout=300,
                      env={"HYDRA_FULL_ERROR": "1"})
     assert loud.returncode == 1 and "Traceback (most recent call last)" in loud.stderr
 
@@ -81,8 +83,9 @@ def test_messages_name_the_apps_options(tmp_path: Path) -> None:
     assert proc.returncode == 1
     line = _one_message(proc.stderr, "CorruptCheckpointError")
     assert "resume=" in line and "ckpt_path" not in line
-    clipped = run_train(["trainer=ddp_sim", "strategy=ps", "strategy.start_method=fork", "trainer.gradient_clip_val=1.0",
-                         "model=small_cnn", "hydra.run.dir=run2", *FEW_BATCHES], cwd=tmp_path, timeout=300)
+    clipped = run_train(["trainer=ddp_sim", "strategy=ps", "strategy.start_method=fork",
+                         "trainer.gradient_clip_val=1.0", "model=small_cnn", "hydra.run.dir=run2", *FEW_BATCHES],
+                        cwd=tmp_path, timeout=300)
     assert clipped.returncode == 1
     line = _one_message(clipped.stderr, "ParameterServerStrategy found")
     assert "trainer.gradient_clip_val=1.0" in line and "=null" in line and "None" not in line
@@ -93,7 +96,8 @@ def test_unknown_strategy_option_is_refused_before_processes_start(tmp_path: Pat
                      cwd=tmp_path, timeout=200)
     assert proc.returncode == 1
     line = _one_message(proc.stderr, "found option num_servers")
-    assert "strategy=ring (RingAllReduceStrategy)" in line and "bucket_cap_mb" in line and "Fix: drop num_servers" in line
+    assert "strategy=ring (RingAllReduceStrategy)" in line and "bucket_cap_mb" in line
+    assert "Fix: drop num_servers" in line
     assert "Initializing distributed" not in proc.stdout + proc.stderr  # no process was started
     assert "DistributedDataParallel.__init__() got an unexpected keyword" not in proc.stderr
 
