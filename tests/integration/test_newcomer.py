@@ -41,8 +41,8 @@ def test_every_strategy_trains_the_default_recipe_from_the_app(strategy: str, tm
     assert metrics["world_size"] == (1 if strategy == "single" else 2)
     # a clean run ends without a stack trace (async_elastic's store once printed a C++ one)
     assert not TRACEBACK.search(proc.stderr), proc.stderr[-4000:]
-    # torch's "ProcessGroupGloo as a ProcessGroup is deprecated" at most once per process
-    assert proc.stderr.count("ProcessGroupGloo as a ProcessGroup") <= metrics["world_size"], proc.stderr[-4000:]
+    # torch's own RPC init warns "ProcessGroupGloo ... as a ProcessGroup is deprecated": nothing a user can change
+    assert "as a ProcessGroup" not in proc.stderr, proc.stderr[-4000:]
 
 
 def _one_message(stderr: str, fragment: str) -> str:
