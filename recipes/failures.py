@@ -100,8 +100,15 @@ def _message(err: BaseException) -> str:
     """The error and those of its notes that add something: a peer's note that repeats this rank's own
     message ("peer rank 1 of 2 stopped on an error: <the same>") is dropped."""
     own = _child_error(str(err)) or f"{type(err).__name__}: {err}"
-    notes = [n for n in getattr(err, "__notes__", ()) if own not in n and not (str(err) and str(err) in n)]
+    lines = [line for note in getattr(err, "__notes__", ()) for line in str(note).splitlines()]
+    notes = [line for line in lines if not _repeats(line, own)]
     return app_message("\n".join([own, *notes]))
+
+
+def _repeats(note: str, own: str) -> bool:
+    # a peer's reason may be cut short (the store keeps 500 characters): compare the start
+    reason = note.partition("stopped on an error: ")[2].strip()
+    return bool(reason) and reason[:200] in own
 
 
 def _log_files() -> list[Path]:
@@ -109,7 +116,8 @@ def _log_files() -> list[Path]:
 
 
 def report_failure(err: BaseException) -> None:
-    """Write ``err``'s traceback to the log files, and (on rank 0) its message once to stderr."""
+    """Write ``err``'s traceback to the log files and, on the first of the run's ranks here to fail, its
+    message to stderr."""
     record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "run failed", (), (type(err), err, err.__traceback__))
     files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
     for handler in files:  # the file only: the console handler would print the traceback again
