@@ -36,8 +36,10 @@ def test_every_strategy_trains_the_default_recipe_from_the_app(strategy: str, tm
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["status"] == "ok" and metrics["strategy"] == strategy
-    # it trained and tested (under fork the launching process learns the metrics, not the step count)
-    assert metrics["train_loss"] is not None and metrics["test_acc"] is not None, metrics
+    # it trained and tested: under fork the launching process learns the metrics, not the step count;
+    # async_elastic's rank 0 is a dedicated server (it counts the steps, trains none itself)
+    assert metrics["test_acc"] is not None, metrics
+    assert metrics["steps"] >= 1 or metrics["train_loss"] is not None, metrics
     assert metrics["world_size"] == (1 if strategy == "single" else 2)
     # a clean run ends without a stack trace (async_elastic's store once printed a C++ one)
     assert not TRACEBACK.search(proc.stderr), proc.stderr[-4000:]
