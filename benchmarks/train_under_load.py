@@ -66,6 +66,9 @@ def main() -> None:
     lines = [header(f"train under load: `python train.py {' '.join(train_args)}` quiet vs beside {cores} busy "
                     f"processes, {args.rounds} interleaved round(s)"), load_line("start")]
     print("\n".join(lines), flush=True)
+    if args.out is not None:  # written as it goes: a run stopped early keeps its finished rounds
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(lines) + "\n")
     times: dict[str, list[float]] = {"quiet": [], "loaded": [], "loaded_fixed": []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
@@ -83,6 +86,9 @@ def main() -> None:
                 text = f"# round {r} {kind}: {seconds:.1f} s training; {chosen}; {load_line('end of run')[2:]}"
                 print(text, flush=True)
                 lines.append(text)
+                if args.out is not None:
+                    with args.out.open("a") as out:
+                        out.write(text + "\n")
     for kind, values in times.items():
         if values:
             lines.append(line(f"{kind}_train_s", median(values), "s"))
@@ -93,7 +99,6 @@ def main() -> None:
     lines.append(load_line("end"))
     print(lines[-1], flush=True)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text("\n".join(lines) + "\n")
 
 
