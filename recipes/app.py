@@ -9,6 +9,7 @@ sweep itself was started (``train.py``, submitit's ``_submit``, ...).
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 from typing import Any
@@ -18,9 +19,13 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from recipes import report
-from recipes.train import ConfigError, run
+from recipes.checks import choose_threads
+from recipes.failures import full_error_wanted, mark_run, report_failure
+from recipes.train import ConfigError, _in_sweep, _local_processes, run
 
 __all__ = ["exit_code", "objective", "task"]
+
+log = logging.getLogger(__name__)
 
 
 def objective(metrics: dict[str, Any], name: str | None) -> float | None:
@@ -48,8 +53,27 @@ def objective(metrics: dict[str, Any], name: str | None) -> float | None:
 
 
 def task(cfg: DictConfig) -> float | None:
-    """Train ``cfg`` (:func:`recipes.train.run`) and return ``cfg.optimized_metric``'s value."""
-    return objective(run(cfg), cfg.get("optimized_metric"))
+    """Train ``cfg`` (:func:`recipes.train.run`) and return ``cfg.optimized_metric``'s value.
+
+    A single run that fails prints its error once, with the fix, and exits 1; the traceback goes to
+    the run's log file (and to the terminal with ``HYDRA_FULL_ERROR=1``): :mod:`recipes.failures`.
+    Unless ``OMP_NUM_THREADS`` is set, each process gets one torch thread per free core
+    (:func:`recipes.checks.threads_per_process`).
+    """
+    mark_run()
+    chosen = choose_threads(_local_processes(cfg))
+    if chosen is not None:
+        log.info(
+            f"torch threads: {chosen['threads']} per process for {chosen['processes']} process(es) (cores not busy: "
+            f"{chosen['busy_cores']:.1f} busy with other work); OMP_NUM_THREADS=N sets it"
+        )
+    try:
+        return objective(run(cfg), cfg.get("optimized_metric"))
+    except Exception as err:
+        if _in_sweep() or full_error_wanted():
+            raise  # a sweep's job failed in its report (run() handles those); or the user asked for Hydra's trace
+        report_failure(err)
+        raise SystemExit(1) from None
 
 
 def exit_code() -> int:

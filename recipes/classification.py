@@ -142,10 +142,15 @@ class ClassificationModule(pl.LightningModule):
         params = [p.detach() for p in self.parameters() if not p.is_meta]
         if not params:
             return
-        # inf-norm: the largest |w|; NaN and inf reach it, finite weights cannot overflow it
-        peak = torch.nn.utils.get_total_norm(params, norm_type=math.inf)
-        if isinstance(peak, DTensor):  # tensor-parallel shards: every rank judges the whole weights
-            peak = peak.full_tensor()
+        # inf-norm: the largest |w|; NaN and inf reach it, finite weights cannot overflow it.
+        # Split (DTensor) and plain parameters apart: torch's foreach norm refuses a mix of them.
+        peaks = []
+        for group in ([p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]):
+            if group:
+                peak = torch.nn.utils.get_total_norm(group, norm_type=math.inf)
+                # tensor-parallel shards: every rank judges the whole weights
+                peaks.append(peak.full_tensor() if isinstance(peak, DTensor) else peak)
+        peak = peaks[0] if len(peaks) == 1 else torch.stack(peaks).max()
         step = self.trainer.global_step + 1  # 1-based; Lightning counts the step once this hook returns
         self._unread_steps.append((~torch.isfinite(peak), step, self.current_epoch, batch_idx, self._last_loss))
 

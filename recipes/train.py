@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import lightning_strategies  # noqa: F401  (registers the strategy names)
 from lightning_strategies.scaling import ScalingPlan, replicas_of
+from recipes.checks import check_missing_values, check_strategy_options
 from recipes.classification import ClassificationModule, EpochThroughputMonitor
 
 __all__ = ["ConfigError", "build_callbacks", "build_module", "run"]
@@ -323,7 +324,8 @@ def _run_job_in_subprocess(cfg: DictConfig) -> dict[str, Any]:
         return dict(json.loads(metrics_path.read_text()))
     hydra_hints = ("Set the environment variable HYDRA_FULL_ERROR", "See https://hydra.cc")
     errors = [line for line in stderr_tail if line.strip() and not line.startswith(hydra_hints)]
-    reason = errors[-1] if errors else ""
+    reported = [line.removeprefix("Error: ") for line in errors if line.startswith("Error: ")]  # recipes.failures
+    reason = (reported or errors or [""])[-1]
     failed = {
         "status": "failed",
         "exit_code": code,
@@ -495,6 +497,11 @@ def _fit(cfg: DictConfig) -> dict[str, Any]:
     torch.set_float32_matmul_precision("high")
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     out_dir = _output_dir(cfg)
+    try:  # before anything is built: an unknown strategy option would otherwise fail in the started ranks
+        check_missing_values(cfg)
+        check_strategy_options(cfg)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     _check_lr_and_epochs(cfg)
     resume = _resume_path(cfg)
 

@@ -48,11 +48,16 @@ def pythonpath(*paths: Path | str) -> str:
 
 
 def run_train(
-    args: list[str], cwd: Path, timeout: float = 300, extra_paths: tuple[Path, ...] = ()
+    args: list[str],
+    cwd: Path,
+    timeout: float = 300,
+    extra_paths: tuple[Path, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``python train.py ARGS`` from ``cwd`` (outputs land there), one torch thread per process;
-    ``extra_paths`` go on the PYTHONPATH (modules a config's ``_target_`` names)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath(*extra_paths)}
+    ``extra_paths`` go on the PYTHONPATH (modules a config's ``_target_`` names), ``env`` on top."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath(*extra_paths),
+           **(env or {})}
     command = [sys.executable, str(ROOT / "train.py"), *args]
     # its own process group, so a timeout ends the ranks and sweep jobs it started too
     with subprocess.Popen(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -140,7 +141,11 @@ def init_rpc(
     )
     for peer, mapping in (device_maps or {}).items():
         options.set_device_map(peer, dict(mapping))  # type: ignore[arg-type]
-    rpc.init_rpc(worker_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
+    with warnings.catch_warnings():
+        # torch's own TensorPipe init exchanges device maps through a gloo Backend object and warns
+        # that using a Backend as a ProcessGroup is deprecated: nothing a caller can change (torch 2.14)
+        warnings.filterwarnings("ignore", message=r".*ProcessGroupGloo.* as a ProcessGroup", category=UserWarning)
+        rpc.init_rpc(worker_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
 
 
 def shutdown_rpc(*, failed: bool, timeout: timedelta, grace_seconds: float = 1.0) -> None:

@@ -33,6 +33,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_strategies._errors import ddp_options_set
 from lightning_strategies.checkpoint import ATOMIC_CHECKPOINT_IO_DEFAULT
 from lightning_strategies.faults import PeerFailureMixin
 from lightning_strategies.strategies._lightning_internals import logged_step, predict_nothing, should_update_logs
@@ -287,7 +288,7 @@ class StrategyBase(PeerFailureMixin, DDPStrategy):
     wraps_ddp: ClassVar[bool] = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if not self.wraps_ddp and (ddp_only := sorted(set(kwargs) - _LAUNCH_OPTIONS)):
+        if not self.wraps_ddp and (ddp_only := ddp_options_set(kwargs, _LAUNCH_OPTIONS)):
             raise TypeError(
                 f"{type(self).__name__} got {ddp_only}: expected its own options and {sorted(_LAUNCH_OPTIONS)}, "
                 f"because it does not wrap the model in DistributedDataParallel. Fix: drop {ddp_only}."

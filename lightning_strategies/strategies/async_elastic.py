@@ -660,6 +660,9 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
             with contextlib.suppress(Exception):  # a fit whose loop never ran (joined after the last batch)
                 self._leave()
         members.stop_watching()
+        if self._peer_heartbeat is not None:  # before its store closes: a beat after that fails in C++,
+            self._peer_heartbeat.stop()  # which prints a stack trace at the end of a clean run
+            self._peer_heartbeat = None
         if self._rpc_started:
             self._rpc_started = False
             shutdown_rpc(failed=True, timeout=self.ps_timeout, grace_seconds=0.5)

@@ -532,7 +532,7 @@ def _warn_high_momentum(workers: int, optimizers: Sequence[Optimizer]) -> None:
             rank_zero_warn(
                 f"async with {workers} workers adds an implicit momentum of about {implicit:.2f} "
                 f"to the optimizer's {max(momenta):g} (Mitliagkas et al. 2016): together above 1, training "
-                f"often diverges. Lower it, e.g. optimizer.momentum={max(0.0, 1.0 - implicit):g}, or the lr."
+                f"often diverges. Lower it, e.g. SGD(momentum={max(0.0, 1.0 - implicit):g}), or the lr."
             )
             return
 

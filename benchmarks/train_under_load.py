@@ -1,0 +1,106 @@
+"""`make train` beside other work: the default run's training time quiet and next to one busy
+process per core, interleaved (quiet, loaded, quiet, loaded, ...).
+
+    python benchmarks/train_under_load.py            # the default recipe as `make train` runs it
+    python benchmarks/train_under_load.py --quick    # 2 epochs, CI-sized
+    python benchmarks/train_under_load.py --fixed-threads 2   # also: loaded with OMP_NUM_THREADS=2 (torch's default)
+
+Each run is ``python train.py`` with ``OMP_NUM_THREADS`` unset, so the app picks the torch thread
+count (one per free core, recipes/checks.py); "quiet" means this machine's ambient load, which the
+output reports (start/end load averages, and the busy cores the app measured). The busy processes
+are pure-Python spin loops at normal priority, started before the run and ended after it.
+Prints ``name value unit`` lines: the training seconds (metrics.json ``wall_s``), the threads the app
+chose, and ``loaded_over_quiet`` (goal: <= 1.5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import header, line, load_line, median  # noqa: E402
+
+SPIN = "while True:\n    pass\n"
+
+
+def _busy(count: int) -> list[subprocess.Popen[bytes]]:
+    return [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(count)]
+
+
+def _train(args: list[str], out: Path, threads: int | None) -> tuple[float, str]:
+    """Run train.py; return (training seconds, the app's thread line)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={out}", "trainer.enable_progress_bar=false"],
+        cwd=out.parent, env=env, capture_output=True, text=True, timeout=3600,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"train.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    chosen = re.search(r"torch threads: .*", proc.stdout + proc.stderr)
+    return float(json.loads((out / "metrics.json").read_text())["wall_s"]), chosen.group(0) if chosen else "n/a"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 epochs instead of the recipe's 8")
+    parser.add_argument("--rounds", type=int, default=1, help="quiet/loaded pairs, interleaved")
+    parser.add_argument("--fixed-threads", type=int, default=None,
+                        help="also run loaded with this OMP_NUM_THREADS (the thread count before the app chose it)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the output lines to this file")
+    args = parser.parse_args()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    train_args = ["trainer.max_epochs=2"] if args.quick else []
+    lines = [header(f"train under load: `python train.py {' '.join(train_args)}` quiet vs beside {cores} busy "
+                    f"processes, {args.rounds} interleaved round(s)"), load_line("start")]
+    print("\n".join(lines), flush=True)
+    if args.out is not None:  # written as it goes: a run stopped early keeps its finished rounds
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(lines) + "\n")
+    times: dict[str, list[float]] = {"quiet": [], "loaded": [], "loaded_fixed": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for kind in ("quiet", "loaded", *(["loaded_fixed"] if args.fixed_threads else [])):
+                spinners = _busy(cores) if kind != "quiet" else []
+                try:
+                    time.sleep(1.0 if spinners else 0.0)  # the spinners running before the app measures the cores
+                    seconds, chosen = _train(train_args, Path(tmp) / f"{kind}{r}",
+                                             args.fixed_threads if kind == "loaded_fixed" else None)
+                finally:
+                    for p in spinners:
+                        p.kill()
+                        p.wait()
+                times[kind].append(seconds)
+                text = f"# round {r} {kind}: {seconds:.1f} s training; {chosen}; {load_line('end of run')[2:]}"
+                print(text, flush=True)
+                lines.append(text)
+                if args.out is not None:
+                    with args.out.open("a") as out:
+                        out.write(text + "\n")
+    for kind, values in times.items():
+        if values:
+            lines.append(line(f"{kind}_train_s", median(values), "s"))
+    lines.append(line("loaded_over_quiet", median(times["loaded"]) / median(times["quiet"]), "x"))
+    if times["loaded_fixed"]:
+        lines.append(line(f"loaded_{args.fixed_threads}_threads_over_quiet",
+                          median(times["loaded_fixed"]) / median(times["quiet"]), "x"))
+    lines.append(load_line("end"))
+    print(lines[-1], flush=True)
+    if args.out is not None:
+        args.out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
