@@ -173,3 +173,21 @@ def test_ring_bytes_on_each_nic(strategy: str, over_d: float) -> None:
             assert payload / (over_d * r["D"]) == pytest.approx(1.0, abs=0.02), (way, r)
     # the launcher's whole-run totals include set-up (the first broadcast of D, rendezvous): more, never less
     assert all(c.tx_bytes >= rows[i]["tx_bytes"] * (steps - warmup) for i, c in enumerate(result.nic))
+
+
+@pytest.mark.slow
+def test_launcher_timeout_kills_every_node_and_cleans_up() -> None:
+    """A job past its timeout: every node's torchrun and workers killed, exit 124, nothing left behind."""
+    before = _host_state()
+    nap = f"600.{time.time_ns() % 10**6:06d}"
+    start = time.monotonic()
+    with EmulatedCluster(nodes=2, rate="100mbit") as cluster:
+        result = launch(cluster, ["sleep", nap], per_node=1, timeout=20, echo=False)
+        token = cluster.token
+        gone = time.monotonic() + 10  # the kernel ends a PID namespace's processes when its init dies
+        while _running(nap) and time.monotonic() < gone:
+            time.sleep(0.05)
+        assert not _running(nap)  # killed with their nodes, before the cluster goes down
+    assert result.returncode == 124
+    assert time.monotonic() - start < 50
+    assert _host_state(token) == before
