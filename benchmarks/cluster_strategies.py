@@ -47,6 +47,7 @@ compute, i.e. are 2x slower; ps waits for them every step, async does not.
     python benchmarks/cluster_strategies.py            # all of it, 2 rounds (~1 h on 2 loaded cores)
     python benchmarks/cluster_strategies.py --rounds 1 # what results/cluster_strategies.txt holds
     python benchmarks/cluster_strategies.py --quick    # 2x2 at 200mbit, ring and ps, 1 round (< 2 min)
+    python benchmarks/cluster_strategies.py --from-raw benchmarks/results/cluster_strategies.json  # replot
 
 The full run writes ``results/cluster_strategies.txt`` (this output), ``results/cluster_strategies.json``
 (every run's per-rank step durations and NIC counters) and ``results/cluster_strategies.png``.
@@ -61,13 +62,14 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import header, line, load_average, load_line, median, pyplot, save_figure
+from benchmarks._common import header, load_average, load_line, median, pyplot, save_figure
+from benchmarks._common import line as emit
 from benchmarks.emulated import EmulatedCluster
 from benchmarks.emulated.launch import launch
 
@@ -75,7 +77,7 @@ FIT = Path(__file__).parent / "emulated" / "_fit.py"
 RESULTS = Path(__file__).parent / "results"
 STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pipeline", "tensor")
 LAYOUTS = {"2x2": (2, 2), "4x1": (4, 1)}
-RATES = ("1gbit", "200mbit", "50mbit")
+RATES = ("50mbit", "200mbit", "1gbit")  # slowest first: the goals are there
 STRAGGLER = ("ps", "async")
 SLOW_FACTOR = 2.0
 
@@ -111,9 +113,13 @@ def run_one(
                            f"{result.returncode}, {len(records)} rank records\n{tails}")  # fmt: skip
     per_rank = [median(r["durations"][warmup:]) for r in records]
     step_s = len(per_rank) / sum(1 / s for s in per_rank)
-    timed = steps - warmup
-    nic = [r["nic"] for r in records if r["nic"]]
-    busiest = max(max(e["end"][k] - e["start"][k] for k in ("tx_bytes", "rx_bytes")) for e in nic) / timed
+    # per node (its local rank 0 read the counters): its bytes over that rank's timed steps (async
+    # ranks take different numbers of steps; the others take --steps each)
+    busiest = max(
+        max(r["nic"]["end"][k] - r["nic"]["start"][k] for k in ("tx_bytes", "rx_bytes")) / (r["steps"] - warmup)
+        for r in records
+        if r["nic"]
+    )
     # the timed steps of the slowest rank, for the spread of a single round
     slowest = max(records, key=lambda r: median(r["durations"][warmup:]))
     return {"step_s": step_s, "nic_bytes": busiest, "steps_s": slowest["durations"][warmup:],
@@ -124,15 +130,18 @@ def spread(values: Sequence[float]) -> float:
     return (max(values) - min(values)) / median(values) if len(values) > 1 else 0.0
 
 
-def measure(args: argparse.Namespace, log: list[str]) -> dict[str, list[dict[str, Any]]]:
+def measure(
+    args: argparse.Namespace, log: list[str], save: Callable[[dict[str, list[dict[str, Any]]]], object]
+) -> dict[str, list[dict[str, Any]]]:
     """Every configuration ``args.rounds`` times, interleaved; raw runs by key ``strategy|layout|rate``.
-    A comment line per run goes to ``log`` (and stdout)."""
+    A comment line per run goes to ``log`` (and stdout); ``save`` gets the runs so far after every
+    cluster, so a run cut short keeps what it measured."""
     runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
     failed = args.failed
     for r in range(args.rounds):
-        for layout in args.layouts:
-            nodes, per_node = LAYOUTS[layout]
-            for rate in args.rates:
+        for rate in args.rates:
+            for layout in args.layouts:
+                nodes, per_node = LAYOUTS[layout]
                 shift = (r + list(args.rates).index(rate)) % len(args.strategies)
                 order = [*args.strategies[shift:], *args.strategies[:shift]]
                 cases: list[tuple[str, str, list[str]]] = [(s, s, []) for s in order]
@@ -158,12 +167,17 @@ def measure(args: argparse.Namespace, log: list[str]) -> dict[str, list[dict[str
                                    f"{run['nic_bytes'] / run['D']:.4f} D/step on the busiest link, "
                                    f"{run['seconds']:.0f} s wall, load {load_average()}")  # fmt: skip
                         print(log[-1], flush=True)
+                save(runs)
     return runs
 
 
-def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> list[str]:
-    """The ``name value unit`` lines from the raw runs."""
+def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, *, echo: bool = True) -> list[str]:
+    """The ``name value unit`` lines from the raw runs (printed when ``echo``)."""
     out: list[str] = []
+
+    def line(name: str, value: float, unit: str) -> str:
+        return emit(name, value, unit) if echo else f"{name} {value:.4g} {unit}"
+
     step: dict[str, float] = {}
     for key, rs in runs.items():
         name, layout, rate = key.split("|")
@@ -227,7 +241,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--rates", nargs="+", default=list(RATES))
     parser.add_argument("--no-straggler", dest="straggler", action="store_false")
+    parser.add_argument("--from-raw", type=Path, default=None,
+                        help="measure nothing: the lines and the plot again from a stored results/*.json")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.from_raw is not None:
+        raw = json.loads(args.from_raw.read_text())
+        for key in ("strategies", "layouts", "rates"):
+            setattr(args, key, raw["args"][key])
+        print(raw["header"], flush=True)
+        print(f"# replayed from {args.from_raw.name}: {sum(len(v) for v in raw['runs'].values())} runs", flush=True)
+        report(raw["runs"], args)
+        plot(raw["runs"], args, RESULTS / "cluster_strategies.png")
+        return 0
     args.failed = []
     if args.quick:
         args.rounds, args.layouts, args.rates, args.strategies, args.straggler = 1, ["2x2"], ["200mbit"], [
@@ -241,19 +266,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     text.append(load_line("start"))
     print(text[-1], flush=True)
     start = time.monotonic()
-    runs = measure(args, text)
-    text += report(runs, args)
-    if args.failed:
-        text.append(f"# failed runs: {', '.join(args.failed)}")
-    text.append(load_line("end"))
-    text.append(f"# {time.monotonic() - start:.0f} s in all; {args.rounds} round(s), {args.steps} steps per fit "
-                f"({args.warmup} warm-up)")  # fmt: skip
-    print("\n".join(text[-2:]), flush=True)
+
+    def store(runs: dict[str, list[dict[str, Any]]], final: bool = False) -> list[str]:
+        lines = report(runs, args, echo=final)
+        tail = [f"# failed runs: {', '.join(args.failed)}"] if args.failed else []
+        tail += [load_line("end" if final else "now"),
+                 f"# {time.monotonic() - start:.0f} s in all; {args.rounds} round(s), {args.steps} steps per fit "
+                 f"({args.warmup} warm-up)" + ("" if final else "; PARTIAL: the run was still going")]  # fmt: skip
+        if not args.quick:
+            RESULTS.mkdir(exist_ok=True)
+            (RESULTS / "cluster_strategies.txt").write_text("\n".join([*text, *lines, *tail]) + "\n")
+            raw = {"args": vars(args), "header": text[0], "runs": runs}
+            (RESULTS / "cluster_strategies.json").write_text(json.dumps(raw))
+        return tail
+
+    runs = measure(args, text, store)
+    print("\n".join(store(runs, final=True)), flush=True)
     if not args.quick:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "cluster_strategies.txt").write_text("\n".join(text) + "\n")
-        raw = {"args": vars(args), "header": text[0], "runs": runs}
-        (RESULTS / "cluster_strategies.json").write_text(json.dumps(raw))
         plot(runs, args, RESULTS / "cluster_strategies.png")
     return 1 if args.failed else 0
 

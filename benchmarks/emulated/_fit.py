@@ -138,6 +138,11 @@ class Measure(pl.Callback):
         if batch_idx == self.steps - 1 and self.local0:
             self.nic["end"] = nic_counters()
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        # async: one epoch of leased batches, in which this rank may take fewer or more steps
+        if self.local0 and "start" in self.nic and "end" not in self.nic:
+            self.nic["end"] = nic_counters()
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -162,7 +167,7 @@ def main() -> int:
     # group (the whole world here) take the global batch, so every strategy steps the same samples.
     batch = args.batch * world if args.strategy in ("pipeline", "tensor") else args.batch
     g = torch.Generator().manual_seed(0)
-    n = batch * args.steps
+    n = batch * args.steps * (world if args.strategy == "async" else 1)
     data = TensorDataset(torch.randn(n, IN, generator=g), torch.randn(n, OUT, generator=g))
     measure = Measure(steps=args.steps, warmup=args.warmup, base_ms=args.base_ms,
                       slow_factor=args.slow_node_factor, slowed=node == nodes - 1)  # fmt: skip
@@ -171,7 +176,10 @@ def main() -> int:
         devices=per_node,
         num_nodes=nodes,
         strategy=make_strategy(args.strategy),
-        max_steps=args.steps,
+        # async hands out batches by lease (ranks take different numbers of steps): it refuses
+        # max_steps, so it trains one epoch of world x --steps batches, --steps per rank on average
+        max_steps=-1 if args.strategy == "async" else args.steps,
+        max_epochs=1 if args.strategy == "async" else None,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -185,6 +193,7 @@ def main() -> int:
         "node": node,
         "strategy": args.strategy,
         "durations": measure.durations,
+        "steps": len(measure.durations),
         "warmup": args.warmup,
         "nic": measure.nic,
         "params": sum(p.numel() for p in MLP(args.width, args.layers).parameters()),
