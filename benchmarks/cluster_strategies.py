@@ -1,0 +1,291 @@
+"""Every strategy on an emulated cluster (nodes as namespaces, HTB-shaped links): step time and NIC bytes.
+
+Each configuration is a Lightning fit (``benchmarks/emulated/_fit.py``: an MLP of 1.31 M parameters,
+D = 5.25 MB of fp32 gradients, batch 32 per replica, synthetic data) under torchrun on an
+:class:`~benchmarks.emulated.EmulatedCluster`, launched by :func:`benchmarks.emulated.launch.launch`
+exactly as a multi-node job. Layouts: 2 nodes x 2 processes ("2x2") and 4 nodes x 1 ("4x1"); link
+rates 1gbit, 200mbit, 50mbit (both directions of every node's link). Strategies:
+
+    ddp        Lightning's DDPStrategy on gloo
+    ring       RingAllReduceStrategy(hierarchical=False): the flat ring
+    ring_hier  RingAllReduceStrategy(hierarchical=True): reduce-scatter in the node, ring across nodes
+    ring_bf16  the flat ring with bf16 on the wire
+    ps         ParameterServerStrategy: one shard per process
+    ps1        ParameterServerStrategy(num_servers=1): one server, on rank 0 (node 0)
+    async      AsyncParameterServerStrategy (one shard per process, no staleness bound)
+    pipeline   PipelineStrategy: one stage per process, 1F1B, the global batch in 4 x stages micro-batches
+    tensor     TensorParallelStrategy: every linear layer split over the whole world
+
+A round runs every (layout, rate) on a fresh cluster, the strategies in an order rotated from round
+to round; the step time of a run is, per rank, the median of its steps after ``--warmup``, then the
+ranks' harmonic mean (one number per run that is also the world's rate for async, where ranks do
+not step together). Lines (``name value unit``; medians over rounds, the spread beside them):
+
+    cluster_step_s_<strategy>_<layout>_<rate>              s; ``..._spread``: (max - min) / median
+                                                           over rounds (over the timed steps with 1 round)
+    cluster_nic_bytes_per_step_<strategy>_<layout>_<rate>  the busiest node's link, busier direction,
+                                                           over the timed steps, as the veth counts it
+                                                           (66 B of headers per GSO packet: +0.2-0.3%)
+    ..._over_formula                                        that over the formula below (data-parallel
+                                                           strategies only: the pipeline's and tensor's
+                                                           bytes are activations, which depend on the cut)
+    cluster_ring_hier_over_flat_2x2_<rate>     step ring_hier / ring            goal <= 0.75 at <= 200mbit
+    cluster_ring_bf16_over_ring_2x2_<rate>     step ring_bf16 / ring            goal <= 0.6 at 50mbit
+    cluster_ps1_over_ps_4x1_<rate>             step ps1 / ps                    goal >= 1.7 at 50mbit
+    cluster_ps_over_ddp_<layout>_<rate>        step ps / ddp
+    cluster_async_over_sync_straggler_<rate>   rate async / rate ps at 2x2 with node 1 slowed (k = 2)
+
+Formulas, bytes through the busiest node's link per step, P processes, L per node, in D:
+flat ring and ddp (gloo's ring) 2(P-1)/P (bf16: half); hierarchical 2(N-1)/N with N = P/L nodes;
+ps and async 2L(P-L)/P (each process pushes and serves the shards on other nodes); ps1 (P-L) (the
+server's node sends every remote worker the parameters and receives its gradients).
+
+The straggler runs (``benchmarks/stragglers.py``'s method): every rank sleeps ``--base-ms`` before its
+optimizer step, standing in for heavier compute, and the last node's ranks sleep once more their own
+compute, i.e. are 2x slower; ps waits for them every step, async does not.
+
+    python benchmarks/cluster_strategies.py            # all of it, 2 rounds (~1 h on 2 loaded cores)
+    python benchmarks/cluster_strategies.py --rounds 1 # what results/cluster_strategies.txt holds
+    python benchmarks/cluster_strategies.py --quick    # 2x2 at 200mbit, ring and ps, 1 round (< 2 min)
+    python benchmarks/cluster_strategies.py --from-raw benchmarks/results/cluster_strategies.json  # replot
+
+The full run writes ``results/cluster_strategies.txt`` (this output), ``results/cluster_strategies.json``
+(every run's per-rank step durations and NIC counters) and ``results/cluster_strategies.png``.
+Skips with the reason (exit 0, one comment line) where the cluster cannot be made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import header, load_average, load_line, median, pyplot, save_figure
+from benchmarks._common import line as emit
+from benchmarks.emulated import EmulatedCluster
+from benchmarks.emulated.launch import launch
+
+FIT = Path(__file__).parent / "emulated" / "_fit.py"
+RESULTS = Path(__file__).parent / "results"
+STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pipeline", "tensor")
+LAYOUTS = {"2x2": (2, 2), "4x1": (4, 1)}
+RATES = ("50mbit", "200mbit", "1gbit")  # slowest first: the goals are there
+STRAGGLER = ("ps", "async")
+SLOW_FACTOR = 2.0
+
+
+def formula_over_d(strategy: str, nodes: int, per_node: int) -> float | None:
+    """Bytes through the busiest node's link per step, in D (None where activations, not gradients, flow)."""
+    p, n, local = nodes * per_node, nodes, per_node
+    ring = 2 * (p - 1) / p
+    table = {
+        "ddp": ring,
+        "ring": ring,
+        "ring_bf16": ring / 2,
+        "ring_hier": 2 * (n - 1) / n,
+        "ps": 2 * local * (p - local) / p,
+        "async": 2 * local * (p - local) / p,
+        "ps1": float(max(p - local, local)),
+    }
+    return table.get(strategy)
+
+
+def run_one(
+    cluster: EmulatedCluster, strategy: str, per_node: int, *, steps: int, warmup: int, extra: Sequence[str] = ()
+) -> dict[str, Any]:
+    """One fit on ``cluster``: per-rank records, the run's step time and its busiest NIC's bytes per step."""
+    with tempfile.TemporaryDirectory(prefix="cluster-strategies-") as tmp:
+        argv = ["python", str(FIT), "--strategy", strategy, "--steps", str(steps), "--warmup", str(warmup),
+                "--out", tmp, *extra]  # fmt: skip
+        result = launch(cluster, argv, per_node=per_node, timeout=600.0, echo=False)
+        records = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
+    if result.returncode != 0 or len(records) != len(cluster.nodes) * per_node:
+        tails = "\n".join(f"--- node {i}:\n{out[-2500:]}" for i, out in enumerate(result.outputs))
+        raise RuntimeError(f"{strategy} on {len(cluster.nodes)}x{per_node} at {cluster.rate}: exit "
+                           f"{result.returncode}, {len(records)} rank records\n{tails}")  # fmt: skip
+    per_rank = [median(r["durations"][warmup:]) for r in records]
+    step_s = len(per_rank) / sum(1 / s for s in per_rank)
+    # per node (its local rank 0 read the counters): its bytes over that rank's timed steps (async
+    # ranks take different numbers of steps; the others take --steps each)
+    busiest = max(
+        max(r["nic"]["end"][k] - r["nic"]["start"][k] for k in ("tx_bytes", "rx_bytes")) / (r["steps"] - warmup)
+        for r in records
+        if r["nic"]
+    )
+    # the timed steps of the slowest rank, for the spread of a single round
+    slowest = max(records, key=lambda r: median(r["durations"][warmup:]))
+    return {"step_s": step_s, "nic_bytes": busiest, "steps_s": slowest["durations"][warmup:],
+            "D": records[0]["params"] * 4, "records": records, "seconds": result.seconds}  # fmt: skip
+
+
+def spread(values: Sequence[float]) -> float:
+    return (max(values) - min(values)) / median(values) if len(values) > 1 else 0.0
+
+
+def measure(
+    args: argparse.Namespace, log: list[str], save: Callable[[dict[str, list[dict[str, Any]]]], object]
+) -> dict[str, list[dict[str, Any]]]:
+    """Every configuration ``args.rounds`` times, interleaved; raw runs by key ``strategy|layout|rate``.
+    A comment line per run goes to ``log`` (and stdout); ``save`` gets the runs so far after every
+    cluster, so a run cut short keeps what it measured."""
+    runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    failed = args.failed
+    for r in range(args.rounds):
+        for rate in args.rates:
+            for layout in args.layouts:
+                nodes, per_node = LAYOUTS[layout]
+                shift = (r + list(args.rates).index(rate)) % len(args.strategies)
+                order = [*args.strategies[shift:], *args.strategies[:shift]]
+                cases: list[tuple[str, str, list[str]]] = [(s, s, []) for s in order]
+                if args.straggler and layout == "2x2":
+                    slow = ["--base-ms", str(args.base_ms), "--slow-node-factor", str(SLOW_FACTOR)]
+                    pair = STRAGGLER if r % 2 == 0 else STRAGGLER[::-1]
+                    cases += [(f"{s}_straggler", s, slow) for s in pair]
+                with EmulatedCluster(nodes=nodes, rate=rate) as cluster:
+                    for name, strategy, extra in cases:
+                        try:
+                            run = run_one(cluster, strategy, per_node, steps=args.steps, warmup=args.warmup,
+                                          extra=extra)  # fmt: skip
+                        except RuntimeError as err:
+                            # one strategy's failure is a result too: the others still get measured
+                            log.append(
+                                f"# round {r} {name} {layout} {rate}: FAILED: " + str(err).replace("\n", "\n#   ")
+                            )
+                            print(log[-1], flush=True)
+                            failed.append(f"{name}|{layout}|{rate}")
+                            continue
+                        runs[f"{name}|{layout}|{rate}"].append(run)
+                        log.append(f"# round {r} {name} {layout} {rate}: {run['step_s']:.4f} s/step, "
+                                   f"{run['nic_bytes'] / run['D']:.4f} D/step on the busiest link, "
+                                   f"{run['seconds']:.0f} s wall, load {load_average()}")  # fmt: skip
+                        print(log[-1], flush=True)
+                save(runs)
+    return runs
+
+
+def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, *, echo: bool = True) -> list[str]:
+    """The ``name value unit`` lines from the raw runs (printed when ``echo``)."""
+    out: list[str] = []
+
+    def line(name: str, value: float, unit: str) -> str:
+        return emit(name, value, unit) if echo else f"{name} {value:.4g} {unit}"
+
+    step: dict[str, float] = {}
+    for key, rs in runs.items():
+        name, layout, rate = key.split("|")
+        tag = f"{name}_{layout}_{rate}"
+        step[key] = median([r["step_s"] for r in rs])
+        values = [r["step_s"] for r in rs] if len(rs) > 1 else rs[0]["steps_s"]
+        out.append(line(f"cluster_step_s_{tag}", step[key], "s"))
+        out.append(line(f"cluster_step_s_{tag}_spread", spread(values), "x"))
+        if name.endswith("_straggler"):
+            continue
+        nic = median([r["nic_bytes"] for r in rs])
+        out.append(line(f"cluster_nic_bytes_per_step_{tag}", nic, "bytes"))
+        nodes, per_node = LAYOUTS[layout]
+        f = formula_over_d(name, nodes, per_node)
+        if f is not None:
+            out.append(line(f"cluster_nic_bytes_per_step_{tag}_over_formula", nic / (f * rs[0]["D"]), "x"))
+
+    def ratio(label: str, a: str, b: str) -> None:
+        if a in step and b in step:
+            out.append(line(label, step[a] / step[b], "x"))
+
+    for rate in args.rates:
+        ratio(f"cluster_ring_hier_over_flat_2x2_{rate}", f"ring_hier|2x2|{rate}", f"ring|2x2|{rate}")
+        ratio(f"cluster_ring_bf16_over_ring_2x2_{rate}", f"ring_bf16|2x2|{rate}", f"ring|2x2|{rate}")
+        ratio(f"cluster_ps1_over_ps_4x1_{rate}", f"ps1|4x1|{rate}", f"ps|4x1|{rate}")
+        for layout in args.layouts:
+            ratio(f"cluster_ps_over_ddp_{layout}_{rate}", f"ps|{layout}|{rate}", f"ddp|{layout}|{rate}")
+        # samples/s async over ps = step ps / step async (the same samples per step)
+        ratio(f"cluster_async_over_sync_straggler_{rate}", f"ps_straggler|2x2|{rate}", f"async_straggler|2x2|{rate}")
+    return out
+
+
+def plot(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, path: Path) -> None:
+    """Step time against link rate, one line per strategy, one panel per layout."""
+    from benchmarks.emulated.cluster import parse_rate
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(args.layouts), figsize=(6 * len(args.layouts), 4.5), squeeze=False)
+    for ax, layout in zip(axes[0], args.layouts, strict=True):
+        for name in [*args.strategies, *(f"{s}_straggler" for s in STRAGGLER)]:
+            pts = [(parse_rate(rate) / 1e6, median([r["step_s"] for r in runs[k]]))
+                   for rate in args.rates if (k := f"{name}|{layout}|{rate}") in runs]  # fmt: skip
+            if pts:
+                xs, ys = zip(*sorted(pts), strict=True)
+                ax.plot(xs, ys, marker="o", label=name, linestyle="--" if "straggler" in name else "-")
+        ax.set(xscale="log", yscale="log", xlabel="link rate per node (Mbit/s, both ways)", ylabel="s / step",
+               title=f"{layout} (nodes x processes), MLP D = 5.25 MB")  # fmt: skip
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    save_figure(fig, path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="2x2 at 200mbit, ring and ps, 1 round (CI)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6, help="steps per fit, warm-up included")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--base-ms", type=float, default=100.0, help="the straggler runs' per-step compute")
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS))
+    parser.add_argument("--rates", nargs="+", default=list(RATES))
+    parser.add_argument("--no-straggler", dest="straggler", action="store_false")
+    parser.add_argument("--from-raw", type=Path, default=None,
+                        help="measure nothing: the lines and the plot again from a stored results/*.json")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.from_raw is not None:
+        raw = json.loads(args.from_raw.read_text())
+        for key in ("strategies", "layouts", "rates"):
+            setattr(args, key, raw["args"][key])
+        print(raw["header"], flush=True)
+        print(f"# replayed from {args.from_raw.name}: {sum(len(v) for v in raw['runs'].values())} runs", flush=True)
+        report(raw["runs"], args)
+        plot(raw["runs"], args, RESULTS / "cluster_strategies.png")
+        return 0
+    args.failed = []
+    if args.quick:
+        args.rounds, args.layouts, args.rates, args.strategies, args.straggler = 1, ["2x2"], ["200mbit"], [
+            "ring", "ps"], False  # fmt: skip
+    text = [header("cluster_strategies: every strategy on an emulated cluster (namespaces, HTB-shaped links)")]
+    print(text[0], flush=True)
+    ok, reason = EmulatedCluster.available()
+    if not ok:
+        print(f"# skipped: {reason}", flush=True)
+        return 0
+    text.append(load_line("start"))
+    print(text[-1], flush=True)
+    start = time.monotonic()
+
+    def store(runs: dict[str, list[dict[str, Any]]], final: bool = False) -> list[str]:
+        lines = report(runs, args, echo=final)
+        tail = [f"# failed runs: {', '.join(args.failed)}"] if args.failed else []
+        tail += [load_line("end" if final else "now"),
+                 f"# {time.monotonic() - start:.0f} s in all; {args.rounds} round(s), {args.steps} steps per fit "
+                 f"({args.warmup} warm-up)" + ("" if final else "; PARTIAL: the run was still going")]  # fmt: skip
+        if not args.quick:
+            RESULTS.mkdir(exist_ok=True)
+            (RESULTS / "cluster_strategies.txt").write_text("\n".join([*text, *lines, *tail]) + "\n")
+            raw = {"args": vars(args), "header": text[0], "runs": runs}
+            (RESULTS / "cluster_strategies.json").write_text(json.dumps(raw))
+        return tail
+
+    runs = measure(args, text, store)
+    print("\n".join(store(runs, final=True)), flush=True)
+    if not args.quick:
+        plot(runs, args, RESULTS / "cluster_strategies.png")
+    return 1 if args.failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,211 @@
+"""What every torchrun worker of ``benchmarks/cluster_strategies.py`` runs: a short Lightning fit of an MLP.
+
+    python -m benchmarks.emulated --nodes 2 --per-node 2 --rate 200mbit -- \\
+        python benchmarks/emulated/_fit.py --strategy ring --steps 8 --warmup 3 --out /tmp/run
+
+The model is an MLP (``--width`` wide, ``--layers`` hidden layers: 1.31 M parameters, D = 5.25 MB
+of fp32 gradients at the defaults) on synthetic data that every rank draws alike (the benchmark
+times steps, it does not train to an accuracy; the pipeline's stages and a tensor-parallel group
+need the same batches anyway). Every rank writes ``<out>/rank<r>.json``: its step durations
+(``on_train_batch_start`` to ``on_train_batch_end``) and, on each node's local rank 0, the node's
+NIC counters at the start of step ``--warmup`` and at the end of the last step, so the bytes per
+step exclude set-up (rendezvous, the first broadcast, RPC start). Global rank 0 writes the step
+count to ``$EMULATED_CLUSTER_STEPS_FILE`` for the launcher.
+
+``--slow-node-factor k`` (with ``--base-ms``) makes the last node's ranks ``k`` times slower, as
+``benchmarks/stragglers.py`` does: every rank sleeps ``--base-ms`` before its optimizer step
+(standing in for a heavier model), and the slowed ranks then sleep ``k - 1`` times their own
+recent compute (batch start to optimizer step, median of the last 10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lightning_strategies import (
+    AsyncParameterServerStrategy,
+    ParameterServerStrategy,
+    PipelineStrategy,
+    RingAllReduceStrategy,
+    TensorParallelStrategy,
+)
+
+STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pipeline", "tensor")
+IN, OUT = 256, 16
+
+
+class MLP(pl.LightningModule):
+    """``IN -> width x layers -> OUT`` with ReLUs; the pipeline's two methods included."""
+
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        dims = [IN, *[width] * layers, OUT]
+        mods: list[nn.Module] = []
+        for a, b in itertools.pairwise(dims):
+            mods += [nn.Linear(a, b), nn.ReLU()]
+        self.net = nn.Sequential(*mods[:-1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def pipeline_layers(self) -> nn.Sequential:
+        return self.net
+
+    def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(outputs, targets)
+
+
+def make_strategy(name: str) -> Any:
+    """The strategy the benchmark calls ``name`` (one of :data:`STRATEGIES`)."""
+    if name == "ddp":
+        return pl.strategies.DDPStrategy(process_group_backend="gloo")
+    if name in ("ring", "ring_hier", "ring_bf16"):
+        # "ring" alone goes hierarchical on more than one node: the flat ring is asked for by name
+        return RingAllReduceStrategy(
+            hierarchical=name == "ring_hier", wire_dtype="bf16" if name == "ring_bf16" else None
+        )
+    if name == "ps":
+        return ParameterServerStrategy()
+    if name == "ps1":
+        return ParameterServerStrategy(num_servers=1)
+    if name == "async":
+        return AsyncParameterServerStrategy()
+    if name == "pipeline":
+        return PipelineStrategy()
+    if name == "tensor":
+        return TensorParallelStrategy()
+    raise ValueError(f"strategy {name!r}: expected one of {STRATEGIES}. Fix: pass --strategy with one of them")
+
+
+def nic_counters() -> dict[str, int]:
+    """This node's link counters (GLOO_SOCKET_IFNAME, set by the launcher), read from /sys."""
+    link = os.environ["GLOO_SOCKET_IFNAME"]
+    base = Path("/sys/class/net") / link / "statistics"
+    return {k: int((base / k).read_text()) for k in ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")}
+
+
+class Measure(pl.Callback):
+    """Step durations; the node's NIC counters over steps ``warmup ..`` (local rank 0); a straggler."""
+
+    def __init__(self, *, steps: int, warmup: int, base_ms: float, slow_factor: float, slowed: bool) -> None:
+        self.steps, self.warmup = steps, warmup
+        self.base_ms, self.slow_factor, self.slowed = base_ms, slow_factor, slowed
+        self.start = 0.0
+        self.durations: list[float] = []
+        self.own: list[float] = []
+        self.nic: dict[str, dict[str, int]] = {}
+        self.local0 = int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.warmup and self.local0:
+            self.nic["start"] = nic_counters()
+        self.start = time.perf_counter()
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        if self.base_ms > 0:
+            time.sleep(self.base_ms / 1000.0)
+        if self.slowed and self.slow_factor > 1:
+            # k - 1 times its own recent compute (the median: one noisy step is not amplified)
+            self.own = [*self.own[-9:], time.perf_counter() - self.start]
+            time.sleep((self.slow_factor - 1) * statistics.median(self.own))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.durations.append(time.perf_counter() - self.start)
+        if batch_idx == self.steps - 1 and self.local0:
+            self.nic["end"] = nic_counters()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        # async: one epoch of leased batches, in which this rank may take fewer or more steps
+        if self.local0 and "start" in self.nic and "end" not in self.nic:
+            self.nic["end"] = nic_counters()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategy", choices=STRATEGIES, required=True)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the times and the bytes")
+    parser.add_argument("--batch", type=int, default=32, help="per data-parallel replica")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--base-ms", type=float, default=0.0)
+    parser.add_argument("--slow-node-factor", type=float, default=1.0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    if not 0 < args.warmup < args.steps:
+        parser.error(f"found --warmup {args.warmup} --steps {args.steps}: expected 0 < warmup < steps")
+    torch.set_num_threads(1)
+    world, per_node = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    nodes = world // per_node
+    rank, node = int(os.environ["RANK"]), int(os.environ["GROUP_RANK"])
+    model = MLP(args.width, args.layers)
+    # Data-parallel replicas each take --batch; the pipeline's one replica and a tensor-parallel
+    # group (the whole world here) take the global batch, so every strategy steps the same samples.
+    batch = args.batch * world if args.strategy in ("pipeline", "tensor") else args.batch
+    g = torch.Generator().manual_seed(0)
+    n = batch * args.steps * (world if args.strategy == "async" else 1)
+    data = TensorDataset(torch.randn(n, IN, generator=g), torch.randn(n, OUT, generator=g))
+    measure = Measure(steps=args.steps, warmup=args.warmup, base_ms=args.base_ms,
+                      slow_factor=args.slow_node_factor, slowed=node == nodes - 1)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=per_node,
+        num_nodes=nodes,
+        strategy=make_strategy(args.strategy),
+        # async hands out batches by lease (ranks take different numbers of steps): it refuses
+        # max_steps, so it trains one epoch of world x --steps batches, --steps per rank on average
+        max_steps=-1 if args.strategy == "async" else args.steps,
+        max_epochs=1 if args.strategy == "async" else None,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[measure],
+    )
+    trainer.fit(model, DataLoader(data, batch_size=batch, drop_last=True))
+    record = {
+        "rank": rank,
+        "node": node,
+        "strategy": args.strategy,
+        "durations": measure.durations,
+        "steps": len(measure.durations),
+        "warmup": args.warmup,
+        "nic": measure.nic,
+        "params": sum(p.numel() for p in MLP(args.width, args.layers).parameters()),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{rank}.json").write_text(json.dumps(record))
+    if rank == 0 and os.environ.get("EMULATED_CLUSTER_STEPS_FILE"):
+        Path(os.environ["EMULATED_CLUSTER_STEPS_FILE"]).write_text(str(args.steps))
+    if dist.is_initialized() and args.strategy != "pipeline":
+        dist.destroy_process_group()  # as tests/integration/_torchrun_fit.py: pipeline's teardown does it
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
