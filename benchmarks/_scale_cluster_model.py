@@ -12,6 +12,11 @@ directions by HTB; inside a node, processes talk at loopback speed. A strategy's
   ``benchmarks/cluster_strategies.formula_over_d`` for the data-parallel strategies; for the
   pipeline and tensor parallelism (activations, whose volume depends on the cut, not on R) the
   bytes measured at the calibration rate;
+  A link is full-duplex: where a step uses both directions at once (the rings, sharded ps, whose
+  every node pushes and serves at the same time) its time is the busier direction's; one server
+  (``ps1``) first receives every push, then, after its update, sends every pull: its node's two
+  directions are used one after the other, so its critical bytes are both directions' sum
+  (:func:`serial_directions`: 2 x the one-way formula);
 - ``goodput(R)``: the payload a TCP stream moves per second through the shaped link, measured (a
   stream between two nodes): R less the headers;
 - ``latency``: one small message's one-way time between two nodes, measured (a ping-pong), times the
@@ -29,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ClusterCell", "calibrate_compute", "comm_seconds", "critical_messages", "predict_step"]
+__all__ = ["ClusterCell", "calibrate_compute", "comm_seconds", "critical_messages", "predict_step", "serial_directions"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,12 @@ def critical_messages(strategy: str, nodes: int, per_node: int) -> int:
         raise ValueError(f"strategy {strategy!r}: found no message count: expected one of {sorted(table)}. "
                          "Fix: add its count to critical_messages")  # fmt: skip
     return table[strategy]
+
+
+def serial_directions(strategy: str) -> int:
+    """How many times the busier direction's bytes lie on the step's critical path: 2 for one
+    server (push in, then pull out), 1 where both directions carry traffic at once."""
+    return 2 if strategy == "ps1" else 1
 
 
 def comm_seconds(nic_bytes: float, goodput: float, messages: int, latency_s: float) -> float:

@@ -1,14 +1,15 @@
 """The scale model validated on the emulated cluster: every cell of ``cluster_strategies.py`` predicted.
 
 The model (``benchmarks/_scale_cluster_model.py``): step = compute + busiest-NIC bytes / goodput +
-messages x latency. Its link constants are measured here, per rate, on a fresh 2-node
-:class:`~benchmarks.emulated.EmulatedCluster`: the payload goodput of a TCP stream from node 0 to
-node 1 (``_cluster_probe.py``), and half the median round trip of a 64-byte ping-pong. Its
-compute term, per (strategy, layout), is calibrated from the run at the fastest rate (1gbit), so
-the slower rates' cells are predictions and the fastest rate's are fitted (error 0 by construction,
-printed but never counted). The measured steps come from ``results/cluster_strategies.json`` (the
-raw runs ``cluster_strategies.py`` stores), or, where that file is missing, from this script's own
-reduced run (``--measure``: ``cluster_strategies.measure`` over every cell, stored raw in
+messages x latency (one server's bytes counted both ways: it receives, then sends). Its link
+constants are measured here, per rate, on a fresh 2-node ``EmulatedCluster``: the payload goodput
+of a TCP stream from node 0 to node 1 (``_cluster_probe.py``), and half the median round trip of a
+64-byte ping-pong. Its compute term, per (strategy, layout), is calibrated from the run at the
+fastest rate (1gbit), so the slower rates' cells are predictions and the fastest rate's are fitted
+(error 0 by construction, printed but never counted). The measured steps come from
+``results/cluster_strategies.json`` (the raw runs ``cluster_strategies.py`` stores), or, where
+that file is missing, from this script's own reduced run (``--measure``:
+``cluster_strategies.measure`` over every cell, stored raw in
 ``results/scale_cluster_runs.json``). Lines:
 
     scale_cluster_goodput_<rate>                             B/s, the stream's payload rate
@@ -45,7 +46,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import header, line, load_line, median
-from benchmarks._scale_cluster_model import calibrate_compute, comm_seconds, critical_messages, predict_step
+from benchmarks._scale_cluster_model import (
+    calibrate_compute,
+    comm_seconds,
+    critical_messages,
+    predict_step,
+    serial_directions,
+)
 from benchmarks.cluster_strategies import LAYOUTS, RATES, STRATEGIES, formula_over_d
 from benchmarks.emulated import EmulatedCluster
 from benchmarks.emulated.cluster import parse_rate
@@ -106,6 +113,7 @@ def model(raw: dict[str, Any], links: dict[str, dict[str, float]], rates: Sequen
             # activations (pipeline, tensor): their volume does not depend on the rate, so the
             # bytes counted at the calibration rate stand for every rate
             nic = over_d * d if over_d is not None else median([r["nic_bytes"] for r in base])
+            nic *= serial_directions(strategy)
             msgs = critical_messages(strategy, nodes, per_node)
             fast_comm = comm_seconds(nic, links[fast]["goodput"], msgs, links[fast]["latency"])
             compute = calibrate_compute(median([r["step_s"] for r in base]), fast_comm)

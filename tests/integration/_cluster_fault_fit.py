@@ -15,8 +15,10 @@ lands during a fit, between two checkpoints. Every rank writes ``DIR/rank<r>.exc
 and message) when its fit fails, and ``DIR/rank<r>.exit`` (time) when its interpreter begins to
 exit (after Lightning's teardown), so the test can time each survivor's diagnosis and teardown.
 
-At the end of the fit, ``DIR/final.ckpt`` (rank 0 writes it; every strategy gathers its full
-state for it) holds the weights and optimizer state to compare.
+The checkpoint of the last epoch, ``DIR/ckpt/last.ckpt`` (rank 0 writes it; every strategy
+gathers its full state for it), holds the final weights and optimizer state to compare. It is
+written inside the fit: after it the pipeline's and tensor's groups are torn down, so a
+``trainer.save_checkpoint`` there would have no group to gather over.
 """
 
 from __future__ import annotations
@@ -141,7 +143,6 @@ def main() -> int:
     )
     model = Net(args.width, 2)
     trainer.fit(model, DataLoader(data, batch_size=args.batch), ckpt_path=args.resume)
-    trainer.save_checkpoint(args.out / "final.ckpt")
     if dist.is_initialized() and args.strategy != "pipeline":
         dist.destroy_process_group()  # as benchmarks/emulated/_fit.py: pipeline's teardown does it
     return 0

@@ -57,7 +57,8 @@ TIMEOUT_S = 15.0  # the strategies' timeout
 GRACE_S = 3.0  # their heartbeat watch's grace (peer_watch_grace)
 DIAGNOSIS_S = 2.5  # the heartbeat diagnosis' own watch after a failure (heartbeat.py)
 SLACK_S = 5.0  # a loaded 2-core machine
-JOB_TIMEOUT_S = 90.0
+JOB_TIMEOUT_S = 180.0  # start-up alone took 50 s at load 65
+LABELS = {"ps": "parameter_server"}  # the name each strategy's errors give it (its strategy_name)
 
 
 def set_link(node: EmulatedNode, up: bool) -> None:
@@ -173,10 +174,9 @@ def cut_and_resume(strategy: str, tmp_path: Path) -> None:
             named_after = record["time"] - cut_time
             message = record["message"]
             print(f"{strategy}: rank 0 failed {named_after:.1f} s after the cut: {message[:300]}")
-            assert f"{strategy}: lost peer rank 1 of 2:" in message, f"{message}\n{j.tails()}"
+            assert f"{LABELS.get(strategy, strategy)}: lost peer rank 1 of 2:" in message, f"{message}\n{j.tails()}"
             assert "rank 0 " not in message.split("lost peer", 1)[1].split(":", 1)[0]
             assert named_after <= limit, f"named {named_after:.1f} s after the cut, expected <= {limit:.1f} s"
-            assert record["step"] == 2 * CUT_EPOCH  # nothing past the checkpoint of epoch CUT_EPOCH - 1
             exit_path = cut / "rank0.exit"
             teardown = json.loads(exit_path.read_text())["time"] - record["time"] if exit_path.exists() else None
             print(
@@ -186,13 +186,19 @@ def cut_and_resume(strategy: str, tmp_path: Path) -> None:
         set_link(victim, up=True)
         last = cut / "ckpt" / "last.ckpt"
         saved = load(last)
-        assert saved["global_step"] == 2 * CUT_EPOCH and saved["epoch"] == CUT_EPOCH - 1
+        assert saved["epoch"] == CUT_EPOCH - 1
+        # the cut fell in the step right after that checkpoint: only that step is lost, and redone
+        assert record["step"] == saved["global_step"]
+        if strategy != "async":  # async's ranks share the epoch's batches: fewer steps each
+            assert saved["global_step"] == 2 * CUT_EPOCH
         resumed = tmp_path / "resumed"
         run_to_end(cluster, [str(FIT), *common, "--out", str(resumed), "--resume", str(last)])
-    a, b = load(ref / "final.ckpt"), load(resumed / "final.ckpt")
-    assert a["global_step"] == b["global_step"] == 2 * EPOCHS
+    a, b = load(ref / "ckpt" / "last.ckpt"), load(resumed / "ckpt" / "last.ckpt")
+    assert a["epoch"] == b["epoch"] == EPOCHS - 1
+    assert a["global_step"] == b["global_step"]
     if strategy == "async":
         return
+    assert a["global_step"] == 2 * EPOCHS
     assert_same_tensors(a["state_dict"], b["state_dict"], "state_dict")
     assert_same_tensors(a["optimizer_states"], b["optimizer_states"], "optimizer_states")
 

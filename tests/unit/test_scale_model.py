@@ -462,7 +462,7 @@ def test_cluster_step_is_compute_plus_nic_bytes_over_goodput_plus_latencies() ->
 
 
 def test_cluster_compute_is_the_fast_runs_step_less_its_link_term_never_negative() -> None:
-    from benchmarks._scale_cluster_model import calibrate_compute, comm_seconds, critical_messages
+    from benchmarks._scale_cluster_model import calibrate_compute, comm_seconds, critical_messages, serial_directions
 
     # ps1 at 4 x 1 at 1gbit: 3 D = 15.75 MB at 118 MB/s + 2 x 30 us
     comm = comm_seconds(3 * 5.25e6, 118e6, critical_messages("ps1", 4, 1), 30e-6)
@@ -470,6 +470,7 @@ def test_cluster_compute_is_the_fast_runs_step_less_its_link_term_never_negative
     assert calibrate_compute(0.5, comm) == pytest.approx(0.5 - comm, rel=1e-12)
     assert calibrate_compute(0.1, comm) == 0.0  # a fast run quicker than its link term: no negative compute
     assert critical_messages("ring_hier", 2, 2) == 2 and critical_messages("tensor", 2, 2) == 24
+    assert (serial_directions("ps1"), serial_directions("ps"), serial_directions("ring")) == (2, 1, 1)
     with pytest.raises(ValueError, match="found goodput"):
         comm_seconds(1.0, 0.0, 1, 0.0)
     with pytest.raises(ValueError, match="expected one of"):
