@@ -165,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     text.append(load_line("start"))
     start = time.monotonic()
+    source: Path | None
     if args.measure:
         raw = measure_cells(args, text)
         source = RESULTS / "scale_cluster_runs.json"

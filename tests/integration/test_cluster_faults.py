@@ -21,8 +21,8 @@ on one cluster:
 Nothing is lost: the resumed run's final checkpoint holds the reference's weights, optimizer
 state (momentum buffers) and step, bit for bit (``atol=0``; see ``test_resume_exact.py`` for why
 the synchronous strategies are bit-exact). Async applies pushes in arrival order, so no two of its
-runs are bitwise equal: there the resumed run must start from exactly the checkpoint's weights and
-end at the reference's step.
+runs are bitwise equal: there the resumed run must end at the reference's epoch and step
+(``test_resume_exact.py`` holds async's restored shard state to its checkpoint).
 
 Skipped, with the cluster's own reason, where it cannot be made (not root, no ip/tc/unshare, no HTB).
 """
