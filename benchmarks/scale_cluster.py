@@ -19,6 +19,9 @@ that file is missing, from this script's own reduced run (``--measure``:
     scale_predicted_step_s_cluster_<strategy>_<layout>_<rate>
     scale_comm_share_cluster_<...>                           the link term over the predicted step
     scale_model_error_cluster_<...>                          |predicted - measured| / measured
+    ..._full_duplex                                          one server's cells with both directions at
+                                                             once (the model counts them in series): the
+                                                             bound from below
     scale_model_error_max_cluster                            over the cells where communication is at
                                                              least half the step (goal <= 0.15), with
                                                              ``..._spread_max``, the largest spread of
@@ -131,6 +134,14 @@ def model(raw: dict[str, Any], links: dict[str, dict[str, float]], rates: Sequen
                 out.append(line(f"scale_predicted_step_s_{tag}", cell.step_s, "s"))
                 out.append(line(f"scale_comm_share_{tag}", cell.comm_s / cell.step_s, "x"))
                 out.append(line(f"scale_model_error_{tag}", err, "x"))
+                if serial_directions(strategy) > 1:
+                    # the bound the other way: both directions at once, compute refitted at the fast rate
+                    one_way = nic / serial_directions(strategy)
+                    fast_duplex = comm_seconds(one_way, links[fast]["goodput"], msgs, links[fast]["latency"])
+                    duplex = predict_step(calibrate_compute(median([r["step_s"] for r in base]), fast_duplex),
+                                          one_way, links[rate]["goodput"], msgs, links[rate]["latency"])  # fmt: skip
+                    out.append(line(f"scale_predicted_step_s_{tag}_full_duplex", duplex.step_s, "s"))
+                    out.append(line(f"scale_model_error_{tag}_full_duplex", abs(duplex.step_s - meas) / meas, "x"))
                 if rate == fast:
                     out.append(f"# {tag}: the calibration cell (compute fitted here)")
                 elif cell.comm_bound:
