@@ -444,3 +444,34 @@ def test_calibration_pools_pair_figures_over_worlds_without_rpc_and_not_with_it(
     assert coll["wake_0_s"] == pytest.approx(2.5e-4)
     rpc = world_calibration(rows, "rpc", 4)  # every figure the world's own: P pollers in each
     assert rpc == pooled_calibration(rows["rpc/P4"])
+
+
+# --- the emulated cluster's model (benchmarks/_scale_cluster_model.py) ---
+
+
+def test_cluster_step_is_compute_plus_nic_bytes_over_goodput_plus_latencies() -> None:
+    from benchmarks._scale_cluster_model import critical_messages, predict_step
+
+    # ring at 2 x 2: 2(P-1) = 6 messages; D = 5.25 MB, 1.5 D through the NIC at 25 MB/s, 50 us one way
+    assert critical_messages("ring", 2, 2) == 6
+    cell = predict_step(0.1, 1.5 * 5.25e6, 25e6, 6, 50e-6)
+    assert cell.comm_s == pytest.approx(7.875e6 / 25e6 + 6 * 50e-6, rel=1e-12)  # 0.315 + 0.0003
+    assert cell.step_s == pytest.approx(0.1 + 0.3153, rel=1e-12)
+    assert cell.comm_bound  # 0.3153 of 0.4153
+    assert not predict_step(0.4, 1e6, 25e6, 2, 0.0).comm_bound  # 0.04 of 0.44
+
+
+def test_cluster_compute_is_the_fast_runs_step_less_its_link_term_never_negative() -> None:
+    from benchmarks._scale_cluster_model import calibrate_compute, comm_seconds, critical_messages, serial_directions
+
+    # ps1 at 4 x 1 at 1gbit: 3 D = 15.75 MB at 118 MB/s + 2 x 30 us
+    comm = comm_seconds(3 * 5.25e6, 118e6, critical_messages("ps1", 4, 1), 30e-6)
+    assert comm == pytest.approx(15.75e6 / 118e6 + 60e-6, rel=1e-12)
+    assert calibrate_compute(0.5, comm) == pytest.approx(0.5 - comm, rel=1e-12)
+    assert calibrate_compute(0.1, comm) == 0.0  # a fast run quicker than its link term: no negative compute
+    assert critical_messages("ring_hier", 2, 2) == 2 and critical_messages("tensor", 2, 2) == 24
+    assert (serial_directions("ps1"), serial_directions("ps"), serial_directions("ring")) == (2, 1, 1)
+    with pytest.raises(ValueError, match="found goodput"):
+        comm_seconds(1.0, 0.0, 1, 0.0)
+    with pytest.raises(ValueError, match="expected one of"):
+        critical_messages("nope", 2, 2)
