@@ -89,11 +89,15 @@ def measure_cells(args: argparse.Namespace, log: list[str]) -> dict[str, Any]:
 
     ns = argparse.Namespace(rounds=1, layouts=list(args.layouts), rates=list(RATES), strategies=list(args.strategies),
                             straggler=False, steps=args.steps, warmup=args.warmup, base_ms=0.0, failed=[])  # fmt: skip
-    runs = cluster_strategies.measure(ns, log)
-    raw = {"args": {k: v for k, v in vars(ns).items()}, "header": log[0], "runs": runs}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "scale_cluster_runs.json").write_text(json.dumps(raw))
-    return raw
+
+    def save(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+        # after every cluster, so a run cut short keeps what it measured
+        raw = {"args": dict(vars(ns)), "header": log[0], "runs": runs}
+        (RESULTS / "scale_cluster_runs.json").write_text(json.dumps(raw))
+        return raw
+
+    return save(cluster_strategies.measure(ns, log, save))
 
 
 def spread(values: Sequence[float]) -> float:
