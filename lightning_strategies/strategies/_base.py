@@ -1,16 +1,4 @@
-"""What every strategy of this package shares, so each strategy file lists only the hooks it changes.
-
-- :class:`StrategyBase`: Lightning's ``DDPStrategy`` with lost peers named on failure
-  (:class:`~lightning_strategies.faults.PeerFailureMixin`), the process group joined again after a
-  torchrun restart (:class:`~lightning_strategies.strategies._elastic.ElasticRestartMixin`),
-  atomic checkpoint writes by default, a failure flag that teardown reads (peers may be gone, so
-  nothing may wait for them), the full optimizer state kept for a ``Trainer.save_checkpoint``
-  after fit, one way to reach the trainer, and one metrics window.
-- :class:`MetricsWindow`: per-step values collected between two of Lightning's logging steps
-  and logged as means (or maxima, or the latest value) when Lightning writes step metrics, and
-  at the last batch of every epoch; tensor values stay on their device until then (no per-step
-  host synchronisation).
-"""
+"""What every strategy of this package shares, so each strategy file lists only the hooks it changes."""
 
 from __future__ import annotations
 
@@ -74,18 +62,12 @@ def _group_options(backend: str, timeout: timedelta | None) -> tuple[str, Any] |
 
 
 class MetricsWindow:
-    """Values collected step by step and logged together at Lightning's step-logging cadence.
+    """Values collected every step and logged together when Lightning writes step metrics (or at an
+    epoch's last batch): means for :meth:`add`, maxima for :meth:`peak`, the last value for :meth:`latest`.
 
-    Each ``self.log`` call costs about 0.3 ms on CPU, and on CUDA reading a value blocks the host
-    on the device, so strategies collect values every step and log them only when Lightning
-    writes step metrics (:func:`should_update_logs`): means over the window for :meth:`add`,
-    maxima for :meth:`peak`, the last value for :meth:`latest`.
-
-    A value is a Python number or a one-element tensor on any device. Tensors stay where they
-    are: sums and maxima are kept as float64 tensors on the value's device (float32 on MPS,
-    which has no float64), so :meth:`add` / :meth:`peak` / :meth:`latest` only enqueue work and
-    never wait for the device. :meth:`flush` reads every tensor of the window in one transfer
-    per device (a stack and one ``tolist``), the window's only host synchronisation.
+    ``self.log`` costs about 0.3 ms a call, and on CUDA reading a value blocks the host on the device.
+    A value is a number or a one-element tensor; tensors stay on their device (float64; float32 on MPS,
+    which has none), so collecting never waits. :meth:`flush` reads them in one transfer per device.
     """
 
     def __init__(self) -> None:
@@ -117,10 +99,7 @@ class MetricsWindow:
         return bool(self._counts or self._peaks or self._latest)
 
     def flush(self) -> dict[str, float]:
-        """The window's values (means, maxima, latest) as floats, then an empty window.
-
-        Tensors are read here, all of a device's in one transfer (the only wait for the device).
-        """
+        """The window's values (means, maxima, latest) as floats, then an empty window."""
         sums, peaks, latest = _read_all(self._sums, self._peaks, self._latest)
         out = {key: total / self._counts[key] for key, total in sums.items()}
         out.update(peaks)
@@ -133,15 +112,8 @@ class MetricsWindow:
         self._sums, self._counts, self._peaks, self._latest = {}, {}, {}, {}
 
     def flush_if_due(self, module: pl.LightningModule | None) -> bool:
-        """Log the window through ``module.log_dict`` when Lightning writes step metrics now, and
-        write it to the loggers at the last batch of an epoch (see :func:`log_due`).
-
-        Call it where ``self.log`` is allowed (``optimizer_step`` or ``training_step``). Nothing
-        here waits for other ranks.
-
-        Returns:
-            Whether the window was logged (and emptied).
-        """
+        """Log the window when :func:`log_due` says so; call it where ``self.log`` is allowed
+        (``optimizer_step``, ``training_step``). Returns whether it was logged (and emptied)."""
         if module is None or module._current_fx_name is None or not self:
             return False
         due = log_due(module._trainer)
@@ -152,7 +124,6 @@ class MetricsWindow:
 
 
 def _sample(key: str, value: float | Tensor) -> float | Tensor:
-    """``value`` as the window keeps it: a float, or a detached 0-d tensor on its own device."""
     if not isinstance(value, Tensor):
         return float(value)
     if value.numel() != 1:  # metadata only: no wait for the device
@@ -165,7 +136,6 @@ def _sample(key: str, value: float | Tensor) -> float | Tensor:
 
 
 def _maximum(a: float | Tensor, b: float | Tensor) -> float | Tensor:
-    """The larger of two samples, on the device when either is a tensor (no host read)."""
     if isinstance(a, Tensor):
         return torch.maximum(a, b) if isinstance(b, Tensor) else a.clamp_min(b)
     return b.clamp_min(a) if isinstance(b, Tensor) else max(a, b)
@@ -187,15 +157,9 @@ def _read_all(*windows: dict[str, float | Tensor]) -> list[dict[str, float]]:
 
 
 def log_due(trainer: pl.Trainer | None) -> str | None:
-    """``"step"`` when Lightning writes step metrics now, ``"epoch_end"`` at another step that is the
-    last batch of its epoch, else ``None``.
-
-    Lightning writes step metrics every ``log_every_n_steps`` optimizer steps: an epoch shorter than
-    that (9 steps at the default 10) would reach the logger with nothing, and the steps after an
-    epoch's last logging step would wait for the next epoch (or be lost at the end). Every rank
-    that sees the same batches agrees on the answer, so a collective made when it is not ``None``
-    pairs up.
-    """
+    """``"step"`` when Lightning writes step metrics now, ``"epoch_end"`` at another step that ends its
+    epoch (else an epoch shorter than ``log_every_n_steps``, or an epoch's tail, would log nothing),
+    else ``None``. Ranks that see the same batches agree, so a collective made then pairs up."""
     if trainer is None:
         return None
     if should_update_logs(trainer):
@@ -204,8 +168,7 @@ def log_due(trainer: pl.Trainer | None) -> str | None:
 
 
 def log_values(module: pl.LightningModule, values: dict[str, float], *, at_epoch_end: bool) -> None:
-    """``module.log_dict`` the values (so ``trainer.callback_metrics`` holds them); at an epoch's end,
-    where Lightning does not write step metrics, also write them to every logger."""
+    """``module.log_dict`` the values; at an epoch's end, where Lightning writes no step metrics, also to loggers."""
     module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
     trainer = module._trainer
     if not at_epoch_end or trainer is None:
@@ -228,13 +191,10 @@ def is_last_batch(trainer: pl.Trainer) -> bool:
 
 
 def join_restarted_process_group(backend: str, timeout: timedelta | None) -> bool:
-    """Initialise the default process group through a per-attempt store after a torchrun restart;
-    returns whether it did (not outside torchrun, in its first attempt, or with a group already).
-
-    torch 2.14's workers share the agent's store across restarts, keyed by group name only, so a
-    restarted rank can read the dead attempt's gloo addresses ("Gloo connectFullMesh failed";
-    pytorch/pytorch#167288 looks like the same with NCCL); Lightning then leaves our group alone.
-    """
+    """After a torchrun restart, initialise the default group through a per-attempt store (Lightning then
+    leaves it alone); returns whether it did. torch 2.14's workers share the agent's store across
+    restarts, keyed by group name only, so a restarted rank could read the dead attempt's gloo
+    addresses ("Gloo connectFullMesh failed"; pytorch/pytorch#167288 looks like the same with NCCL)."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if restart == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
         return False
@@ -266,25 +226,16 @@ _LAUNCH_OPTIONS = frozenset(
 
 
 class StrategyBase(PeerFailureMixin, DDPStrategy):
-    """The base of every strategy in this package (a ``DDPStrategy``: same launchers, same groups).
-
-    Subclasses override only the hooks that make them what they are. They share:
-
-    - ``checkpoint_io``: :class:`~lightning_strategies.AtomicCheckpointIO` unless the user gives one.
-    - :attr:`failed`: set by ``on_exception``; teardown must not wait for peers when it is set
-      (a graceful shutdown or a group's destruction would wait for a dead peer). Reset once the
-      teardown is done.
-    - :attr:`trainer`: the trainer of the attached module, or ``None``.
-    - :attr:`metrics`: a :class:`MetricsWindow`, emptied at teardown, and
-      :meth:`_after_optimizer_step`, where a strategy collects and logs its per-step metrics.
-    - :meth:`_keep_state_at_fit_end` / :meth:`_state_after_fit`: strategies whose optimizer state
-      lives in their runtime (servers, stages) keep the gathered state when fit ends, for a
-      ``Trainer.save_checkpoint`` after fit, when the runtime is gone.
+    """The base of every strategy here: a ``DDPStrategy`` (same launchers, same groups) with lost peers
+    named on failure (:class:`~lightning_strategies.faults.PeerFailureMixin`), the process group joined
+    again after a torchrun restart, :class:`~lightning_strategies.AtomicCheckpointIO` unless the user
+    gives one, :attr:`failed` (teardown must then not wait for peers: a graceful shutdown or a group's
+    destruction would wait for a dead one), one :attr:`metrics` window, and the optimizer state of a
+    runtime (servers, stages) kept at fit end for a ``Trainer.save_checkpoint`` after fit.
     """
 
     checkpoint_io = ATOMIC_CHECKPOINT_IO_DEFAULT  # atomic checkpoint writes unless the user gives an IO
-    #: Whether the model is wrapped in ``DistributedDataParallel``: only then do DDP's own options
-    #: (``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``, ...) mean anything.
+    #: Whether the model is wrapped in DDP: only then do DDP's own options (``find_unused_parameters``, ...) apply.
     wraps_ddp: ClassVar[bool] = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -315,8 +266,7 @@ class StrategyBase(PeerFailureMixin, DDPStrategy):
         super().setup_distributed()
 
     def _init_mesh(self, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-        """A device mesh over the world whose groups get this strategy's backend and timeout
-        (new groups otherwise default to 30 minutes, so a hung peer would outlast ``timeout``)."""
+        """A mesh whose groups get this strategy's backend and timeout (new groups default to 30 minutes)."""
         override = _group_options(self._get_process_group_backend(), self._timeout)
         return init_device_mesh(
             self.root_device.type,
@@ -340,7 +290,6 @@ class StrategyBase(PeerFailureMixin, DDPStrategy):
         self._state_at_fit_end = {id(unwrap_optimizer(o)): self.optimizer_state(o) for o in self.optimizers}
 
     def _state_after_fit(self, optimizer: Optimizer) -> dict[str, Any] | None:
-        """The state kept by :meth:`_keep_state_at_fit_end` for ``optimizer``, if any."""
         return self._state_at_fit_end.get(id(unwrap_optimizer(optimizer)))
 
     @override
@@ -356,8 +305,7 @@ class StrategyBase(PeerFailureMixin, DDPStrategy):
         return output
 
     def _after_optimizer_step(self) -> None:
-        """Runs after each optimizer step, inside Lightning's ``optimizer_step`` hook (``self.log``
-        is allowed there): collect this step's metrics into :attr:`metrics` and flush when due."""
+        """Collect this step's metrics into :attr:`metrics` and flush when due (``self.log`` is allowed here)."""
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -377,17 +325,12 @@ def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
 
 
 def exposed(attribute: str, doc: str) -> Any:
-    """A read-only property that returns ``self.<attribute>``, documented by ``doc``.
-
-    The strategies expose many of their settings and handles this way; annotate the class attribute
-    with the value's type so that type checkers see the value (``wire_dtype: str | None =
-    exposed("_wire_dtype", "...")``).
-    """
+    """A read-only property returning ``self.<attribute>``, documented by ``doc``; annotate the class
+    attribute with the value's type (``wire_dtype: str | None = exposed("_wire_dtype", "...")``)."""
     return property(operator.attrgetter(attribute), doc=doc)
 
 
 def optimizer_state_unsplit(strategy: StrategyBase, optimizer: Optimizer) -> dict[str, Any]:
-    """A model-parallel strategy's optimizer state once its model is whole again (after fit): the
-    state gathered when fit ended, else the optimizer's own."""
+    """A model-parallel strategy's optimizer state after fit: the one gathered at fit end, else the optimizer's."""
     kept = strategy._state_after_fit(optimizer)
     return kept if kept is not None else optimizer.state_dict()

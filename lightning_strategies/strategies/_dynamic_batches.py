@@ -1,9 +1,4 @@
-"""The training loader of the async strategies: batches drawn from a shared queue.
-
-:class:`DynamicBatchSampler` takes each next batch from the worker's lease; the rest checks what
-sharing batches needs (a map-style dataset, a batch size, a loop that validates and saves at
-epoch ends) and rebuilds a loader around the sampler.
-"""
+"""The training loader of the async strategies: batches drawn from a shared queue, and what that needs."""
 
 from __future__ import annotations
 
@@ -21,19 +16,15 @@ __all__ = ["DynamicBatchSampler", "check_loop", "plan_of", "training_plan", "wit
 
 
 class DynamicBatchSampler(Sampler[list[int]]):
-    """A batch sampler that takes each next batch from a shared queue and stops when it is empty.
-
-    It has no ``__len__`` on purpose: each rank takes as many batches as it can process, so
-    Lightning treats the loader as of unknown length (fetching one batch ahead to find the
-    epoch's last batch, and validating after it).
+    """A batch sampler that takes each next batch from a shared queue and stops when it is empty; no ``__len__``
+    on purpose, since each rank takes as many batches as it can (Lightning then fetches one ahead).
 
     Args:
         plan: how the epoch is batched (the same on every rank).
         draw: ``draw(epoch, plan)`` returns the next indices, or ``None`` at the end (it runs in
-            the training process, also with loader processes: they receive indices from it).
-        restart: called when an iteration starts (Lightning drops an iterator it prefetched from
-            when it starts a new one).
+            the training process, also with loader processes).
         epoch: returns the current epoch when an iteration starts.
+        restart: called when an iteration starts (Lightning drops an iterator it prefetched from).
     """
 
     def __init__(

@@ -1,8 +1,4 @@
-"""The Lightning internals this package touches: Lightning offers no public way to do these.
-
-Each is pinned by ``tests/unit/test_lightning_internals.py``, which fails when a Lightning release
-changes it, so the one place to fix is here.
-"""
+"""Lightning internals this package touches (no public way exists); tests/unit/test_lightning_internals.py pins each."""
 
 from __future__ import annotations
 
@@ -13,11 +9,7 @@ __all__ = ["every_n_train_steps", "logged_step", "per_rank_sigterm", "predict_no
 
 
 def should_update_logs(trainer: pl.Trainer | None) -> bool:
-    """Whether Lightning writes step metrics at this step (``Trainer(log_every_n_steps=...)``).
-
-    Every rank agrees on the answer (it depends on the global step only), so a collective made
-    only when it is true pairs up across ranks.
-    """
+    """Whether Lightning writes step metrics at this step (ranks agree: it depends on the global step only)."""
     if trainer is None:
         return False
     try:
@@ -37,14 +29,10 @@ def every_n_train_steps(callback: object) -> int:
 
 
 def per_rank_sigterm(trainer: pl.Trainer) -> None:
-    """Replace the training loop's per-step SIGTERM broadcast by a local check.
-
-    Lightning broadcasts a SIGTERM flag from rank 0 before every training step, on the default
-    group, whenever it spans more than one process; when the ranks take different numbers of
-    steps (``"async"``) that broadcast would pair with a peer's epoch-end collective. Lightning has
-    no option to turn it off, so this (the package's one write into Lightning's state) does. Each
-    rank still stops on its own SIGTERM.
-    """
+    """Replace the training loop's per-step SIGTERM broadcast by a local check (each rank still stops on
+    its own SIGTERM). Lightning broadcasts the flag from rank 0 before every step, with no option to turn
+    it off; when ranks take different numbers of steps (``"async"``) it would pair with a peer's
+    epoch-end collective."""
 
     def check_sigterm() -> None:
         if getattr(trainer, "received_sigterm", False):
@@ -54,8 +42,7 @@ def per_rank_sigterm(trainer: pl.Trainer) -> None:
 
 
 def predict_nothing(trainer: pl.Trainer) -> None:
-    """Have ``trainer.predict()`` return ``None`` on this rank, without Lightning's "predict returned
-    None" warning: a rank that makes no predictions by design (a pipeline's first stages)."""
+    """Make ``trainer.predict()`` return ``None``, unwarned, on a rank without predictions (early pipeline stages)."""
     loop = trainer.predict_loop
     loop.return_predictions = False
     # Lightning has no public switch for the warning; its cache skips a message it holds already.

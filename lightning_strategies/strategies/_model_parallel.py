@@ -1,11 +1,4 @@
-"""What the model-parallel strategies (``pipeline``, ``tensor``) share.
-
-Both split the model over a group of ranks and replicate that group for data parallelism, on a
-``(dp, <axis>)`` device mesh: ``world = replicas x model_parallel_size``. Every rank of a group
-must see the same batches (the sampler shards over replicas only), gradients are averaged over
-the replicas by the strategy (no DDP wrapper), and clipping by norm must use the norm over the
-whole group, since each rank holds only part of the model.
-"""
+"""What ``pipeline`` and ``tensor`` share: a model split over a group of ranks, replicated on a (dp, <axis>) mesh."""
 
 from __future__ import annotations
 
@@ -30,19 +23,14 @@ _GROUPS_AT_EXIT: list[dist.ProcessGroup] = []
 
 
 def destroy_at_exit(groups: Iterable[dist.ProcessGroup]) -> None:
-    """Destroy ``groups`` when the interpreter exits, before it tears its modules down.
-
-    For groups that must outlive a strategy's teardown (see ``TensorParallelStrategy``): a gloo
-    group left to the interpreter's own teardown sometimes aborts a process that trained fine.
-    """
+    """Destroy ``groups`` at interpreter exit: a gloo group left to its teardown may abort a process that did fine."""
     if not _GROUPS_AT_EXIT:
         atexit.register(_destroy_groups_at_exit)
     _GROUPS_AT_EXIT.extend(g for g in groups if g not in _GROUPS_AT_EXIT)
 
 
 def forget_at_exit(groups: Iterable[dist.ProcessGroup]) -> None:
-    """Leave ``groups`` to the process's end after all: destroying a group waits for its pending
-    work, which a dead or hung peer never completes."""
+    """Leave ``groups`` to the process's end after all (destroying one waits for work a dead peer never completes)."""
     for group in groups:
         with suppress(ValueError):
             _GROUPS_AT_EXIT.remove(group)
@@ -57,12 +45,8 @@ def _destroy_groups_at_exit() -> None:
 
 
 class ModelParallelStrategy(StrategyBase):
-    """A strategy whose model is split over ``model_parallel_size`` ranks, replicated ``replicas`` times.
-
-    Subclasses name their mesh axis (:attr:`mesh_axis`) and size option (:attr:`size_option`), whose
-    value they pass as ``model_parallel_size`` (``None``: the world). The world size is checked when
-    the Trainer configures the launcher and again in ``setup_environment``, which builds the mesh.
-    """
+    """A model split over ``model_parallel_size`` ranks (``None``: the world), replicated ``replicas`` times;
+    subclasses name their mesh axis (:attr:`mesh_axis`) and size option (:attr:`size_option`)."""
 
     wraps_ddp = False
     mesh_axis: ClassVar[str]
@@ -76,8 +60,7 @@ class ModelParallelStrategy(StrategyBase):
 
     @property
     def model_parallel_size(self) -> int:
-        """Ranks that share one copy of the model (a pipeline's stages, a tensor-parallel group):
-        the size option, or the world size."""
+        """Ranks that share one copy of the model: the size option, or the world size."""
         return self._model_parallel_size if self._model_parallel_size is not None else max(1, self.world_size)
 
     @property
@@ -93,8 +76,7 @@ class ModelParallelStrategy(StrategyBase):
 
     @override
     def _configure_launcher(self) -> None:
-        # The Trainer calls this in the launching process once the world size is known: the
-        # arithmetic fails here, before any process starts.
+        # called in the launching process once the world size is known: fail before any process starts
         self._check_world()
         super()._configure_launcher()
 
@@ -117,14 +99,12 @@ class ModelParallelStrategy(StrategyBase):
             self._mesh = self._init_mesh((self.replicas, self.model_parallel_size), ("dp", self.mesh_axis))
 
     def _group(self, axis: str) -> dist.ProcessGroup | None:
-        """This rank's group along ``axis`` of the mesh (``None`` before the mesh exists)."""
         return self._mesh.get_group(axis) if self._mesh is not None else None
 
     @override
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
-        # Lightning wraps the micro-steps that only accumulate in this (as DDP's no_sync): their
-        # gradients are averaged with the last micro-step's, once, before the optimizer step.
+        # Lightning wraps accumulate-only micro-steps in this (as DDP's no_sync); the last one averages the sum
         self._sync_replicas = False
         try:
             yield None
@@ -135,10 +115,8 @@ class ModelParallelStrategy(StrategyBase):
 class GroupNormClipping:
     """Clipping by the norm of the whole (split) model, for a precision plugin (a mixin).
 
-    The squared norms of the gradients this rank alone holds are summed over ``group``; replicated
-    ones count once. Every rank joins the all-reduce, gradients or not, so it always pairs up; the
-    norm is float64 on the gradients' device (an NCCL group has no CPU backend), read only when
-    clipping is on.
+    Squared norms of the gradients this rank alone holds are summed over ``group`` (replicated ones count once)
+    by every rank, gradients or not, on the gradients' device (an NCCL group has no CPU backend).
 
     Args:
         group: returns the model-parallel process group (``None`` before it exists).
@@ -186,5 +164,4 @@ class GroupNormClipping:
 
 
 class GroupNormPrecision(GroupNormClipping, Precision):
-    """32-bit precision whose clipping by norm uses the norm of the whole (split) model
-    (:class:`GroupNormClipping`; the arguments are its)."""
+    """32-bit precision clipping by the whole model's norm (:class:`GroupNormClipping`, its arguments)."""

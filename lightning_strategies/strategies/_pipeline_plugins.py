@@ -1,11 +1,4 @@
-"""The Lightning plugins :class:`~lightning_strategies.strategies.pipeline.PipelineStrategy` installs.
-
-- :class:`~lightning_strategies.strategies._model_parallel.GroupNormPrecision` (``32-true``) and
-  :class:`PipelineMixedPrecision` (``bf16-mixed``, ``16-mixed``): clipping by the norm of the
-  whole pipeline; under ``16-mixed`` one overflow verdict for every stage and replica.
-- :class:`StageSyncBatchNorm`: ``Trainer(sync_batchnorm=True)`` with batch-norm statistics synced
-  over the replicas of a stage (its data-parallel group), not over the world.
-"""
+"""The precision and batch-norm plugins :class:`~lightning_strategies.strategies.pipeline.PipelineStrategy` installs."""
 
 from __future__ import annotations
 
@@ -38,11 +31,10 @@ __all__ = [
 class PipelineMixedPrecision(GroupNormClipping, MixedPrecision):
     """``bf16-mixed`` / ``16-mixed`` for a pipeline: autocast in the stages, one loss scale for all ranks.
 
-    Forward chunks and the loss run under :meth:`forward_context`, backward chunks outside it. Under
-    ``16-mixed`` the last stage scales its loss, so every stage's gradients carry the scale; each
-    rank unscales its own and :func:`~lightning_strategies.comm.amp.agree_found_inf` takes the
-    overflow verdict over the world, so an inf on any rank skips the step everywhere and every scale
-    moves alike. Clipping is :class:`~lightning_strategies.strategies._model_parallel.GroupNormClipping`'s.
+    Under ``16-mixed`` the last stage scales its loss, each rank unscales its own gradients and
+    :func:`~lightning_strategies.comm.amp.agree_found_inf` takes the overflow verdict over the world,
+    so an inf on any rank skips the step everywhere. Clipping is
+    :class:`~lightning_strategies.strategies._model_parallel.GroupNormClipping`'s.
 
     Args:
         precision: ``"bf16-mixed"`` or ``"16-mixed"``.
@@ -154,8 +146,7 @@ def pipeline_precision(
 def stage_layer_sync(
     layer_sync: LayerSync | None, device: torch.device, replicas: int, dp_group: Callable[[], dist.ProcessGroup | None]
 ) -> LayerSync | None:
-    """``Trainer(sync_batchnorm=True)``'s plugin as one that syncs over a stage's replicas (a stage's
-    layers run there only), or none with one replica.
+    """``Trainer(sync_batchnorm=True)``'s plugin as one syncing over a stage's replicas (none with one).
 
     Raises:
         ValueError: off CUDA, where torch's ``SyncBatchNorm`` does not run.

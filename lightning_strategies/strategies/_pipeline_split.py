@@ -1,9 +1,4 @@
-"""The pipeline's model split over its ranks: the stages decided, each rank's blocks, checkpoints of a split model.
-
-:class:`PipelineSplit` is :class:`~lightning_strategies.strategies.pipeline.PipelineStrategy`'s
-base: the hooks that place the blocks (``tensor_init_context``, ``model_to_device``) and those
-that save and load a model whose ranks each hold only their own stages.
-"""
+"""The pipeline's model split over its ranks: the stages, each rank's blocks, checkpoints of a split model."""
 
 from __future__ import annotations
 
@@ -85,8 +80,7 @@ class PipelineSplit(ModelParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
-        # The stages' groups go at teardown: gather the trained model and optimizer state now, for
-        # a Trainer.save_checkpoint after fit and for the caller of a fork- or spawn-launched fit.
+        # the stages' groups go at teardown: gather the state now (save_checkpoint after fit, a spawned fit's caller)
         self._model_at_fit_end = self.lightning_module_state_dict()
         self._keep_state_at_fit_end()
         super().on_train_end()
@@ -108,9 +102,6 @@ class PipelineSplit(ModelParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        """Decide the stages and give each rank its own blocks on its device (rank 0's weights); a module
-        split already (``test`` after ``fit``) keeps its split.
-        """
         module = self.lightning_module
         pp_group = self._group("pp")
         assert module is not None and pp_group is not None
@@ -146,8 +137,7 @@ class PipelineSplit(ModelParallelStrategy):
 
     @staticmethod
     def _check_split(module: nn.Module, blocks: nn.Sequential, layout: StageLayout) -> None:
-        """Refuse what a split cannot hold apart: a tensor shared by blocks on different ranks, and
-        tensors outside the blocks (every rank keeps those) left on ``meta``."""
+        """Refuse a tensor shared by blocks on different ranks, and tensors outside the blocks on ``meta``."""
         where: dict[int, int] = {}
         for i, block in enumerate(blocks):
             for t in tensors_of(block):
@@ -223,9 +213,6 @@ class PipelineSplit(ModelParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model on global rank 0 (``{}`` elsewhere), streamed from replica 0's stages into
-        memory-mapped files (:func:`~lightning_strategies.comm.pipeline_stages.gather_state_dict`).
-        """
         module = self.lightning_module
         assert module is not None
         if self._mesh is None and self._model_at_fit_end is not None:
@@ -253,9 +240,6 @@ class PipelineSplit(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """The checkpoint memory-mapped when it is a local file read by torch's format: each rank
-        then copies only its stages' tensors out of it, so none reads the whole model into memory.
-        Other checkpoint IO (remote files, a custom plugin) loads as it always does."""
         path = os.fspath(checkpoint_path) if isinstance(checkpoint_path, str | os.PathLike) else None
         io: CheckpointIO = self.checkpoint_io
         if path is None or not os.path.isfile(path) or not isinstance(io, TorchCheckpointIO):
@@ -267,9 +251,6 @@ class PipelineSplit(ModelParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Copy this rank's stages' tensors (and those outside the blocks), checking keys as a strict load
-        and the other stages' shapes against their placeholders.
-        """
         module = self.lightning_module
         assert module is not None
         state = checkpoint["state_dict"]
@@ -292,8 +273,7 @@ class PipelineSplit(ModelParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        # The file holds every stage's state, indexed over the whole module; each rank loads the
-        # entries of its materialised parameters only (any split resumes any checkpoint).
+        # the file holds every stage's state, indexed over the whole module: load this rank's parameters' only
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
             opt = unwrap_optimizer(optimizer)
             params = [p for group in opt.param_groups for p in group["params"]]
@@ -345,8 +325,7 @@ class PipelineSplit(ModelParallelStrategy):
 
     def _balance_by_time(self, inputs: Tensor, autocast: Callable[[], Any] | None) -> None:
         """Time every block on the first micro-batch where it lies (the mean over replicas), re-cut the
-        stages and move the blocks that change rank, with their optimizer state, before the first step.
-        """
+        stages and move the blocks that change rank, with their optimizer state, before the first step."""
         module, pp_group, layout, blocks = self.lightning_module, self._group("pp"), self._layout, self._blocks
         assert module is not None and pp_group is not None and layout is not None and blocks is not None
         sample = inputs[: max(1, inputs.shape[0] // self.microbatches)]
@@ -391,10 +370,8 @@ def check_balance(balance: Any) -> Balance:
 
 @contextmanager
 def no_state_broadcast(module: nn.Module | None) -> Iterator[None]:
-    """Within the block DDP's setup does not broadcast rank 0's module state (the split gave each rank
-    rank 0's weights already, and placeholders have none): Lightning skips the names in
-    ``_ddp_params_and_buffers_to_ignore``, set for the block only.
-    """
+    """Within the block DDP's setup does not broadcast rank 0's module state (each rank has rank 0's
+    weights already, placeholders have none): Lightning skips ``_ddp_params_and_buffers_to_ignore``."""
     if module is None:
         yield
         return
@@ -412,8 +389,7 @@ def no_state_broadcast(module: nn.Module | None) -> Iterator[None]:
 
 @contextmanager
 def placeholders_stay(module: nn.Module | None) -> Iterator[None]:
-    """Within the block, ``module.cpu()`` (Lightning's teardown) moves the tensors with values and
-    leaves the other stages' ``meta`` placeholders as they are (``meta`` cannot be copied)."""
+    """Within the block, ``module.cpu()`` (Lightning's teardown) leaves the ``meta`` placeholders (not copyable)."""
     if module is None:
         yield
         return

@@ -1,13 +1,8 @@
-"""The strategy names this package adds to Lightning's ``StrategyRegistry``.
+"""The strategy names this package adds to Lightning's ``StrategyRegistry`` on ``import lightning_strategies``.
 
-Variants are rows, not subclasses: ``"ring_bf16"`` is ``RingAllReduceStrategy`` with
-``wire_dtype="bf16"``, the way Lightning registers ``ddp_find_unused_parameters_true``.
-Registration happens on ``import lightning_strategies`` (Lightning discovers no entry points).
-
-Fabric has a registry of its own, for ``lightning.fabric.strategies.Strategy`` classes; these
-strategies are Trainer strategies (they hook Lightning's training loop, logging and callbacks),
-so each name is registered there as a refusal that says so: ``Fabric(strategy="ring")`` fails
-with what to use instead, not with "invalid strategy name".
+Variants are rows, not subclasses: ``"ring_bf16"`` is ``RingAllReduceStrategy`` with ``wire_dtype="bf16"``.
+Fabric's registry gets each name as a refusal saying these are Trainer strategies (they hook the Trainer's
+loop, logging and callbacks), so ``Fabric(strategy="ring")`` says what to use, not "invalid strategy name".
 """
 
 from __future__ import annotations
@@ -50,7 +45,6 @@ _TENSOR = "lightning_strategies.strategies.tensor:TensorParallelStrategy"
 
 
 def _fork(name: str, target: str) -> StrategyRow:
-    """``name`` with fork-started processes, as Lightning's ``ddp_fork``."""
     return StrategyRow(
         f"{name}_fork",
         target,
@@ -70,8 +64,7 @@ STRATEGY_ROWS: tuple[StrategyRow, ...] = (
     StrategyRow(
         "async",
         _ASYNC,
-        "Asynchronous sharded parameter servers: pushes applied on arrival, optional staleness bound, "
-        "dynamic batches",
+        "Asynchronous sharded parameter servers: pushes applied on arrival, optional staleness bound, dynamic batches",
     ),
     _fork("async", _ASYNC),
     StrategyRow(
@@ -122,9 +115,7 @@ def register_strategies(registry: Any = StrategyRegistry) -> list[str]:
     for row in STRATEGY_ROWS:
         if row.name in registry:
             continue
-        registry.register(
-            row.name, row.strategy_class(), description=row.description, **row.init_params
-        )
+        registry.register(row.name, row.strategy_class(), description=row.description, **row.init_params)
         added.append(row.name)
     return added
 

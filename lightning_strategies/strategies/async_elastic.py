@@ -1,25 +1,22 @@
-"""``AsyncElasticStrategy`` ("async_elastic"): ``"async"`` with dedicated servers, whose workers may
-be lost and may rejoin.
+"""``AsyncElasticStrategy`` ("async_elastic"): ``"async"`` with dedicated servers, whose workers may be lost and rejoin.
 
-Ranks ``0 .. num_servers-1`` serve the shards and do not train; rank 0, the *chief*, also serves
-the job's store and the coordinator, validates, writes the checkpoints and logs the run's
-membership. The other ranks are workers (see :mod:`lightning_strategies.comm.elastic`). Each
-process has a process group of its own (one rank), so none of Lightning's collectives pairs a
-process with another that may be gone; everything between processes goes over RPC and the store.
+Ranks ``0 .. num_servers-1`` serve the shards and do not train; the others are workers
+(:mod:`lightning_strategies.comm.elastic`). Each process has a process group of its own, so no Lightning
+collective pairs it with a process that may be gone: everything between processes goes over RPC and the store.
 The hooks changed relative to ``"async"`` are:
 
-- ``_configure_launcher``: :class:`ElasticScriptLauncher` (``popen`` without the observer that
-  kills every process when one dies).
-- ``setup_distributed`` / ``setup_environment`` / ``_start_rpc``: the job's store, this start's
-  incarnation, a one-rank process group, a join of the dynamic RPC group, the member heartbeat.
+- ``_configure_launcher``: :class:`ElasticScriptLauncher` (``popen`` without the observer that kills every
+  process when one dies).
+- ``setup_distributed`` / ``setup_environment`` / ``_start_rpc``: the job's store, this start's incarnation, a
+  one-rank process group, a join of the dynamic RPC group, the member heartbeat.
 - ``distributed_sampler_kwargs`` / ``barrier`` / ``reduce_boolean_decision``: nothing spans processes.
-- ``setup`` (``_start_coordination``) / ``_start_servers``: the coordinator and the membership
-  monitor on the chief, the shards from the chief's weights, a lease and a join on each worker.
+- ``setup`` (``_start_coordination``) / ``_start_servers``: the coordinator and the membership monitor on the
+  chief, the shards from the chief's weights, a lease and a join on each worker.
 - ``process_dataloader``: the servers' loop follows the workers' pushes (:class:`ServersSampler`).
-- ``training_step`` / ``_end_step`` / ``_collect_own_metrics``: a server trains nothing and logs
-  the membership; a worker pushes with the chief's learning rates and publishes its buffers.
-- ``on_train_start`` / ``_pull_latest`` / ``on_train_end`` / ``teardown``: a worker's loop runs
-  until the chief ends the run; the chief's consistent points; leave without a graceful RPC shutdown.
+- ``training_step`` / ``_end_step`` / ``_collect_own_metrics``: a server trains nothing and logs the
+  membership; a worker pushes with the chief's learning rates and publishes its buffers.
+- ``on_train_start`` / ``_pull_latest`` / ``on_train_end`` / ``teardown``: a worker's loop runs until the chief
+  ends the run; the chief's consistent points; leave without a graceful RPC shutdown.
 """
 
 from __future__ import annotations
@@ -80,8 +77,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Seconds between two heartbeats of a member (and between two reads of them on the chief): a lost
-#: worker's batches wait for its drop, so it is noticed fast.
+#: Seconds between a member's heartbeats (and the chief's reads of them): a lost worker's batches wait for its drop.
 MEMBERSHIP_INTERVAL = 0.5
 #: Seconds of silence before the chief pings a member. Short, because the ping decides: a live
 #: member answers it (it is only slow), a killed one refuses at once, a frozen one never answers.
@@ -89,8 +85,7 @@ MEMBERSHIP_GRACE = 1.0
 
 
 class ElasticScriptLauncher(_SubprocessScriptLauncher):
-    """Lightning's ``popen`` launcher without its child-process observer, which SIGKILLs every
-    process as soon as one child fails: wrong for a run whose point is to go on without it."""
+    """Lightning's ``popen`` launcher without its observer, which SIGKILLs every process once a child fails."""
 
     @override
     def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
@@ -102,14 +97,10 @@ class ElasticScriptLauncher(_SubprocessScriptLauncher):
 
 
 class ServersSampler(Sampler[list[int]]):
-    """The training loop of a dedicated server: it trains nothing and follows the workers.
-
-    Each epoch yields ``steps`` marker batches (the mean batches per worker), the ``j``-th once the
-    workers have pushed ``j/steps`` of the epoch's batches, and ends once they have pushed them
-    all, so the server's step and LR schedule follow the mean worker's and its epoch end sees every
-    batch in. ``open_epoch(epoch)`` runs before the first marker (which Lightning draws during
-    setup, so it needs no wait); ``wait(epoch, batches_done)`` blocks, False: the run is over.
-    """
+    """A dedicated server's training loop: ``steps`` markers an epoch (the mean batches per worker), each once the
+    workers have pushed that share of the epoch's batches, so the server's step and LR schedule follow the mean
+    worker's. ``wait(epoch, batches_done)`` blocks (False: the run is over); the first marker, drawn during
+    setup, is not waited for."""
 
     def __init__(
         self,
@@ -170,8 +161,7 @@ class DedicatedServers:
 
     def connect(self, rank: int, address: str, port: int, *, backend: str, timeout: timedelta,
                 startup: timedelta) -> None:  # fmt: skip
-        """Connect to the job's store (rank 0 serves it), take this start's incarnation, and give
-        the process a process group of its own."""
+        """Connect to the job's store (rank 0 serves it), take this start's incarnation, make a one-rank group."""
         self.join, self._left = None, False
         self.store, self._tcp = connect_store(address, port, rank, timeout=startup)
         self.incarnation = next_incarnation(self.store, rank)
@@ -229,8 +219,7 @@ class DedicatedServers:
         ).start()
 
     def evict_later(self, rank: int, incarnation: int, name: str) -> None:
-        """Take a dropped worker out of the RPC group so that a relaunch of it can join (off the
-        caller's thread: an RPC thread or the monitor)."""
+        """Take a dropped worker out of the RPC group, so a relaunch can join (off the caller's thread)."""
         if self.monitor is not None:
             self.monitor.forget(rank)
         store, tcp = self.connected_store(), self._tcp
@@ -272,25 +261,24 @@ class DedicatedServers:
 class AsyncElasticStrategy(AsyncParameterServerStrategy):
     """``"async"`` that survives its workers: dedicated servers, workers that come and go.
 
-    A worker killed, frozen past ``timeout`` or preempted (SIGTERM) is dropped and its leased,
-    unpushed batches are trained by the others (every batch of an epoch counted once); a worker
-    started again with the same rank rejoins, pulls the current weights and trains. The chief
-    validates on the whole validation set, writes the checkpoints and logs ``async/workers_alive``,
-    ``async/workers_lost``, ``async/workers_joined`` and ``async/batches_redrawn``. The LR schedule
-    runs on the chief (its steps follow the mean worker's) and travels with the leases; BatchNorm
-    statistics are the latest worker's. Servers are not replicated: a lost server fails every
-    worker (naming it), and ``ckpt_path`` of the last checkpoint restores the shards exactly.
+    A worker killed, frozen past ``timeout`` or preempted (SIGTERM) is dropped and its leased, unpushed batches
+    are trained by the others (every batch of an epoch counted once); a worker started again with the same rank
+    rejoins, pulls the current weights and trains. Rank 0, the *chief*, also hosts the job's store and the
+    coordinator, validates on the whole validation set, writes the checkpoints and logs ``async/workers_alive``,
+    ``async/workers_lost``, ``async/workers_joined`` and ``async/batches_redrawn``. The LR schedule runs on the
+    chief (following the mean worker) and travels with the leases; BatchNorm statistics are the latest worker's.
+    Servers are not replicated: a lost server fails every worker (naming it), and ``ckpt_path`` of the last
+    checkpoint restores the shards exactly.
 
     Args:
-        dedicated_servers: must be True (the option ``"async_elastic"`` has always been).
+        dedicated_servers: must be True.
         num_servers: server ranks, default 1.
-        **kwargs: everything :class:`~lightning_strategies.AsyncParameterServerStrategy` takes.
-            Processes must be started independently (torchrun, SLURM, by hand) or by
-            ``start_method="popen"``.
+        **kwargs: everything :class:`~lightning_strategies.AsyncParameterServerStrategy` takes; processes are
+            started independently (torchrun, SLURM, by hand) or by ``start_method="popen"``.
 
     Raises:
-        ValueError: ``dedicated_servers=False``, a fork/spawn launcher, or fewer processes than
-            servers plus one worker; at setup ``limit_train_batches`` other than 1.0.
+        ValueError: ``dedicated_servers=False``, a fork/spawn launcher, or fewer processes than servers plus one
+            worker; at setup ``limit_train_batches`` other than 1.0.
     """
 
     def __init__(self, *, dedicated_servers: bool = True, num_servers: int | None = None, **kwargs: Any) -> None:
@@ -477,8 +465,6 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
 
     @override
     def _start_servers(self) -> None:
-        """The servers register their shards (the chief's weights in every one), then every
-        process gets its client; a worker pulls the current weights and joins the coordinator."""
         store = self._members.connected_store()
         _, spec, params, plan = self._plan_servers()
         rank = self.global_rank
@@ -616,15 +602,13 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
             self._pull_members()
 
     def _pull_members(self) -> None:
-        """The shards' latest weights and the latest buffers a worker reported."""
         if self.async_client is not None:
             self.async_client.pull()
             self._load_buffers(self._fetch_buffers())
 
     def _train_end(self) -> None:
-        """The chief ends the run and waits for the workers to take the last weights and leave;
-        a worker takes them and leaves; the other servers wait until the chief has gathered the
-        shards' optimizer state (``chief_done``, set in :meth:`on_train_end`)."""
+        """The chief ends the run and waits for the workers to take the last weights and leave; a worker takes
+        them and leaves; the other servers wait for ``chief_done`` (the chief gathered the optimizer state)."""
         store = self._members.connected_store()
         coordinator = self._coordinator
         if self.is_chief and coordinator is not None:
@@ -653,8 +637,7 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
 
     @override
     def teardown(self) -> None:
-        # before the coordinator goes (the monitor uses it); no graceful RPC leave: it would ask
-        # every member, the dead too
+        # before the coordinator goes (the monitor uses it); no graceful RPC leave: it would ask every member, dead too
         members = self._members
         if not self.is_server and not self.failed and members.store is not None:
             with contextlib.suppress(Exception):  # a fit whose loop never ran (joined after the last batch)

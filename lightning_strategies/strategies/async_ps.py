@@ -1,29 +1,21 @@
 """``AsyncParameterServerStrategy`` ("async"): asynchronous sharded parameter servers.
 
-The synchronous strategy (:mod:`.parameter_server`) makes every worker wait for the slowest
-at every step. Here no step waits for another worker: each push is applied by the shards on
-arrival (:mod:`lightning_strategies.comm.async_ps`), optionally held back only by a
-stale-synchronous bound on the workers' clocks (``max_staleness``). For that to pay off the data
-must be shared dynamically too: every worker takes its batches from one queue per epoch (hosted
-by rank 0), a few at a time (a lease, refilled in the background), so a fast worker trains on
-more batches than a slow one while the epoch still covers every sample exactly once. The hooks
-changed relative to ``"ps"`` are:
+Unlike ``"ps"`` no step waits for another worker: the shards apply each push on arrival
+(:mod:`lightning_strategies.comm.async_ps`), and the workers share each epoch's batches through leases from
+one queue on rank 0 (:mod:`lightning_strategies.comm.async_`). The hooks changed relative to ``"ps"`` are:
 
-- ``setup``: the coordinator (:mod:`lightning_strategies.comm.async_`) on rank 0, a lease
-  (:mod:`lightning_strategies.comm.async_.lease`) on every rank; refuse what needs equal batch counts.
+- ``setup``: the coordinator on rank 0, a lease on every rank; refuse what needs equal batch counts.
 - ``process_dataloader``: the training loader draws from the lease (:class:`DynamicBatchSampler`).
 - ``training_step``: note the leased batch the step trains; admit it under the bound.
 - ``setup_optimizers``: ``estimated_stepping_batches`` sees the mean batches per worker.
 - ``_make_shard`` / ``_make_client``: asynchronous shards and clients.
-- ``optimizer_step`` (``_push_pull``): accumulate ``push_every`` steps, push, pull every
-  ``pull_every``, tell the lease; flush at the epoch's last batch. A step the gradient scaler
-  skipped pushes nothing but still counts. ``_collect_own_metrics``: staleness, waits, clock.
+- ``optimizer_step`` (``_push_pull``): accumulate ``push_every`` steps, push, pull every ``pull_every``, tell
+  the lease; flush at the epoch's last batch. A step the gradient scaler skipped pushes nothing but still
+  counts. ``_collect_own_metrics``: staleness, waits, clock.
 - ``broadcast_buffers_each_step = False``: no per-step collective (the ranks' step counts differ).
-- ``on_validation_start`` / ``on_train_end`` / ``lightning_module_state_dict``: a barrier, then
-  the latest weights and rank 0's buffers everywhere (one consistent state).
+- ``on_validation_start`` / ``on_train_end`` / ``lightning_module_state_dict``: a barrier, then the latest
+  weights and rank 0's buffers everywhere (one consistent state).
 - ``on_exception``: tell the coordinator, so no refill waits on this worker's clock.
-
-Dedicated servers whose workers come and go are :mod:`.async_elastic` (``"async_elastic"``).
 """
 
 from __future__ import annotations
@@ -82,43 +74,32 @@ _COORDINATOR_RANK = 0
 class AsyncParameterServerStrategy(ParameterServerStrategy):
     """Asynchronous data parallelism through sharded, co-located parameter servers.
 
-    Every worker pushes its gradients to the shards, which apply them at once (the worker's
-    learning rate travels with each push), and pulls the weights back, without waiting for any
-    other worker. Batches come from one shared queue per epoch, leased a few at a time, so a fast
-    worker processes more of them; each epoch still covers every sample exactly once. A worker's
-    *clock* is its pushes: with ``max_staleness=s`` no worker starts step ``c+1`` before every
-    worker has pushed step ``c-s`` (checked where each step starts, so it holds with loader
-    processes too). A gradient's *staleness* is the updates a shard applied between the worker's
-    pull and its push (about ``P-1`` with ``P`` equally fast workers).
-
-    Logged at Lightning's cadence: ``"ps"``'s bytes, ``async/staleness_mean``,
-    ``async/staleness_max``, ``async/wait_seconds`` (the bound's wait), ``async/lease_wait_seconds``,
-    ``async/clock`` and, with a bound, ``async/clock_gap_max`` (at most ``max_staleness``).
-
-    Each push is one optimizer step on one worker's batch: use the per-worker batch's learning
-    rate. Asynchrony adds momentum of about ``1 - 1/P`` (Mitliagkas et al. 2016): lower the
-    optimizer's (the digits ResNet diverges at 0.9 with ``P=2``, trains at 0.5) or the lr. LR
-    schedules count each worker's steps, estimated as the mean batches per worker. Checked at
-    setup: ``max_steps=-1``, validation and checkpoints at epoch ends, a map-style dataset with a
-    batch per process. On a fault: as ``"ps"``; a hung rank fails the others when the gate (after
-    ``timeout``) or an RPC to it gives up. To survive lost workers:
-    :class:`~lightning_strategies.AsyncElasticStrategy`.
+    Workers push gradients to the shards, which apply them on arrival (with the worker's lr), and pull the
+    weights back without waiting for each other; batches come from one shared queue per epoch, leased a few
+    at a time, so a fast worker trains more of them and each epoch still covers every sample once. A push is
+    one step on one worker's batch: use that batch's lr, and lower the momentum (asynchrony adds about
+    ``1 - 1/P`` for ``P`` workers, Mitliagkas et al. 2016). A gradient's *staleness* is the updates a shard
+    applied between the worker's pull and its push (about ``P-1``). Logged per step: ``"ps"``'s bytes,
+    ``async/staleness_mean``, ``async/staleness_max``, ``async/wait_seconds`` (the bound's),
+    ``async/lease_wait_seconds``, ``async/clock`` (pushes) and, with a bound, ``async/clock_gap_max``. Checked
+    at setup: ``max_steps=-1``, validation and checkpoints at epoch ends, a map-style dataset with a batch
+    per process. On a fault: as ``"ps"``; a hung rank fails the others when the gate (after ``timeout``) or
+    an RPC to it gives up (to survive lost workers: :class:`~lightning_strategies.AsyncElasticStrategy`).
 
     Args:
-        max_staleness: the bound ``s`` on the workers' clock gap; ``None`` for none.
+        max_staleness: no worker starts step ``c+1`` before every worker has pushed step
+            ``c - max_staleness``; ``None``: no bound.
         push_every: accumulate the local gradients of this many steps (averaged), then push.
         pull_every: fetch the weights every this many steps (with the push when both are due).
-        staleness_lr: ``"none"``, or ``"inverse"`` to divide each gradient's learning rate by
-            ``1 + staleness`` on the shard.
+        staleness_lr: ``"none"``, or ``"inverse"`` to divide each gradient's lr by ``1 + staleness`` on the shard.
         lease: batches a worker leases at a time (refilled when half are used).
-        **kwargs: everything :class:`~lightning_strategies.ParameterServerStrategy` takes
-            (``timeout`` also bounds a gated draw).
+        **kwargs: everything :class:`~lightning_strategies.ParameterServerStrategy` takes (``timeout`` also
+            bounds a gated draw).
 
     Raises:
-        ValueError: for an invalid ``max_staleness``, ``push_every``, ``pull_every``, ``lease`` or
-            ``staleness_lr``.
+        ValueError: for an invalid ``max_staleness``, ``push_every``, ``pull_every``, ``lease`` or ``staleness_lr``.
         TypeError: for a ``timeout`` that is not a ``datetime.timedelta``, or ``dedicated_servers=True``
-            (that is :class:`~lightning_strategies.AsyncElasticStrategy`).
+            (:class:`~lightning_strategies.AsyncElasticStrategy`).
     """
 
     strategy_name = "async"
@@ -154,8 +135,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         self._lease_waited = (0.0, 0.0)  # the lease's (wait, gate) seconds at the last log
         self._local_steps = 0
         self._accumulated = _Accumulator()
-        # pushes a skipped step (its gradient scaler found an overflow) did not make: the clock the
-        # lease and the staleness bound see is the client's pushes plus these
+        # pushes that skipped steps did not make: the lease's and the bound's clock is the client's pushes plus these
         self._skipped_pushes = 0
         self._stepped = False  # this optimizer_step reached the push (the scaler did not skip it)
         # staleness of this step's push (one per shard), and of the pushes since the last log
@@ -195,7 +175,6 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         super().setup(trainer)
 
     def _start_coordination(self, trainer: pl.Trainer) -> None:
-        """The coordinator on rank 0, a lease on every rank, no per-step collective."""
         if self.global_rank == _COORDINATOR_RANK:
             self._coordinator = AsyncCoordinator(
                 self.world_size, self.max_staleness, timeout=self.ps_timeout, push_every=self.push_every
@@ -226,9 +205,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        """Configure the optimizers with ``estimated_stepping_batches`` from the mean batches per
-        worker (the dynamic loader has no length); afterwards the loop's length is unknown again,
-        since a known one would end a fast worker's epoch at its "share"."""
+        """The optimizers, with ``estimated_stepping_batches`` from the mean batches per worker; the loop's
+        length is unknown again afterwards (a known one would end a fast worker's epoch at its "share")."""
         if trainer.state.fn != TrainerFn.FITTING:
             super().setup_optimizers(trainer)
             return
@@ -259,7 +237,6 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Give the training loader a :class:`DynamicBatchSampler`; other loaders pass through."""
         trainer = self.trainer
         if trainer is None or trainer.state.fn != TrainerFn.FITTING or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
@@ -274,7 +251,6 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         return self._training_loader(dataloader, plan)
 
     def _training_loader(self, dataloader: DataLoader, plan: DataPlan) -> object:
-        """The training loader over ``plan``: the same loader with a :class:`DynamicBatchSampler`."""
         name = type(self).__name__
         trainer = self.trainer
         assert trainer is not None
@@ -348,9 +324,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
 
     @override
     def optimizer_step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """Push/pull as ``"ps"`` does. A step the gradient scaler skipped (or whose loss is
-        ``None``) pushes nothing but still counts: its batch is acked and the clock advances (the
-        others would wait for a push that never comes)."""
+        """Push/pull as ``"ps"`` does; a step the gradient scaler skipped (or whose loss is ``None``) pushes
+        nothing but still counts (batch acked, clock advanced), or the others would wait for its push."""
         self._stepped = False
         out = super().optimizer_step(optimizer, *args, **kwargs)
         if not self._stepped and self._fitting() and self.async_client is not None:
@@ -363,8 +338,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         self._end_step(optimizer, skipped=False)
 
     def _end_step(self, optimizer: Optimizer, *, skipped: bool) -> None:
-        """Accumulate, push, pull and tell the lease, after a step (``skipped``: its gradients are
-        not pushed, nor accumulated)."""
+        """Accumulate, push, pull and tell the lease after a step (``skipped``: its gradients left out)."""
         client = self.async_client
         assert client is not None
         grads: list[Tensor | None] | None = None if skipped else [p.grad for p in client.params]
@@ -395,7 +369,6 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
                 self._lease.flush(publish=self._epoch_end_publish())
 
     def _push_lrs(self, optimizer: Optimizer) -> list[float]:
-        """The learning rates a push carries: the worker's."""
         return [float(g["lr"]) for g in optimizer.param_groups]
 
     def _epoch_end_publish(self) -> dict[str, Packed] | None:
@@ -521,8 +494,7 @@ def _check_options(
 
 
 def _warn_high_momentum(workers: int, optimizers: Sequence[Optimizer]) -> None:
-    # Asynchrony adds an implicit momentum of about 1 - 1/P (Mitliagkas et al. 2016); on top
-    # of SGD's usual 0.9 the sum passes 1 and training diverges (the digits ResNet does at P=2).
+    # asynchrony adds a momentum of about 1 - 1/P (Mitliagkas et al. 2016): with SGD's 0.9 the sum passes 1 (diverges)
     if workers < 2:
         return
     implicit = 1.0 - 1.0 / workers

@@ -1,21 +1,17 @@
 """``ParameterServerStrategy`` ("parameter_server", "ps"): synchronous sharded parameter servers.
 
-The strategy is DDP without the ``DistributedDataParallel`` wrapper: the same launchers, the
-same gloo/NCCL process group (Lightning's ``barrier``, ``broadcast``, ``reduce`` and
-``sync_dist`` logging keep using it), but gradients are not all-reduced. Instead every rank
-also runs a TensorPipe RPC agent and hosts one shard of the parameter server
-(:mod:`lightning_strategies.comm.ps`); the optimizer runs on the shards, and the worker's
-optimizer step becomes "push gradients, pull new values". The hooks changed are:
+DDP without its wrapper: every rank also runs a TensorPipe RPC agent and hosts one shard
+(:mod:`lightning_strategies.comm.ps`); the optimizer runs on the shards, and a worker's optimizer step
+becomes "push gradients, pull new values". The hooks changed are:
 
 - ``setup_environment``: start RPC after the process group (its own rendezvous port).
 - ``configure_ddp``: no DDP wrapper; check what the servers support, broadcast rank 0's weights.
-- ``setup_optimizers``: then build this rank's shard and its client (``_make_shard``,
-  ``_make_client``: what ``"async"`` overrides).
+- ``setup_optimizers``: then this rank's shard and its client (``_make_shard`` / ``_make_client``: ``"async"``'s).
 - ``training_step``: broadcast rank 0's buffers first, as DDP does (BatchNorm statistics).
-- ``optimizer_step``: the optimizer's step runs Lightning's closure, then push/pull instead of a
-  local update (a step pre-hook); its metrics are collected after the step (``_after_optimizer_step``).
-- ``optimizer_state`` / ``load_optimizer_state_dict``: gather / scatter the shards' state;
-  ``on_train_end`` keeps the gathered state for a ``Trainer.save_checkpoint`` after fit.
+- ``optimizer_step``: the optimizer's step runs Lightning's closure, then push/pull instead of a local
+  update (a step pre-hook); its metrics are collected after the step (``_after_optimizer_step``).
+- ``optimizer_state`` / ``load_optimizer_state_dict``: gather / scatter the shards' state; ``on_train_end``
+  keeps the gathered state for a ``Trainer.save_checkpoint`` after fit.
 - ``teardown``: shut RPC down (gracefully unless the run failed).
 """
 
@@ -68,58 +64,39 @@ log = logging.getLogger(__name__)
 class ParameterServerStrategy(StrategyBase):
     """Synchronous data parallelism through sharded, co-located parameter servers.
 
-    Each step every worker pushes its gradients to the shards (all in parallel), each shard
-    waits for all workers, averages, runs the user's optimizer on its slice and answers with
-    the new values: the same arithmetic as DDP, with the optimizer on the servers. The learning
-    rate of the worker's optimizer travels with each push, so LR schedulers and warmup work.
-
-    Logged at Lightning's step-logging cadence (``Trainer(log_every_n_steps=...)``), as per-step
-    means over the steps since the last log: ``comm/bytes_sent`` and ``comm/bytes_received``
-    (this worker's gradients pushed and values pulled), ``ps/server_bytes_max`` (the busiest
-    shard's received + sent bytes in one step; the maximum) and ``ps/wait_seconds`` (from the
-    first push to the last answer).
-
-    Under ``16-mixed`` the gradient scaler's skip decision is shared over the ranks
-    (:class:`~lightning_strategies.comm.amp.AgreedGradScaler` replaces Lightning's, same options and
-    state), so an overflow on any rank skips the step everywhere, as under DDP; ``amp/step_skipped``
-    is logged. On CUDA the shards order their device work on streams of their own.
-
-    Not supported (each raises at setup, saying what to change): manual optimization and more
-    than one optimizer (the servers run one optimizer inside Lightning's step), gradient
-    clipping (DDP clips the averaged gradient, which no single shard holds whole), and an
-    optimizer-side global norm (``Lamb(max_grad_norm=...)``) over more than one shard.
-
-    On a fault: the RPCs to a dead rank's shard fail at once, a shard waiting for a push fails
-    after ``timeout``; the survivors' errors name the lost rank(s) (``"parameter_server: lost peer
-    rank 1 of 4: ..."``, a :class:`~lightning_strategies.PeerLostError` when a step failed), and
-    RPC shuts down without waiting for the dead.
+    Each step every worker pushes its gradients to the shards, each shard averages them over all workers,
+    runs the user's optimizer on its slice and answers with the new values: DDP's arithmetic, with the
+    optimizer on the servers. The worker's learning rate travels with each push (LR schedulers and warmup
+    work). Under ``16-mixed`` an overflow on any rank skips the step everywhere, as under DDP
+    (:class:`~lightning_strategies.comm.amp.AgreedGradScaler` replaces Lightning's scaler, same options).
+    Logged per step (means since the last log): ``comm/bytes_sent``, ``comm/bytes_received``,
+    ``ps/server_bytes_max`` (the busiest shard's bytes in a step; the maximum), ``ps/wait_seconds`` (first
+    push to last answer) and, under ``16-mixed``, ``amp/step_skipped``. On a fault the RPCs to a dead rank's
+    shard fail at once, a shard waiting for a push fails after ``timeout``; the survivors' errors name the lost
+    rank(s) (a :class:`~lightning_strategies.PeerLostError` when a step failed) and RPC shuts down without
+    waiting for them.
 
     Args:
-        num_servers: number of shards, hosted by ranks ``0 .. num_servers-1``; default the
-            world size (every rank serves ``1/P`` of the parameters, the balanced layout).
-        rpc_threads: RPC server threads per process. Handlers never block, so a few suffice;
-            each extra thread competes with training for the cores.
-        **kwargs: ``timeout`` (how long the process group's collectives and a shard's barrier
-            wait for a slow or hung peer before failing, the error naming the missing worker;
-            RPCs wait a little longer, ``timeout`` + max(5 s, 10%), so the shard's error arrives
-            first; default 30 minutes, as DDP), ``process_group_backend`` (``"gloo"`` /
-            ``"nccl"``; default by device) and ``start_method`` (``"popen"`` re-runs the script,
-            for torchrun and SLURM; ``"spawn"``, ``"fork"`` (fast on CPU) or ``"forkserver"``),
-            as for ``DDPStrategy``, and the plugins the Trainer sets.
+        num_servers: shards, hosted by ranks ``0 .. num_servers-1``; default the world size (every rank serves
+            ``1/P`` of the parameters).
+        rpc_threads: RPC server threads per process. Handlers never block, so a few suffice; each extra
+            thread competes with training for the cores.
+        **kwargs: as for ``DDPStrategy``; ``timeout`` bounds the wait of collectives and a shard's barrier for a
+            hung peer (default 30 minutes; RPCs wait ``timeout`` + max(5 s, 10%), so the shard's error comes first).
 
     Raises:
-        ValueError: for a non-positive ``num_servers`` or ``rpc_threads``; at setup, for what
-            is not supported (above) or more servers than processes.
+        ValueError: for a non-positive ``num_servers`` or ``rpc_threads``; at setup, for manual optimization,
+            more than one optimizer, gradient clipping (no shard holds the averaged gradient whole), an
+            optimizer-side global norm (``Lamb(max_grad_norm=...)``) over several shards, or more servers than
+            processes.
         TypeError: for DDP-wrapper options (``find_unused_parameters``, ...): there is no wrapper.
     """
 
     strategy_name = "parameter_server"
-    # DDP's broadcast of rank 0's buffers before every forward; it pairs the ranks' steps, so a
-    # strategy whose ranks take different numbers of steps turns it off
+    # DDP's broadcast of rank 0's buffers before every forward; it pairs the ranks' steps, so "async" turns it off
     broadcast_buffers_each_step: ClassVar[bool] = True
-    # Under 16-mixed every rank skips an overflowing step together (the found-inf flag is summed
-    # over the ranks before the scaler decides): a rank that skipped alone would never push, and
-    # the barrier would wait for it. Async, with no barrier, lets each rank skip alone.
+    # Under 16-mixed every rank skips an overflowing step together: a rank that skipped alone would never
+    # push, and the shards' barrier would wait for it. Async, with no barrier, lets each rank skip alone.
     agree_on_overflow: ClassVar[bool] = True
 
     wraps_ddp = False
@@ -173,8 +150,7 @@ class ParameterServerStrategy(StrategyBase):
         self._start_rpc()
 
     def _start_rpc(self) -> None:
-        """Start the RPC agent, meeting in a store of its own that rank 0 serves on a port of the
-        kernel's choice (``MASTER_PORT`` carries the process group's store)."""
+        """Start the RPC agent, meeting in a store of its own on a kernel-chosen port (not ``MASTER_PORT``'s)."""
         assert self.cluster_environment is not None
         store = rendezvous_store(
             self.global_rank, self.world_size, self.cluster_environment.main_address, timeout=self.ps_timeout
@@ -201,8 +177,6 @@ class ParameterServerStrategy(StrategyBase):
 
     @override
     def configure_ddp(self) -> None:
-        """No ``DistributedDataParallel`` wrapper (gradients are averaged on the servers): check
-        what the servers support, then rank 0's weights everywhere, as DDP's constructor does."""
         trainer = self.trainer
         assert trainer is not None and self.model is not None
         self._check_supported(trainer)
@@ -210,7 +184,6 @@ class ParameterServerStrategy(StrategyBase):
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        """The optimizers, then (when fitting) this rank's shard and its client."""
         super().setup_optimizers(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self._start_servers()
@@ -234,17 +207,9 @@ class ParameterServerStrategy(StrategyBase):
             )
 
     def _plan_servers(self) -> tuple[Optimizer, OptimizerSpec, list[Tensor], list[list[Slice]]]:
-        """Check the optimizer can run on the shards, and partition its parameters.
-
-        An elementwise optimizer (SGD, Adam, AdamW, ...: ``OptimizerSpec.elementwise``) gets the
-        flattened parameters cut into equal ranges (:func:`partition_parameters`; a tensor may
-        span servers). A layer-wise one (LAMB, LARS: a trust ratio from a whole tensor's norms)
-        keeps whole tensors per server (:func:`shard_parameters`), less balanced when a few
-        tensors dominate the model; a rank-zero info line says so.
-
-        Returns:
-            The optimizer, its rebuild spec, its parameters and the shard plan.
-        """
+        """The optimizer, its rebuild spec, its parameters and the shard plan: an elementwise optimizer's
+        flattened parameters cut into equal ranges (a tensor may span servers), a layer-wise one's (LAMB,
+        LARS: a trust ratio from whole-tensor norms) whole tensors per server."""
         if len(self.optimizers) != 1:
             raise ValueError(
                 f"{type(self).__name__} found {len(self.optimizers)} optimizers from configure_optimizers: "
@@ -278,7 +243,6 @@ class ParameterServerStrategy(StrategyBase):
         return optimizer, self._spec, params, plan
 
     def _start_servers(self) -> None:
-        """Build this rank's shard and its client; a barrier makes every shard reachable first."""
         _, spec, params, plan = self._plan_servers()
         self._share_overflow_decision()
         rank = self.global_rank
@@ -291,7 +255,6 @@ class ParameterServerStrategy(StrategyBase):
         self._start_client(params, plan)
 
     def _start_client(self, params: list[Tensor], plan: list[list[Slice]]) -> None:
-        """This worker's client, its optimizer's step turned into push/pull, the buffers to share."""
         self._client = self._make_client(params, plan)
         if self._step_hook is not None:
             self._step_hook.remove()
@@ -300,14 +263,9 @@ class ParameterServerStrategy(StrategyBase):
         self._buffers = [b for b in self.model.buffers() if self.world_size > 1]
 
     def _step_on_servers(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The optimizer's step, as the precision plugin calls it: Lightning's closure (forward,
-        backward, the ``on_before_optimizer_step`` hooks), then push/pull; the local update that
-        follows finds no gradient left (the servers stepped), so it changes nothing.
-
-        A pre-hook (public torch API) keeps every precision plugin's handling as it is: under
-        ``16-mixed`` the scaler calls ``step`` only when it does not skip, and torch's LR
-        schedulers see the step.
-        """
+        """Step pre-hook: Lightning's closure, then push/pull; the local update that follows finds no gradient
+        (the servers stepped). A pre-hook keeps every precision plugin's handling: under ``16-mixed`` the
+        scaler calls ``step`` only when it does not skip, and LR schedulers see the step."""
         # torch passes the step's own arguments, the optimizer first
         kwargs = dict(kwargs)
         closure = kwargs.pop("closure", None) if "closure" in kwargs else (args[1] if len(args) > 1 else None)
@@ -321,9 +279,7 @@ class ParameterServerStrategy(StrategyBase):
         return args[:1], kwargs
 
     def _share_overflow_decision(self) -> None:
-        """Replace a mixed-precision gradient scaler by an :class:`~lightning_strategies.comm.amp.AgreedGradScaler`
-        (same options and state) that decides as ``agree_on_overflow`` says and keeps its decision
-        on the device for the logs."""
+        """Swap in an :class:`~lightning_strategies.comm.amp.AgreedGradScaler`, deciding as ``agree_on_overflow``."""
         plugin = self.precision_plugin
         scaler = getattr(plugin, "scaler", None)
         if isinstance(scaler, torch.amp.GradScaler):
@@ -332,11 +288,9 @@ class ParameterServerStrategy(StrategyBase):
     def _make_shard(
         self, shard_id: int, slices: Sequence[Slice], params: Sequence[Tensor], spec: OptimizerSpec
     ) -> ParameterShard:
-        """The shard this rank hosts (a barrier over every worker's push of a step)."""
         return ParameterShard(shard_id, slices, params, spec, self.world_size, timeout=self.ps_timeout)
 
     def _make_client(self, params: Sequence[Tensor], plan: Sequence[Sequence[Slice]]) -> ParameterServerClient:
-        """This worker's handle on every shard."""
         return ParameterServerClient(self.global_rank, params, plan, timeout=self.ps_timeout)
 
     def _push_pull(self, optimizer: Optimizer) -> None:
@@ -348,7 +302,6 @@ class ParameterServerStrategy(StrategyBase):
         if self._client is None:
             return
         stats = self._client.stats.reset()
-        # per-step means over the steps since the last log; the busiest shard: the maximum
         self.metrics.add(**{"comm/bytes_sent": stats.bytes_sent, "comm/bytes_received": stats.bytes_received})
         self.metrics.peak(**{"ps/server_bytes_max": max(self._client.last_server_bytes, default=0)})
         scaler = getattr(self.precision_plugin, "scaler", None)
@@ -365,11 +318,6 @@ class ParameterServerStrategy(StrategyBase):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        """Broadcast rank 0's buffers (BatchNorm statistics) before the forward, then step.
-
-        DDP does the same before every forward (``broadcast_buffers=True``), so models with
-        buffers keep matching it; models without buffers pay nothing.
-        """
         if self.broadcast_buffers_each_step and self._buffers:
             broadcast_from_rank0(self._buffers)
         return super().training_step(*args, **kwargs)
@@ -378,14 +326,9 @@ class ParameterServerStrategy(StrategyBase):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        """The servers' optimizer state, gathered on rank 0 in the worker optimizer's format.
-
-        Rank 0 asks every shard over RPC (the other ranks' training threads need not take
-        part), so the file loads into a single-device optimizer of the same model too.
-        Each group's ``lr`` is the worker's: a shard holds the lr of the last push, while the
-        worker's group already holds the one its LR scheduler set for the next step, which a
-        resumed run must start with (as a DDP checkpoint does).
-        """
+        """The servers' optimizer state, gathered on rank 0 over RPC in the worker optimizer's format (it
+        loads into a single-device optimizer too). Each group's ``lr`` is the worker's: the one its LR
+        scheduler set for the next step, which a resumed run must start with (a shard holds the last push's)."""
         if self._client is None or self._spec is None:
             kept = self._state_after_fit(optimizer)  # after fit: the servers are gone
             return kept if kept is not None else super().optimizer_state(optimizer)
@@ -399,9 +342,8 @@ class ParameterServerStrategy(StrategyBase):
 
     @override
     def on_train_end(self) -> None:
-        # The shards and their optimizer state go with RPC at teardown, and the worker optimizer
-        # never steps (its state is empty): without this, a Trainer.save_checkpoint after fit
-        # would silently save no momentum / Adam moments.
+        # The shards and their state go with RPC at teardown, and the worker optimizer never steps: without
+        # this, a Trainer.save_checkpoint after fit would silently save no momentum / Adam moments.
         if self._client is not None and self.optimizers:
             self._keep_state_at_fit_end()
             self.barrier("ps_state_at_fit_end")  # no shard leaves (teardown) before rank 0 has read it
@@ -409,9 +351,8 @@ class ParameterServerStrategy(StrategyBase):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Restore each shard's part of the gathered state, and the worker's group options (the
-        learning rate the LR schedulers read and write). No collective: a shard steps only once its
-        own host's worker has pushed, after this returns."""
+        """Restore each shard's part of the state, and the worker's group options (the lr schedulers use).
+        No collective: a shard steps only once its own host's worker has pushed, after this returns."""
         if self._client is None:
             super().load_optimizer_state_dict(checkpoint)
             return
@@ -433,16 +374,14 @@ class ParameterServerStrategy(StrategyBase):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Close this rank's shard with the failure's reason, so peers blocked in its barrier are
-        answered at once and name the peer whose loss started the failure."""
+        """Close this rank's shard with the failure's reason: peers in its barrier fail at once, naming the lost one."""
         if self._client is not None:
             unregister_shard(self.global_rank, reason=failure_reason(exception))
         super().on_exception(exception)
 
     @override
     def teardown(self) -> None:
-        """Drop the shard and stop RPC: gracefully (no rank closes while a peer still needs its
-        shard), or after a failure locally, since the peers may be dead."""
+        """Drop the shard, stop RPC: gracefully (no rank leaves while a peer needs it), or locally if the run failed."""
         if self._client is not None:
             self._client = None
             if self._step_hook is not None:

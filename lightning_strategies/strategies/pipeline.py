@@ -1,50 +1,32 @@
 """``PipelineStrategy`` ("pipeline"): the model split into stages, micro-batches streamed through them.
 
-Model parallelism by pipelining (GPipe, Huang et al. 2019; 1F1B, Narayanan et al. 2019 / 2021):
-the module's :meth:`~lightning_strategies.PipelineModule.pipeline_layers` are cut into
-``num_stages`` contiguous stages, one per process, and each batch is cut into ``microbatches``
-that flow through them. Schedules, stages and point-to-point transfers are
-``torch.distributed.pipelining``'s; this file is the glue to Lightning. With ``world = replicas x
-num_stages`` processes, each stage is replicated and its gradients are averaged across replicas
-(a ``("dp", "pp")`` device mesh).
-
-The hooks changed (everything else, launching included, is ``DDPStrategy``'s):
+Schedules, stages and transfers are ``torch.distributed.pipelining``'s; ``world = replicas x num_stages`` on a
+``("dp", "pp")`` mesh. The hooks changed (the rest is ``DDPStrategy``'s):
 
 - ``connect``: the module must implement :class:`~lightning_strategies.PipelineModule`.
-- ``_configure_launcher`` / ``setup_environment`` (``ModelParallelStrategy``'s, with the
-  schedule's checks added): the options checked against the world size before any process
-  starts; the ``("dp", "pp")`` mesh.
-- ``setup``: the precision plugin (global-norm clipping; autocast in the stages and one loss
-  scale under mixed precision); with ``Trainer(sync_batchnorm=True)``, batch norm synced over a
-  stage's replicas; the blocks, for every trainer function.
-- ``tensor_init_context`` (in :mod:`~lightning_strategies.strategies._pipeline_split`, as the
-  next three and ``on_train_end``): ``configure_model`` (and ``Trainer.init_module()``) build on ``meta``.
-- ``model_to_device``: the stages decided and each rank's blocks materialised on its device with
-  rank 0's initial weights (:func:`~lightning_strategies.comm.pipeline_stages.distribute_blocks`);
-  the other blocks stay ``meta``.
-- ``lightning_module_state_dict`` / ``optimizer_state``: the full model and optimizer state on
-  rank 0, streamed stage tensor by stage tensor into memory-mapped temporary files.
-- ``load_checkpoint`` / ``load_model_state_dict`` / ``load_optimizer_state_dict``
-  (``restore_checkpoint_after_setup``): the file memory-mapped, each rank copying its stages'
-  tensors only; any split resumes any checkpoint.
+- ``_configure_launcher`` / ``setup_environment`` (``ModelParallelStrategy``'s, plus the schedule's checks):
+  the options checked against the world size before any process starts; the mesh.
+- ``setup``: the precision plugin (global-norm clipping; autocast in the stages, one loss scale); with
+  ``Trainer(sync_batchnorm=True)``, batch norm synced over a stage's replicas; the blocks, for every trainer function.
+- ``tensor_init_context`` (in :mod:`~lightning_strategies.strategies._pipeline_split`, as the next three and
+  ``on_train_end``): ``configure_model`` (and ``Trainer.init_module()``) build on ``meta``.
+- ``model_to_device``: the stages decided, each rank's blocks materialised with rank 0's initial weights
+  (:func:`~lightning_strategies.comm.pipeline_stages.distribute_blocks`); the other blocks stay ``meta``.
+- ``lightning_module_state_dict`` / ``optimizer_state``: the full state on rank 0, via memory-mapped temporary files.
+- ``load_checkpoint`` / ``load_model_state_dict`` / ``load_optimizer_state_dict`` (``restore_checkpoint_after_setup``):
+  the file memory-mapped, each rank copying its stages' tensors only; any split resumes any checkpoint.
 - ``configure_ddp``: no DDP wrapper (each stage's replicas average its gradients in ``backward``).
-- ``training_step``: the schedule's ``step()`` (forward + backward of every micro-batch, one
-  forward per step as on a single device); the last stage's outputs of that forward go to every
-  rank, and the module's own ``training_step`` runs on them. Lightning's closure is
-  training_step -> zero_grad -> backward, so the gradients the step made are set aside until
-  ``backward``.
-- ``backward``: adds the set-aside gradients into ``.grad`` (accumulating, as a backward
-  does), then averages them over replicas.
-- ``validation_step`` / ``test_step`` / ``predict_step``: the schedule's eval mode; predictions
-  on the last stage only; ``reduce`` (``self.log(sync_dist=True)``) over the replicas.
-- ``block_backward_sync`` (``ModelParallelStrategy``'s): micro-steps that only accumulate skip
-  the replicas' averaging.
+- ``training_step``: the schedule's ``step()`` (forward + backward of every micro-batch); the module's own
+  ``training_step`` runs on the last stage's outputs, sent to every rank; the step's gradients are set aside
+  until ``backward`` (Lightning's closure zeroes gradients between the two).
+- ``backward``: adds the set-aside gradients into ``.grad``, then averages them over replicas.
+- ``validation_step`` / ``test_step`` / ``predict_step``: the schedule's eval mode; predictions on the last
+  stage only; ``reduce`` (``self.log(sync_dist=True)``) over the replicas.
+- ``block_backward_sync`` (``ModelParallelStrategy``'s): micro-steps that only accumulate skip the averaging.
 - ``_after_optimizer_step``: logs ``pipeline/bubble_fraction`` and ``pipeline/stage_seconds/<k>``.
-- ``on_train_end`` / ``teardown``: the trained model and optimizer state gathered for a
-  ``save_checkpoint`` after fit (and handed to the caller of a fork- or spawn-launched fit); the
-  process groups the strategy made destroyed.
-- ``process_dataloader``: ``drop_last`` for training, and the batch checked against the
-  micro-batches before the first step.
+- ``on_train_end`` / ``teardown``: the trained state gathered for a ``save_checkpoint`` after fit (and handed
+  to the caller of a fork- or spawn-launched fit); the strategy's process groups destroyed.
+- ``process_dataloader``: ``drop_last`` for training; the batch checked against the micro-batches early.
 """
 
 from __future__ import annotations
@@ -67,11 +49,7 @@ from torch.optim import Optimizer
 from torch.utils.data import BatchSampler, DataLoader
 from typing_extensions import override
 
-from lightning_strategies.comm.pipeline import (
-    LossFn,
-    PipelineRuntime,
-    average_gradients,
-)
+from lightning_strategies.comm.pipeline import LossFn, PipelineRuntime, average_gradients
 from lightning_strategies.pipeline_protocol import check_pipeline_module
 from lightning_strategies.strategies._base import exposed, log_due, log_values, predict_nothing, unwrap_optimizer
 from lightning_strategies.strategies._pipeline_plugins import (
@@ -94,61 +72,34 @@ __all__ = ["BALANCES", "PipelineStrategy"]
 class PipelineStrategy(PipelineSplit):
     """Pipeline model parallelism (GPipe, 1F1B or interleaved 1F1B), optionally x data parallelism.
 
-    Registered as ``"pipeline"`` on ``import lightning_strategies``. The module must implement
-    :class:`~lightning_strategies.PipelineModule`, and batches must be ``(inputs, targets)``
-    pairs of tensors split along dim 0. Every stage of a replica sees the same batches (the
-    sampler shards over replicas only), and the scaling rule sees the replicas.
-
-    The module's ``training_step`` runs on the last stage's outputs of the schedule's forward, so
-    logging sees the single-device values, and dropout and batch-norm statistics see one forward
-    per step. Its loss has no graph (it reaches ``on_before_backward`` / ``on_after_backward``
-    only), and ``training_step`` must call ``self(x)`` on the batch's inputs unchanged (augment in
-    the dataset or ``on_after_batch_transfer``). Batch norm works per micro-batch (as under
-    GPipe); without batch norm the result equals the unsplit model.
-
-    Memory: each rank materialises only its own stages' blocks (the others stay on ``meta``), with
-    global rank 0's initial weights. For a model too large for one process's host memory, build the
-    layers in ``configure_model`` (on ``meta`` here): rank 0 initialises one block at a time with
-    each submodule's ``reset_parameters()``, as an unsplit model built on CPU after the same seed.
-    Metrics belong in ``__init__``. Checkpoints are one ``torch.save`` file of full tensors indexed
-    as over the unsplit module (any strategy or split resumes it; ``TMPDIR`` needs room for it).
-
-    Validation, test and predict run the forward-only schedule. ``predict_step`` returns the
-    prediction on each replica's last-stage rank and ``None`` on the others (whose
-    ``trainer.predict()`` returns ``None``); ``validation_step`` / ``test_step`` run on every rank,
-    and ``self.log(..., sync_dist=True)`` and torchmetrics metrics reduce over the replicas only.
-    ``Trainer(sync_batchnorm=True)`` syncs batch norm over the replicas of its stage, on CUDA only.
-
-    Logged when Lightning logs: ``pipeline/bubble_fraction`` (mean over stages of the share of a
-    step's wall time a stage was not computing) and ``pipeline/stage_seconds/<k>``, per-step means.
-
-    Precision: ``32-true``, ``bf16-mixed`` and ``16-mixed``: forward chunks and the loss under the
-    plugin's autocast; under ``16-mixed`` the last stage scales the loss and an overflow on any
-    stage of any replica skips the step on every rank
-    (:class:`~lightning_strategies.strategies._pipeline_plugins.PipelineMixedPrecision`).
-
-    On a fault the survivors fail at their next transfer or collective (a hung stage: after
-    ``timeout``), naming the lost rank(s) (:mod:`lightning_strategies.faults`).
+    The module implements :class:`~lightning_strategies.PipelineModule`; batches are ``(inputs, targets)``
+    pairs of tensors split along dim 0, the same on every stage of a replica. The module's ``training_step``
+    runs on the last stage's outputs of the schedule's forward (one forward per step, as on one device); its
+    loss has no graph, and it must call ``self(x)`` on the batch's inputs unchanged (augment in the dataset or
+    ``on_after_batch_transfer``). Batch norm works per micro-batch; without it the result equals the unsplit
+    model's. For a model too large for one process build the layers in ``configure_model`` (on ``meta``: each
+    rank materialises only its own blocks, rank 0 initialising one at a time) and metrics in ``__init__``.
+    Checkpoints are one file of full tensors (``TMPDIR`` needs room for it). ``predict_step`` returns ``None``
+    except on each replica's last stage; ``self.log(..., sync_dist=True)`` and torchmetrics reduce over the
+    replicas. Logged per step: ``pipeline/bubble_fraction`` (the mean share of a step a stage was idle) and
+    ``pipeline/stage_seconds/<k>``. Precision: ``32-true``, ``bf16-mixed`` or ``16-mixed`` (an overflow on any
+    rank skips the step everywhere). On a fault the survivors fail at their next transfer or collective (a
+    hung stage: after ``timeout``), naming the lost rank(s).
 
     Args:
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"`` (any case). 1F1B keeps at
-            most ``num_stages`` micro-batches of activations instead of all of them.
-        microbatches: micro-batches per batch; default ``4 x num_stages``. Fewer than the stages
-            leaves most stages idle (a warning); each replica's batch must divide evenly.
-        num_stages: pipeline ranks; default the world size. The world size must be a multiple
-            (``replicas = world / num_stages``).
-        balance: how blocks are assigned to stages: ``"params"`` (equal parameter counts),
-            ``"time"`` (forward + backward of each block timed on the first micro-batch, the
-            slowest stage made as fast as possible), or the list of block counts per stage.
-        stages_per_rank: stages each rank holds under ``"interleaved_1f1b"`` (default 2;
-            must be 1 for the other schedules).
-        **kwargs: ``timeout``, ``process_group_backend`` and ``start_method``, as for
-            ``DDPStrategy``, and the plugins the Trainer sets.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"`` (any case); 1F1B keeps at most
+            ``num_stages`` micro-batches of activations instead of all of them.
+        microbatches: micro-batches per batch; default ``4 x num_stages``. Fewer than the stages leaves most
+            stages idle (a warning); each replica's batch must divide evenly.
+        num_stages: pipeline ranks; default the world size, which must be a multiple (``world / num_stages`` replicas).
+        balance: ``"params"`` (equal parameter counts per stage), ``"time"`` (each block's forward + backward
+            timed on the first micro-batch, the slowest stage made as fast as possible), or block counts per stage.
+        stages_per_rank: stages per rank under ``"interleaved_1f1b"`` (default 2; 1 for the other schedules).
+        **kwargs: ``timeout``, ``process_group_backend``, ``start_method`` (as for ``DDPStrategy``), the plugins.
 
     Raises:
-        ValueError: for an unknown schedule or balance (the valid ones listed), or a
-            non-positive count; at setup, for ``Trainer(sync_batchnorm=True)`` on CPU, or a
-            precision other than ``32-true``, ``bf16-mixed``, ``16-mixed``.
+        ValueError: for an unknown schedule or balance, or a non-positive count; at setup, for ``sync_batchnorm=True``
+            off CUDA, or a precision other than ``32-true``, ``bf16-mixed``, ``16-mixed``.
         TypeError: for DDP-wrapper options (``find_unused_parameters``, ...): there is no wrapper.
     """
 
@@ -213,7 +164,6 @@ class PipelineStrategy(PipelineSplit):
 
     @override
     def configure_ddp(self) -> None:
-        # Called by DDP's setup when fitting, in place of wrapping the model in DDP.
         module = self.lightning_module
         assert module is not None and self.model is not None
         if not module.automatic_optimization:
@@ -262,7 +212,6 @@ class PipelineStrategy(PipelineSplit):
         return self._runtime
 
     def _autocast_and_scaler(self) -> tuple[Callable[[], Any] | None, Callable[[Tensor], Tensor] | None]:
-        """The stages' autocast context and the last stage's loss scaling, from the precision plugin."""
         plugin = self.precision_plugin
         if not isinstance(plugin, MixedPrecision):
             return None, None
@@ -286,10 +235,9 @@ class PipelineStrategy(PipelineSplit):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        # Lightning's closure zeroes gradients *after* training_step (on the first micro-step of an
-        # accumulation window): this step's gradients are set aside for backward, the earlier
-        # micro-steps' put back. Gradients the zeroing would discard are dropped before the step, so
-        # the step's never share memory with the last step's.
+        # Lightning's closure zeroes gradients *after* training_step (on a window's first micro-step): this step's
+        # gradients are set aside for backward, the earlier micro-steps' put back. Gradients the zeroing would
+        # discard are dropped before the step, so the step's never share memory with the last step's.
         module = self.lightning_module
         assert module is not None
         batch = args[0] if args else kwargs["batch"]
@@ -300,8 +248,7 @@ class PipelineStrategy(PipelineSplit):
         trainer = self.trainer
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         params = runtime.stage_parameters
-        # Lightning zeroes after this step exactly when batch_idx starts a window (its closure's
-        # rule), unless the module decides itself how gradients are zeroed
+        # Lightning zeroes after this step iff batch_idx starts a window, unless the module zeroes them itself
         own_zeroing = is_overridden("optimizer_zero_grad", module, pl.LightningModule)
         zeroed_next = batch_idx % accumulate == 0 and not own_zeroing
         earlier = [None if zeroed_next else p.grad for p in params]
@@ -349,9 +296,7 @@ class PipelineStrategy(PipelineSplit):
 
     @override
     def _after_optimizer_step(self) -> None:
-        # Per-step means over the steps since the last log. Every rank agrees on whether they are
-        # due (the global step, the batches every stage sees), so the all-gather pairs up.
-        # The runtime's timers (CUDA events on a GPU) are read here only, once per logging step.
+        # ranks agree on whether the log is due (the all-gather pairs up); the timers are read here only
         runtime = self._runtime
         due = log_due(self.trainer)
         if runtime is None or due is None:
@@ -398,8 +343,6 @@ class PipelineStrategy(PipelineSplit):
             return module.predict_step(*args, **kwargs)
 
     def _predict_on_last_stage_only(self, trainer: pl.Trainer) -> None:
-        # The other stage ranks have no predictions: their trainer.predict() returns None, not a
-        # list of Nones, and Lightning's "predict returned None" warning is theirs by design.
         if trainer.state.fn != TrainerFn.PREDICTING or self._holds_last_stage():
             return
         predict_nothing(trainer)
@@ -422,9 +365,8 @@ class PipelineStrategy(PipelineSplit):
         return bool(total == self.world_size) if all else bool(total)
 
     def _metrics_over_replicas(self, module: nn.Module) -> None:
-        # torchmetrics metrics sync their states over the world by default; a pipeline's ranks
-        # update them with the same samples, so they sync over the replicas (the data they differ
-        # in). The metrics' own groups come back at teardown, when the mesh's groups are destroyed.
+        # torchmetrics sync over the world by default, but a pipeline's stages see the same samples: sync
+        # over the replicas. The metrics' own groups come back at teardown, when the mesh's groups go.
         dp_group = self._group("dp")
         for m in module.modules():
             if type(m).__module__.startswith("torchmetrics") and hasattr(m, "process_group"):
@@ -441,10 +383,9 @@ class PipelineStrategy(PipelineSplit):
 
     @override
     def teardown(self) -> None:
-        # Lightning leaves gloo groups to interpreter exit, where groups outliving the pipeline can
-        # abort a worker that trained successfully ("terminate called without an active exception"):
-        # ours go here (the default group is Lightning's). After an error they are left to the
-        # process's exit: destroying a group waits for its pending work, which a hung peer never ends.
+        # Gloo groups left to interpreter exit can abort a worker that trained fine ("terminate called without
+        # an active exception"): ours go here (the default group is Lightning's). After an error they are left
+        # to the process's exit: destroying a group waits for its pending work, which a hung peer never ends.
         module = self.lightning_module
         groups = self._own_groups()
         hand_back = (

@@ -1,15 +1,12 @@
 """``"ring"``: Lightning's DDP with every gradient bucket reduced by our ring all-reduce.
 
-DDP keeps bucketing gradients, overlapping their reduction with backward and ``no_sync``; only
-*how* a bucket is reduced changes: a DDP communication hook hands it to
-:class:`~lightning_strategies.comm.ring.RingBucketReducer` (a background thread and a process
-group of its own). The hooks changed: ``_setup_model`` (the bucket size), ``_register_ddp_hooks``
-(the ring as the hook, on CPU too), ``_after_optimizer_step`` (the ``comm/*`` metrics) and
-``teardown`` (the reducer and its groups).
+DDP keeps bucketing, overlap with backward and ``no_sync``; a DDP communication hook hands each bucket to
+:class:`~lightning_strategies.comm.ring.RingBucketReducer` (a background thread and a process group of its own).
+The hooks changed: ``_setup_model`` (the bucket size), ``_register_ddp_hooks`` (the ring as the hook, on CPU
+too), ``_after_optimizer_step`` (the ``comm/*`` metrics) and ``teardown`` (the reducer and its groups).
 """
 
-# No ``from __future__ import annotations`` here: DDP compares the hook's annotations with
-# ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` as objects, not strings.
+# No ``from __future__ import annotations``: DDP compares the hook's annotations with its types as objects.
 
 import logging
 from datetime import timedelta
@@ -44,45 +41,30 @@ _DDP_HOOK_OPTIONS = ("ddp_comm_hook", "ddp_comm_wrapper", "ddp_comm_state", "mod
 class RingAllReduceStrategy(StrategyBase):
     """Data-parallel training whose gradients are averaged by a ring all-reduce.
 
-    Registered as ``"ring"`` (and ``"ring_bf16"`` = ``wire_dtype="bf16"``, ``"ring_hier"`` =
-    ``hierarchical=True``) on ``import lightning_strategies``. Launching, multi-node cluster
-    environments (torchrun, SLURM, ...), ``no_sync`` gradient accumulation and checkpointing are
-    DDP's.
-
-    Nodes are the launcher's (each rank's node and local rank from Lightning's cluster
-    environment, :class:`~lightning_strategies.comm.ring.NodeLayout`), never guessed from host
-    names. On more than one node with more than one process each, the ring is hierarchical
-    (:func:`~lightning_strategies.comm.ring.hierarchical_all_reduce`) unless ``hierarchical=False``.
-
-    Logged when Lightning logs steps, as per-step means since the last log: this rank's
-    ``comm/bytes_sent``, ``comm/bytes_received``, ``comm/calls`` and ``comm/seconds`` (the reducer
-    thread's wall time on CPU; CUDA-event device time on CUDA, read without waiting), and on more
-    than one node their split ``comm/inter_node_bytes_*`` / ``comm/intra_node_bytes_*``.
-
-    On a fault a dead peer's ring neighbours fail at once
-    (:class:`~lightning_strategies.comm.ring.RingPeerError`), a hung one's after ``timeout``; every
-    survivor's error names the lost rank(s) (:mod:`lightning_strategies.faults`).
+    Registered as ``"ring"``, ``"ring_bf16"`` (``wire_dtype="bf16"``) and ``"ring_hier"`` (``hierarchical=True``).
+    Launching, cluster environments, ``no_sync`` and checkpointing are DDP's; nodes are the launcher's
+    (:class:`~lightning_strategies.comm.ring.NodeLayout`). Logged per step (means since the last log):
+    ``comm/bytes_sent``, ``comm/bytes_received``, ``comm/calls``, ``comm/seconds`` (the reducer's wall time on
+    CPU, CUDA-event time on CUDA) and, on more than one node, ``comm/inter_node_bytes_*`` /
+    ``comm/intra_node_bytes_*``. On a fault a dead peer's ring neighbours fail at once
+    (:class:`~lightning_strategies.comm.ring.RingPeerError`), a hung one's after ``timeout``; every survivor's
+    error names the lost rank(s).
 
     Args:
-        bucket_cap_mb: DDP bucket size in MiB, one ring call each (bigger: fewer calls, later
-            overlap with backward).
-        wire_dtype: ``None`` (the gradients' dtype), ``"bf16"`` or ``"fp16"``: chunks sent in
-            that type, accumulated in the gradient's.
-        hierarchical: ``None``: hierarchical on more than one node with more than one process
-            each; ``True``: the same, saying so in the log where nothing is left to split;
-            ``False``: always one flat ring.
+        bucket_cap_mb: DDP bucket size in MiB, one ring call each (bigger: fewer calls, later overlap with backward).
+        wire_dtype: ``None`` (the gradients' own), ``"bf16"`` or ``"fp16"``: chunks sent in that type, summed in theirs.
+        hierarchical: ``None``: hierarchical (:func:`~lightning_strategies.comm.ring.hierarchical_all_reduce`)
+            on more than one node with more than one process each; ``True``: the same, logging when nothing is
+            left to split; ``False``: always one flat ring.
         min_chunk_bytes: the smallest chunk a ring step should move: the bucket grows to
-            ``world_size x min_chunk_bytes`` when larger
-            (:func:`~lightning_strategies.comm.ring.ring_bucket_cap_mb`); ``0`` keeps ``bucket_cap_mb``.
+            ``world_size x min_chunk_bytes`` when larger; ``0`` keeps ``bucket_cap_mb``.
         timeout: process-group timeout, the ring's own group's too (default 30 minutes, as DDP).
-        **kwargs: everything else ``DDPStrategy`` takes (``start_method``,
-            ``find_unused_parameters``, ``static_graph``, ``process_group_backend``, ...).
+        **kwargs: everything else ``DDPStrategy`` takes (``start_method``, ``find_unused_parameters``, ...).
 
     Raises:
-        ValueError: for an invalid ``wire_dtype``, ``bucket_cap_mb``, ``hierarchical`` or
-            ``min_chunk_bytes``, or a DDP communication-hook option (the ring *is* the hook);
-            at setup, for nodes that run different numbers of processes when the ring is to be
-            hierarchical, or node ranks that disagree with ``Trainer(num_nodes=...)``.
+        ValueError: for an invalid ``wire_dtype``, ``bucket_cap_mb``, ``hierarchical`` or ``min_chunk_bytes``,
+            or a DDP communication-hook option (the ring *is* the hook); at setup, for nodes with different
+            numbers of processes under a hierarchical ring, or node ranks that disagree with ``num_nodes``.
     """
 
     strategy_name = "ring"
@@ -156,9 +138,8 @@ class RingAllReduceStrategy(StrategyBase):
         # DDPStrategy registers a hook only on CUDA; the ring must run on CPU/gloo too.
         assert isinstance(self.model, DistributedDataParallel)
         self._close_reducer()
-        # Every rank reaches this line in the same order (setup of the fit), as the collective
-        # below and new_group need. Groups of its own: the reducer thread's messages must never
-        # interleave with collectives that the main thread runs on the default group meanwhile.
+        # Every rank gets here in the same order (fit setup), as the all-gather and new_group need. Groups of
+        # its own: the reducer thread's messages must never interleave with the main thread's collectives.
         layout = self._gather_layout()
         self._layout = layout
         wanted = self._hierarchical is not False and layout.num_nodes > 1
@@ -184,7 +165,6 @@ class RingAllReduceStrategy(StrategyBase):
         self.model.register_comm_hook(state=None, hook=self._ring_hook)
 
     def _gather_layout(self) -> NodeLayout:
-        """Every rank's (node rank, local rank), as Lightning's cluster environment reports them."""
         mine = torch.tensor([self.node_rank, self.local_rank], dtype=torch.int64, device=self.root_device)
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(rows, mine)  # once per fit: the only host read of this setup
@@ -199,20 +179,15 @@ class RingAllReduceStrategy(StrategyBase):
         return layout
 
     def _ring_hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """DDP communication hook: queue the bucket for the ring and return its future.
-
-        Called by DDP's reducer during backward, in bucket-index order on every rank; the
-        reducer thread keeps that order, so all ranks meet in the same ring call. DDP waits for
-        the futures at the end of backward, and raises there if a ring call failed.
-        """
+        """DDP communication hook: queue the bucket for the ring, return its future. DDP calls it in bucket
+        order on every rank and the reducer thread keeps that order, so all ranks meet in the same ring call;
+        DDP waits for the futures at the end of backward (and raises there if a call failed)."""
         assert self._reducer is not None
         return self._reducer.submit(bucket.buffer())
 
     @override
     def _after_optimizer_step(self) -> None:
-        # After the closure (forward + backward, so every bucket of this step has been reduced:
-        # DDP waited for the futures). Steps that only accumulate gradients under no_sync reduce
-        # nothing and are summed into the next optimizer step.
+        # after the closure: DDP waited for every bucket's future (no_sync micro-steps reduce nothing)
         if self._reducer is None:
             return
         stats = self._reducer.pop_stats()

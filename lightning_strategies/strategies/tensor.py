@@ -1,23 +1,19 @@
 """``TensorParallelStrategy`` ("tensor"): wide linear layers split inside the layer, x data parallel.
 
-Intra-layer model parallelism (Dean et al. 2012's model parallelism inside a layer; Megatron-LM,
-Shoeybi et al. 2019): the module's ``nn.Linear`` layers are split over a tensor-parallel group of
-``tp_size`` ranks by :mod:`lightning_strategies.comm.tensor` (DTensor shards, a column/row pair
-costing one all-reduce each way); everything else is replicated. With ``world = replicas x
-tp_size`` processes, a ``("dp", "tp")`` device mesh adds data parallelism: the sampler shards
-over replicas, sharded gradients are averaged across replicas, replicated ones across the mesh.
+Megatron-style (Shoeybi et al. 2019): ``nn.Linear`` layers split over ``tp_size`` ranks by
+:mod:`lightning_strategies.comm.tensor` (DTensor shards, a column/row pair costing one all-reduce each way),
+the rest replicated; ``world = replicas x tp_size`` on a ``("dp", "tp")`` mesh. The hooks changed (the rest,
+launching included, is ``DDPStrategy``'s):
 
-The hooks changed (everything else, launching included, is ``DDPStrategy``'s):
-
-- ``_configure_launcher`` / ``setup_environment`` (``ModelParallelStrategy``'s): ``tp_size``
-  checked against the world size before any process starts; the mesh.
-- ``configure_ddp``: no DDP wrapper; rank 0's weights everywhere, then the plan checked and the
-  layers split (the optimizer is built afterwards, over the shards).
-- ``backward``: the gradients averaged (one flattened all-reduce per kind) before
-  ``on_after_backward``; ``block_backward_sync`` skips that on micro-steps that only accumulate.
+- ``_configure_launcher`` / ``setup_environment`` (``ModelParallelStrategy``'s): ``tp_size`` checked before any
+  process starts; the mesh.
+- ``configure_ddp``: no DDP wrapper; rank 0's weights everywhere, then the plan checked and the layers split
+  (the optimizer is built afterwards, over the shards).
+- ``backward``: the gradients averaged (one flattened all-reduce per kind) before ``on_after_backward``;
+  ``block_backward_sync`` skips that on micro-steps that only accumulate.
 - ``optimizer_step``: logs ``comm/*`` and ``tensor/allreduce_time_share``.
-- ``lightning_module_state_dict`` / ``optimizer_state`` / ``load_*``: full tensors in the file
-  (gathered tensor by tensor), shards in memory; ``teardown`` gives the module back whole.
+- ``lightning_module_state_dict`` / ``optimizer_state`` / ``load_*``: full tensors in the file (gathered tensor
+  by tensor), shards in memory; ``teardown`` gives the module back whole.
 """
 
 from __future__ import annotations
@@ -65,48 +61,33 @@ __all__ = ["TensorParallelStrategy"]
 class TensorParallelStrategy(ModelParallelStrategy):
     """Intra-layer model parallelism of ``nn.Linear`` layers, optionally x data parallelism.
 
-    Registered as ``"tensor"`` (and ``"tensor_fork"``) on ``import lightning_strategies``. Each
-    split layer holds ``1/tp_size`` of its weight on every rank of its tensor-parallel group, whose
-    ranks see the same batches. Optimizers run on the shards; torch's,
-    :class:`~lightning_strategies.optim.Lamb` and :class:`~lightning_strategies.optim.Lars`
-    (per-tensor path; ``foreach=True`` is refused) see whole-layer norms (a sharded ``DTensor``'s
-    norm is reduced over the group).
-
-    The plan: ``None`` splits every linear layer (:func:`~lightning_strategies.comm.tensor.auto_plan`:
-    consecutive linear layers of an ``nn.Sequential`` become column/row pairs, a lone one is
-    column-parallel with its output gathered); or module path -> style, e.g. ``{"head.0": "colwise",
-    "head.2": "rowwise"}``, a ``"rowwise"`` layer taking a ``"colwise"`` one's output through
-    elementwise ops only.
-
-    Logged when Lightning logs steps, per-step means: ``comm/*`` (activation collectives and the
-    gradient averaging, bytes under the ring model ``2(n-1)/n x payload``),
-    ``tensor/activation_bytes_sent`` and ``tensor/allreduce_time_share``. Checkpoints hold the full
-    tensors (any ``tp_size`` resumes them); after fit the module is whole on every rank. On a fault:
-    as ``ddp``.
+    Each split layer holds ``1/tp_size`` of its weight on every rank of its tensor-parallel group, whose ranks
+    see the same batches. Optimizers run on the shards; torch's, :class:`~lightning_strategies.optim.Lamb` and
+    :class:`~lightning_strategies.optim.Lars` (per-tensor path) see whole-layer norms. Logged per step:
+    ``comm/*`` (activation collectives and gradient averaging, bytes under the ring model ``2(n-1)/n x
+    payload``), ``tensor/activation_bytes_sent`` and ``tensor/allreduce_time_share``. Checkpoints hold full
+    tensors (any ``tp_size`` resumes them); after fit the module is whole on every rank. On a fault: as ``ddp``.
 
     Args:
         tp_size: ranks per tensor-parallel group; default the world size, which must be a multiple.
-        plan: ``None`` (every linear layer) or module path -> ``"colwise"`` / ``"rowwise"`` /
-            ``"colwise_gather"``.
+        plan: ``None`` splits every linear layer (:func:`~lightning_strategies.comm.tensor.auto_plan`: consecutive
+            linear layers of an ``nn.Sequential`` become column/row pairs, a lone one is column-parallel with its
+            output gathered); or module path -> ``"colwise"`` / ``"rowwise"`` / ``"colwise_gather"``, e.g.
+            ``{"head.0": "colwise", "head.2": "rowwise"}`` (a ``"rowwise"`` layer takes a ``"colwise"`` one's
+            output through elementwise ops only).
         **kwargs: everything else ``DDPStrategy`` takes (``timeout``, ``start_method``, ...).
 
     Raises:
-        ValueError: for a non-positive ``tp_size`` or a malformed plan; at launch, a ``tp_size``
-            not dividing the world; at setup, a plan that does not fit the module, another precision
-            than 32-bit, manual optimization, or Lamb/Lars with ``foreach=True``.
+        ValueError: for a non-positive ``tp_size`` or a malformed plan; at launch, a ``tp_size`` not dividing the
+            world; at setup, a plan that does not fit the module, another precision than 32-bit, manual
+            optimization, or Lamb/Lars with ``foreach=True``.
     """
 
     strategy_name = "tensor"
     mesh_axis = "tp"
     size_option = "tp_size"
 
-    def __init__(
-        self,
-        *,
-        tp_size: int | None = None,
-        plan: Mapping[str, str] | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *, tp_size: int | None = None, plan: Mapping[str, str] | None = None, **kwargs: Any) -> None:
         if tp_size is not None and (isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1):
             raise ValueError(
                 f"TensorParallelStrategy(tp_size={tp_size!r}): expected a positive integer or None (the world "
@@ -168,7 +149,6 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        # No DDP wrapper: gradients are averaged in backward, by kind (sharded / replicated).
         if self.model is not None and dist.is_available() and dist.is_initialized():
             _sync_module_states(self.model)  # rank 0's initial weights everywhere, as DDP does
         self._parallelize()
@@ -204,8 +184,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        # Strategy.backward with the averaging before post_backward (on_after_backward sees
-        # averaged gradients, as under DDP, which averages during backward).
+        # Strategy.backward, averaging before post_backward: on_after_backward sees averaged gradients, as under DDP
         module = self.lightning_module
         assert module is not None
         self.pre_backward(closure_loss)
@@ -217,10 +196,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
         return closure_loss
 
     def _average_gradients(self) -> None:
-        """Sharded gradients averaged across replicas, the others across the whole mesh (a replicated
-        gradient is the same on every rank of a group, so this equals the replicas' average and keeps
-        every copy bit-identical).
-        """
+        """Sharded gradients averaged across replicas, the others across the whole mesh (a replicated gradient is
+        the same on every rank of a group, so this equals the replicas' average and keeps every copy identical)."""
         module = self.lightning_module
         if module is None or self._mesh is None or not self._sync_replicas or self.world_size == 1:
             return
@@ -267,7 +244,6 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full model on global rank 0 (``{}`` elsewhere), each shard gathered to group rank 0 alone."""
         module = self.lightning_module
         assert module is not None
         state = module.state_dict()
@@ -284,7 +260,6 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The full optimizer state on rank 0, indexed as over the unsplit module (after fit: kept at its end)."""
         opt = unwrap_optimizer(optimizer)
         if self._tp is None:
             return optimizer_state_unsplit(self, opt)
@@ -335,12 +310,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        """Give the module back whole (on every rank); keep the mesh for a later stage.
-
-        A later ``test()`` splits again on the same mesh: DTensor caches sharding decisions keyed by
-        meshes equal by layout, so a new mesh after this one's groups died would meet cached specs
-        naming dead groups. The groups go at interpreter exit; after an error nothing waits for peers.
-        """
+        """Give the module back whole (on every rank); keep the mesh for a later ``test()``: DTensor caches sharding
+        decisions keyed by meshes equal by layout, so a new mesh after this one's groups died would meet cached
+        specs naming dead groups. The groups go at interpreter exit; after an error nothing waits for peers."""
         tp, self._tp = self._tp, None
         if tp is not None and not self.failed:
             tp.unparallelize()
