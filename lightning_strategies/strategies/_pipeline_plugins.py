@@ -37,7 +37,6 @@ class PipelineMixedPrecision(GroupNormClipping, MixedPrecision):
     :class:`~lightning_strategies.strategies._model_parallel.GroupNormClipping`'s.
 
     Args:
-        precision: ``"bf16-mixed"`` or ``"16-mixed"``.
         device: the autocast device type.
         scaler: the gradient scaler (``16-mixed``; ``None``: torch's default).
         group: the pipeline's process group, for the clipping norm.

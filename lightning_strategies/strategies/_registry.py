@@ -106,11 +106,7 @@ STRATEGY_ROWS: tuple[StrategyRow, ...] = (
 
 
 def register_strategies(registry: Any = StrategyRegistry) -> list[str]:
-    """Register every row of :data:`STRATEGY_ROWS` that the registry does not hold yet.
-
-    Returns:
-        The names registered by this call (empty when they were all there already).
-    """
+    """Register every row of :data:`STRATEGY_ROWS` that the registry does not hold yet; returns their names."""
     added = []
     for row in STRATEGY_ROWS:
         if row.name in registry:
@@ -138,11 +134,7 @@ def _trainer_only(name: str) -> Any:
 
 
 def register_fabric_refusals(registry: Any = None) -> list[str]:
-    """Register each name of :data:`STRATEGY_ROWS` with Fabric's registry as a clear refusal.
-
-    Returns:
-        The names registered by this call (none that Fabric already knows).
-    """
+    """Register each name of :data:`STRATEGY_ROWS` Fabric does not know as a clear refusal; returns those names."""
     if registry is None:
         from lightning.fabric.strategies import STRATEGY_REGISTRY as registry
     added = []

@@ -1,9 +1,8 @@
 """``AsyncElasticStrategy`` ("async_elastic"): ``"async"`` with dedicated servers, whose workers may be lost and rejoin.
 
-Ranks ``0 .. num_servers-1`` serve the shards and do not train; the others are workers
-(:mod:`lightning_strategies.comm.elastic`). Each process has a process group of its own, so no Lightning
-collective pairs it with a process that may be gone: everything between processes goes over RPC and the store.
-The hooks changed relative to ``"async"`` are:
+Each process has a process group of its own, so no Lightning collective pairs it with one that may be gone:
+everything between processes goes over RPC and the store (:mod:`lightning_strategies.comm.elastic`). The hooks
+changed relative to ``"async"`` are:
 
 - ``_configure_launcher``: :class:`ElasticScriptLauncher` (``popen`` without the observer that kills every
   process when one dies).
@@ -128,12 +127,8 @@ class ServersSampler(Sampler[list[int]]):
 
 
 class DedicatedServers:
-    """One process's membership of a run with dedicated servers: the job's store, this start's
-    incarnation and RPC name, its join, and on the chief the monitor and the evictions.
-
-    Args:
-        num_servers: ranks ``0 .. num_servers-1`` serve the shards.
-    """
+    """One process's membership of a run whose ranks ``0 .. num_servers-1`` serve the shards: the job's store,
+    this start's incarnation and RPC name, its join, and on the chief the monitor and the evictions."""
 
     def __init__(self, num_servers: int) -> None:
         self.num_servers = num_servers
@@ -272,7 +267,7 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
 
     Args:
         dedicated_servers: must be True.
-        num_servers: server ranks, default 1.
+        num_servers: server ranks (``0 .. num_servers-1``, which do not train), default 1.
         **kwargs: everything :class:`~lightning_strategies.AsyncParameterServerStrategy` takes; processes are
             started independently (torchrun, SLURM, by hand) or by ``start_method="popen"``.
 

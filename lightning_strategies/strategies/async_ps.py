@@ -1,8 +1,7 @@
 """``AsyncParameterServerStrategy`` ("async"): asynchronous sharded parameter servers.
 
-Unlike ``"ps"`` no step waits for another worker: the shards apply each push on arrival
-(:mod:`lightning_strategies.comm.async_ps`), and the workers share each epoch's batches through leases from
-one queue on rank 0 (:mod:`lightning_strategies.comm.async_`). The hooks changed relative to ``"ps"`` are:
+Pushes applied on arrival (:mod:`lightning_strategies.comm.async_ps`), batches leased from one queue on rank 0
+(:mod:`lightning_strategies.comm.async_`). The hooks changed relative to ``"ps"`` are:
 
 - ``setup``: the coordinator on rank 0, a lease on every rank; refuse what needs equal batch counts.
 - ``process_dataloader``: the training loader draws from the lease (:class:`DynamicBatchSampler`).

@@ -1,8 +1,7 @@
 """``ParameterServerStrategy`` ("parameter_server", "ps"): synchronous sharded parameter servers.
 
-DDP without its wrapper: every rank also runs a TensorPipe RPC agent and hosts one shard
-(:mod:`lightning_strategies.comm.ps`); the optimizer runs on the shards, and a worker's optimizer step
-becomes "push gradients, pull new values". The hooks changed are:
+DDP without its wrapper; every rank also hosts a shard, over TensorPipe RPC (:mod:`lightning_strategies.comm.ps`),
+and a worker's optimizer step becomes "push gradients, pull new values". The hooks changed are:
 
 - ``setup_environment``: start RPC after the process group (its own rendezvous port).
 - ``configure_ddp``: no DDP wrapper; check what the servers support, broadcast rank 0's weights.
@@ -207,9 +206,8 @@ class ParameterServerStrategy(StrategyBase):
             )
 
     def _plan_servers(self) -> tuple[Optimizer, OptimizerSpec, list[Tensor], list[list[Slice]]]:
-        """The optimizer, its rebuild spec, its parameters and the shard plan: an elementwise optimizer's
-        flattened parameters cut into equal ranges (a tensor may span servers), a layer-wise one's (LAMB,
-        LARS: a trust ratio from whole-tensor norms) whole tensors per server."""
+        """The optimizer, its rebuild spec, its parameters and the shard plan: equal ranges of the flattened
+        parameters for an elementwise optimizer, whole tensors per server for a layer-wise one (LAMB, LARS)."""
         if len(self.optimizers) != 1:
             raise ValueError(
                 f"{type(self).__name__} found {len(self.optimizers)} optimizers from configure_optimizers: "

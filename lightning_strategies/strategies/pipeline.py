@@ -152,8 +152,7 @@ class PipelineStrategy(PipelineSplit):
             super().setup(trainer)  # DDP's: model_to_device (the split), configure_ddp, the optimizers
         module = self.lightning_module
         assert module is not None
-        # for every trainer function: evaluation runs the stages too (taken after sync batch norm's
-        # conversion, which replaces the batch-norm modules)
+        # every trainer function runs the stages; taken after sync batch norm's conversion (it replaces modules)
         self._blocks = self._layers(module)
         self._metrics_over_replicas(module)
         self._predict_on_last_stage_only(trainer)

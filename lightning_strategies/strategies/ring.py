@@ -193,8 +193,7 @@ class RingAllReduceStrategy(StrategyBase):
         stats = self._reducer.pop_stats()
         values = stats.as_dict("comm/")
         if self.root_device.type == "cuda":
-            # Device time: read only at the logging step, and only for calls the device has
-            # finished (no wait); the window gets their mean per call times the calls per step.
+            # device time: read at the logging step for finished calls only (no wait), as mean per call x calls/step
             del values["comm/seconds"]
             self._device_calls[0] += stats.calls
             self._device_calls[1] += 1

@@ -1,9 +1,8 @@
 """``TensorParallelStrategy`` ("tensor"): wide linear layers split inside the layer, x data parallel.
 
-Megatron-style (Shoeybi et al. 2019): ``nn.Linear`` layers split over ``tp_size`` ranks by
-:mod:`lightning_strategies.comm.tensor` (DTensor shards, a column/row pair costing one all-reduce each way),
-the rest replicated; ``world = replicas x tp_size`` on a ``("dp", "tp")`` mesh. The hooks changed (the rest,
-launching included, is ``DDPStrategy``'s):
+Megatron-style (Shoeybi et al. 2019), by :mod:`lightning_strategies.comm.tensor` (a column/row pair costs one
+all-reduce each way); ``world = replicas x tp_size`` on a ``("dp", "tp")`` mesh. The hooks changed (the rest is
+``DDPStrategy``'s):
 
 - ``_configure_launcher`` / ``setup_environment`` (``ModelParallelStrategy``'s): ``tp_size`` checked before any
   process starts; the mesh.
