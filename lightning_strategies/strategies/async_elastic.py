@@ -332,8 +332,6 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
         last = plan.num_samples - (plan.num_batches - 1) * plan.batch_size if full < done else 0
         return full * plan.batch_size + last
 
-    # -- environment: a process group per process, RPC with joins -------------------------------
-
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
@@ -391,8 +389,6 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         return bool(decision)  # each process decides for itself (the chief for the run)
-
-    # -- setup: the chief's coordinator and monitor, the workers' leases and joins ---------------
 
     @override
     def _start_coordination(self, trainer: pl.Trainer) -> None:
@@ -502,8 +498,6 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
                 if v is not None:
                     b.copy_(v.reshape(b.shape))
 
-    # -- the servers' loop ------------------------------------------------------------------------
-
     @override
     def _training_loader(self, dataloader: DataLoader, plan: DataPlan) -> object:
         if not self.is_server:
@@ -540,8 +534,6 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
                 raise RuntimeError(f"async server rank {self.global_rank}: told to stop while following epoch {epoch}")
             time.sleep(0.25)
 
-    # -- steps ------------------------------------------------------------------------------------
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._fitting() and self.is_server:
@@ -577,8 +569,6 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
                 "async/workers_joined": float(coordinator.workers_joined),
                 "async/batches_redrawn": float(coordinator.batches_redrawn),
             })  # fmt: skip
-
-    # -- consistent points: the chief's, once the epoch's every batch is pushed ------------------
 
     @override
     def on_train_start(self) -> None:

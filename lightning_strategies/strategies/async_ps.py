@@ -162,8 +162,6 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     def _num_workers(self) -> int:
         return self.num_nodes * self.num_processes
 
-    # -- setup ---------------------------------------------------------------------------------
-
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
@@ -232,8 +230,6 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     def _make_client(self, params: Sequence[Tensor], plan: Sequence[Sequence[Slice]]) -> AsyncParameterServerClient:
         return AsyncParameterServerClient(self.global_rank, params, plan, timeout=self.ps_timeout)
 
-    # -- data ----------------------------------------------------------------------------------
-
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.trainer
@@ -296,8 +292,6 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
 
     def _told_to_stop(self) -> bool:
         return bool(getattr(self.trainer, "received_sigterm", False))
-
-    # -- steps ---------------------------------------------------------------------------------
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -399,8 +393,6 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         super()._after_optimizer_step()
         if not self.metrics:  # flushed: the next window's staleness starts afresh
             self._staleness_sum = self._staleness_count = 0
-
-    # -- consistent points: validation, checkpoints, the end -----------------------------------
 
     def _pull_latest(self, reason: str, *, last: bool = False) -> None:
         """Barrier (every push is in), the latest weights and rank 0's buffers; with ``last`` a

@@ -135,8 +135,6 @@ class ParameterServerStrategy(StrategyBase):
         """This worker's push/pull handle (``None`` outside of fitting)."""
         return self._client
 
-    # -- environment ---------------------------------------------------------------------------
-
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # the process group: Lightning's collectives keep using it
@@ -171,8 +169,6 @@ class ParameterServerStrategy(StrategyBase):
             device_maps=device_maps,
         )
         self._rpc_started = True
-
-    # -- model and optimizer -------------------------------------------------------------------
 
     @override
     def configure_ddp(self) -> None:
@@ -320,8 +316,6 @@ class ParameterServerStrategy(StrategyBase):
             broadcast_from_rank0(self._buffers)
         return super().training_step(*args, **kwargs)
 
-    # -- checkpoints ---------------------------------------------------------------------------
-
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         """The servers' optimizer state, gathered on rank 0 over RPC in the worker optimizer's format (it
@@ -367,8 +361,6 @@ class ParameterServerStrategy(StrategyBase):
         shard = local_shard(self.global_rank)
         if shard is not None:
             shard.load_state_dict(full)
-
-    # -- shutdown ------------------------------------------------------------------------------
 
     @override
     def on_exception(self, exception: BaseException) -> None:

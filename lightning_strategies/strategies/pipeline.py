@@ -136,8 +136,6 @@ class PipelineStrategy(PipelineSplit):
         check_pipeline_module(model)
         super().connect(model)
 
-    # -- environment and setup -----------------------------------------------------------------
-
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self.precision_plugin = pipeline_precision(
@@ -186,8 +184,6 @@ class PipelineStrategy(PipelineSplit):
                 self._check_batch_size(dataloader.batch_size)  # before the first step, not at it
         return dataloader
 
-    # -- building the pipeline (at the first batch) ------------------------------------------
-
     def _ensure_runtime(self, inputs: Tensor) -> PipelineRuntime:
         if self._runtime is not None:
             return self._runtime
@@ -216,8 +212,6 @@ class PipelineStrategy(PipelineSplit):
             return None, None
         scaler = plugin.scaler
         return plugin.forward_context, (scaler.scale if scaler is not None else None)
-
-    # -- steps -----------------------------------------------------------------------------------
 
     def _split_batch(self, batch: Any) -> tuple[Tensor, Tensor]:
         if isinstance(batch, list | tuple) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch):
@@ -346,8 +340,6 @@ class PipelineStrategy(PipelineSplit):
             return
         predict_nothing(trainer)
 
-    # -- logging over replicas ------------------------------------------------------------------------
-
     @override
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         # Every rank of a pipeline logs the same values: over the world a sum would count each
@@ -377,8 +369,6 @@ class PipelineStrategy(PipelineSplit):
         for m, group in self._metric_groups:
             m.__dict__["process_group"] = group
         self._metric_groups = []
-
-    # -- shutdown ---------------------------------------------------------------------------------
 
     @override
     def teardown(self) -> None:
@@ -420,9 +410,6 @@ class PipelineStrategy(PipelineSplit):
             if isinstance(group, dist.ProcessGroup) and group is not default and group not in groups:
                 groups.append(group)
         return groups
-
-
-# -- helpers ------------------------------------------------------------------------------------
 
 
 @contextmanager

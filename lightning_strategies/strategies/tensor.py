@@ -110,8 +110,6 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self._grad_stats = CommStats()
         self._step_started: float | None = None
 
-    # -- options in effect -------------------------------------------------------------------
-
     @property
     def tp_size(self) -> int:
         """Ranks per tensor-parallel group: the ``tp_size`` option, or the world size."""
@@ -120,8 +118,6 @@ class TensorParallelStrategy(ModelParallelStrategy):
     tensor_parallel: TensorParallelModule | None = exposed(
         "_tp", "The split module (``None`` outside setup .. teardown)."
     )
-
-    # -- environment and setup -----------------------------------------------------------------
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -172,8 +168,6 @@ class TensorParallelStrategy(ModelParallelStrategy):
                         "not run on sharded DTensors. Fix: pass foreach=None (it picks the per-tensor path, which "
                         "takes whole-layer norms)."
                     )
-
-    # -- steps -------------------------------------------------------------------------------
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -236,8 +230,6 @@ class TensorParallelStrategy(ModelParallelStrategy):
         )
         self.metrics.flush_if_due(self.lightning_module)
 
-    # -- checkpoints ----------------------------------------------------------------------------
-
     def _replica_rank(self) -> int:
         return self.global_rank // self.tp_size
 
@@ -298,8 +290,6 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 for key, value in entry.items():
                     if isinstance(value, Tensor) and not isinstance(value, DTensor) and value.shape == p.shape:
                         entry[key] = shard_full_tensor(value, p)
-
-    # -- shutdown ---------------------------------------------------------------------------------
 
     @override
     def on_train_end(self) -> None:
