@@ -102,6 +102,7 @@ class PipelineSplit(ModelParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
+        """Decide the stages, give each rank its blocks (rank 0's weights); a module split already keeps its split."""
         module = self.lightning_module
         pp_group = self._group("pp")
         assert module is not None and pp_group is not None
@@ -213,6 +214,7 @@ class PipelineSplit(ModelParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole model on global rank 0 (``{}`` elsewhere), streamed from replica 0's stages."""
         module = self.lightning_module
         assert module is not None
         if self._mesh is None and self._model_at_fit_end is not None:
@@ -240,6 +242,7 @@ class PipelineSplit(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint, memory-mapped when it is a local file in torch's format."""
         path = os.fspath(checkpoint_path) if isinstance(checkpoint_path, str | os.PathLike) else None
         io: CheckpointIO = self.checkpoint_io
         if path is None or not os.path.isfile(path) or not isinstance(io, TorchCheckpointIO):
@@ -251,6 +254,7 @@ class PipelineSplit(ModelParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Copy this rank's stages' tensors (and those outside the blocks), checking the rest's keys and shapes."""
         module = self.lightning_module
         assert module is not None
         state = checkpoint["state_dict"]

@@ -4,8 +4,7 @@ Each process has a process group of its own, so no Lightning collective pairs it
 everything between processes goes over RPC and the store (:mod:`lightning_strategies.comm.elastic`). The hooks
 changed relative to ``"async"`` are:
 
-- ``_configure_launcher``: :class:`ElasticScriptLauncher` (``popen`` without the observer that kills every
-  process when one dies).
+- ``_configure_launcher``: :class:`ElasticScriptLauncher` (``popen`` without the observer that kills all if one dies).
 - ``setup_distributed`` / ``setup_environment`` / ``_start_rpc``: the job's store, this start's incarnation, a
   one-rank process group, a join of the dynamic RPC group, the member heartbeat.
 - ``distributed_sampler_kwargs`` / ``barrier`` / ``reduce_boolean_decision``: nothing spans processes.

@@ -12,8 +12,7 @@ Pushes applied on arrival (:mod:`lightning_strategies.comm.async_ps`), batches l
   the lease; flush at the epoch's last batch. A step the gradient scaler skipped pushes nothing but still
   counts. ``_collect_own_metrics``: staleness, waits, clock.
 - ``broadcast_buffers_each_step = False``: no per-step collective (the ranks' step counts differ).
-- ``on_validation_start`` / ``on_train_end`` / ``lightning_module_state_dict``: a barrier, then the latest
-  weights and rank 0's buffers everywhere (one consistent state).
+- ``on_validation_start`` / ``on_train_end`` / ``lightning_module_state_dict``: a barrier, the latest weights + buffers.
 - ``on_exception``: tell the coordinator, so no refill waits on this worker's clock.
 """
 
@@ -232,6 +231,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        """Give the training loader a :class:`DynamicBatchSampler`; other loaders pass through."""
         trainer = self.trainer
         if trainer is None or trainer.state.fn != TrainerFn.FITTING or trainer.state.stage != RunningStage.TRAINING:
             return dataloader

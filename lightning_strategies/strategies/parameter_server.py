@@ -172,6 +172,7 @@ class ParameterServerStrategy(StrategyBase):
 
     @override
     def configure_ddp(self) -> None:
+        """No DDP wrapper (the servers average): check what they support, then rank 0's weights everywhere."""
         trainer = self.trainer
         assert trainer is not None and self.model is not None
         self._check_supported(trainer)
@@ -179,6 +180,7 @@ class ParameterServerStrategy(StrategyBase):
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """The optimizers, then (when fitting) this rank's shard and its client."""
         super().setup_optimizers(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self._start_servers()
@@ -312,6 +314,7 @@ class ParameterServerStrategy(StrategyBase):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """Broadcast rank 0's buffers (BatchNorm statistics) before the forward, as DDP does, then step."""
         if self.broadcast_buffers_each_step and self._buffers:
             broadcast_from_rank0(self._buffers)
         return super().training_step(*args, **kwargs)

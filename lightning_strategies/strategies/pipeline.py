@@ -4,14 +4,12 @@ Schedules, stages and transfers are ``torch.distributed.pipelining``'s; ``world 
 ``("dp", "pp")`` mesh. The hooks changed (the rest is ``DDPStrategy``'s):
 
 - ``connect``: the module must implement :class:`~lightning_strategies.PipelineModule`.
-- ``_configure_launcher`` / ``setup_environment`` (``ModelParallelStrategy``'s, plus the schedule's checks):
-  the options checked against the world size before any process starts; the mesh.
+- ``_configure_launcher`` / ``setup_environment`` (``ModelParallelStrategy``'s): options checked early; the mesh.
 - ``setup``: the precision plugin (global-norm clipping; autocast in the stages, one loss scale); with
   ``Trainer(sync_batchnorm=True)``, batch norm synced over a stage's replicas; the blocks, for every trainer function.
 - ``tensor_init_context`` (in :mod:`~lightning_strategies.strategies._pipeline_split`, as the next three and
   ``on_train_end``): ``configure_model`` (and ``Trainer.init_module()``) build on ``meta``.
-- ``model_to_device``: the stages decided, each rank's blocks materialised with rank 0's initial weights
-  (:func:`~lightning_strategies.comm.pipeline_stages.distribute_blocks`); the other blocks stay ``meta``.
+- ``model_to_device``: the stages decided, each rank's blocks materialised with rank 0's weights, the rest ``meta``.
 - ``lightning_module_state_dict`` / ``optimizer_state``: the full state on rank 0, via memory-mapped temporary files.
 - ``load_checkpoint`` / ``load_model_state_dict`` / ``load_optimizer_state_dict`` (``restore_checkpoint_after_setup``):
   the file memory-mapped, each rank copying its stages' tensors only; any split resumes any checkpoint.
@@ -20,8 +18,8 @@ Schedules, stages and transfers are ``torch.distributed.pipelining``'s; ``world 
   ``training_step`` runs on the last stage's outputs, sent to every rank; the step's gradients are set aside
   until ``backward`` (Lightning's closure zeroes gradients between the two).
 - ``backward``: adds the set-aside gradients into ``.grad``, then averages them over replicas.
-- ``validation_step`` / ``test_step`` / ``predict_step``: the schedule's eval mode; predictions on the last
-  stage only; ``reduce`` (``self.log(sync_dist=True)``) over the replicas.
+- ``validation_step`` / ``test_step`` / ``predict_step``: the eval schedule; predictions on the last stage only.
+- ``reduce``: ``self.log(sync_dist=True)`` over the replicas.
 - ``block_backward_sync`` (``ModelParallelStrategy``'s): micro-steps that only accumulate skip the averaging.
 - ``_after_optimizer_step``: logs ``pipeline/bubble_fraction`` and ``pipeline/stage_seconds/<k>``.
 - ``on_train_end`` / ``teardown``: the trained state gathered for a ``save_checkpoint`` after fit (and handed
@@ -342,8 +340,7 @@ class PipelineStrategy(PipelineSplit):
 
     @override
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
-        # Every rank of a pipeline logs the same values: over the world a sum would count each
-        # sample once per stage. The replicas are what differ; an explicit group is used as given.
+        # a pipeline's ranks log the same values: reduce over the replicas (a world sum counts each sample per stage)
         if group is None and self._mesh is not None:
             group = self._group("dp")
         return super().reduce(tensor, group=group, reduce_op=reduce_op)

@@ -1,18 +1,16 @@
 """``TensorParallelStrategy`` ("tensor"): wide linear layers split inside the layer, x data parallel.
 
-Megatron-style (Shoeybi et al. 2019), by :mod:`lightning_strategies.comm.tensor` (a column/row pair costs one
-all-reduce each way); ``world = replicas x tp_size`` on a ``("dp", "tp")`` mesh. The hooks changed (the rest is
-``DDPStrategy``'s):
+Megatron-style (Shoeybi et al. 2019), by :mod:`lightning_strategies.comm.tensor`; ``world = replicas x tp_size``
+on a ``("dp", "tp")`` mesh. The hooks changed (the rest is ``DDPStrategy``'s):
 
-- ``_configure_launcher`` / ``setup_environment`` (``ModelParallelStrategy``'s): ``tp_size`` checked before any
-  process starts; the mesh.
+- ``_configure_launcher`` / ``setup_environment`` (``ModelParallelStrategy``'s): ``tp_size`` checked early; the mesh.
 - ``configure_ddp``: no DDP wrapper; rank 0's weights everywhere, then the plan checked and the layers split
   (the optimizer is built afterwards, over the shards).
 - ``backward``: the gradients averaged (one flattened all-reduce per kind) before ``on_after_backward``;
   ``block_backward_sync`` skips that on micro-steps that only accumulate.
 - ``optimizer_step``: logs ``comm/*`` and ``tensor/allreduce_time_share``.
-- ``lightning_module_state_dict`` / ``optimizer_state`` / ``load_*``: full tensors in the file (gathered tensor
-  by tensor), shards in memory; ``teardown`` gives the module back whole.
+- ``lightning_module_state_dict`` / ``optimizer_state`` / ``load_*``: full tensors in the file, shards in memory.
+- ``on_train_end`` / ``teardown``: the full optimizer state kept for after fit; the module given back whole.
 """
 
 from __future__ import annotations
@@ -235,6 +233,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full model on global rank 0 (``{}`` elsewhere), each shard gathered to group rank 0 alone."""
         module = self.lightning_module
         assert module is not None
         state = module.state_dict()
@@ -251,6 +250,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The full optimizer state on rank 0, indexed as over the unsplit module (after fit: kept at its end)."""
         opt = unwrap_optimizer(optimizer)
         if self._tp is None:
             return optimizer_state_unsplit(self, opt)
