@@ -1,13 +1,5 @@
-"""Asynchronous parameter servers: shards that apply each push at once, and the worker's client.
-
-Built on :mod:`lightning_strategies.comm.ps` (plan, optimizer spec, wire format), with no
-Lightning import. :class:`AsyncParameterShard` applies every push at once (no barrier) and
-records its *staleness*: the updates the shard applied between the worker's last pull and this
-push; with ``staleness_lr="inverse"`` it divides that gradient's learning rate by
-``1 + staleness`` (Zhang et al. 2016, "Staleness-aware async-SGD").
-:class:`AsyncParameterServerClient` pushes (optionally pulling in the same round trip) and
-pulls; its batches come from a lease of the coordinator (:mod:`lightning_strategies.comm.async_`).
-"""
+"""Asynchronous parameter servers (no Lightning import), built on :mod:`lightning_strategies.comm.ps`:
+shards that apply each push at once, and the worker's client."""
 
 from __future__ import annotations
 
@@ -30,21 +22,10 @@ from lightning_strategies.comm.ps import (
 )
 from lightning_strategies.comm.rpc import ShardError
 
-__all__ = [
-    "STALENESS_LR",
-    "AsyncParameterServerClient",
-    "AsyncParameterShard",
-    "AsyncReply",
-    "StalenessLR",
-]
+__all__ = ["STALENESS_LR", "AsyncParameterServerClient", "AsyncParameterShard", "AsyncReply", "StalenessLR"]
 
 StalenessLR = Literal["none", "inverse"]
 STALENESS_LR: tuple[str, ...] = ("none", "inverse")
-
-
-# --------------------------------------------------------------------------------------------
-# Shard
-# --------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -65,14 +46,17 @@ class AsyncReply:
 
 
 class AsyncParameterShard(ParameterShard):
-    """A shard in asynchronous mode: each push is applied alone, as soon as it arrives.
+    """A shard that applies each push alone, as soon as it arrives, recording its *staleness*: the
+    updates applied between the worker's last pull and this push.
 
     Args:
-        *args: as :class:`~lightning_strategies.comm.ps.ParameterShard` (``shard_id``,
-            ``flat_indices``, ``params``, ``spec``, ``num_workers``: the workers that push).
-        staleness_lr: ``"inverse"`` divides a gradient's learning rate by ``1 + staleness``.
-        **kwargs: as :class:`~lightning_strategies.comm.ps.ParameterShard` (its ``timeout`` is
-            unused here: nothing waits for another worker).
+        *args: as :class:`~lightning_strategies.comm.ps.ParameterShard`.
+        staleness_lr: ``"inverse"`` divides a gradient's learning rate by ``1 + staleness`` (Zhang et
+            al. 2016, "Staleness-aware async-SGD"); ``"none"`` keeps it.
+        **kwargs: as :class:`~lightning_strategies.comm.ps.ParameterShard` (``timeout`` is unused).
+
+    Raises:
+        ValueError: for a ``staleness_lr`` not in :data:`STALENESS_LR`.
     """
 
     def __init__(self, *args: Any, staleness_lr: StalenessLR = "none", **kwargs: Any) -> None:
@@ -95,14 +79,9 @@ class AsyncParameterShard(ParameterShard):
     def push_pull(
         self, worker: int, grads: list[Tensor | None], lrs: list[float], *, pull: bool
     ) -> AsyncReply | ShardError:
-        """Apply ``grads`` now; answer with the new values when ``pull``.
-
-        Runs under the shard's lock, on the RPC thread that received the push (or on the
-        co-located worker's training thread); it never waits for another worker. On a GPU the
-        lock's order is the device's too: every push's step runs on the shard's one stream, after
-        the stream its gradients came on, and the caller's stream waits for the snapshot it gets
-        (:class:`~lightning_strategies.comm.streams.StreamOrder`).
-        """
+        """Apply ``grads`` now, never waiting for another worker; answer with the new values when ``pull``."""
+        # on a GPU the lock's order is the device's too: every push's step runs on the shard's one stream,
+        # after the stream its gradients came on, and the caller's stream waits for its snapshot
         nbytes = payload_bytes(grads)
         with self._lock:
             self.stats.bytes_received += nbytes
@@ -173,22 +152,9 @@ def _rpc_async_pull(shard_id: int, worker: int) -> AsyncReply | ShardError:
     return shard if isinstance(shard, ShardError) else shard.pull(worker)
 
 
-# --------------------------------------------------------------------------------------------
-# Worker side
-# --------------------------------------------------------------------------------------------
-
-
 class AsyncParameterServerClient(ParameterServerClient):
-    """A worker's handle on the asynchronous shards.
-
-    ``step`` of the base class is this worker's clock: the pushes it has made.
-
-    Args:
-        *args: as :class:`~lightning_strategies.comm.ps.ParameterServerClient` (``worker``,
-            ``params``, ``plan``).
-        **kwargs: as :class:`~lightning_strategies.comm.ps.ParameterServerClient` (``timeout``:
-            the RPC timeout is a little longer).
-    """
+    """A worker's handle on the asynchronous shards (arguments as
+    :class:`~lightning_strategies.comm.ps.ParameterServerClient`); ``step`` is its clock: its pushes."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -200,11 +166,8 @@ class AsyncParameterServerClient(ParameterServerClient):
         return self.step
 
     def push(self, grads: Sequence[Tensor | None], lrs: Sequence[float], *, pull: bool) -> None:
-        """Push ``grads`` (flat optimizer order) to every shard; copy the answers in when ``pull``.
-
-        Each shard applies the push on arrival; this waits only for the shards' answers, never
-        for another worker.
-        """
+        """Push ``grads`` (flat optimizer order) to every shard; copy the answers in when ``pull``. Waits
+        for the shards' answers only, never for another worker."""
         start = time.perf_counter()
         replies = self._call_shards(
             _rpc_async_push, lambda idx: (self.worker, self._outgoing(grads, idx), list(lrs), pull)

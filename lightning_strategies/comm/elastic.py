@@ -1,23 +1,14 @@
-"""Membership for asynchronous training with dedicated servers: rendezvous, joins, lost workers.
+"""Membership for asynchronous training with dedicated servers (no Lightning import), used by
+:class:`~lightning_strategies.AsyncElasticStrategy`.
 
-No Lightning import. The pieces (used by :class:`~lightning_strategies.AsyncElasticStrategy`):
-
-- **The store.** The job's ``MASTER_ADDR:MASTER_PORT`` TCP store, served by rank 0 (the chief) or
-  by torchrun's agent: the rendezvous of every process, a relaunched one too.
-- **Incarnations.** Each start of a rank takes the next number (0, then 1, 2, ... for relaunches
-  with the same rank) and joins RPC under a name and an id of its own (:func:`member_name`,
-  :func:`member_id`), so nothing is confused with the dead process.
-- **Dynamic RPC.** torch's TensorPipe agent without a world size (``rpc.init_rpc(world_size=None)``)
-  lets processes join a running group; every member is told of each join. It does not forget a
-  member that died without leaving, and the next join asks every member it knows of, the dead
-  one included, and fails: :func:`evict` removes a dead member the way its leave would have.
-- **Detection.** :class:`MembershipMonitor` (a thread on the chief) reads every member's
-  heartbeat in one store request per interval. A member that reported a failure is dropped at
-  once; one silent for the grace is pinged over RPC: a dead process refuses at once (dropped), a
-  frozen one is dropped once silent for ``timeout``. A lost *server* fails the run.
-
-The group's list, its membership token and ``_update_group_membership`` are torch 2.14 internals,
-all in :func:`remove_from_torch_rpc_group` (the only function that touches them).
+- **The store.** The job's ``MASTER_ADDR:MASTER_PORT`` TCP store, served by rank 0 (the chief) or by
+  torchrun's agent: the rendezvous of every process, a relaunched one too.
+- **Incarnations.** Each start of a rank takes the next number and joins RPC under a name and an id of
+  its own (:func:`member_name`, :func:`member_id`), so nothing is confused with the dead process.
+- **Dynamic RPC.** torch's TensorPipe agent without a world size lets processes join a running group.
+  It does not forget a member that died without leaving, and the next join asks it too and fails:
+  :func:`evict` removes a dead member the way its leave would have (the only use of torch internals).
+- **Detection.** :class:`MembershipMonitor` on the chief drops a lost worker; a lost server fails the run.
 """
 
 from __future__ import annotations
@@ -61,14 +52,12 @@ _MAX_ID = 2**15 - 1  # TensorPipe worker ids are int16
 
 
 def run_prefix() -> str:
-    """This run's namespace in the job's store: one per torchrun attempt (torchrun's agent keeps its
-    store across restarts of the whole group)."""
+    """This run's namespace in the job's store: one per torchrun attempt (the agent's store outlives them)."""
     return f"{_PREFIX}/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def connect_store(host: str, port: int, rank: int, *, timeout: timedelta) -> tuple[dist.Store, dist.TCPStore]:
-    """``(this run's namespace, the TCP store underneath)`` of the job's store, served by rank 0 or
-    by torchrun's agent."""
+    """``(this run's namespace, the TCP store underneath)`` of the job's store."""
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     serve = rank == 0 and not agent
     base = dist.TCPStore(host, port, is_master=serve, wait_for_workers=False, timeout=timeout, multi_tenant=True)
@@ -111,19 +100,17 @@ def init_member_rpc(
 ) -> str:
     """Join (or found, for the first member) the run's dynamic RPC group; returns this member's name.
 
-    A relaunched worker first waits until its rank's last incarnation in the group has been
-    evicted (:func:`evict`, by the chief once it saw it lost); the run's first members join in
-    rank order. One attempt per process: torch names the group's store after a per-process count
-    of inits, which every member must share, so a failed join cleans up after itself and raises,
-    and the process is started again (a fresh incarnation). The agent's default RPC timeout is
-    ``join_timeout``, which bounds the join's calls (a frozen member still listed fails it after
-    that long, a dead one at once; a loaded machine needs more than a few seconds); every call of
-    ours passes its own timeout.
+    A relaunched worker first waits until its rank's last incarnation has been evicted; the run's first
+    members join in rank order. One attempt per process (torch names the group's store after a
+    per-process count of inits, which every member must share): a failed join cleans up and raises, and
+    the process is started again as a fresh incarnation.
 
     Args:
         store: the run's namespace in the job's store (this process's connection).
         connect: a new connection to the same namespace (torch sets the RPC store's timeout to
             the RPC timeout, and a store wait that timed out leaves its connection unusable).
+        join_timeout: the agent's default RPC timeout, bounding the join's calls (a frozen member
+            still listed fails it after that long; a loaded machine needs more than a few seconds).
 
     Raises:
         RuntimeError: the join failed (the message names the cause and the fix).
@@ -179,11 +166,9 @@ def mark_evicted(store: dist.Store, rank: int, incarnation: int) -> None:
 
 
 def evict(name: str, rpc_store: dist.Store, *, timeout: float = 5.0) -> bool:
-    """Remove the member ``name`` (a dead process) from the RPC group, as its leave would have.
-
-    Runs on a live member (the chief); ``rpc_store`` is the group's RPC store (a new connection).
-    Returns whether the member was known.
-    """
+    """Remove the member ``name`` (a dead process) from the RPC group, as its leave would have; runs on
+    a live member (the chief), ``rpc_store`` a new connection to the group's store. Returns whether
+    ``name`` was known."""
     try:
         info = rpc.get_worker_info(name)
         me = rpc.get_worker_info().name
@@ -198,15 +183,13 @@ def remove_from_torch_rpc_group(
 ) -> None:
     """The one function of the package that uses torch RPC internals (torch 2.14).
 
-    torch's dynamic RPC group forgets a member only when it leaves gracefully; one that died (or
-    whose join failed) stays listed, the next join asks it for its devices and fails. There is no
-    public way to remove it, so this does what torch's own leave does, under the same membership
-    token: ``name`` comes off the group's list (``names/_ALL_WORKER_INFOS`` in the ``rpc_prefix_0``
-    namespace torch gives a process's first init) and, with ``me`` (a live member), off every live
-    agent's tables (``torch.distributed.rpc._utils._update_group_membership``). Without ``me`` (a
-    failed join cleaning after itself) the join's token is released. The token is released even
-    when a member does not answer, which torch's leave does not do.
-    ``tests/unit/test_torch_rpc_internals.py`` fails when torch changes any of these.
+    There is no public way to remove a member that died (or whose join failed), so this does what
+    torch's own leave does, under the same membership token: ``name`` comes off the group's list
+    (``names/_ALL_WORKER_INFOS`` in the ``rpc_prefix_0`` namespace of a process's first init) and, with
+    ``me`` (a live member), off every live agent's tables (``_update_group_membership``). Without ``me``
+    (a failed join cleaning up) the join's token is released; unlike torch's leave, the token is
+    released even when a member does not answer. ``tests/unit/test_torch_rpc_internals.py`` fails when
+    torch changes any of these.
     """
     # the internal, imported here only, so that no other function of the package can reach it
     from torch.distributed.rpc._utils import _update_group_membership
@@ -254,6 +237,10 @@ def _rpc_ping() -> bool:
 
 class MembershipMonitor:
     """Watch the members' heartbeats on the chief; drop lost workers, fail on a lost server.
+
+    One store request per interval reads every heartbeat. A member that reported a failure is dropped
+    at once; one silent for ``grace`` is pinged over RPC: a dead process refuses (dropped), a frozen
+    one is dropped once silent for ``timeout``.
 
     Args:
         heartbeat: the chief's own heartbeat (its store is the one every member beats in).
@@ -353,7 +340,6 @@ class MembershipMonitor:
                 self._check(rank, silent)
 
     def _check(self, rank: int, silent: float) -> None:
-        """Ping a silent member; a refusal (dead) or a ping that outlasts ``timeout`` (frozen) loses it."""
         pending = self._pings.get(rank)
         if pending is None:
             name = self._name_of(rank)
@@ -401,7 +387,6 @@ class MembershipMonitor:
 
 
 def _rpc_load_values(shard_id: int, values: Packed) -> None:
-    """Overwrite shard ``shard_id``'s values (the chief's weights, when the servers start)."""
     shard = hosted_shard(shard_id)
     unpacked = shard.unpack(values)
     shard.load_values([v for v in unpacked if v is not None])

@@ -1,13 +1,8 @@
 """The one module that names torch RPC: names, rendezvous, start and stop, calls and replies.
 
-A leaf, with no Lightning import and no import of the objects it carries calls to: the shards
-(:mod:`.ps.shard`) and the async coordinator (:mod:`.async_.coordinator`) keep their own
-registries, and their RPC entry points are plain module-level functions, as RPC requires. So the
-transport can change here alone.
-
-RPC meets in a TCP store of its own (the process group's store holds ``MASTER_PORT``), which
-rank 0 binds on a port the kernel picks *while* binding it: an ephemeral port picked by
-``bind(0)`` and released is free for any other socket until RPC binds it again.
+A leaf (no Lightning import, none of the objects it carries calls to: the shards and the async
+coordinator keep their own registries and module-level entry points), so the transport can change
+here alone.
 """
 
 from __future__ import annotations
@@ -57,18 +52,14 @@ def current_name() -> str:
 
 
 def rendezvous_store(
-    rank: int,
-    world_size: int,
-    host: str,
-    *,
-    timeout: timedelta,
-    share: Callable[[int], int] | None = None,
+    rank: int, world_size: int, host: str, *, timeout: timedelta, share: Callable[[int], int] | None = None
 ) -> dist.TCPStore:
-    """The store RPC's processes meet in: rank 0 serves it on a port bound as it is chosen.
+    """The store RPC's processes meet in (not the process group's, which holds ``MASTER_PORT``).
+
+    Rank 0 binds it on a port the kernel picks *while* binding it: a port picked by ``bind(0)`` and
+    released is free for any other socket until it is bound again.
 
     Args:
-        rank: global rank.
-        world_size: number of processes.
         host: rank 0's address as the other ranks reach it (the process group's ``MASTER_ADDR``).
         timeout: how long a rank waits for the store (and the store for its peers).
         share: called by every rank with rank 0's port (0 elsewhere), returns rank 0's port; by
@@ -104,8 +95,7 @@ register_rendezvous_handler(_STORE_SCHEME, _store_rendezvous)
 
 
 def store_url(store: dist.Store) -> str:
-    """An ``init_method`` for ``rpc.TensorPipeRpcBackendOptions`` that meets in ``store`` (kept
-    until :func:`shutdown_rpc`)."""
+    """An ``init_method`` for ``rpc.TensorPipeRpcBackendOptions`` that meets in ``store``."""
     key = f"s{next(_store_keys)}"
     _STORES[key] = store
     return f"{_STORE_SCHEME}://{key}"
@@ -123,8 +113,6 @@ def init_rpc(
     """Start this process's TensorPipe RPC agent as :func:`worker_name` ``(rank)``.
 
     Args:
-        rank: global rank.
-        world_size: number of processes.
         init_method: the store to meet in (:func:`rendezvous_store`), or a URL torch's RPC takes
             (``tcp://host:port``: a port picked beforehand may be taken before it is bound).
         timeout: default timeout of every RPC (and of the rendezvous).
@@ -135,9 +123,7 @@ def init_rpc(
     if isinstance(init_method, dist.Store):
         init_method = store_url(init_method)
     options = rpc.TensorPipeRpcBackendOptions(
-        num_worker_threads=num_threads,
-        rpc_timeout=timeout.total_seconds(),
-        init_method=init_method,
+        num_worker_threads=num_threads, rpc_timeout=timeout.total_seconds(), init_method=init_method
     )
     for peer, mapping in (device_maps or {}).items():
         options.set_device_map(peer, dict(mapping))  # type: ignore[arg-type]
@@ -152,12 +138,10 @@ def shutdown_rpc(*, failed: bool, timeout: timedelta, grace_seconds: float = 1.0
     """Stop this process's RPC agent.
 
     Args:
-        failed: this run failed. A graceful shutdown waits until every process reaches it,
-            which dead peers never do; so after a failure the shutdown is local, after a short
-            grace that lets replies already queued (such as a shard's error naming the dead
-            worker, sent to the survivors) leave before the agent closes its pipes.
+        failed: this run failed: then the shutdown is local (a graceful one waits for every process,
+            dead peers too), after ``grace_seconds`` that let queued replies (a shard's error naming
+            the dead worker) leave before the agent closes its pipes.
         timeout: bound on the graceful shutdown's wait for the peers.
-        grace_seconds: the grace before a local shutdown.
     """
     try:
         if failed:
@@ -169,9 +153,7 @@ def shutdown_rpc(*, failed: bool, timeout: timedelta, grace_seconds: float = 1.0
         _STORES.clear()  # the rendezvous stores go with the agent (rank 0's closes its port)
 
 
-# --------------------------------------------------------------------------------------------
-# Calls and replies
-# --------------------------------------------------------------------------------------------
+# -- calls and replies -------------------------------------------------------------------------
 
 
 def async_execution(entry: F) -> F:
@@ -182,13 +164,11 @@ def async_execution(entry: F) -> F:
 
 @dataclass
 class ShardError:
-    """A shard's or the coordinator's refusal (barrier timeout, out-of-step push), sent as a value.
-
-    RPC carries an exception set on an ``async_execution`` future back as a plain value, not
-    as an error, so failures travel as this object and :func:`wait_reply` raises them.
+    """A shard's or the coordinator's refusal (barrier timeout, out-of-step push), sent as a value:
+    RPC returns an exception set on an ``async_execution`` future as a plain value, so failures travel
+    as this object and :func:`wait_reply` raises them.
 
     Attributes:
-        message: what went wrong, naming the workers involved.
         timed_out: the barrier (or the staleness gate) timed out waiting for a worker.
     """
 
@@ -204,16 +184,9 @@ def completed(value: T) -> Future[T]:
 
 
 def call_host(host: int, entry: Callable[..., Any], *args: Any, local: bool, timeout: float) -> Future[Any]:
-    """``entry(*args)`` on rank ``host``: called directly (no serialisation) when ``local``.
-
-    Args:
-        host: the rank hosting the object ``entry`` serves.
-        entry: an RPC entry point: it finds its object in its module's registry and returns a
-            reply (or, under :func:`async_execution`, a future of one).
-        *args: its arguments.
-        local: this process hosts the object.
-        timeout: the RPC timeout in seconds.
-    """
+    """``entry(*args)`` on rank ``host``, called directly (no serialisation) when ``local`` (this process
+    hosts the object); a future of its reply. ``entry`` is a module-level RPC entry point: it finds
+    its object in its module's registry. ``timeout`` is in seconds."""
     if local:
         reply = entry(*args)
         return reply if isinstance(reply, Future) else completed(reply)

@@ -1,11 +1,7 @@
-"""The async parameter server's coordination, with no Lightning import: SSP clocks, batch leases,
-membership, and the coordinator that composes them (hosted by rank 0), with the worker's lease.
-
-- :mod:`.messages`: the data plan, leased batches and the replies workers get.
-- :mod:`.clocks`: the staleness bound's clocks. :mod:`.queue`: the epochs' batch queues, leased by
-  speed. :mod:`.membership`: a fixed or a changing set of workers. :mod:`.watchdog`: deadlines.
-- :mod:`.coordinator`: :class:`AsyncCoordinator`, composing them; :mod:`.endpoints`: its registry
-  and RPC entry points; :mod:`.lease`: the worker's side (:class:`BatchLease`).
+"""The async parameter server's coordination (no Lightning import): :class:`AsyncCoordinator` (hosted by
+rank 0; :mod:`.endpoints` has its RPC entry points) composes SSP clocks (:mod:`.clocks`), the batch queue
+(:mod:`.queue`), membership (:mod:`.membership`) and deadlines (:mod:`.watchdog`); :class:`BatchLease`
+(:mod:`.lease`) is the worker's side; :mod:`.messages` what they exchange.
 """
 
 from lightning_strategies.comm.async_.coordinator import AsyncCoordinator

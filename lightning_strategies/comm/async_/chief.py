@@ -1,5 +1,4 @@
-"""The chief's side of a run (the rank hosting the coordinator): what it publishes to every
-worker, and its wait for an epoch to complete."""
+"""The chief's side of a run (the rank hosting the coordinator)."""
 
 from __future__ import annotations
 
@@ -15,12 +14,12 @@ __all__ = ["Chief"]
 
 
 class Chief:
-    """What the chief publishes, guarded by the coordinator's lock (``progress`` is its condition).
+    """What the chief publishes to every worker, and its wait for an epoch to complete; guarded by the
+    coordinator's lock (``progress`` is its condition).
 
     Attributes:
         lrs: the chief's learning rates, handed out with every lease (membership runs).
         published: scheduler states, buffers: for joining workers and the chief.
-        current: the epoch the chief opened last.
         stopped: the run is over: every refill is answered ``stop``.
         failure: why the run failed: every later request fails with it.
     """

@@ -1,10 +1,8 @@
 """The stale-synchronous-parallel (SSP) clocks (Ho et al. 2013): no worker starts step ``c+1``
 before every other worker has pushed ``c - s`` times.
 
-The lowest clock of the alive, active workers comes from a heap with one entry per clock change
-(entries of an older version are skipped): O(log P) per change, no scan over all workers. A
-worker that finished the epoch's batches is inactive: it no longer holds the others back until
-the next epoch starts.
+The lowest clock of the alive, active workers (one that finished the epoch's batches is inactive
+until the next starts) comes from a heap with one entry per clock change: O(log P), no scan.
 """
 
 from __future__ import annotations
@@ -20,13 +18,8 @@ __all__ = ["SSPClocks"]
 
 
 class SSPClocks:
-    """Every worker's clock in the bound's frame, and the bound itself.
-
-    Args:
-        workers: rank -> record, shared with the coordinator (it replaces a rank's record on a join).
-        max_staleness: the bound ``s``; ``None`` for no bound.
-        push_every: the workers' ``push_every`` (a clock counts pushes, a lease counts batches).
-    """
+    """Every worker's clock in the bound's frame (``workers`` is shared with the coordinator), and the
+    bound ``max_staleness`` (``None``: no bound)."""
 
     def __init__(self, workers: Mapping[int, WorkerState], max_staleness: int | None, push_every: int) -> None:
         self._workers = workers
@@ -41,7 +34,6 @@ class SSPClocks:
             self.push(w)
 
     def push(self, w: WorkerState) -> None:
-        """A new version of ``w``'s clock: in the heap when alive and active, out of it otherwise."""
         w.version += 1
         if w.alive and w.active:
             heapq.heappush(self._heap, (w.gate_clock, w.rank, w.version))
@@ -77,9 +69,9 @@ class SSPClocks:
     def credit(self, w: WorkerState) -> tuple[int | None, int | None]:
         """(batches ``w`` may still be leased, the lowest other clock); ``None`` credit: unbounded.
 
-        Flow control: with ``push_every = k``, the others' lowest clock ``m`` and ``h`` batches
-        leased and not pushed, a worker at clock ``c`` gets at most ``(m + s + 1 - c) k - h`` more,
-        so a fast worker cannot hoard the queue while it waits.
+        With ``push_every = k``, the others' lowest clock ``m`` and ``h`` batches leased and not
+        pushed, a worker at clock ``c`` gets at most ``(m + s + 1 - c) k - h`` more, so a fast worker
+        cannot hoard the queue while it waits.
         """
         if self.max_staleness is None:
             return None, None
@@ -95,7 +87,6 @@ class SSPClocks:
             self.push(w)
 
     def activate_all(self) -> None:
-        """A new epoch starts: the workers that finished the last one count again (O(P), per epoch)."""
         for w in self._workers.values():
             if w.alive:
                 self.set_active(w, True)

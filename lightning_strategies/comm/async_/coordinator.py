@@ -1,11 +1,4 @@
-"""The async coordinator, hosted by rank 0 of an ``"async"`` run, composing the batch queue, the
-staleness clocks, the membership, the held requests, the chief's bulletin and a watchdog.
-
-Workers take batches from a local lease (:mod:`.lease`) whose refills carry their clock and acks.
-The staleness bound is checked where steps start (:meth:`AsyncCoordinator.gate`), not where
-batches are drawn, so loader processes that fetch indices ahead change nothing; leases are also
-held back (:meth:`.clocks.SSPClocks.credit`). The slowest worker is never held.
-"""
+"""The async coordinator, hosted by rank 0 of an ``"async"`` run."""
 
 from __future__ import annotations
 
@@ -33,11 +26,14 @@ class AsyncCoordinator:
     """The epoch's batch queue, leases, the staleness bound and worker membership, thread-safe:
     answers that must wait are futures, completed outside the lock.
 
+    The bound is checked where steps start (:meth:`gate`), not where batches are drawn, so loader
+    processes that fetch indices ahead change nothing; leases are also held back
+    (:meth:`.clocks.SSPClocks.credit`). The slowest worker is never held.
+
     Args:
         workers: the training ranks (or their number, for ranks ``0 .. n-1``).
         max_staleness: the SSP bound ``s``; ``None`` for no bound.
-        timeout: how long a held refill waits before failing with an error naming the workers it
-            waited for.
+        timeout: how long a held refill waits before failing, naming the workers it waited for.
         push_every: the workers' ``push_every`` (a clock counts pushes, a lease counts batches).
         elastic: workers may be dropped and may join (:class:`.membership.ChangingMembership`);
             the chief opens epochs.
@@ -199,12 +195,9 @@ class AsyncCoordinator:
         incarnation: int = 0,
         prefetch: int = 0,
     ) -> Future[LeaseReply | ShardError]:
-        """Lease up to ``want`` more batches to ``worker``, after taking its clock and acks.
-
-        Answered at once unless the staleness bound leaves no credit (``prefetch``: batches the
-        worker's loader holds ahead of its steps, allowed on top) or there is no work yet; with
-        no work left, a worker that still holds batches is told ``over``.
-        """
+        """Lease up to ``want`` more batches to ``worker``, after taking its clock and acks: held while
+        the bound leaves no credit (``prefetch`` more allowed: the loader's batches ahead of its
+        steps) or there is no work yet; with no work left, the answer is ``over``."""
         fut: Future[LeaseReply | ShardError] = Future()
         ready: list[Ready] = []
         with self._lock:
@@ -249,12 +242,9 @@ class AsyncCoordinator:
         publish: dict[str, Any] | None = None,
         returned: Sequence[tuple[int, int]] = (),
     ) -> ReportReply:
-        """``worker`` has pushed ``clock`` times, and pushed the batches ``acks``; never waits.
-
-        ``finished``: it trained every batch of its loop epoch, so it no longer holds the others
-        back until an epoch starts again; ``publish``: (membership) values for the chief, such as
-        its buffers; ``returned``: leased batches it will not train, back to the front of the queue.
-        """
+        """``worker`` has pushed ``clock`` times, the last pushes carrying ``acks``; never waits.
+        ``finished``: it trained every batch of its loop epoch (it no longer holds the others back);
+        ``publish``: values for the chief; ``returned``: leased batches it will not train (requeued)."""
         with self._lock:
             w = self._workers.get(worker)
             if w is None or not w.alive or w.incarnation != incarnation:
@@ -301,7 +291,6 @@ class AsyncCoordinator:
         return fut
 
     def _expire(self, held: Held) -> list[Ready]:
-        """The watchdog's answers for ``held``, past its deadline (holding the lock)."""
         return self._members.timed_out(self, held, self._held.timeout_error(held))
 
     # -- failures and membership ---------------------------------------------------------------
@@ -315,8 +304,7 @@ class AsyncCoordinator:
         self._chief.failure = message
 
     def fail(self, worker: int, reason: str) -> None:
-        """Worker ``worker`` failed: with membership it is dropped; else every held and later refill
-        fails, naming it."""
+        """Worker ``worker`` failed: with membership it is dropped; else every held and later refill fails."""
         self._members.failed(self, worker, reason)
 
     def abort(self, reason: str) -> None:
@@ -331,8 +319,7 @@ class AsyncCoordinator:
         deliver([(h.future, error) for h in held])
 
     def join(self, worker: int, incarnation: int, name: str = "") -> JoinReply:
-        """(Membership) ``worker`` starts, or restarts as ``incarnation``: alive, clock 0, and in the
-        staleness frame at the others' lowest clock, so that a newcomer does not hold them back."""
+        """(Membership) ``worker`` starts, or restarts as ``incarnation`` (see :meth:`.membership.Membership.admit`)."""
         with self._lock:
             w = self._workers.get(worker)
             if w is None:

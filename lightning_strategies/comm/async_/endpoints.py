@@ -1,5 +1,4 @@
-"""What rank 0 of an async run hosts: the coordinator's registry and its RPC entry points (the
-workers' side calls them through :mod:`.lease`; a local coordinator is called directly)."""
+"""The async coordinator's registry and RPC entry points on rank 0 (called through :mod:`.lease`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The requests the coordinator holds (refills short of credit or of work, staleness gates), and
-when each opens: one heap keyed by the lowest clock that opens it, so a clock change retries only
-the requests it can open (no O(P^2) release), and the slowest worker is never held."""
+"""The requests the coordinator holds (refills short of credit or of work, staleness gates): one heap
+keyed by the lowest clock that opens each, so a clock change retries only those it opens (no O(P^2))."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ class Sources(Protocol):
 
 
 class HeldRequests:
-    """Answers refills and gates now or holds them until the clocks, the queue or the chief open them
-    (not thread-safe: the coordinator's lock guards it)."""
+    """Answers refills and gates now or holds them (not thread-safe: the coordinator's lock guards it)."""
 
     def __init__(
         self,
@@ -159,7 +157,7 @@ class HeldRequests:
         return [(held.future, GateReply(low, waited))]
 
     def retry_all(self) -> list[Ready]:
-        """Try every held request again (an epoch opened, work was put back, the run stopped): O(P)."""
+        """Try every held request again (an epoch opened, work was put back, the run stopped)."""
         ready: list[Ready] = []
         for w in self._workers.values():
             for held in w.held():
@@ -178,7 +176,6 @@ class HeldRequests:
         return held
 
     def timeout_error(self, held: Held) -> ShardError:
-        """The error of ``held``, past its deadline: what it waited for."""
         seconds = self.timeout.total_seconds()
         if not held.credit_held:
             message = (

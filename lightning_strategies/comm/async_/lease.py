@@ -1,15 +1,8 @@
-"""The worker's side of the async coordinator: a local lease of batches, refilled in the background.
+"""The worker's side of the async coordinator (no Lightning import): a local lease of batches, refilled
+in the background, and the worker's clock reports.
 
-A worker draws each batch from its :class:`BatchLease`, a few batches leased by the coordinator
-(rank 0). At half a lease it asks for more without waiting (the answer fills the lease from an
-RPC thread), so it waits only when the lease is empty: at an epoch's first batch, or when the
-staleness bound holds leases back. A refill carries the worker's clock and the batches pushed
-since the last message (acks); with a bound (or while a refill is held) the clock is also
-reported after each push, at most one report in flight (later clocks coalesce into the next),
-and each step is admitted by :meth:`BatchLease.admit`: at once when the others' clocks known at
-its lease allow it, else after a gate round trip. Every wait is bounded (the RPC timeout exceeds
-the coordinator's own) and polls ``should_stop``, so a process told to stop does not sit out the
-timeout. No Lightning import.
+Every wait is bounded (the RPC timeout exceeds the coordinator's own) and polls ``should_stop``, so a
+process told to stop does not sit out the timeout.
 """
 
 from __future__ import annotations
@@ -47,9 +40,8 @@ from lightning_strategies.comm.rpc import call_host, wait_reply
 
 __all__ = ["DEFAULT_LEASE", "BatchLease", "fetch_published", "join_run", "leave_run", "report_failure"]
 
-#: Batches a worker leases at a time: enough to hide a refill's round trip behind a few steps,
-#: few enough that the epoch's tail is shared out finely (the coordinator also shrinks leases
-#: as the queue drains).
+#: Batches a worker leases at a time: enough to hide a refill's round trip behind a few steps, few
+#: enough that the epoch's tail is shared out finely.
 DEFAULT_LEASE = 4
 _POLL_S = 0.25
 
@@ -63,18 +55,19 @@ def _call(coordinator_rank: int, worker: int, entry: Callable[..., Any], *args: 
 class BatchLease:
     """A worker's lease of batches from the coordinator, and its clock reports.
 
+    At half a lease the worker asks for more without waiting (the answer fills the lease from an RPC
+    thread), so it waits only when the lease is empty. A refill carries the worker's clock and acks
+    (the batches pushed since); with a bound, the clock is also reported after each push (at most
+    one report in flight, later clocks coalescing) and each step is admitted by :meth:`admit`.
+
     Args:
-        worker: this worker's rank.
-        coordinator_rank: the rank hosting the coordinator.
         rpc_timeout: seconds an RPC to the coordinator may take: more than the coordinator's own
             ``timeout``, so that its error, naming the workers it waited for, arrives first.
-        lease: batches to hold (refilled when half are used); a worker slower than the mean holds
-            fewer (:attr:`size`).
+        lease: batches to hold (refilled when half are used); a slower worker holds fewer (:attr:`size`).
         max_staleness: the bound ``s`` (``None``: none; then no clock is reported per push and no
             step is gated).
         prefetch: batches the training loop draws ahead of the step it runs (Lightning's one, plus
-            ``prefetch_factor x num_workers`` for loader processes): the bound's flow control
-            leases that many on top.
+            ``prefetch_factor x num_workers``): the bound's flow control leases that many on top.
         incarnation: this process's incarnation of the rank (membership runs).
     """
 
@@ -142,17 +135,11 @@ class BatchLease:
         return self._stop
 
     def next(
-        self,
-        epoch: int,
-        plan: DataPlan,
-        *,
-        limit: int | None = None,
-        should_stop: Callable[[], bool] | None = None,
+        self, epoch: int, plan: DataPlan, *, limit: int | None = None, should_stop: Callable[[], bool] | None = None
     ) -> LeasedBatch | None:
         """The next batch of this worker's loop epoch ``epoch``, or ``None`` when the epoch is over.
 
         Args:
-            epoch: the loop epoch (the coordinator's epoch without membership).
             plan: how the epoch is batched (the same on every rank).
             limit: at most this many batches in the epoch (``Trainer(limit_train_batches=n)``).
             should_stop: polled while waiting; when it returns True the wait raises.
@@ -204,8 +191,8 @@ class BatchLease:
 
     @property
     def size(self) -> int:
-        """The lease held now: ``lease``, scaled down for a worker slower than the mean (at
-        least one batch), so that a straggler does not keep the epoch's last batches."""
+        """``lease`` scaled down for a worker slower than the mean (at least one batch), so that a
+        straggler does not keep the epoch's last batches."""
         return max(1, min(self.lease, math.ceil(self.lease * self._pace)))
 
     def _want(self, limit: int | None) -> int:
@@ -260,19 +247,15 @@ class BatchLease:
             self._cond.notify_all()
 
     def take_held(self) -> bool:
-        """Whether a refill was held (by the staleness bound) since the last call: the others pushed
-        meanwhile, so the worker should pull before training on."""
+        """Whether the staleness bound held a refill since the last call (then the worker should pull)."""
         with self._cond:
             held, self._held = self._held, False
             return held
 
     def admit(self, batch: LeasedBatch, clock: int, *, should_stop: Callable[[], bool] | None = None) -> int | None:
-        """Admit the step that trains ``batch`` at this worker's ``clock`` under the bound.
-
-        Returns at once when the others' lowest clock known (when ``batch`` was leased, or from
-        the last gate) allows the step; else waits at the coordinator's gate until it does
-        (polling ``should_stop``). The wait counts in :attr:`gate_seconds`; a held gate also marks
-        the lease held (:meth:`take_held`).
+        """Admit the step that trains ``batch`` at this worker's ``clock`` under the bound: at once when the
+        others' lowest clock known (at its lease, or from the last gate) allows it, else after waiting
+        at the coordinator's gate (counted in :attr:`gate_seconds`).
 
         Returns:
             The step's staleness gap: this worker's clock (in the bound's frame) minus the others'
@@ -330,18 +313,13 @@ class BatchLease:
                     self._report_due = True  # coalesced into the next report
 
     def give_back(self, batches: Sequence[LeasedBatch]) -> None:
-        """Return leased batches this worker will not train (its loop dropped them): the coordinator
-        puts them back in the queue. Waits for the answer."""
+        """Return leased batches this worker will not train to the coordinator's queue; waits for the answer."""
         with self._cond:
             fut = self._send_report(returned=[(b.epoch, b.index) for b in batches])
         wait_reply(fut, f"worker {self.worker}: giving batches back to the async coordinator failed")
 
     def _send_report(
-        self,
-        *,
-        finished: bool = False,
-        publish: dict[str, Any] | None = None,
-        returned: Sequence[tuple[int, int]] = (),
+        self, *, finished: bool = False, publish: dict[str, Any] | None = None, returned: Sequence[tuple[int, int]] = ()
     ) -> Future[Any]:
         acks, self._acks = self._acks, []
         self._unconfirmed = acks
@@ -374,10 +352,9 @@ class BatchLease:
                 self._send_report()
 
     def flush(self, *, finished: bool = True, publish: dict[str, Any] | None = None) -> None:
-        """Send the clock and acks now and wait for the answer (at an epoch's last step), so the
-        coordinator counts every batch of the epoch before the worker moves on; ``finished``: the
-        worker has no batch of the epoch left, so it no longer holds the others back; ``publish``:
-        values for the chief (membership runs: the worker's buffers)."""
+        """Send the clock and acks and wait for the answer (at an epoch's last step), so the coordinator
+        counts every batch of the epoch first; ``finished``: no batch of the epoch left, so the worker no
+        longer holds the others back; ``publish``: values for the chief (membership: its buffers)."""
         with self._cond:
             if self._error is not None:
                 raise self._error
@@ -400,8 +377,8 @@ class BatchLease:
 
 
 def report_failure(worker: int, reason: str, *, coordinator_rank: int = 0, timeout_s: float = 2.0) -> None:
-    """Tell the coordinator that ``worker`` failed, so nothing waits on its clock (or, with
-    membership, so it is dropped at once). Best effort and bounded: the coordinator's host may be gone."""
+    """Tell the coordinator that ``worker`` failed, so nothing waits on its clock (with membership, it is
+    dropped). Best effort and bounded: the coordinator's host may be gone."""
     with contextlib.suppress(Exception):  # the coordinator's own timeout still bounds every wait
         _call(coordinator_rank, worker, _rpc_fail, worker, reason, timeout=timeout_s).wait()
 

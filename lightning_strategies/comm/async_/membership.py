@@ -1,14 +1,7 @@
 """Who is in an async run: a fixed set of workers, or a changing one (workers join and are dropped).
 
-Both track joins, drops and leaves with each rank's *incarnation* (a relaunched worker takes its
-old rank's slot with a new one). They differ in what the coordinator does:
-
-- :class:`FixedMembership`: every worker trains from start to end. Each worker's first refill of
-  an epoch opens it; a worker's failure or a held request's timeout fails the run, naming who
-  it waited for.
-- :class:`ChangingMembership` (dedicated servers): the chief opens each epoch; a lost worker is
-  dropped and its batches are redrawn; a held request that times out fails alone (the frozen
-  worker it waited on is dropped meanwhile, so only a much longer wait is an error of its own).
+Both log joins, drops and leaves with each rank's *incarnation* (a relaunched worker takes its old
+rank's slot with a new one).
 """
 
 from __future__ import annotations
@@ -42,12 +35,8 @@ class Run(Protocol):
 
 
 class Membership(ABC):
-    """The workers' records and the log of joins, drops and leaves (the coordinator's lock guards it).
-
-    Args:
-        workers: rank -> record, shared with the coordinator's other parts.
-        queue: the batch queue (a membership decides where a refill's batches come from).
-    """
+    """The workers' records and the log of joins, drops and leaves (the coordinator's lock guards it);
+    ``workers`` is shared with the coordinator's other parts."""
 
     #: a held request waits this many times the coordinator's ``timeout`` before it fails
     patience = 1.0
@@ -113,7 +102,8 @@ class Membership(ABC):
 
 
 class FixedMembership(Membership):
-    """Every worker trains from start to end; a failure or a timeout fails the run."""
+    """Every worker trains from start to end; each worker's first refill of an epoch opens it; a failure
+    or a held request's timeout fails the run, naming who it waited for."""
 
     def check_refill(self, w: WorkerState, epoch: int, plan: DataPlan, incarnation: int) -> str | None:
         known = self.queue.epochs.get(epoch)
@@ -146,8 +136,11 @@ class FixedMembership(Membership):
 
 
 class ChangingMembership(Membership):
-    """Workers join and are dropped: the chief opens epochs, a lost worker's batches are redrawn."""
+    """Workers join and are dropped (dedicated servers): the chief opens epochs, a lost worker's batches
+    are redrawn."""
 
+    # a held request that times out fails alone: the frozen worker it waited on is dropped meanwhile,
+    # so only a much longer wait is an error of its own
     patience = 3.0
 
     def check_refill(self, w: WorkerState, epoch: int, plan: DataPlan, incarnation: int) -> str | None:

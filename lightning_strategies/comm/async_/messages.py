@@ -9,8 +9,7 @@ import torch
 
 __all__ = ["RECORD_LIMIT", "DataPlan", "GateReply", "JoinReply", "LeaseReply", "LeasedBatch", "ReportReply"]
 
-# Records kept for inspection (tests, logs), bounded so that a long run's memory stays flat:
-# about 1.3 MB per kind at this size, far more than any test or report reads.
+# Records kept for inspection (tests, logs), bounded so a long run's memory stays flat (~1.3 MB per kind)
 RECORD_LIMIT = 10_000
 
 
@@ -19,11 +18,11 @@ class DataPlan:
     """How an epoch's samples become batches; every worker must send the same plan.
 
     Attributes:
-        num_samples: samples in the training set.
-        batch_size: indices per batch.
         drop_last: drop the last batch when it is short (as ``DataLoader(drop_last=True)``).
         shuffle: a fresh permutation every epoch (seeded by ``seed + epoch``), else in order.
-        seed: base seed of the permutation.
+
+    Raises:
+        ValueError: when ``num_samples < 0`` or ``batch_size < 1``.
     """
 
     num_samples: int
@@ -57,15 +56,13 @@ class DataPlan:
 
 @dataclass(frozen=True)
 class LeasedBatch:
-    """One batch of a lease.
+    """One batch of a lease: batch ``index`` of data epoch ``epoch`` (:meth:`DataPlan.batches`), whose
+    samples are ``indices``.
 
     Attributes:
-        epoch: the data epoch it belongs to (under membership it may be trained in a later loop epoch).
-        index: its position among the epoch's batches (:meth:`DataPlan.batches`).
-        indices: its sample indices.
-        admitted_min: the lowest clock (in the staleness frame) of the other workers when it was
-            leased; with a bound the worker checks its own clock against it at the step
-            (``None`` without a bound or without other workers).
+        epoch: under membership it may be trained in a later loop epoch.
+        admitted_min: the others' lowest clock (in the staleness frame) when it was leased, which the
+            worker checks its own clock against at the step (``None``: no bound or no other worker).
     """
 
     epoch: int
@@ -79,15 +76,12 @@ class LeaseReply:
     """The coordinator's answer to a refill.
 
     Attributes:
-        batches: the leased batches (possibly none).
         over: no further batch of this worker's loop epoch: its epoch ends once its lease is used.
         stop: the run is over (membership runs: the chief closed it).
         waited: seconds the refill was held (staleness credit, or no work yet).
-        offset: added to this worker's clock in the staleness bound (a joined worker starts at
-            the others' lowest clock).
-        lrs: the chief's learning rates, per param group (membership runs), else ``None``.
-        pace: the worker's speed over the mean worker's (1 until speeds are measured): a slow
-            worker holds a smaller lease, so the epoch's last batches do not wait in it.
+        offset: added to this worker's clock in the bound (a joined worker starts at the others' lowest).
+        lrs: the chief's learning rates, per param group (membership runs).
+        pace: the worker's speed over the mean worker's: a slow worker holds a smaller lease.
     """
 
     batches: list[LeasedBatch]
@@ -122,8 +116,7 @@ class JoinReply:
         epoch: the run's current (or next) data epoch.
         offset: the worker's staleness offset (see :class:`LeaseReply`).
         lrs: the chief's learning rates (``None`` before the chief published any).
-        state: whatever the chief published for joiners (:meth:`AsyncCoordinator.publish`), e.g.
-            its LR schedulers' state and the latest buffers.
+        state: what the chief published for joiners (:meth:`AsyncCoordinator.publish`).
     """
 
     epoch: int

@@ -1,9 +1,7 @@
 """The coordinator's batch queue: each epoch's batches, leased by speed, acked once, put back.
 
-A worker takes at most half its share of what is left, its share by its speed (batches acked per
-second), so an epoch's tail is spread over the workers instead of sitting in a slow worker's
-lease. A lost worker's leased, unpushed batches go back to the front of the queue (*redrawn*),
-and every batch of an epoch is counted once, by the worker whose ack arrived first.
+A worker takes at most half its share (by batches acked per second) of what is left, so an epoch's
+tail is spread over the workers instead of sitting in a slow worker's lease.
 """
 
 from __future__ import annotations
@@ -40,12 +38,7 @@ class Epoch:
 
 
 class BatchQueue:
-    """The epochs' queues and the workers' speeds (not thread-safe: the coordinator's lock guards it).
-
-    Args:
-        workers: rank -> record, shared with the coordinator.
-        clocks: the staleness frame (a worker with batches to train counts in it).
-    """
+    """The epochs' queues and the workers' speeds (not thread-safe: the coordinator's lock guards it)."""
 
     def __init__(self, workers: Mapping[int, WorkerState], clocks: SSPClocks) -> None:
         self._workers = workers
@@ -91,7 +84,7 @@ class BatchQueue:
             self._rated += 1
 
     def share(self, w: WorkerState, alive: int) -> float:
-        """``w``'s share of the ``alive`` workers' speed (equal shares until speeds are measured), O(1)."""
+        """``w``'s share of the ``alive`` workers' speed (equal shares until speeds are measured)."""
         alive = max(1, alive)
         if not self._rated or w.rate is None:
             return 1.0 / alive
@@ -104,7 +97,6 @@ class BatchQueue:
             known.undrawn += int(known.served.get(rank, 0) == 0)
 
     def dropped(self, w: WorkerState) -> None:
-        """``w`` is gone: its speed no longer counts, its unpushed batches are redrawn."""
         self.set_rate(w, None)
         for known in self.epochs.values():
             if known.served.get(w.rank, 0) == 0:
@@ -112,7 +104,6 @@ class BatchQueue:
         self.requeue(w, list(w.outstanding), redrawn=True)
 
     def requeue(self, w: WorkerState, batches: list[tuple[int, int]], *, redrawn: bool) -> None:
-        """Put ``w``'s leased, unpushed ``batches`` back at the front of their epochs' queues."""
         for epoch, index in sorted(batches, reverse=True):
             if (epoch, index) not in w.outstanding:
                 continue

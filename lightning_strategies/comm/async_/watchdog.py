@@ -25,13 +25,8 @@ def deliver(ready: Sequence[tuple[Future[Any], Any]]) -> None:
 
 
 class DeadlineWatchdog:
-    """Fails each held request still waiting at its deadline.
-
-    Args:
-        lock: the coordinator's lock: :meth:`watch` and :meth:`close` are called holding it, and
-            ``expire`` runs holding it.
-        expire: the answers to give for a held request past its deadline.
-    """
+    """Fails each held request still waiting at its deadline with ``expire(held)``'s answers.
+    ``lock`` is the coordinator's: :meth:`watch`, :meth:`close` and ``expire`` run holding it."""
 
     def __init__(self, lock: threading.Lock, expire: Callable[[Held], list[tuple[Future[Any], Any]]]) -> None:
         self._lock = lock

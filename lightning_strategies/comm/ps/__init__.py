@@ -1,11 +1,9 @@
-"""Sharded parameter servers, with no Lightning import: plan, optimizer spec, wire format, shard, client.
+"""Sharded parameter servers (no Lightning import): plan, optimizer spec, wire format, shard, client.
 
-The trainable tensors, flattened in the optimizer's order, are split across ``num_servers``
-shards (:mod:`.plan`). Shards are co-located with the training processes: rank ``r`` hosts
-shard ``r`` for ``r < num_servers``. Each shard owns a copy of its slices and the user's
-optimizer rebuilt over them (:mod:`.spec`), so the optimizer *runs on the servers*; workers
-(:mod:`.client`) push gradients and pull values, one payload per shard each way (:mod:`.wire`).
-The synchronous shard is a barrier (:mod:`.shard`); the asynchronous one
+Rank ``r`` hosts shard ``r`` (``r < num_servers``): its slices of the flattened trainable tensors
+(:mod:`.plan`) and the user's optimizer rebuilt over them (:mod:`.spec`), so the optimizer runs on the
+servers. Workers (:mod:`.client`) push gradients and pull values, one payload per shard each way
+(:mod:`.wire`). The synchronous shard (:mod:`.shard`) is a barrier; the asynchronous one
 (:mod:`lightning_strategies.comm.async_ps`) builds on the same pieces.
 """
 

@@ -1,10 +1,4 @@
-"""The worker's side of the parameter servers: push gradients, pull values, count bytes.
-
-One step (:meth:`ParameterServerClient.push_pull`) sends each shard its slices of the gradients
-as one payload (:class:`~lightning_strategies.comm.ps.wire.Packed`) with the worker's current
-learning rates (so LR schedulers and warmup on the worker keep working), to all shards at once,
-and copies each answer into the local parameters.
-"""
+"""The worker's side of the parameter servers: push gradients, pull values, count bytes."""
 
 from __future__ import annotations
 
@@ -32,7 +26,7 @@ __all__ = ["ParameterServerClient", "broadcast_from_rank0"]
 
 
 class ParameterServerClient:
-    """A worker's handle on every shard: push gradients, pull values, count bytes.
+    """A worker's handle on every shard.
 
     Args:
         worker: this worker's index (its global rank).
@@ -66,12 +60,11 @@ class ParameterServerClient:
         return len(self.plan)
 
     def push_pull(self, lrs: Sequence[float]) -> None:
-        """Push ``p.grad`` of every tensor to its shard, wait for all shards, copy the answers.
+        """Push ``p.grad`` of every tensor to its shard, wait for all shards, copy the answers in.
 
-        One message per shard each way: the gradients of the shard's slices packed into one
-        flat tensor (per dtype), and its values likewise. All shards are contacted before
-        waiting on any (``rpc_async``), so the shards work in parallel; the co-located shard is
-        called directly. This is the worker's only synchronisation point of the step.
+        Each shard gets one payload with the worker's current learning rates (so LR schedulers on the
+        worker keep working); all are in flight before any is waited on. This is the worker's only
+        synchronisation point of the step.
 
         Raises:
             RuntimeError: naming the shard and its host rank when a shard fails or times out.
@@ -88,8 +81,6 @@ class ParameterServerClient:
     def _call_shards(
         self, entry: Callable[..., Any], args_for: Callable[[list[Slice]], tuple[Any, ...]]
     ) -> dict[int, Any]:
-        """``entry(s, *args_for(plan[s]))`` for every shard ``s`` holding tensors, all in flight at
-        once; their replies (a failure raises, naming its shard)."""
         futures = {
             s: call_host(s, entry, s, *args_for(idx), local=local_shard(s) is not None, timeout=self.rpc_timeout)
             for s, idx in enumerate(self.plan)
@@ -99,13 +90,11 @@ class ParameterServerClient:
         return self._wait_all(futures)
 
     def _outgoing(self, grads: Sequence[Tensor | None], slices: Sequence[Slice]) -> Packed:
-        """The gradients of ``slices`` packed into one payload, counted as sent."""
         packed = pack([slice_of(g, sl) if (g := grads[sl.tensor]) is not None else None for sl in slices])
         self.stats.bytes_sent += packed.nbytes
         return packed
 
     def _apply_reply(self, s: int, reply: Any) -> None:
-        """Copy shard ``s``'s values (if the reply has any) into the local tensors."""
         self.last_server_bytes[s] = reply.step_bytes
         if reply.values is None:
             return
@@ -123,12 +112,8 @@ class ParameterServerClient:
         self.stats.seconds += self.last_wait_seconds
 
     def _wait_all(self, futures: Mapping[int, Future[Any]]) -> dict[int, Any]:
-        """Each shard's result (shard id -> future), or the first failure as soon as it happens.
-
-        Waiting in shard order would report a dead host only after an earlier shard's barrier
-        timed out; a gate future opened by the first failure (or by the last success) reports
-        the dead one at once.
-        """
+        # not in shard order: that would report a dead host only after an earlier shard's barrier timed
+        # out; a gate opened by the first failure (or the last success) raises at once, naming it
         if not futures:
             return {}
         gate: Future[int] = Future()
@@ -163,14 +148,10 @@ class ParameterServerClient:
     def gather_state_dict(
         self, spec: OptimizerSpec, worker_param_groups: Sequence[Mapping[str, Any]]
     ) -> dict[str, Any]:
-        """Collect every shard's optimizer state into one ``Optimizer.state_dict()``-shaped dict.
-
-        The result indexes tensors by the worker optimizer's flat order, so it loads into the
-        same optimizer class over the same model on a single device, and back into the shards
-        with :meth:`ParameterShard.load_state_dict`. Group options come from a shard holding a
-        tensor of the group (they carry what the optimizer stores in its groups), else from the
-        worker's optimizer.
-        """
+        """Every shard's optimizer state as one ``Optimizer.state_dict()`` in the worker's flat order: it
+        loads into the same optimizer over the same model on one device, or back into the shards
+        (:meth:`ParameterShard.load_state_dict`). Group options come from a shard holding one of the
+        group's tensors, else from ``worker_param_groups``."""
         futures = {
             s: call_host(s, _rpc_state_dict, s, local=local_shard(s) is not None, timeout=self.rpc_timeout)
             for s in range(self.num_servers)
@@ -196,11 +177,8 @@ class ParameterServerClient:
 
 
 def _join_state(pieces: Sequence[tuple[Slice, Mapping[str, Any]]], param: Tensor) -> dict[str, Any]:
-    """One tensor's optimizer state from its slices' states (in element order).
-
-    The per-element state of the slices (flat tensors of the slice's size) is concatenated and
-    shaped like ``param``; scalars (a step count) are equal in every slice and taken once.
-    """
+    """One tensor's optimizer state from its slices' (in element order): per-element state concatenated,
+    scalars (a step count, equal in every slice) taken once."""
     if len(pieces) == 1 and pieces[0][0].numel == param.numel():
         return dict(pieces[0][1])
     covered = sum(sl.numel for sl, _ in pieces)
@@ -220,12 +198,8 @@ def _join_state(pieces: Sequence[tuple[Slice, Mapping[str, Any]]], param: Tensor
 
 
 def broadcast_from_rank0(tensors: Sequence[Tensor]) -> None:
-    """Rank 0's values of ``tensors`` everywhere, one broadcast per dtype (flattened).
-
-    A collective of the default process group: every rank calls it with the same tensors. The
-    workers keep non-trainable buffers (BatchNorm statistics) in step this way; the servers hold
-    only what the optimizer updates.
-    """
+    """Rank 0's values of ``tensors`` everywhere, one broadcast per dtype: a collective of the default
+    process group (every rank passes the same tensors), for buffers the servers do not hold."""
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)

@@ -1,10 +1,8 @@
 """The sharding plan: which elements of the flattened parameters each shard holds.
 
-Elementwise optimizers get contiguous ranges of equal size (:func:`partition_parameters`,
-BytePS-style: a tensor may span shards), so every shard carries the same bytes however unequal
-the tensors; a layer-wise optimizer (LAMB, LARS), whose trust ratio needs a whole tensor's norms,
-gets whole tensors per shard (:func:`shard_parameters`, balanced by size). A plan depends only on
-the sizes, so every rank computes the same one without talking.
+Elementwise optimizers get equal contiguous ranges (:func:`partition_parameters`, BytePS-style);
+a layer-wise optimizer (LAMB, LARS) gets whole tensors (:func:`shard_parameters`). A plan depends
+only on the sizes, so every rank computes the same one without talking.
 """
 
 from __future__ import annotations
@@ -27,11 +25,7 @@ __all__ = [
 
 
 class Slice(NamedTuple):
-    """Elements ``[start, stop)`` of the flattened tensor ``tensor`` (the optimizer's parameter order).
-
-    A slice covering its whole tensor keeps the tensor's shape on the shard; a part of a tensor is
-    held flat (1-D).
-    """
+    """Elements ``[start, stop)`` of flattened tensor ``tensor`` (optimizer order); held flat unless whole."""
 
     tensor: int
     start: int
@@ -49,21 +43,17 @@ PARTITION_ALIGN = 64
 
 
 def partition_parameters(sizes: Sequence[int], num_servers: int, *, align: int = PARTITION_ALIGN) -> list[list[Slice]]:
-    """Split the flattened parameters into ``num_servers`` contiguous ranges of (almost) equal size.
-
-    The tensors are laid end to end in the optimizer's order (``N = sum(sizes)`` elements) and
-    cut at ``s * N / num_servers`` for ``s = 1 .. num_servers - 1``, each cut moved to the nearest
-    multiple of ``align`` elements from the start of the tensor it falls in (or that tensor's end).
-    A tensor may thus span servers; each server's elements differ from ``N / S`` by at most ``align``.
+    """Split the ``N = sum(sizes)`` flattened elements into ``num_servers`` contiguous ranges, cut at
+    ``s * N / num_servers`` snapped to a multiple of ``align`` inside the tensor it falls in: a tensor
+    may span servers, and each server's elements differ from ``N / S`` by at most ``align``.
 
     Args:
         sizes: elements of each tensor, in the optimizer's parameter order.
-        num_servers: number of shards.
         align: granularity of a cut inside a tensor, in elements.
 
     Returns:
-        For each shard, its slices in flat order. A zero-size tensor goes whole to the shard
-        whose range holds its offset. A shard may be empty when ``N < num_servers * align``.
+        For each shard, its slices in flat order (a zero-size tensor whole, where its offset falls);
+        a shard may be empty when ``N < num_servers * align``.
 
     Raises:
         ValueError: when ``num_servers`` or ``align`` < 1, or a size is negative.
@@ -120,20 +110,17 @@ def _check_plan_args(sizes: Sequence[int], num_servers: int) -> None:
 
 
 def shard_parameters(sizes: Sequence[int], num_servers: int) -> list[list[int]]:
-    """Assign whole tensors to shards, balancing the number of elements per shard.
+    """Assign whole tensors to shards, largest first, each to the shard with the fewest elements so far.
 
-    Longest-processing-time greedy: tensors from largest to smallest (ties by index) each go to
-    the shard with the fewest elements so far (ties by shard index). The busiest shard holds at
-    most ``4/3`` of the optimum, and at most ``mean + largest tensor``: on ResNet-50 at 64 shards
-    that is ~6x the mean, since one tensor alone holds 2.36M of 25.6M elements.
+    The busiest shard holds at most ``4/3`` of the optimum and ``mean + largest tensor`` (on ResNet-50
+    at 64 shards ~6x the mean: one tensor holds 2.36M of 25.6M elements).
 
     Args:
         sizes: elements of each tensor, in the optimizer's parameter order.
-        num_servers: number of shards.
 
     Returns:
-        For each shard, the sorted indices (into ``sizes``) of the tensors it holds. A shard
-        may be empty when there are fewer tensors than shards.
+        For each shard, the sorted indices (into ``sizes``) of its tensors; empty when there are fewer
+        tensors than shards.
 
     Raises:
         ValueError: when ``num_servers`` < 1 or a size is negative.

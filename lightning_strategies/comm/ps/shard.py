@@ -1,18 +1,11 @@
-"""One parameter server shard (the server side), the registry of the shards this process hosts,
-and their RPC entry points.
+"""One parameter server shard (a barrier), the registry of the shards this process hosts, and their
+RPC entry points.
 
-A shard is a barrier: it keeps every worker's push for the step, and when the last one arrives it
-averages the gradients (divide by the number of workers, then sum in worker order, as DDP's
-reducer does), takes one optimizer step and answers every worker with the new values: DDP's
-arithmetic with the optimizer moved to the server. The push handler runs under
-:func:`~lightning_strategies.comm.rpc.async_execution`: a blocking handler deadlocks once the
-waiting pushes occupy every RPC thread.
-
-On a GPU the step runs on the shard's own stream after the streams the gradients came on, and
-every reply is a *snapshot* (a copy packed on that stream) handed out through a stream-aware
-future (:class:`~lightning_strategies.comm.streams.StreamOrder`). This was chosen over staging
-through pinned CPU buffers, which adds a device-to-host copy and a host wait to every push;
-``benchmarks/ps_snapshot.py`` measures what a snapshot costs.
+The push handler runs under :func:`~lightning_strategies.comm.rpc.async_execution`: a blocking
+handler deadlocks once the waiting pushes occupy every RPC thread. On a GPU the step runs on the
+shard's own stream and every reply is a snapshot handed out through a stream-aware future
+(:class:`~lightning_strategies.comm.streams.StreamOrder`), chosen over staging through pinned CPU
+buffers (a device-to-host copy and a host wait per push); ``benchmarks/ps_snapshot.py`` measures it.
 """
 
 from __future__ import annotations
@@ -52,11 +45,10 @@ class ShardReply:
     """A shard's answer to one push.
 
     Attributes:
-        values: the shard's tensors after the step, in the shard's order, packed (one flat
-            tensor per dtype; the same payload for every worker).
+        values: the shard's tensors after the step, packed (the same payload for every worker).
         version: optimizer steps the shard has taken (the workers' step count).
-        step_bytes: payload bytes the shard received plus sent for this step (all workers), so
-            every worker can log the busiest shard without an extra collective.
+        step_bytes: payload bytes the shard received plus sent for this step (all workers), so every
+            worker can log the busiest shard without an extra collective.
     """
 
     values: Packed
@@ -74,24 +66,20 @@ class _PendingStep:
 
 
 class ParameterShard:
-    """One server shard: a range of the model's flattened parameters and the optimizer over it.
+    """One server shard: slices of the flattened parameters and the optimizer over them, each slice a
+    parameter of its own in its tensor's param group.
 
-    Each :class:`Slice` (a whole tensor in its shape, or part of one held flat) is optimized as a
-    parameter of its own, in its tensor's param group. One lock guards the state (pushes arrive on
-    RPC threads and the co-located worker's thread); the step runs on the thread of the last push,
-    and the waiting futures are completed outside the lock. One watchdog thread (started at the
-    first barrier, ended by :meth:`close`) fails a step still open at its deadline.
+    When the last worker's push of a step arrives, the shard averages the gradients as DDP does, steps,
+    and answers every worker with the new values. Pushes arrive on RPC threads and the co-located
+    worker's; the step runs on the last pusher's, and futures are completed outside the lock.
 
     Args:
         shard_id: index of this shard (the rank that hosts it).
-        slices: what it holds, in flat order: :class:`Slice` s, or optimizer-order indices of
-            whole tensors.
-        params: their initial values (copied; the shard owns its tensors): for a slice, its
-            elements in any shape (:func:`slice_of`).
-        spec: how to rebuild the worker's optimizer over them.
+        slices: what it holds, in flat order: :class:`Slice` s, or indices of whole tensors.
+        params: their initial values (copied): for a slice, its elements in any shape.
         num_workers: workers that push every step (the barrier's width).
-        timeout: how long the barrier waits for the last worker of a step before failing every
-            waiting worker with an error that names the missing ones.
+        timeout: how long the barrier waits for a step's last worker before failing every waiting
+            worker with an error that names the missing ones.
         streams: the stream operations of :class:`~lightning_strategies.comm.streams.StreamOrder`
             (default: CUDA streams for tensors on a GPU, none on CPU; tests pass a fake).
     """
@@ -144,14 +132,13 @@ class ParameterShard:
     def push(
         self, worker: int, step: int, grads: list[Tensor | None], lrs: list[float]
     ) -> Future[ShardReply | ShardError]:
-        """Take worker ``worker``'s gradients for step ``step``; the future holds the new values.
+        """Take worker ``worker``'s gradients for step ``step``; the future holds the new values (or a
+        :class:`ShardError`).
 
         Args:
-            worker: the pushing worker's index in ``[0, num_workers)``.
-            step: the worker's step count; every worker must push the shard's current step
-                exactly once.
+            step: the worker's step count: every worker pushes the shard's current step exactly once.
             grads: one gradient (or ``None`` for an unused tensor) per slice of this shard.
-            lrs: the worker's current learning rate of every param group of its optimizer.
+            lrs: the worker's current learning rate of every param group.
         """
         # completed later, maybe on another thread: a stream-aware future set on the shard stream
         fut: Future[ShardReply | ShardError] = self._order.future()
@@ -219,11 +206,8 @@ class ParameterShard:
     # -- the barrier's timeout ----------------------------------------------------------------
 
     def _start_watchdog(self) -> None:
-        """Start the shard's one watchdog thread, at its first barrier (called under the lock).
-
-        One thread for the shard's life instead of a timer per step: it sleeps until the open
-        step's deadline, and a step that completes first just leaves it nothing to do.
-        """
+        # one thread for the shard's life (until close()) instead of a timer per step: it sleeps until the
+        # open step's deadline; a step that completes first leaves it nothing to do
         if self._watchdog is None:
             self._watchdog = threading.Thread(
                 target=self._watch, name=f"ps-shard-{self.shard_id}-watchdog", daemon=True
@@ -249,8 +233,7 @@ class ParameterShard:
                 pending.futures[w].set_result(ShardError(self._failure, timed_out=True))
 
     def _expire(self) -> _PendingStep:
-        """Fail the open step (under the lock), naming the workers that never pushed; its
-        futures are completed by the caller, outside the lock."""
+        """Fail the open step (under the lock); the caller completes its futures outside the lock."""
         pending = self._pending
         missing = [w for w in range(self.num_workers) if w not in pending.grads]
         self._failure = (
@@ -266,11 +249,9 @@ class ParameterShard:
         """Stop the watchdog thread: the shard is being dropped.
 
         Args:
-            reason: why, when the host failed (the failure's first line). The workers waiting
-                in the open step's barrier are then answered at once with an error that carries
-                it, so a survivor names the peer whose loss started the failure instead of
-                waiting for the barrier's timeout or the host's connection to drop. Without a
-                reason (a clean teardown) pending pushes stay pending.
+            reason: why, when the host failed (the failure's first line): the workers waiting in the
+                barrier get an error carrying it at once, so a survivor names the lost peer instead of
+                waiting for the timeout. Without one (a clean teardown) pending pushes stay pending.
 
         Returns:
             The error later pushes to this shard's id should get (``None`` without a reason).
@@ -333,13 +314,8 @@ class ParameterShard:
         return unpack(packed, self.params)
 
     def state_dict(self) -> dict[str, Any]:
-        """This shard's optimizer state keyed by :class:`Slice`.
-
-        Returns:
-            ``{"state": {slice: its state}, "param_groups": {group: options}}``;
-            :meth:`ParameterServerClient.gather_state_dict` joins the slices of every tensor
-            into one state dict shaped like ``worker_optimizer.state_dict()``.
-        """
+        """This shard's optimizer state: ``{"state": {slice: its state}, "param_groups": {group: options},
+        "version": steps}`` (:meth:`ParameterServerClient.gather_state_dict` joins the shards')."""
         with self._lock:
             if self.optimizer is None:
                 return {"state": {}, "param_groups": {}, "version": self.version}
@@ -360,13 +336,9 @@ class ParameterShard:
         """Load this shard's part of a full optimizer state dict (worker optimizer format).
 
         Args:
-            full_state: ``{"state": {flat_index: ...}, "param_groups": [...]}`` as returned by
-                :meth:`ParameterServerClient.gather_state_dict` (or a plain optimizer's
-                ``state_dict()`` of the same model).
+            full_state: as :meth:`ParameterServerClient.gather_state_dict` returns (or a plain
+                optimizer's ``state_dict()`` of the same model).
             version: the step count to resume at (the barrier needs the workers' step).
-
-        A slice of a tensor takes its elements of the tensor's per-element state (a state
-        tensor larger than the slice); scalars such as a step count are shared.
         """
         with self._lock:
             if version is not None:
@@ -397,17 +369,14 @@ class ParameterShard:
 
 
 def _copy_state(state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state`` with every tensor copied."""
     return {key: v.clone() if isinstance(v, Tensor) else v for key, v in state.items()}
 
 
 def _slice_state(state: Mapping[str, Any], sl: Slice, param: Tensor) -> dict[str, Any]:
-    """A slice's part of its tensor's optimizer state.
+    """A slice's part of its tensor's optimizer state (per-element state: a tensor larger than the slice).
 
-    Per-element state is a tensor with more elements than the slice (the whole tensor's); a
-    whole tensor's state, and scalars such as a step count, are taken as they are. Tensors are
-    copied: ``Optimizer.load_state_dict`` keeps a ``step`` tensor as given, and the slices of a
-    tensor sharing one would each increment it.
+    Copied: ``Optimizer.load_state_dict`` keeps a ``step`` tensor as given, and slices of one tensor
+    sharing it would each increment it.
     """
     return {
         key: (
@@ -421,9 +390,7 @@ def _slice_state(state: Mapping[str, Any], sl: Slice, param: Tensor) -> dict[str
     }
 
 
-# --------------------------------------------------------------------------------------------
-# What this process hosts: RPC entry points find their shard here
-# --------------------------------------------------------------------------------------------
+# -- what this process hosts: RPC entry points find their shard here --------------------------
 
 _SHARDS: dict[int, ParameterShard] = {}
 # shards dropped because their host failed, with the error late pushes get: a survivor's push
@@ -441,9 +408,8 @@ def unregister_shard(shard_id: int, *, reason: str | None = None) -> None:
     """Forget the shard (at teardown), so a later fit in this process starts clean.
 
     Args:
-        shard_id: the shard to drop.
-        reason: why, when this process failed (the failure's first line): pushes waiting in the
-            shard's barrier, and any that arrive until RPC shuts down, get an error carrying it.
+        reason: why, when this process failed: pushes waiting in the shard's barrier, and any that
+            arrive until RPC shuts down, get an error carrying it.
     """
     shard = _SHARDS.pop(shard_id, None)
     if shard is not None:

@@ -16,18 +16,13 @@ __all__ = ["ELEMENTWISE_OPTIMIZERS", "OptimizerSpec", "hyperparameters"]
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """What a shard needs to rebuild the worker's optimizer over its own tensors.
-
-    By :mod:`torch.optim`'s convention ``optimizer.defaults`` holds exactly the constructor's
-    keywords, so a shard builds ``optimizer_class(groups, **defaults)``, each group with the
-    tensors this shard holds and that group's hyperparameters.
+    """The worker optimizer's class, ``defaults`` and param groups: a shard builds
+    ``optimizer_class(groups, **defaults)`` over its own tensors (by :mod:`torch.optim`'s convention
+    ``defaults`` holds exactly the constructor's keywords).
 
     Attributes:
-        optimizer_class: the class of the worker's optimizer.
-        defaults: the worker optimizer's ``defaults`` (its constructor keywords).
         group_options: per param group, its hyperparameters (every key but ``"params"``).
-        group_sizes: per param group, how many tensors it holds (flat index ``i`` belongs to
-            the group whose cumulative size first exceeds ``i``).
+        group_sizes: per param group, how many tensors it holds.
     """
 
     optimizer_class: type[Optimizer]
@@ -37,15 +32,11 @@ class OptimizerSpec:
 
     @classmethod
     def from_optimizer(cls, optimizer: Optimizer) -> OptimizerSpec:
-        """Describe ``optimizer`` and check at once that a shard can rebuild it.
-
-        The check builds the class over one scalar tensor per group, so a constructor that
-        needs more than ``(params, **defaults)`` fails here, when the strategy is set up, and
-        not on a server mid-run.
+        """Describe ``optimizer``, checking (over one scalar per group) that a shard can rebuild it: a
+        constructor that needs more than ``(params, **defaults)`` fails at setup, not on a server mid-run.
 
         Raises:
-            TypeError: when the class is not a :class:`torch.optim.Optimizer` or cannot be
-                rebuilt from its ``defaults``.
+            TypeError: when the class is not a :class:`torch.optim.Optimizer` or cannot be rebuilt from ``defaults``.
         """
         opt_cls = type(optimizer)
         if not isinstance(optimizer, Optimizer):
@@ -67,13 +58,9 @@ class OptimizerSpec:
 
     @property
     def elementwise(self) -> bool:
-        """Whether the optimizer's update of an element depends on that element alone.
-
-        Then a tensor may be split across servers, each part optimized as a parameter of its own
-        (momentum and Adam moments are per element; a step count is the same for every part).
-        Layer-wise optimizers (LAMB, LARS: a trust ratio from the whole tensor's norms) and any
-        class not listed in :data:`ELEMENTWISE_OPTIMIZERS` keep whole tensors.
-        """
+        """Whether each element's update depends on that element alone, so a tensor may be split across
+        servers. Layer-wise optimizers (LAMB, LARS: a trust ratio from the whole tensor's norms) and any
+        class not in :data:`ELEMENTWISE_OPTIMIZERS` keep whole tensors."""
         return self.optimizer_class in ELEMENTWISE_OPTIMIZERS
 
     def group_of(self, flat_index: int) -> int:
@@ -86,12 +73,8 @@ class OptimizerSpec:
         raise IndexError(f"flat index {flat_index} is past the optimizer's {end} tensors")
 
     def _constructor_defaults(self) -> dict[str, Any]:
-        """``defaults`` less any key the constructor does not take.
-
-        Some optimizers keep internal options in ``defaults`` (LAMB's ``layer_adaptation``,
-        set by a LARS-style subclass). Dropping them is safe because every group passed to
-        the constructor already carries the worker group's value of every option.
-        """
+        """``defaults`` less any key the constructor does not take (LAMB's ``layer_adaptation``): safe,
+        since every group passed to the constructor carries the worker group's value of every option."""
         try:
             parameters = inspect.signature(self.optimizer_class.__init__).parameters
         except (TypeError, ValueError):
@@ -101,15 +84,15 @@ class OptimizerSpec:
         return {k: v for k, v in self.defaults.items() if k in parameters}
 
     def build(self, params: Mapping[int, Tensor] | Sequence[tuple[int, Tensor]]) -> Optimizer | None:
-        """Build the optimizer over ``params``; ``None`` when empty.
+        """Build the optimizer over ``params``; ``None`` when empty. Groups with no tensor here are left
+        out (torch optimizers reject empty groups).
 
         Args:
             params: flat index -> tensor, or (flat index, tensor) pairs in flat order (several
-                slices of one tensor share its index and its param group's options).
+                slices of one tensor share its index).
 
-        Groups keep the worker's group order; groups with no tensor on this shard are left out
-        (torch optimizers reject empty groups), which :meth:`ParameterShard.load_state_dict`
-        and :meth:`ParameterShard.state_dict` account for.
+        Raises:
+            TypeError: when the class cannot be rebuilt from ``(param_groups, **defaults)``.
         """
         items = sorted(params.items()) if isinstance(params, Mapping) else list(params)
         if not items:
@@ -137,8 +120,7 @@ class OptimizerSpec:
             ) from err
 
 
-# Optimizers whose update is elementwise (see OptimizerSpec.elementwise): exact classes, since a
-# subclass may change step()
+# exact classes (see OptimizerSpec.elementwise): a subclass may change step()
 ELEMENTWISE_OPTIMIZERS: frozenset[type[Optimizer]] = frozenset(
     {
         torch.optim.SGD,
@@ -163,7 +145,6 @@ def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _group_starts(group_sizes: Sequence[int]) -> list[int]:
-    """The flat index of the first tensor of every non-empty group."""
     starts, pos = [], 0
     for n in group_sizes:
         if n:

@@ -1,9 +1,8 @@
-"""The wire format: a shard's tensors as one flat tensor per dtype, and their byte counts.
+"""The wire format: a shard's tensors as one flat tensor per dtype, and their payload bytes.
 
-Bytes are counted as payload (tensor bytes), for the worker (``bytes_sent`` = gradients pushed,
-``bytes_received`` = values pulled) and for the shard (the reverse). A worker calls its
-co-located shard directly, without RPC; its payload still counts, so the counts measure the
-algorithm, not the transport.
+A worker's ``bytes_sent`` are the gradients it pushed, ``bytes_received`` the values it pulled (a
+shard's the reverse); calls to the co-located shard, made without RPC, count too: the counts measure
+the algorithm, not the transport.
 """
 
 from __future__ import annotations
@@ -25,10 +24,8 @@ def payload_bytes(tensors: Sequence[Tensor | None]) -> int:
 
 
 def slice_of(tensor: Tensor, sl: Slice) -> Tensor:
-    """The elements of ``sl`` in ``tensor`` (detached): the tensor itself when whole, else flat.
-
-    A view when ``tensor`` is contiguous, else a copy.
-    """
+    """The elements of ``sl`` in ``tensor`` (detached): the tensor itself when whole, else flat (a view
+    when ``tensor`` is contiguous, else a copy)."""
     t = tensor.detach()
     if sl.start == 0 and sl.stop == t.numel():
         return t
@@ -40,10 +37,9 @@ class Packed:
     """Tensors sent as one flat tensor per dtype: one payload per shard and step, not one per tensor.
 
     Attributes:
-        flats: the tensors present, flattened and concatenated, one per dtype (dtypes in order
-            of first appearance); always fresh memory, so a later update cannot change them.
-        present: which of the tensors were sent (``None``: all); a tensor unused in a step has
-            no gradient.
+        flats: the tensors present, concatenated per dtype (in order of first appearance); fresh
+            memory, so a later update cannot change them.
+        present: which tensors were sent (``None``: all); a tensor unused in a step has no gradient.
     """
 
     flats: list[Tensor]
