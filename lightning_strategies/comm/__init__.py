@@ -1,16 +1,10 @@
 """Communication algorithms over :mod:`torch.distributed`, free of any Lightning import.
 
-Each algorithm is a plain function or class over tensors and a process group and returns or
-accumulates :class:`CommStats`, so it can be tested against ``torch.distributed`` directly.
+Plain functions and classes over tensors and a process group, counted in :class:`CommStats`.
 """
 
 from lightning_strategies.comm.heartbeat import Heartbeat, PeerDiagnosis, PeerLostError, start_heartbeat
-from lightning_strategies.comm.ps import (
-    OptimizerSpec,
-    ParameterServerClient,
-    ParameterShard,
-    shard_parameters,
-)
+from lightning_strategies.comm.ps import OptimizerSpec, ParameterServerClient, ParameterShard, shard_parameters
 from lightning_strategies.comm.ring import RingBucketReducer, RingPeerError, ring_all_reduce
 from lightning_strategies.comm.stats import CommStats
 

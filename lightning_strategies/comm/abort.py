@@ -36,12 +36,10 @@ def add_abort_hook(hook: Callable[[PeerDiagnosis | None], object]) -> Callable[[
 def abort_communication(diagnosis: PeerDiagnosis | None = None) -> list[str]:
     """Make this process's blocked and later communication fail at once, because a peer is gone.
 
-    NCCL groups are aborted (``ProcessGroup.abort()``, subgroups first): their kernels stop and
-    their work fails. Where gloo runs (and TensorPipe's RPC), whose ``abort()`` does not unblock a
-    pending operation, this process's connected TCP sockets are shut down both ways (Linux
-    ``/proc``), except the store's and those inherited from the parent at a fork, so blocked
-    operations fail as if the peer had died. Then every hook of :func:`add_abort_hook` runs (waits
-    no connection ends, such as a hosted shard's barrier).
+    NCCL groups are aborted (subgroups first). Where gloo runs (and TensorPipe's RPC), whose ``abort()``
+    does not unblock a pending operation, this process's connected TCP sockets are shut down both ways
+    (Linux ``/proc``), except the store's and those inherited at a fork, so blocked operations fail as if
+    the peer had died. Then every :func:`add_abort_hook` hook runs (waits no connection ends).
 
     Args:
         diagnosis: why (for the log); its store address is kept when given.
@@ -84,7 +82,6 @@ def _process_groups() -> list[dist.ProcessGroup]:
 
 
 def _store_port(diagnosis: PeerDiagnosis | None) -> int | None:
-    """The port of the default store (or the diagnosis's store address)."""
     try:
         store = dist.distributed_c10d._get_default_store()
         base = getattr(store, "_underlying_non_prefix_store", store)
@@ -116,12 +113,8 @@ def _sockets_of(pid: int | str) -> dict[str, str]:
 
 
 def _shutdown_tcp_connections(keep_ports: set[int]) -> int:
-    """Shut down this process's connected TCP sockets but those with a port in ``keep_ports`` and those
-    shared with the parent; return how many.
-
-    A socket shared with the parent was inherited at a fork (a notebook kernel's) and is not this
-    process's to end. Each is reached through a duplicate of its descriptor, closed afterwards.
-    """
+    """Shut down this process's connected TCP sockets but those on ``keep_ports`` and those inherited from
+    the parent at a fork (a notebook kernel's: not ours to end); return how many."""
     if not os.path.isdir("/proc/self/fd"):
         log.warning("cannot shut down the TCP connections: no /proc/self/fd (not Linux)")
         return 0

@@ -1,23 +1,9 @@
 """Mixed precision over a process group: one loss-scale decision for every rank.
 
-``torch.amp.GradScaler`` decides from a rank's own gradients whether a step overflowed. When the
-ranks hold different gradients (a pipeline's stages, parameter-server shards) one may skip while
-another steps, and their scales drift. :func:`agree_found_inf` makes the inf/nan flag the maximum
-over the group after ``unscale_``, so ``step`` skips on all ranks or on none (used by the
-pipeline's precision plugin, between ``unscale_`` and ``step``).
-
-:class:`AgreedGradScaler` does so itself, for the parameter servers (the strategy swaps the
-plugin's scaler for one with the same options and state):
-
-- ``agree=True`` (``"ps"``): a rank that skipped alone would never push and the shards' barrier
-  would wait for it; with the verdict shared, an overflow anywhere skips the step everywhere, as
-  under DDP, and no inf reaches a shard.
-- ``agree=False`` (``"async"``, where a per-step collective would pair different steps): a rank
-  that overflows skips its own push and lowers its own scale (the skipped step still counts for
-  the staleness bound and the lease, so nothing waits for it).
-
-:attr:`AgreedGradScaler.skipped` holds the last verdict as a device tensor (1.0 skipped), logged
-at Lightning's cadence without a read per step.
+``torch.amp.GradScaler`` decides from a rank's own gradients whether a step overflowed; when the ranks
+hold different gradients (a pipeline's stages, parameter-server shards) one may skip while another
+steps, and their scales drift. :func:`agree_found_inf` (the pipeline's precision plugin) and
+:class:`AgreedGradScaler` (the parameter servers) share the verdict.
 """
 
 from __future__ import annotations
@@ -34,9 +20,8 @@ __all__ = ["AgreedGradScaler", "agree_found_inf", "ensure_scale"]
 def ensure_scale(scaler: torch.amp.GradScaler, device: torch.device) -> None:
     """Create the scaler's scale tensor on ``device`` if this rank has not scaled a loss yet.
 
-    ``unscale_`` needs it, and a rank that never computes the loss (a pipeline's first stage)
-    never calls ``scale``. Scaling a zero through the public API initialises it as on any rank
-    (the same ``init_scale``), without touching private state.
+    ``unscale_`` needs it, and a rank that never computes the loss (a pipeline's first stage) never calls
+    ``scale``; scaling a zero initialises it as on any rank, without touching private state.
     """
     if scaler.is_enabled():
         scaler.scale(torch.zeros((), device=device))
@@ -50,14 +35,9 @@ def agree_found_inf(
 ) -> None:
     """After ``scaler.unscale_(optimizer)``: every rank of ``group`` holds the group's inf/nan verdict.
 
-    The flags this rank recorded (one per device its gradients are on) are reduced to one
-    0-d float32 on ``device`` (the group's device: NCCL has no CPU backend), all-reduced with
-    MAX, and written back into every per-device flag; a rank without gradients gets the flag
-    as its own. ``scaler.step`` then skips on every rank or on none, and ``scaler.update``
-    halves (or grows) every rank's scale alike. Nothing here waits for the device: the
-    scaler's own ``step`` reads the flag (one host synchronisation, as without this call).
-
-    A collective: every rank of ``group`` calls it at the same step.
+    A collective at the same step on every rank. The per-device flags are all-reduced with MAX on
+    ``device`` (NCCL has no CPU backend) and written back, so ``scaler.step`` skips on every rank or on
+    none and ``scaler.update`` moves every scale alike. Nothing here waits for the device.
 
     Raises:
         RuntimeError: when ``unscale_`` has not run for ``optimizer`` this step.
@@ -88,9 +68,14 @@ def agree_found_inf(
 class AgreedGradScaler(torch.amp.GradScaler):
     """A ``torch.amp.GradScaler`` whose skip verdict is shared by every rank (or kept per rank).
 
+    :attr:`skipped` holds the last verdict as a device tensor (1.0: skipped), to log without a read per step.
+
     Args:
         device: the device of the gradients (``"cuda"``, ``"cpu"``).
-        agree: run :func:`agree_found_inf` over ``group`` after every ``unscale_``.
+        agree: run :func:`agree_found_inf` over ``group`` after every ``unscale_`` (``"ps"``: a rank skipping
+            alone would never push and the shards' barrier would wait for it). ``False`` (``"async"``, where a
+            per-step collective would pair different steps): an overflowing rank skips its own push and
+            lowers its own scale (the step still counts, so nothing waits for it).
         group: the process group to agree over (default: the default group).
         **kwargs: as ``torch.amp.GradScaler`` (``init_scale``, ``growth_factor``,
             ``backoff_factor``, ``growth_interval``, ``enabled``).
@@ -107,8 +92,7 @@ class AgreedGradScaler(torch.amp.GradScaler):
         """The same scaler (options, scale and growth tracker) with the verdict shared (``agree``).
 
         Raises:
-            TypeError: for a subclass of ``GradScaler`` other than this one, whose own behaviour
-                replacing it would drop.
+            TypeError: for a ``GradScaler`` subclass other than this one (replacing it would drop its behaviour).
         """
         if isinstance(scaler, AgreedGradScaler):
             scaler.agree, scaler.group = agree, group

@@ -1,25 +1,11 @@
 """Per-rank heartbeats in the process group's store, and the diagnosis of a lost peer.
 
-When a peer dies the survivors' errors come from the transport ("Connection closed by peer",
-"pipe closed", "Timed out"), name no rank, and often come from a neighbour that only stopped
-because *its* neighbour died. So every rank keeps a heartbeat in the store every
-``torch.distributed`` job has (hosted by rank 0 or torchrun's agent):
-
-- a daemon thread adds 1 to ``beat/<rank>`` every ``interval`` (:class:`Heartbeat`, a connection
-  of its own with a short timeout); a failing rank first writes ``mark/<rank>`` with the first
-  line of its error, a finishing one "finished";
-- a survivor diagnoses (:meth:`Heartbeat.diagnose`): peers whose counter moves are alive, those
-  still for ``grace`` without a mark are *lost* (killed, crashed hard, frozen), those with a mark
-  say why; a store that no longer answers names its host. Each poll is one ``multi_get`` of every
-  peer's keys, so the store's load per poll is one request per survivor.
-
-**The watch** (:meth:`Heartbeat.watch`) is for what nothing else reports in time: a frozen peer
-(gloo waits out the process-group timeout) and, on NCCL, a dead or frozen one (``Work.wait()``
-does not raise). Each rank watches its successor and an alarm counter, one request per
-``interval`` (the load grows with P, not P^2); a watched peer silent for ``grace`` raises the
-alarm, every rank diagnoses, and when a peer is gone calls ``on_lost`` once, by default
-:func:`~lightning_strategies.comm.abort.abort_communication`. What a failure then becomes is
-:mod:`~lightning_strategies.comm.peer_lost`.
+When a peer dies the survivors' errors come from the transport ("Connection closed by peer", "Timed out"),
+name no rank, and often come from a neighbour that only stopped because *its* neighbour died. So every rank
+keeps a counter in the store every ``torch.distributed`` job has, and a failing rank first marks why: a
+survivor's :meth:`Heartbeat.diagnose` tells lost peers (counter still, no mark) from failed ones.
+:meth:`Heartbeat.watch` catches what nothing else reports in time: a frozen peer (gloo waits out the
+process-group timeout) and, on NCCL, a dead or frozen one (``Work.wait()`` does not raise).
 """
 
 from __future__ import annotations
@@ -74,10 +60,9 @@ GRACE_INTERVALS = 2.5
 _GRACE_POLLS = 4.0
 #: Timeout of the heartbeat's own store connection: a frozen store host must not freeze a diagnosis.
 DEFAULT_STORE_TIMEOUT = timedelta(seconds=5)
-#: Seconds a watched peer may stay silent (or marked failed) while the job runs before the survivors
-#: abort their communication (:meth:`Heartbeat.watch`). Long enough for a live process whose
-#: heartbeat thread waits for the GIL behind a long native call (a large checkpoint write); far
-#: below the process groups' 30-minute default timeout.
+#: Seconds a watched peer may stay silent (or marked failed) before the survivors abort their communication:
+#: long enough for a live process whose heartbeat thread waits for the GIL behind a long native call (a large
+#: checkpoint write), far below the process groups' 30-minute default timeout.
 DEFAULT_WATCH_GRACE = 60.0
 
 _PREFIX = "lightning_strategies/peers"
@@ -88,13 +73,10 @@ class Heartbeat:
     """This rank's heartbeat in a shared store, and the diagnosis of the peers' heartbeats.
 
     Args:
-        store: a store every rank reaches (use :func:`start_heartbeat` for the process group's);
-            the heartbeat's keys live under a prefix of their own.
-        rank: this rank.
-        world: the number of ranks.
+        store: a store every rank reaches (use :func:`start_heartbeat` for the process group's).
         interval: seconds between beats.
         grace: how long a silent peer is watched before it is called lost; default 2.5 intervals
-            (plus 4 times the slowest poll of the store: :meth:`diagnose`).
+            (plus 4 times the slowest poll: :meth:`diagnose`).
         store_host: ``"host:port"`` of the store, for messages.
         store_rank: the rank hosting the store (``None``: no rank, e.g. torchrun's agent).
     """
@@ -133,8 +115,7 @@ class Heartbeat:
 
     def diagnosis(self) -> PeerDiagnosis:
         """The watch's diagnosis if it found a peer gone (waiting for one in progress), else :meth:`diagnose`
-        now: a step the watch's abort failed takes that finding instead of waiting another grace.
-        """
+        now: a step the watch's abort failed takes that finding instead of waiting another grace."""
         with self._diagnosing:
             return self._found or self.diagnose()
 
@@ -163,8 +144,7 @@ class Heartbeat:
         self._mark(_FAILED, reason)
 
     def stop(self, *, finished: bool = True) -> None:
-        """Stop beating and watching; with ``finished`` (and no failure reported) tell the peers this
-        rank is done."""
+        """Stop beating and watching; with ``finished`` (and no failure reported) tell the peers it is done."""
         if finished:
             self._mark(_FINISHED, "finished")
         self._stop.set()
@@ -182,11 +162,10 @@ class Heartbeat:
     ) -> None:
         """Watch the peers while this rank runs, and call ``on_lost`` once if one is found gone.
 
-        Every ``interval`` (or ``grace / 4``) one request reads the watched peer's counter and mark (the
-        next rank that has not finished) and the alarm counter. A peer silent, or marked failed, for
-        ``grace`` raises the alarm; an alarm (anyone's) or a store silent for ``grace`` runs
-        :meth:`diagnose`, and a broken job is kept as :attr:`found`, logged and passed to ``on_lost`` on
-        the watch thread. The watch ends when this rank fails or finishes, at :meth:`stop`, or after acting.
+        Each rank watches its successor (the next that has not finished) and an alarm counter. A peer
+        silent, or marked failed, for ``grace`` raises the alarm; an alarm or a store silent for ``grace``
+        runs :meth:`diagnose`, and a broken job is kept as :attr:`found` and passed to ``on_lost``. The
+        watch ends when this rank fails or finishes, at :meth:`stop`, or after acting.
 
         Args:
             on_lost: typically :func:`~lightning_strategies.comm.abort.abort_communication`.
@@ -210,6 +189,7 @@ class Heartbeat:
             log.warning(f"rank {self.rank}: the peer watch stopped ({type(err).__name__}: {err})")
 
     def _watch_loop(self, store: dist.Store, on_lost: Callable[[PeerDiagnosis], object], grace: float) -> None:
+        # One request per poll, for the watched successor and the alarm: the store's load grows with P, not P^2.
         order = [(self.rank + k) % self.world for k in range(1, self.world)]  # successors, in ring order
         poll = min(self.interval, grace / 4)
         seen = int(store.add("alarm", 0))  # creates the counter: multi_get waits for a missing key
@@ -284,11 +264,10 @@ class Heartbeat:
     def diagnose(self, grace: float | None = None) -> PeerDiagnosis:
         """Watch the peers' heartbeats for up to ``grace`` seconds and say who is gone; never raises.
 
-        Returns at once for marked peers and as soon as every other counter has moved; a counter still
-        for ``grace`` (default :attr:`grace`) plus 4 times the slowest poll is lost. The grace grows with
-        the poll time ``L`` because a slow store delays what it watches: a live counter moves every
-        ``interval + L``, a poll sees it up to ``max(interval / 4, L) + L`` later, and the first snapshot
-        may be ``L`` old: ``1.25 interval + 4 L`` at most. Polls are spaced by ``L`` at least.
+        Returns at once for marked peers and as soon as every other counter has moved. A counter still for
+        ``grace`` (default :attr:`grace`) plus 4 times the slowest poll ``L`` is lost: a live counter moves
+        every ``interval + L``, a poll sees it up to ``max(interval / 4, L) + L`` later, and the first
+        snapshot may be ``L`` old: ``1.25 interval + 4 L`` at most.
         """
         grace = self.grace if grace is None else grace
         peers = [r for r in range(self.world) if r != self.rank]
@@ -359,8 +338,7 @@ class Heartbeat:
 
 
 def _create_keys(store: dist.Store, rank: int) -> None:
-    """Create ``rank``'s beat and mark keys (0) if it has not started its heartbeat yet, as its start
-    would: ``multi_get`` waits for a missing key."""
+    """Create ``rank``'s beat and mark keys (0) unless it has started: ``multi_get`` waits for a missing key."""
     store.add(f"beat/{rank}", 0)
     store.add(f"mark/{rank}", 0)
 
@@ -387,21 +365,18 @@ def start_heartbeat(
 ) -> Heartbeat | None:
     """Start this rank's heartbeat in the default process group's store, and its watch.
 
-    The heartbeat and the watch each get a clone of the ``TCPStore`` client with ``store_timeout``,
-    so they never wait behind the group's requests; their keys sit under the group's prefixes (a
-    torchrun restart starts afresh).
+    The heartbeat and the watch each get a clone of the ``TCPStore`` client with ``store_timeout``, so
+    they never wait behind the group's requests.
 
     Args:
-        rank, world: this rank and the number of ranks.
-        interval: seconds between beats.
         store_timeout: the timeout of the heartbeat's store connections.
         watch_grace: seconds of a watched peer's silence before the survivors act; ``None``:
             :data:`DEFAULT_WATCH_GRACE`; ``0``: no watch.
         on_lost: what the watch does; default :func:`~lightning_strategies.comm.abort.abort_communication`.
 
     Returns:
-        The running heartbeat, or ``None`` without a process group, with one rank, or when the store
-        cannot be reached (logged; training is unaffected).
+        The running heartbeat, or ``None`` without a process group, with one rank, or when the store cannot be
+        reached (logged; training is unaffected).
     """
     if world < 2 or not dist.is_available() or not dist.is_initialized():
         return None
@@ -414,7 +389,7 @@ def start_heartbeat(
         def connection() -> dist.Store:
             if not tcp:
                 return store
-            clone = store.clone()  # a connection of its own, under the same prefixes
+            clone = store.clone()  # a connection of its own, under the group's prefixes (a restart starts afresh)
             clone.set_timeout(store_timeout)
             return clone
 

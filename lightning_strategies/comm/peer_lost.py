@@ -1,8 +1,6 @@
 """What a failure becomes once the heartbeats have been read: the diagnosis, its message, :class:`PeerLostError`.
 
-:func:`raise_peer_lost` turns the error of a failed step into :class:`PeerLostError` when a peer
-is gone, and :func:`annotate_peer_failure` adds the diagnosis to any other error as a note. The
-Lightning side (a strategy mixin and a callback) is :mod:`lightning_strategies.faults`.
+The Lightning side (a strategy mixin and a callback) is :mod:`lightning_strategies.faults`.
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ _REPORTED = "_lightning_strategies_peer_report"  # set on an exception once it h
 
 
 class PeerLostError(RuntimeError):
-    """A step failed because one or more peers are gone (raised by :func:`raise_peer_lost`, the original
-    error its ``__cause__``; its message is the diagnosis).
+    """A step failed because peers are gone; its message is the diagnosis, the original error its ``__cause__``.
 
     Attributes:
         ranks: the peers that are gone (lost, failed or finished: :attr:`diagnosis` tells), sorted.
@@ -47,8 +44,7 @@ class PeerDiagnosis:
     """What a rank found out about its peers after a failure.
 
     Attributes:
-        rank: the diagnosing rank.
-        world: the number of ranks.
+        rank: the diagnosing rank, of ``world``.
         lost: peers whose heartbeat stopped without a mark (killed, crashed hard, frozen).
         failed: peers that reported an error of their own, with its first line.
         finished: peers that had finished (left before this rank failed).
@@ -144,8 +140,8 @@ def _set_reported(exception: BaseException) -> None:
 def annotate_peer_failure(exception: BaseException, heartbeat: _Beat | None, strategy: str) -> None:
     """Report this rank's failure, diagnose the peers and add the diagnosis to ``exception`` as a note.
 
-    Once per exception; a no-op without a heartbeat or for a ``BaseException`` that is not an
-    ``Exception``. Lightning re-raises after ``on_exception``, so the note prints with the traceback.
+    Once per exception; a no-op without a heartbeat or for a non-``Exception``. Lightning re-raises after
+    ``on_exception``, so the note prints with the traceback.
     """
     if heartbeat is None or not isinstance(exception, Exception) or is_reported(exception):
         return
@@ -162,11 +158,9 @@ def annotate_peer_failure(exception: BaseException, heartbeat: _Beat | None, str
 def raise_peer_lost(heartbeat: Callable[[], _Beat | None], strategy: Callable[[], str]) -> Iterator[None]:
     """Turn an error of the block into :class:`PeerLostError` when a peer turns out to be gone.
 
-    On an error this rank reports its failure, diagnoses (or takes the watch's finding) and raises
-    :class:`PeerLostError` from the error when a peer is gone; otherwise the error propagates (with
-    the diagnosis as a note when only the store is gone). A block that ends without an error after
-    the watch aborted the communication raises too: an aborted NCCL operation may return results
-    that must not be used.
+    Otherwise the error propagates (with the diagnosis as a note when only the store is gone). A block that
+    ends without an error after the watch aborted the communication raises too: an aborted NCCL operation
+    may return results that must not be used.
 
     Args:
         heartbeat: returns this rank's heartbeat (or ``None``), read when the block ends.

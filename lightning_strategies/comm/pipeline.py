@@ -1,16 +1,8 @@
 """The pipeline without Lightning: the block partition, block profiling, the runtime.
 
-- :func:`partition_blocks` / :func:`profile_blocks`: how a model's ordered blocks are cut into
-  stages (by any cost: parameters, or the seconds :func:`profile_blocks` measures).
-- :class:`PipelineRuntime`: one rank's stages and their ``torch.distributed.pipelining``
-  schedules (training and forward-only), with compute timers per stage (CUDA events on a GPU),
-  an optional timeline of chunks (:data:`Event`, analysed in ``benchmarks/``), and the
-  collectives over the pipeline's group that a strategy needs around it (the last stage's
-  outputs, the stages' timings). Which blocks a rank holds, and checkpoints of a split model,
-  are :mod:`~lightning_strategies.comm.pipeline_stages`.
-- :func:`average_gradients`: the replicas of a stage average its gradients.
-
-Used by :class:`~lightning_strategies.strategies.pipeline.PipelineStrategy` and ``benchmarks/pipeline.py``.
+:class:`PipelineRuntime` is one rank's stages and their ``torch.distributed.pipelining`` schedules, with
+compute timers per stage and an optional timeline of chunks (:data:`Event`). Which blocks a rank holds, and
+checkpoints of a split model, are :mod:`~lightning_strategies.comm.pipeline_stages`.
 """
 
 from __future__ import annotations
@@ -37,25 +29,18 @@ __all__ = [
     "profile_blocks_with_output",
 ]
 
-SCHEDULES: dict[str, type] = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-}
+SCHEDULES: dict[str, type] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 Event = tuple[int, str, int, float, float]
 """One chunk of a step: ``(stage, kind, micro-batch, start, end)``, kind ``"F"``, ``"B"`` or ``"L"``
 (the last stage's loss), ``time.perf_counter()`` seconds (one clock for all processes of a machine)."""
 
-# -- partitioning ----------------------------------------------------------------------------
-
 
 def partition_blocks(costs: Sequence[float], parts: int) -> list[int]:
     """Split blocks into ``parts`` contiguous groups of at least one block, minimising the largest cost.
 
-    The slowest stage sets a pipeline's pace, so the objective is the maximum, not the spread
-    (linear partition, dynamic programming in ``O(parts x n^2)``; n is a few dozen blocks).
+    The slowest stage sets a pipeline's pace, so the objective is the maximum, not the spread.
 
     Args:
         costs: each block's cost (parameters, or seconds of forward + backward).
@@ -100,9 +85,8 @@ def partition_blocks(costs: Sequence[float], parts: int) -> list[int]:
 def profile_blocks(blocks: nn.Sequential, sample: Tensor, *, repeats: int = 3) -> list[float]:
     """Seconds of forward + backward of each block on ``sample`` (a micro-batch), median of ``repeats``.
 
-    Each block runs on the previous one's (detached) output, with an all-ones output gradient;
-    the RNG, the buffers (batch-norm statistics) and the parameters' gradients are restored
-    afterwards, so profiling leaves no trace on training.
+    Each block runs on the previous one's detached output with an all-ones output gradient; the RNG,
+    the buffers and the gradients are restored, so profiling leaves no trace on training.
     """
     return profile_blocks_with_output(blocks, sample, repeats=repeats)[0]
 
@@ -112,8 +96,7 @@ def profile_blocks_with_output(
 ) -> tuple[list[float], Tensor]:
     """:func:`profile_blocks`, and the last block's (detached) output: the next stage's sample.
 
-    On CUDA each block is timed with a pair of events and the host waits once per round, after
-    the last block (a one-time measurement at the first batch).
+    On CUDA each block is timed with a pair of events; the host waits once per round.
     """
     params = [p for p in blocks.parameters()]
     grads = [p.grad for p in params]
@@ -154,16 +137,11 @@ def profile_blocks_with_output(
     return [sorted(t[1:])[len(t[1:]) // 2] for t in times], x
 
 
-# -- the runtime ---------------------------------------------------------------------------------
-
-
 class _Timer:
     """Seconds of marked spans of work on one device, read when asked, not when marked.
 
-    On CPU a span is the host's ``time.perf_counter()`` interval. On CUDA the host only enqueues
-    kernels, so its clock says nothing about the device: each span is a pair of CUDA events
-    recorded on the device's current stream, and the seconds are read (``elapsed_time``) by
-    :meth:`seconds`, which waits once for the last event. Marking never waits for the device.
+    On CUDA the host only enqueues kernels, so a span is a pair of events on the current stream, read by
+    :meth:`seconds` (one wait for the last event); marking never waits for the device.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -173,7 +151,6 @@ class _Timer:
         self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def start(self) -> tuple[float, Any]:
-        """Mark a span's start: the host time and, on CUDA, an event recorded on the current stream."""
         if not self._cuda:
             return time.perf_counter(), None
         event = torch.cuda.Event(enable_timing=True)
@@ -206,13 +183,9 @@ class _Timer:
 
 
 class _TimedStage(PipelineStage):
-    """A ``PipelineStage`` that adds up the seconds it computes (forward and backward chunks, loss).
-
-    Transfers happen outside these calls, so the rest of a step's wall time is waiting (the bubble)
-    or communicating; the loss is recorded by the runtime (:meth:`record_loss`). With ``events`` a
-    list, each chunk appends its :data:`Event` (host times; on CUDA enqueue times). Backward chunks
-    run with autocast off, as Lightning runs a single device's backward.
-    """
+    """A ``PipelineStage`` adding up the seconds it computes (chunks; the loss via :meth:`record_loss`) and,
+    with ``events`` a list, appending each chunk's :data:`Event`. Transfers happen outside these calls, so the
+    rest of a step is bubble or communication. Backward runs with autocast off, as Lightning's does."""
 
     timer: _Timer
     events: list[Event] | None = None
@@ -221,8 +194,7 @@ class _TimedStage(PipelineStage):
 
     def record_loss(self, start: tuple[float, Any]) -> bool:
         """Count the loss of the micro-batch forwarded last, computed since ``start``, as compute; whether it
-        was one of the step's (the schedule's shape inference on the first step is not).
-        """
+        was one of the step's (the schedule's shape inference on the first step is not)."""
         if self._awaiting_loss is None:
             return False
         self._record("L", self._awaiting_loss, start)
@@ -262,10 +234,8 @@ class PipelineRuntime:
         blocks: the whole model as ordered blocks (shared with the LightningModule).
         counts: blocks per stage, ``S`` entries summing to ``len(blocks)``.
         schedule: a key of :data:`SCHEDULES`.
-        microbatches: micro-batches per batch.
         loss_fn: the mean loss of a micro-batch, ``loss_fn(outputs, targets)``.
         group: the pipeline's process group (this replica's stages).
-        device: where this rank's stages run.
         autocast: the context of the forward chunks and the loss (``None``: full precision).
         loss_scaler: multiplies the last stage's loss before its backward (``None``: no scaling).
     """
@@ -374,11 +344,8 @@ class PipelineRuntime:
     def _autocast_context(self) -> AbstractContextManager[Any]:
         return self._autocast() if self._autocast is not None else nullcontext()
 
-    # -- timings --------------------------------------------------------------------------------
-
     def stage_seconds(self, stages: list[_TimedStage] | None = None) -> list[float]:
-        """Compute seconds of each local stage since the last :meth:`reset_timers` (on CUDA, waits
-        for the device once)."""
+        """Compute seconds of each local stage since :meth:`reset_timers` (on CUDA, waits for the device once)."""
         return [s.timer.seconds() for s in (stages or self.train_stages)]
 
     @property
@@ -397,8 +364,7 @@ class PipelineRuntime:
 
     def read_timings(self) -> tuple[int, float, list[float]]:
         """The steps since the last read, their wall seconds and each local stage's compute seconds, then
-        zeroed timers; on CUDA the one wait for the device, once per logging step.
-        """
+        zeroed timers; on CUDA the one wait for the device, once per logging step."""
         steps, wall, busy = self._steps, self.last_step_seconds, self.stage_seconds()
         self.reset_timers()
         return steps, wall, busy
@@ -412,8 +378,6 @@ class PipelineRuntime:
         """This rank's chunks since :meth:`reset_timers`, by start."""
         return sorted((e for s in self.train_stages for e in s.events or ()), key=lambda e: e[3])
 
-    # -- steps ------------------------------------------------------------------------------------
-
     def step(self, inputs: Tensor | None, targets: Tensor | None, *, loss_scale: float = 1.0) -> Tensor | None:
         """Forward and backward of every micro-batch; gradients accumulate into ``.grad``.
 
@@ -423,9 +387,8 @@ class PipelineRuntime:
             loss_scale: extra factor on the loss, ``1 / accumulation steps``.
 
         Returns:
-            On the rank holding the last stage, the batch's mean loss (detached, unscaled);
-            elsewhere ``None``. The last stage's outputs of this forward (detached, the
-            micro-batches in order) are kept in :attr:`last_outputs` on that rank.
+            On the rank holding the last stage, the batch's mean loss (detached, unscaled), the outputs
+            kept in :attr:`last_outputs`; elsewhere ``None``.
         """
         self._loss_scale = loss_scale / self.microbatches
         self._raw_losses = []
@@ -442,14 +405,10 @@ class PipelineRuntime:
         return torch.stack(self._raw_losses).mean()
 
     def forward(self, inputs: Tensor) -> Tensor | None:
-        """The last stage's outputs for ``inputs``, without gradients (the schedule's eval mode).
+        """The last stage's outputs for ``inputs`` on the rank holding it (else ``None``), without gradients.
 
-        A batch whose size is not a multiple of the micro-batches (the last one of an evaluation
-        loader) is padded with copies of its last sample and the outputs are cut back, so no
-        evaluation sample is dropped.
-
-        Returns:
-            On the rank holding the last stage, the outputs; elsewhere ``None``.
+        A batch whose size is not a multiple of the micro-batches is padded with copies of its last sample
+        and the outputs cut back, so no evaluation sample is dropped.
         """
         size = inputs.shape[0]
         padded = -(-size // self.microbatches) * self.microbatches
@@ -472,9 +431,8 @@ class PipelineRuntime:
     def broadcast_from_last(self, tensor: Tensor | None, key: Any = None) -> Tensor:
         """The last stage's tensor on every rank of the pipeline.
 
-        Its shape and dtype travel once per ``key`` (computed alike on every rank, e.g. the batch's shape
-        and the mode) and are remembered, so a known key costs one tensor broadcast; ``key=None`` always
-        sends them.
+        Shape and dtype travel once per ``key`` (alike on every rank, e.g. the batch's shape and the mode);
+        ``key=None`` always sends them.
         """
         if self.group_size == 1:
             assert tensor is not None
@@ -502,8 +460,7 @@ class PipelineRuntime:
             busy: compute seconds per step of each of this rank's stages.
 
         Returns:
-            ``{stage: compute seconds}`` for every stage, and the mean over ranks of the share of a
-            step's wall time the rank was not computing.
+            ``{stage: compute seconds}``, and the mean over ranks of the share of a step not spent computing.
         """
         # on the group's device (an NCCL group has no CPU backend), read back in one transfer
         mine = torch.tensor([wall, *busy], dtype=torch.float64, device=self.device)

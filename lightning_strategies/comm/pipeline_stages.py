@@ -1,18 +1,9 @@
 """A pipeline's stages held apart: each rank materialises only the blocks of its own stages.
 
-The other ranks' blocks stay on ``meta`` (shape and dtype, no storage), so their parameters,
-gradients and optimizer state never exist there. The part of that which needs no Lightning:
-
-- :class:`StageLayout`: the blocks of each stage and the pipeline rank of each stage;
-- :func:`distribute_blocks`: global rank 0's initial weights to every stage's owners, one block at
-  a time. A block rank 0 holds with values is sent as it is; one built on ``meta`` is
-  materialised on rank 0's CPU and initialised by each submodule's ``reset_parameters()`` in
-  block order, from rank 0's CPU RNG: the weights of an unsplit model built on CPU after the
-  same seed;
-- :func:`profile_stages` / :func:`move_blocks`: ``balance="time"`` measured where the blocks are,
-  and blocks (with their optimizer state) moved to a new layout;
-- :func:`gather_state_dict` / :func:`gather_optimizer_state`: the whole state on rank 0 for a
-  checkpoint, streamed into memory-mapped temporary files (:class:`Spill`).
+The other ranks' blocks stay on ``meta`` (shape and dtype, no storage), so their parameters, gradients and
+optimizer state never exist there. A block built on ``meta`` is initialised on rank 0's CPU in block order,
+from rank 0's CPU RNG: the weights of an unsplit model built on CPU after the same seed. Checkpoints gather
+the whole state on rank 0, streamed into memory-mapped temporary files (:class:`Spill`).
 """
 
 from __future__ import annotations
@@ -103,13 +94,10 @@ class StageLayout:
         return [i for s in self.stages_of(rank) for i in self.blocks(s)]
 
 
-# -- the tensors of a module and their placeholders ------------------------------------------------
-
 _Slot = tuple[nn.Module, str, bool]  # (module owning the tensor, its attribute name, is a parameter)
 
 
 def _slots(module: nn.Module) -> list[_Slot]:
-    """Every parameter and buffer slot of ``module`` and its submodules (``None`` ones skipped)."""
     out: list[_Slot] = []
     for m in module.modules():
         out += [(m, name, True) for name, p in m._parameters.items() if p is not None]
@@ -118,8 +106,7 @@ def _slots(module: nn.Module) -> list[_Slot]:
 
 
 def tensors_of(module: nn.Module) -> list[Tensor]:
-    """``module``'s parameters and buffers (persistent or not), each once, in a fixed order: the
-    order in which every rank sends and receives a block's tensors."""
+    """``module``'s parameters and buffers, each once, in the order every rank sends and receives them."""
     seen: set[int] = set()
     out: list[Tensor] = []
     for m, name, is_param in _slots(module):
@@ -137,12 +124,8 @@ def is_materialized(module: nn.Module) -> bool:
 
 
 def _replace(module: nn.Module, make: Callable[[Tensor], Tensor | None]) -> list[tuple[Tensor, Tensor]]:
-    """Give every tensor slot ``make(old)`` (kept when ``None``); tied slots stay tied.
-
-    Returns:
-        ``(old, new)`` for every replaced parameter, in :func:`tensors_of` order (optimizers
-        hold parameters by identity: the caller swaps them there).
-    """
+    """Give every tensor slot ``make(old)`` (kept when ``None``), tied slots staying tied; return ``(old, new)``
+    for every replaced parameter (optimizers hold parameters by identity: the caller swaps them there)."""
     memo: dict[int, Tensor] = {}
     replaced: list[tuple[Tensor, Tensor]] = []
     for m, name, is_param in _slots(module):
@@ -174,14 +157,11 @@ def to_meta(module: nn.Module) -> list[tuple[Tensor, Tensor]]:
 
 def materialize(module: nn.Module, device: torch.device, *, fresh: bool = False) -> list[tuple[Tensor, Tensor]]:
     """Give ``module``'s ``meta`` tensors (with ``fresh``, all of them) uninitialised storage on ``device``."""
-    return _replace(
-        module, lambda t: torch.empty_like(t, device=device) if fresh or t.is_meta else None
-    )
+    return _replace(module, lambda t: torch.empty_like(t, device=device) if fresh or t.is_meta else None)
 
 
 def move_to(module: nn.Module, device: torch.device) -> None:
-    """Move ``module``'s tensors that have values to ``device``, leaving ``meta`` placeholders as
-    they are (``module.to`` cannot copy those); parameters keep their identity."""
+    """Move ``module``'s non-``meta`` tensors to ``device`` (``module.to`` cannot copy ``meta`` ones)."""
     module._apply(lambda t: t if t.is_meta else t.to(device))
 
 
@@ -189,8 +169,7 @@ def initialize(module: nn.Module) -> None:
     """``reset_parameters()`` of every submodule that owns tensors, in ``module.modules()`` order.
 
     Raises:
-        ValueError: naming a submodule with its own tensors but no ``reset_parameters`` (its
-            values could not be made up).
+        ValueError: naming a submodule with tensors of its own but no ``reset_parameters``.
     """
     for name, m in module.named_modules():
         own = [t for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
@@ -220,9 +199,6 @@ def held_bytes(tensors: Iterable[Tensor | None]) -> int:
     return total
 
 
-# -- the initial weights -----------------------------------------------------------------------------
-
-
 def _global(group: dist.ProcessGroup, rank: int) -> int:
     return dist.get_global_rank(group, rank)
 
@@ -239,10 +215,9 @@ def distribute_blocks(
     """Every rank ends with its stages' blocks on ``device`` holding global rank 0's values, the others
     on ``meta`` (a collective over the world).
 
-    Replica 0's pipeline goes block by block: rank 0 holds the block (materialised and
-    :func:`initialize`-d on ``init_device``, default the CPU, if built on ``meta``), sends it to its
-    owner and drops it unless it owns it; the owners in the other replicas then receive it over
-    ``dp_group``. Tensors travel on ``device`` (NCCL has no CPU backend).
+    Rank 0 materialises and :func:`initialize`-s a block built on ``meta`` on ``init_device`` (default the
+    CPU) and sends it to its owner; the other replicas' owners receive it over ``dp_group``. Tensors travel
+    on ``device`` (NCCL has no CPU backend).
 
     Raises:
         ValueError: from :func:`initialize`, for a meta block rank 0 cannot initialise.
@@ -280,9 +255,6 @@ def distribute_blocks(
                     dist.broadcast(t, src=src, group=dp_group)
 
 
-# -- balance="time": measured where the blocks are, then moved -------------------------------------------
-
-
 def _send_with_meta(tensor: Tensor, dst: int, group: dist.ProcessGroup, device: torch.device) -> None:
     dist.send_object_list([(tuple(tensor.shape), tensor.dtype)], dst=dst, group=group, device=device)
     dist.send(tensor.contiguous(), dst=dst, group=group)
@@ -309,11 +281,8 @@ def profile_stages(
 ) -> Tensor:
     """Each block's forward + backward seconds, measured by the rank that holds it (a collective).
 
-    The sample (given on stage 0's rank) flows through the stages as in a forward pass, each owner
-    timing its blocks with ``profile`` and passing the output on; blocks never leave their rank.
-
-    Returns:
-        Every block's seconds, float64 on ``device``, the same on every rank of ``group``.
+    The sample (given on stage 0's rank) flows through the stages as in a forward pass, each owner timing its
+    blocks with ``profile``. Returns every block's seconds, float64 on ``device``, alike on every rank.
     """
     rank = dist.get_rank(group)
     seconds = torch.zeros(len(blocks), dtype=torch.float64, device=device)
@@ -345,12 +314,8 @@ def move_blocks(
     device: torch.device,
     optimizers: Sequence[Optimizer] = (),
 ) -> None:
-    """Move every block whose owner differs between ``old`` and ``new`` to its new owner (a collective).
-
-    The old owner sends its tensors and its optimizers' state for the block's parameters and
-    drops them to ``meta``; the new owner materialises the block and receives them. Each
-    optimizer's parameter lists are updated to the new parameter objects on both ranks.
-    """
+    """Move every block whose owner differs between ``old`` and ``new`` to its new owner (a collective),
+    with its optimizers' state; each optimizer's parameter lists then hold the new parameter objects."""
     rank = dist.get_rank(group)
     for i, block in enumerate(blocks):
         a, b = old.owner_of_block(i), new.owner_of_block(i)
@@ -387,18 +352,14 @@ def _cpu(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v.cpu() if isinstance(v, Tensor) else v for k, v in state.items()}
 
 
-# -- checkpoints: everything on rank 0, streamed -----------------------------------------------------------
-
-
 class Spill:
     """Tensors written to temporary files as they arrive and read back memory-mapped.
 
-    Rank 0 of a checkpoint gather holds at most ``chunk_bytes`` of received tensors in memory: each
-    full chunk is saved in ``directory`` (default ``TMPDIR``), loaded back with ``mmap=True`` and
-    unlinked at once, so what stays is file-backed pages the kernel can drop and re-read.
+    Rank 0 of a checkpoint gather holds at most ``chunk_bytes`` of received tensors in memory: each full
+    chunk is saved, loaded back with ``mmap=True`` and unlinked, leaving file-backed pages the kernel can drop.
 
     Args:
-        directory: where the chunk files go (needs room for the whole gathered state).
+        directory: where the chunk files go (default ``TMPDIR``; needs room for the whole gathered state).
         chunk_bytes: bytes collected before a chunk is written (a larger tensor is a chunk alone).
     """
 
@@ -451,10 +412,8 @@ def gather_state_dict(
     """The whole state dict on group rank 0 (memory-mapped CPU tensors), ``{}`` elsewhere (a collective).
 
     Args:
-        state: this rank's ``module.state_dict()``: tensors of other ranks' stages are ``meta``
-            (their shape and dtype say what to receive).
+        state: this rank's ``module.state_dict()``, other ranks' tensors ``meta`` (shape and dtype to receive).
         owners: the group rank holding each key's tensor (0 for what every rank holds alike).
-        group: the pipeline's group; its rank 0 receives.
         device: where point-to-point tensors travel (the group's device).
         spill_dir: :class:`Spill`'s directory.
     """
@@ -500,11 +459,8 @@ def gather_optimizer_state(
 ) -> dict[str, Any]:
     """The optimizer state of every stage on group rank 0 (memory-mapped CPU tensors), ``{}`` elsewhere.
 
-    Each rank's ``optimizer.state_dict()`` indexes the parameters of the whole module (the
-    optimizer was built over all of them, placeholders included) and holds state for its own
-    stages' parameters only. Their structure is gathered first (one small object per rank), then
-    each tensor travels on its own, in index order, into rank 0's :class:`Spill`. The result
-    loads into the optimizer of the unsplit module on one device.
+    Each rank's ``optimizer.state_dict()`` indexes every parameter of the module (placeholders included)
+    and holds state for its own stages' only. The result loads into the unsplit module's optimizer.
     """
     rank = dist.get_rank(group)
     mine = state_dict["state"]

@@ -15,15 +15,14 @@ class CommStats:
     """Bytes and time spent communicating, as counted by one process.
 
     Payload bytes this process put on / took off the wire (no protocol overhead): summed over ranks,
-    a collective's traffic. ``inter_node_bytes_*`` are the part exchanged with other nodes, ``None``
-    unless the algorithm knew the node layout (:meth:`as_dict` then adds them and the
-    ``intra_node_bytes_*`` rest).
+    a collective's traffic.
 
     Attributes:
         bytes_sent, bytes_received: payload bytes.
         calls: communication calls counted (collectives, pushes, pulls).
         seconds: time inside them (wall time; device time where the algorithm says so).
-        inter_node_bytes_sent, inter_node_bytes_received: of the above, with other nodes.
+        inter_node_bytes_sent, inter_node_bytes_received: of the above, with other nodes; ``None``
+            unless the algorithm knew the node layout.
     """
 
     bytes_sent: int = 0

@@ -1,25 +1,13 @@
 """CUDA stream order for the parameter servers' tensors, with no Lightning import.
 
-A shard's tensors are touched by many host threads (RPC threads deliver pushes on the streams
-TensorPipe received them on; the co-located worker uses the default stream), and a lock orders
-them on the host only. :class:`StreamOrder` gives a shard one stream of its own and three rules
-that make the device order follow the lock's order:
-
-- :meth:`StreamOrder.take`: before using tensors a caller produced or that arrived on its
-  stream, the shard stream waits for the caller's, and ``record_stream`` keeps the caching
-  allocator from handing their memory out while the shard's kernels still read it.
-- :meth:`StreamOrder.running`: the shard's own work (averaging, the step, the snapshot for a
-  reply) runs on the shard stream, so consecutive steps stay ordered whichever thread enqueued them.
-- :meth:`StreamOrder.reply` / :meth:`StreamOrder.complete`: a reply completed later is a future
-  made with ``devices=[device]`` and completed on the shard stream, so whoever waits on it (the
-  co-located worker, or TensorPipe before it sends the response) waits on its event;
-  :meth:`StreamOrder.give` makes the caller's stream wait for a result returned directly. A
-  reply holds a *snapshot*, never the live parameters.
-
-The worker side needs nothing: ``rpc_async`` orders its send after the caller's stream, and
-``Future.wait`` orders the caller's stream after the reply's. On CPU every rule is a no-op. The
-rules call a :class:`StreamBackend` (:class:`CudaStreams`, or a fake one in tests, to check
-without a GPU which stream waits on which).
+A shard's tensors are touched by many host threads (RPC threads deliver pushes on the streams TensorPipe
+received them on; the co-located worker uses the default stream), and a lock orders them on the host only.
+:class:`StreamOrder` gives a shard a stream of its own and rules that make the device order follow the
+lock's: :meth:`~StreamOrder.take` before the shard uses a caller's tensors, :meth:`~StreamOrder.running` for
+its own work (consecutive steps stay ordered whichever thread enqueued them), :meth:`~StreamOrder.reply` /
+:meth:`~StreamOrder.give` for what it returns (a *snapshot*, never the live parameters). The worker side
+needs nothing: ``rpc_async`` orders its send after the caller's stream, and ``Future.wait`` the caller's
+stream after the reply's. On CPU every rule is a no-op.
 """
 
 from __future__ import annotations
@@ -38,7 +26,7 @@ T = TypeVar("T")
 
 
 class StreamBackend(Protocol):
-    """The stream operations :class:`StreamOrder` needs (torch's are :class:`CudaStreams`)."""
+    """The stream operations :class:`StreamOrder` needs: :class:`CudaStreams`, or a fake in tests (no GPU)."""
 
     def new_stream(self, device: torch.device) -> Any:
         """A new stream on ``device``."""
@@ -90,7 +78,7 @@ class CudaStreams:
 
 
 class StreamOrder:
-    """A shard's stream and the rules that order its device work (see the module docstring).
+    """A shard's stream and the rules that order its device work.
 
     Args:
         device: where the shard's tensors live.
@@ -122,10 +110,10 @@ class StreamOrder:
         return self.backend is not None
 
     def take(self, tensors: Iterable[Tensor | None] = ()) -> None:
-        """Order the shard stream after the caller's current stream and keep ``tensors`` alive for it.
+        """Order the shard stream after the caller's current stream, and keep the caching allocator from
+        reusing ``tensors``' memory while the shard's kernels read it.
 
-        Call it on the caller's thread, before the shard uses ``tensors`` (and under the shard's
-        lock, so the waits are enqueued in the lock's order).
+        Call it on the caller's thread, under the shard's lock, so the waits are enqueued in the lock's order.
         """
         if self.backend is None:
             return
@@ -142,7 +130,8 @@ class StreamOrder:
         return self.backend.future(self.device) if self.backend is not None else Future()
 
     def complete(self, futures: Iterable[Future[Any]], value: Any) -> None:
-        """Set ``value`` on ``futures`` with the shard stream current: each records an event there."""
+        """Set ``value`` on ``futures`` with the shard stream current: each records an event there, which
+        whoever waits on it (the co-located worker, or TensorPipe before it sends the response) waits on."""
         with self.running():
             for fut in futures:
                 fut.set_result(value)
@@ -154,12 +143,9 @@ class StreamOrder:
         return fut
 
     def give(self, tensors: Iterable[Tensor | None] = ()) -> None:
-        """Order the caller's current stream after the shard stream, and keep ``tensors`` (made on the
-        shard stream) alive for the caller's stream: for a result returned to the caller directly.
-
-        Call it on the caller's thread after the shard's work. An RPC handler's caller stream is the
-        one TensorPipe sends the response from, so a plain handler's reply is ordered too.
-        """
+        """Order the caller's current stream after the shard stream and keep ``tensors`` (made on the shard
+        stream) alive for it: for a result returned directly, on the caller's thread. An RPC handler's caller
+        stream is the one TensorPipe sends the response from, so a plain handler's reply is ordered too."""
         if self.backend is None:
             return
         caller = self.backend.current_stream(self.device)

@@ -1,16 +1,11 @@
 """Intra-layer (tensor) model parallelism: ``nn.Linear`` layers split Megatron-style, without Lightning.
 
-Shoeybi et al. 2019 (Megatron-LM, §3): a linear layer is split by its output features over ``tp``
-ranks (*column-parallel*), the next by its input features (*row-parallel*, partial products
-summed); elementwise ops between them work on the slices, so a pair costs one all-reduce each
-way. A layer with no partner is column-parallel with its output all-gathered.
-
-Parameters are ``torch.distributed.tensor`` shards, so optimizers and norms see whole-layer values
-and the math is DTensor's on gloo and NCCL alike. Only the two activation collectives are ours
-(:class:`_TimedColwise`, :class:`_TimedRowwise`): torch's redistributions, timed and counted
-(:class:`TensorParallelStats`) and installed with hook handles, so :func:`unparallelize` can give
-the module back whole. Plans name layers by module path (:data:`STYLES`); :func:`auto_plan` pairs
-consecutive linear layers of every ``nn.Sequential`` and gathers every other one.
+Shoeybi et al. 2019 (Megatron-LM, §3): a layer split by output features (column-parallel) followed by one split
+by input features (row-parallel, partial products summed) costs one all-reduce each way; elementwise ops between
+them work on the slices. Parameters are ``torch.distributed.tensor`` shards (optimizers and norms see whole
+layers); only the activation collectives are ours: torch's redistributions, timed and counted
+(:class:`TensorParallelStats`), installed with hook handles so :meth:`TensorParallelModule.unparallelize`
+gives the module back whole.
 """
 
 from __future__ import annotations
@@ -60,17 +55,12 @@ ELEMENTWISE: tuple[type[nn.Module], ...] = (
 """Modules that may sit between a column- and a row-parallel layer: they act on each feature alone."""
 
 
-# -- plans -------------------------------------------------------------------------------------------
-
-
 def auto_plan(module: nn.Module) -> dict[str, str]:
     """The plan that splits every ``nn.Linear`` of ``module``.
 
-    In each ``nn.Sequential``, a linear layer followed by another one with only
-    :data:`ELEMENTWISE` modules between them forms a ``colwise`` / ``rowwise`` pair (one
-    all-reduce each way); pairing goes left to right, so ``L1 L2 L3 L4`` gives two pairs and
-    ``L1 L2 L3`` a pair and ``L3`` alone. Every linear layer left alone (a ResNet's ``fc``, the
-    odd one out) is ``colwise_gather``.
+    In each ``nn.Sequential``, a linear layer followed by another with only :data:`ELEMENTWISE` modules
+    between forms a ``colwise`` / ``rowwise`` pair, left to right (``L1 L2 L3`` gives a pair and ``L3``
+    alone); every linear layer left alone is ``colwise_gather``.
     """
     plan: dict[str, str] = {}
     for prefix, parent in module.named_modules():
@@ -103,12 +93,8 @@ def _join(prefix: str, name: str) -> str:
 
 
 def check_plan(module: nn.Module, plan: Mapping[str, str], tp_size: int) -> None:
-    """Raise ``ValueError`` unless ``plan`` can split ``module`` over ``tp_size`` ranks.
-
-    Every name must be an ``nn.Linear`` of the module, every style one of :data:`STYLES`, the
-    split dimension divisible by ``tp_size`` (output features for ``colwise*``, input features
-    for ``rowwise``), and ``colwise`` and ``rowwise`` layers must come in pairs.
-    """
+    """Raise ``ValueError`` unless ``plan`` can split ``module`` over ``tp_size`` ranks: ``nn.Linear`` layers,
+    :data:`STYLES`, split dimensions divisible by ``tp_size``, ``colwise`` and ``rowwise`` in pairs."""
     if not plan:
         raise ValueError(
             f"TensorParallelStrategy found an empty plan for {type(module).__name__}: expected at least one "
@@ -149,9 +135,6 @@ def check_plan(module: nn.Module, plan: Mapping[str, str], tp_size: int) -> None
         )
 
 
-# -- accounting ----------------------------------------------------------------------------------------
-
-
 def ring_all_reduce_bytes(payload: int, group_size: int) -> int:
     """Bytes one rank sends in a ring all-reduce of ``payload`` bytes: ``2 (n-1)/n x payload``."""
     return 2 * (group_size - 1) * payload // group_size if group_size > 1 else 0
@@ -171,11 +154,9 @@ def activation_bytes_per_step(
 ) -> int:
     """Activation bytes one rank sends per training step (forward + backward), by formula.
 
-    Per ``colwise``/``rowwise`` pair: the row layer's output all-reduced in forward and the column
-    layer's input gradient in backward, each ``2 (tp-1)/tp x numel x itemsize``; a
-    ``colwise_gather`` layer adds its input gradient's all-reduce and its output's all-gather,
-    ``(tp-1)/tp x rows x out_features x itemsize``. Counts the first layer's backward all-reduce
-    too, which does not run for data inputs (:class:`TensorParallelStats` counts what ran).
+    Per pair, the row layer's output (forward) and the column layer's input gradient (backward) are
+    all-reduced; a ``colwise_gather`` layer all-reduces its input gradient and all-gathers its output.
+    Counts the first layer's backward all-reduce too, which does not run for data inputs.
 
     Args:
         rows: samples per step on this rank (the replica's batch) times positions per sample.
@@ -198,9 +179,8 @@ def activation_bytes_per_step(
 class TensorParallelStats:
     """The activation collectives of a tensor-parallel module, as this rank ran them.
 
-    ``bytes_sent`` follows the ring model (``2 (n-1)/n x payload`` per all-reduce, ``(n-1)/n`` per
-    all-gather), not the backend's choice of algorithm; ``seconds`` is host wall time including the
-    wait (a lower bound on CUDA).
+    ``bytes_sent`` follows the ring model, not the backend's algorithm; ``seconds`` is host wall time
+    including the wait (a lower bound on CUDA).
 
     Attributes:
         forward: the forward collectives (row layers' all-reduces, gathered outputs).
@@ -223,15 +203,9 @@ def _settled(t: Tensor) -> Tensor:
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
-# -- the parallel styles (torch's partitioning; collectives timed) --------------------------------------
-
-
 class _ReplicateInput(torch.autograd.Function):
-    """``DTensor.from_local(x, mesh, [Replicate()])`` whose backward all-reduce is timed and counted.
-
-    A column-parallel layer's input gradient is a partial sum (each rank multiplied by its rows of
-    the weight): backward turns it into the whole gradient, the all-reduce Megatron calls ``f``.
-    """
+    """``DTensor.from_local(x, mesh, [Replicate()])`` whose backward all-reduce (Megatron's ``f``, summing a
+    column-parallel layer's partial input gradients) is timed and counted."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, mesh: DeviceMesh, stats: TensorParallelStats) -> DTensor:
@@ -336,13 +310,8 @@ def _style(name: str) -> _StyleHooks:
     return _TimedColwise(gather=name == "colwise_gather")
 
 
-# -- parallelizing and back ------------------------------------------------------------------------------
-
-
 class TensorParallelModule:
-    """A module whose planned linear layers are split over a 1-D ``mesh`` (the tensor-parallel group).
-
-    Made by :func:`parallelize`; :meth:`unparallelize` gives the module back whole (a collective).
+    """A module whose planned linear layers are split over a 1-D ``mesh`` (made by :func:`parallelize`).
 
     Attributes:
         module: the module, split in place.
@@ -372,10 +341,7 @@ class TensorParallelModule:
                 yield name, p
 
     def unparallelize(self) -> nn.Module:
-        """Every ``DTensor`` parameter back to a plain full one (all-gathered), hooks removed.
-
-        A collective over the group: every rank calls it, and each ends with the whole module.
-        """
+        """Every ``DTensor`` parameter back to a plain full one, hooks removed (a collective over the group)."""
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -388,10 +354,9 @@ class TensorParallelModule:
 
 
 def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, str]) -> TensorParallelModule:
-    """Split ``module``'s planned linear layers over ``mesh`` in place.
+    """Split ``module``'s planned linear layers over ``mesh`` in place (check the plan with :func:`check_plan`).
 
-    Every rank of ``mesh`` must hold the same weights (shards are cut from each rank's own copy,
-    ``src_data_rank=None``: no communication). Check the plan first with :func:`check_plan`.
+    Every rank of ``mesh`` must hold the same weights: each cuts its shards from its own copy.
     """
     if mesh.ndim != 1:
         raise ValueError(f"parallelize: found a {mesh.ndim}-D mesh: expected the 1-D tensor-parallel mesh.")
@@ -413,12 +378,8 @@ def local_part(t: Tensor) -> Tensor:
 
 
 def full_tensor(t: Tensor, *, dst: int | None = 0) -> Tensor | None:
-    """The whole tensor of ``t`` (a ``DTensor``) on group rank ``dst`` (``None``: on every rank).
-
-    A collective over ``t``'s mesh. With ``dst`` set, the shards are gathered to that rank only,
-    so the others never hold the whole tensor (they get ``None``); a replicated ``DTensor`` needs
-    no communication. Plain tensors come back as they are.
-    """
+    """The whole tensor of ``t`` (a ``DTensor``) on group rank ``dst`` only, else ``None`` (``dst=None``: on
+    every rank); a collective over ``t``'s mesh. Plain tensors come back as they are."""
     if not isinstance(t, DTensor):
         return t
     if dst is None or not is_sharded(t):

@@ -1,9 +1,6 @@
 """Ring all-reduce over torch.distributed point-to-point messages, with byte accounting.
 
-One idea per module: :mod:`.layout` (which processes share a node, the hierarchical groups, the
-bucket size), :mod:`.check` (the cross-rank input check), :mod:`.allreduce` (the flat and the
-hierarchical ring), :mod:`.transport` (their steps on gloo and NCCL) and :mod:`.reducer` (the
-background thread a DDP communication hook hands its buckets to).
+Modules: :mod:`.layout`, :mod:`.check`, :mod:`.allreduce`, :mod:`.transport`, :mod:`.reducer` (the DDP hook's thread).
 """
 
 from lightning_strategies.comm.ring.allreduce import hierarchical_all_reduce, ring_all_reduce

@@ -1,11 +1,8 @@
 """Ring all-reduce, flat and hierarchical, with byte accounting.
 
-*Reduce-scatter*: every rank sends one of P chunks to its successor and adds the one it receives,
-P-1 times, after which rank ``r`` holds the sum of chunk ``(r + 1) % P``; *all-gather*: the
-reduced chunks travel once more around the ring. Every rank sends ``2 (P-1) / P`` of the tensor,
-whatever P: the ring is bandwidth-optimal. **Hierarchical** (Horovod's): on N nodes of L
-processes, reduce-scatter inside each node, L rings across the nodes on an L-th each, all-gather
-inside: ``2 (N-1) / N x 1/L`` of the tensor crosses nodes, in 2(N-1) serial steps instead of 2(NL-1).
+Reduce-scatter then all-gather: every rank sends ``2 (P-1) / P`` of the tensor, whatever P (bandwidth-optimal).
+**Hierarchical** (Horovod's), on N nodes of L processes: reduce-scatter inside each node, L rings across the
+nodes on an L-th each, all-gather inside: ``2 (N-1) / N x 1/L`` crosses nodes, in 2(N-1) serial steps, not 2(NL-1).
 """
 
 from __future__ import annotations
@@ -52,24 +49,20 @@ def ring_all_reduce(
         tensor: contiguous, of a dtype in :data:`SUPPORTED_DTYPES`, same numel and dtype everywhere.
         group: default the world; a dedicated group when another thread uses the default one.
         op: ``"sum"`` or ``"avg"``.
-        wire_dtype: ``"bf16"`` / ``"fp16"`` (or the torch dtypes) to send chunks narrower while
-            accumulating in the tensor's dtype; partial sums are rounded once per hop and the result
-            once on every rank, so all ranks end bit-identical. ``None``: the tensor's dtype.
-        check_peers: one small all-gather of (numel, dtype, op, wire dtype, input ok) first, so a
-            mismatched or bad call raises ``ValueError`` on every rank instead of hanging. ``False``
-            only where agreement is guaranteed (the DDP hook); the same on every rank.
+        wire_dtype: ``"bf16"`` / ``"fp16"`` (or the torch dtypes) to send chunks narrower while accumulating
+            in the tensor's dtype; rounded once per hop and once at the end, so all ranks end bit-identical.
+        check_peers: first one small all-gather of the call's shape, so a mismatched or bad call raises
+            ``ValueError`` on every rank instead of hanging. ``False`` (on every rank) only where agreement
+            is guaranteed (the DDP hook).
         segment_bytes: wire bytes per piece on gloo; default 4 MiB, or 2 MiB with a wire dtype.
-        layout: the world's :class:`NodeLayout`, to split the byte counts by node
-            (``inter_node_bytes_*``); ``None`` leaves them unsplit.
+        layout: the world's :class:`NodeLayout`, to split the byte counts by node (``inter_node_bytes_*``).
 
     Returns:
-        What this rank sent and received (``2 (P-1) / P x numel x wire itemsize`` up to two elements)
-        and its host wall time.
+        What this rank sent and received (``2 (P-1) / P x numel x wire itemsize``) and its host wall time.
 
     Raises:
         TypeError: not a tensor, or an unsupported dtype.
-        ValueError: non-contiguous, bad ``op`` / ``wire_dtype``, a layout of another world, or ranks
-            disagreeing on the call.
+        ValueError: non-contiguous, bad ``op`` / ``wire_dtype``, a layout of another world, or ranks disagreeing.
         RingPeerError: a neighbour died or stopped answering within the group's timeout.
     """
     start = time.perf_counter()
@@ -114,21 +107,16 @@ def hierarchical_all_reduce(
 ) -> CommStats:
     """Reduce ``tensor`` in place over N nodes of L processes: ring inside, ring across, ring inside.
 
-    Reduce-scatter over ``intra_group`` (L-1 steps), a full ring over ``inter_group`` on the chunk
-    this process then owns (2 (N-1) steps; ``"avg"`` divides by N x L), all-gather over
-    ``intra_group``. The result equals ``dist.all_reduce`` up to summation order and is
-    bit-identical everywhere (with a wire dtype too: ``(L-1) + (N-1)`` roundings at most). With
-    N = 1 or L = 1 it is the flat ring over the other group.
+    Bit-identical everywhere (with a wire dtype: ``(L-1) + (N-1)`` roundings at most); ``"avg"`` divides by
+    N x L. With N = 1 or L = 1 it is the flat ring over the other group.
 
     Args:
-        tensor, op, wire_dtype, segment_bytes: as :func:`ring_all_reduce`.
+        tensor, op, wire_dtype, check_peers, segment_bytes: as :func:`ring_all_reduce`.
         intra_group: this process's node (:func:`new_hierarchical_groups`).
         inter_group: this process's local rank on every node, in node order.
-        check_peers: as :func:`ring_all_reduce`, inside each node and then across nodes.
 
     Returns:
-        This process's bytes, with ``inter_node_bytes_sent`` / ``_received`` exactly
-        ``2 (N-1)/N x numel/L x itemsize`` up to the uneven chunking's few elements.
+        This process's bytes, ``inter_node_bytes_*`` being ``2 (N-1)/N x numel/L x itemsize``.
 
     Raises:
         TypeError, ValueError, RingPeerError: as :func:`ring_all_reduce`.

@@ -56,10 +56,7 @@ def resolve_wire_dtype(wire_dtype: str | torch.dtype | None) -> torch.dtype | No
 
 
 def _local_problem(tensor: Any, op: str, wire: torch.dtype | None) -> Exception | None:
-    """Why this rank cannot take part (the exception to raise), or None.
-
-    Returned rather than raised so that :func:`_check_peers` can first tell the other ranks.
-    """
+    """Why this rank cannot take part (the exception, returned so the peers are told first), or None."""
     message = _problem_message(tensor, op, wire)
     if message is None:
         return None
@@ -151,11 +148,9 @@ def _verdict(table: list[list[int]], group: dist.ProcessGroup, who: str = "") ->
 def _check_peers(
     tensor: Any, problem: Exception | None, group: dist.ProcessGroup, op: str, wire: torch.dtype | None
 ) -> None:
-    """One small all-gather so that a bad or mismatched call raises on *every* rank.
+    """One all-gather of a few integers, so that a bad or mismatched call raises on *every* rank.
 
-    Without it a rank with a different size would post receives its peers never match and
-    wait for the process-group timeout; a rank with a bad input would raise alone and leave
-    its peers waiting. The cost is one collective of a few integers per call.
+    Otherwise a mismatched rank waits for the process-group timeout, or a bad input raises on one rank alone.
     """
     table = _gather_rows(tensor, _call_row(tensor, problem, op, wire), group)
     if problem is not None:
@@ -173,11 +168,9 @@ def _check_peers_hierarchical(
     op: str,
     wire: torch.dtype | None,
 ) -> None:
-    """:func:`_check_peers` in two stages, inside the node then across: no group spans the world.
+    """:func:`_check_peers` inside the node, then across (no group spans the world).
 
-    The node's verdict travels in the second stage as this rank's "input ok", so a problem on
-    one node reaches every local rank of every other node, which tells its node-mates in turn
-    by raising too: every rank raises, none waits.
+    The node's verdict travels across as this rank's "input ok", so every rank raises and none waits.
     """
     row = _call_row(tensor, problem, op, wire)
     inside = _gather_rows(tensor, row, intra)

@@ -1,10 +1,7 @@
 """Which processes share a node, the hierarchical ring's groups, and the ring's bucket size.
 
-**Small chunks at large P**: every step of a ring call moves one P-th of the tensor, so a fixed
-DDP bucket is cut into ever smaller messages as P grows, until each step costs its per-message
-latency rather than its bytes (25 MiB at P = 256: 510 serial steps of 100 KiB).
-:func:`ring_bucket_cap_mb` grows the bucket so that every step moves at least
-:data:`MIN_CHUNK_BYTES`: fewer ring calls per backward pass, each of larger messages.
+Every ring step moves one P-th of the tensor, so at large P a fixed DDP bucket costs per-message latency, not
+bytes (25 MiB at P = 256: 510 serial steps of 100 KiB): :func:`ring_bucket_cap_mb` grows it accordingly.
 """
 
 from __future__ import annotations
@@ -17,10 +14,9 @@ import torch.distributed as dist
 
 __all__ = ["MIN_CHUNK_BYTES", "NodeLayout", "new_hierarchical_groups", "ring_bucket_cap_mb"]
 
-#: Smallest chunk (bytes) a ring step should move; :func:`ring_bucket_cap_mb` grows DDP's bucket to
-#: P x this. A step costs about ``latency + chunk / bandwidth``: on 100 Gb/s links (12.5 GB/s) with
-#: 5-10 us per message, latency x bandwidth is 60-125 KB, so a 256 KiB chunk keeps every step at
-#: least two-thirds bandwidth-bound. With DDP's 25 MiB buckets it changes nothing below P = 100.
+#: Smallest chunk (bytes) a ring step should move. A step costs ``latency + chunk / bandwidth``: at 12.5 GB/s
+#: and 5-10 us per message, latency x bandwidth is 60-125 KB, so 256 KiB keeps a step at least two-thirds
+#: bandwidth-bound. With DDP's 25 MiB buckets it changes nothing below P = 100.
 MIN_CHUNK_BYTES = 256 << 10
 
 
@@ -28,9 +24,8 @@ MIN_CHUNK_BYTES = 256 << 10
 class NodeLayout:
     """Which processes share a node: the global ranks on each node, in local-rank order.
 
-    Built from the node and local ranks the launcher assigns (:meth:`from_ranks`: torchrun's
-    ``GROUP_RANK`` / ``LOCAL_RANK``, SLURM's ``SLURM_NODEID`` / ``SLURM_LOCALID``), never from host
-    names; global ranks need not be contiguous per node (SLURM's cyclic distribution).
+    Built from the launcher's node and local ranks (:meth:`from_ranks`), never from host names; global
+    ranks need not be contiguous per node (SLURM's cyclic distribution).
 
     Attributes:
         nodes: ``nodes[n][i]`` is the global rank of local rank ``i`` on node ``n``.
@@ -40,7 +35,8 @@ class NodeLayout:
 
     @classmethod
     def from_ranks(cls, node_ranks: Sequence[int], local_ranks: Sequence[int]) -> NodeLayout:
-        """The layout of processes whose node and local ranks are given by global rank.
+        """The layout of processes whose node and local ranks (torchrun's ``GROUP_RANK`` / ``LOCAL_RANK``,
+        SLURM's ``SLURM_NODEID`` / ``SLURM_LOCALID``) are given by global rank.
 
         Raises:
             ValueError: the node ranks are not 0..N-1, or a node's local ranks are not 0..L-1 once each.
@@ -103,10 +99,10 @@ class NodeLayout:
 
     @property
     def local_size(self) -> int:
-        """The processes per node L (the same on every node).
+        """The processes per node L.
 
         Raises:
-            ValueError: the nodes run different numbers of processes (a hierarchical ring needs L everywhere).
+            ValueError: the nodes run different numbers of processes.
         """
         self.require_uniform()
         return len(self.nodes[0])
@@ -143,8 +139,7 @@ def new_hierarchical_groups(
 ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """This process's (intra-node, inter-node) process groups for :func:`hierarchical_all_reduce`.
 
-    Every process of the world must call it, with the same layout (``new_group`` is collective):
-    it creates every node's group, then every local rank's group across the nodes, in that order.
+    A collective (``new_group``): every process of the world calls it with the same layout.
 
     Raises:
         ValueError: the layout does not cover the world, or its nodes differ in size.
@@ -169,10 +164,7 @@ def new_hierarchical_groups(
 def ring_bucket_cap_mb(bucket_cap_mb: float, world: int, min_chunk_bytes: int = MIN_CHUNK_BYTES) -> float:
     """The DDP bucket size (MiB) that gives each of a ``world``-process ring's chunks ``min_chunk_bytes``.
 
-    Both rings cut a bucket into ``world`` chunks, one per serial step: the rule is
-    ``max(bucket_cap_mb, world x min_chunk_bytes / 2^20)``, so the bucket grows linearly with P past
-    ``bucket_cap_mb x 2^20 / min_chunk_bytes`` processes (fewer, larger calls; a later first one).
-    ``min_chunk_bytes=0`` keeps ``bucket_cap_mb``.
+    ``max(bucket_cap_mb, world x min_chunk_bytes / 2^20)``; ``min_chunk_bytes=0`` keeps ``bucket_cap_mb``.
     """
     if world < 1 or min_chunk_bytes < 0:
         raise ValueError(

@@ -22,20 +22,16 @@ class RingBucketReducer:
     """Reduce tensors with :func:`ring_all_reduce` (or :func:`hierarchical_all_reduce`) on one
     background thread, returning futures.
 
-    A DDP communication hook must return a future without blocking backward, and gloo's
-    point-to-point ``Work`` has no ``get_future()``: the hook only enqueues the bucket, and this
-    thread reduces buckets in submission order (DDP's bucket order, the same on every rank) on a
-    process group of its own. After a failure every later future fails at once with the same error.
-    The thread holds only a weak reference: a reducer dropped without :meth:`close` stops its thread
-    once collected, and one alive at interpreter exit is closed before the modules go. On CUDA it
-    runs on a stream of its own that waits for an event of the submitting stream, completes
-    CUDA-aware futures, and times each call with CUDA events (:meth:`pop_device_seconds`).
+    A DDP communication hook must not block backward, and gloo's point-to-point ``Work`` has no
+    ``get_future()``: the hook enqueues the bucket and this thread reduces buckets in submission order
+    (DDP's, the same on every rank) on a process group of its own. After a failure every later future
+    fails with the same error. A reducer dropped without :meth:`close` stops its thread once collected.
+    On CUDA it runs on a stream of its own and times each call with events (:meth:`pop_device_seconds`).
 
     Args:
         group: used only by this reducer; with ``inter_group``, this process's node.
         op: ``"sum"`` or ``"avg"`` (DDP expects ``"avg"``).
-        wire_dtype, check_peers, layout: as :func:`ring_all_reduce` (``check_peers`` off by
-            default: DDP checks already).
+        wire_dtype, check_peers, layout: as :func:`ring_all_reduce` (``check_peers`` off by default: DDP checks).
         inter_group: this process's inter-node group: reduce hierarchically instead of one flat ring.
     """
 
@@ -73,6 +69,7 @@ class RingBucketReducer:
             target=_serve_reducer, args=(weakref.ref(self), self._queue), name="ring-all-reduce", daemon=True
         )
         self._thread.start()
+        # The thread holds only a weak reference; finalize also runs at interpreter exit, before the modules go.
         self._stopper = weakref.finalize(self, _stop_reducer_thread, self._queue, self._thread, _EXIT_JOIN_SECONDS)
 
     def submit(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -114,8 +111,7 @@ class RingBucketReducer:
     def close(self, timeout: float = 10.0) -> bool:
         """Stop the thread once queued work is done; whether it stopped within ``timeout``.
 
-        A thread blocked in a ring call (a hung peer) is left behind: a daemon, whose group must not be
-        destroyed under it.
+        A thread blocked in a ring call (a hung peer) is left behind as a daemon: do not destroy its group.
         """
         self._stopper.detach()
         return _stop_reducer_thread(self._queue, self._thread, timeout)
@@ -164,7 +160,6 @@ class RingBucketReducer:
             fut.set_result(tensor)  # records an event on the reducer stream for the consumer
 
     def _serve(self, tensor: torch.Tensor, fut: torch.futures.Future[Any], event: Any) -> None:
-        """Reduce one queued tensor and complete its future (on the reducer thread)."""
         if self._error is not None:
             fut.set_exception(self._error)
             return
@@ -202,7 +197,6 @@ def _stop_reducer_thread(
     thread: threading.Thread,
     timeout: float,
 ) -> bool:
-    """Let ``thread`` finish the queued work and stop; whether it stopped within ``timeout``."""
     if thread.is_alive():
         work.put(None)
         if thread is not threading.current_thread():

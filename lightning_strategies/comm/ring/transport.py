@@ -1,10 +1,8 @@
 """The ring's steps over point-to-point messages: segmented on gloo, one grouped exchange per step on NCCL.
 
-Chunks are as even as the element count allows (no padded copy), so the bytes summed over ranks
-are exactly ``2 (P-1) x numel x itemsize``. On gloo they travel in segments (4 MiB, 2 MiB with a
-wire dtype) with a few receives posted ahead, each forwarded as soon as it has been added, so
-receiving, adding and sending overlap. On NCCL each step is one ``batch_isend_irecv`` of a whole
-chunk (NCCL p2p needs grouped calls; NCCL's own all-reduce is the fast one).
+Chunks are as even as the element count allows (no padded copy): the bytes summed over ranks are exactly
+``2 (P-1) x numel x itemsize``. On gloo a segment is forwarded as soon as it has been added, so receiving,
+adding and sending overlap; NCCL p2p needs grouped calls (NCCL's own all-reduce is the fast one).
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ class RingPeerError(RuntimeError):
     Attributes:
         rank: this process's rank in the group.
         peer: the group rank of the neighbour whose send or receive failed.
-        global_peer: the neighbour's global rank (the rank its error message names; equal to
-            ``peer`` when the group is the world, as in the flat ring).
+        global_peer: the neighbour's global rank (the rank its error message names).
     """
 
     def __init__(self, message: str, *, rank: int, peer: int, global_peer: int | None = None) -> None:
@@ -66,11 +63,8 @@ def _segments(bounds: tuple[int, int], seg_elems: int) -> list[tuple[int, int]]:
 
 
 class _Workspace(threading.local):
-    """Scratch buffers reused across calls, one set per thread.
-
-    Fresh large CPU buffers cost first-touch page faults far above the copy into them; these grow to
-    the largest call seen and stay until :func:`release_workspace`.
-    """
+    """Per-thread scratch buffers, grown to the largest call and kept until :func:`release_workspace`
+    (fresh large CPU buffers cost first-touch page faults far above the copy into them)."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
@@ -94,11 +88,8 @@ def release_workspace() -> None:
 
 @dataclass
 class _Ring:
-    """Everything one call needs, computed once, so the step loop is only messages and adds.
-
-    ``first`` / ``stop`` select the steps: all ``2 (P-1)``, the reduce-scatter ``[0, P-1)`` or the
-    all-gather ``[P-1, 2 (P-1))`` (the hierarchical ring's stages).
-    """
+    """Everything one call needs, computed once; ``first`` / ``stop`` select the steps (the hierarchical
+    ring's stages: reduce-scatter ``[0, P-1)``, all-gather ``[P-1, 2 (P-1))``)."""
 
     flat: torch.Tensor
     pg: dist.ProcessGroup
@@ -133,7 +124,6 @@ class _Ring:
         return 2 * (self.world - 1)
 
     def count(self, *, sent: int = 0, received: int = 0) -> None:
-        """Account payload bytes, split by node when the stats are."""
         stats = self.stats
         stats.bytes_sent += sent
         stats.bytes_received += received
@@ -164,9 +154,8 @@ class _Ring:
     ) -> None:
         """Fold the segment ``got`` received at step ``t`` into ``mine`` (the same range of the tensor).
 
-        With a wire dtype, reduce-scatter writes the value to forward into ``out`` (default ``got``) and
-        all-gather only upcasts ``got``, which is forwarded as it came. ``scratch`` holds the upcast
-        segment: a cast then a same-dtype add is cheaper than one mixed-dtype add.
+        With a wire dtype, reduce-scatter writes the value to forward into ``out`` (default ``got``); ``scratch``
+        holds the upcast segment (a cast then a same-dtype add is cheaper than one mixed-dtype add).
         """
         world, wire = self.world, self.wire
         if t >= world - 1:  # all-gather: the segment is final
@@ -188,9 +177,9 @@ class _Ring:
             _reduce_segment(up, mine)
             out.copy_(up)
             return
-        # Last reduce-scatter step: this rank owns the chunk. The sum is formed in the cached
-        # scratch (``mine`` is read once and written once), and the owner's copy is rounded too,
-        # so every rank ends bit-identical (DDP replicas would drift apart otherwise).
+        # Last reduce-scatter step, the owned chunk: the sum is formed in the scratch (``mine`` read and
+        # written once), and the owner's copy is rounded too, so every rank ends bit-identical (DDP
+        # replicas would drift apart otherwise).
         _reduce_segment(up, mine)
         if self.divisor > 1:
             self._divide(up)
@@ -238,16 +227,13 @@ def _post(ring: _Ring, start: Callable[[], Any], peer: int, what: str, t: int) -
 
 
 def _reduce_segment(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Accumulate a received segment in the tensor's own dtype (upcasting a wire segment)."""
     dst.add_(src)
 
 
 def _ring_pipelined(ring: _Ring, seg_elems: int, window: int = _WINDOW) -> None:
-    """gloo path: a stream of segments, ``window`` receives in flight, each forwarded on arrival.
+    """gloo path: a stream of segments (tagged by unit), ``window`` receives in flight, each forwarded on arrival.
 
-    Units (step, segment) are matched by tag. gloo writes a send straight into the socket only when
-    the peer has posted the receive (else its event-loop thread does), hence the window. A forwarded
-    segment may wait a whole step in gloo's FIFO send queue, so what is forwarded lives in
+    A forwarded segment may wait a whole step in gloo's FIFO send queue, so what is forwarded lives in
     tensor-sized storage written once per range and phase (the tensor, or its wire-dtype shadow):
     all-gather segments land where they leave from, and no step waits for the previous one to drain.
     """
@@ -309,8 +295,6 @@ def _ring_pipelined(ring: _Ring, seg_elems: int, window: int = _WINDOW) -> None:
         _wait(ring, posted[u], ring.prev, "receiving from", t)
         if u + window < len(recv_units):
             posted.append(post_recv(u + window))
-        # Reduce-scatter with a wire dtype writes the value to forward into the shadow;
-        # otherwise it is left in the tensor, or (all-gather) arrived where it leaves from.
         out = forward[a:b] if wire is not None and t < world - 1 else None
         ring.absorb(t, flat[a:b], landing(u), scratch, out)
         if t + 1 < ring.stop:
