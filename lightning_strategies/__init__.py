@@ -1,8 +1,7 @@
 """lightning-strategies: distribution strategies for the PyTorch Lightning ``Trainer``.
 
-Importing the package registers its strategy names (``"ring"``, ...) with Lightning's
-``StrategyRegistry``, so ``Trainer(strategy="ring")`` works after ``import lightning_strategies``.
-They are Trainer strategies: ``Fabric(strategy="ring")`` raises an error saying so.
+Importing the package registers its strategy names with Lightning's ``StrategyRegistry`` (``Trainer(strategy="ring")``
+works after ``import lightning_strategies``); ``Fabric(strategy="ring")`` raises an error: they are Trainer strategies.
 """
 
 from lightning_strategies.checkpoint import AtomicCheckpointIO, CorruptCheckpointError

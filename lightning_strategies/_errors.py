@@ -24,11 +24,8 @@ def _is_default(name: str, value: Any) -> bool:
 
 
 def ddp_options_set(kwargs: Mapping[str, Any], allowed: Iterable[str]) -> list[str]:
-    """The names of ``kwargs`` outside ``allowed`` that carry a setting, sorted: all of them except
-    ``DDPStrategy`` and ``DistributedDataParallel`` options at their default value.
-
-    LightningCLI (jsonargparse) follows a strategy's ``**kwargs`` into those signatures and passes every
-    option at its default, although the user set none; those are no setting and are not refused.
-    """
+    """The names of ``kwargs`` outside ``allowed`` that carry a setting, sorted: all but ``DDPStrategy`` and
+    ``DistributedDataParallel`` options at their default, which LightningCLI (jsonargparse) passes although the user
+    set none (it follows a strategy's ``**kwargs`` into those signatures)."""
     allowed = set(allowed)
     return sorted(name for name, value in kwargs.items() if name not in allowed and not _is_default(name, value))

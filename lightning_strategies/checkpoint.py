@@ -1,23 +1,9 @@
 """Checkpoint files that are either the old one or the new one, never half of the new one.
 
-A run killed while it writes ``last.ckpt`` (a preempted node, an OOM kill, a worker that dies
-and is restarted by ``torchrun --max-restarts``) must find the previous ``last.ckpt`` intact
-when it resumes. :class:`AtomicCheckpointIO` writes a local checkpoint to a temporary file in
-the target's directory, flushes it to disk (``fsync``) and only then renames it over the target
-(``os.replace``, atomic on POSIX and Windows within one file system), then ``fsync``\\ s the
-directory so the rename itself survives a power loss.
-
-Every strategy of this package uses it when the user gave no ``CheckpointIO``: their
-``checkpoint_io`` property is :data:`ATOMIC_CHECKPOINT_IO_DEFAULT`. For another strategy, pass
-``Trainer(plugins=[AtomicCheckpointIO()])``.
-
-Reading is ``TorchCheckpointIO``'s, except that a file which exists but is not a whole
-checkpoint (empty, truncated by a copy or a full disk, random bytes) raises
-:class:`CorruptCheckpointError` naming the path, what is wrong with it and the checkpoints
-beside it, instead of ``torch.load``'s "failed finding central directory" or ``EOFError``
-with an empty message. The file is diagnosed only after ``torch.load`` failed (a checkpoint is
-a zip archive: empty, not a zip, or a zip whose directory or CRCs are broken); an error on a
-sound archive (a ``weights_only`` policy refusal, a device that is missing) is re-raised as it was.
+A run killed while it writes ``last.ckpt`` (a preempted node, an OOM kill, a ``torchrun --max-restarts`` restart)
+must find the previous ``last.ckpt`` intact when it resumes. Every strategy of this package uses
+:class:`AtomicCheckpointIO` unless the user gives a ``CheckpointIO`` (their ``checkpoint_io`` property is
+:data:`ATOMIC_CHECKPOINT_IO_DEFAULT`); for another strategy, pass ``Trainer(plugins=[AtomicCheckpointIO()])``.
 """
 
 from __future__ import annotations
@@ -52,14 +38,7 @@ def _temp_prefix(target: Path) -> str:
 
 
 def temp_files_of(target: _PATH) -> list[Path]:
-    """The temporary files that writes of ``target`` left behind (a writer killed mid-write).
-
-    Args:
-        target: the checkpoint path as passed to ``save_checkpoint``.
-
-    Returns:
-        The leftover files in ``target``'s directory, sorted; empty when there are none.
-    """
+    """The temporary files that writers of ``target`` (a ``save_checkpoint`` path) killed mid-write left, sorted."""
     path = Path(os.fspath(target))
     if not path.parent.is_dir():
         return []
@@ -82,7 +61,7 @@ class CorruptCheckpointError(RuntimeError):
 
 
 def _diagnose(fs: Any, path: str) -> str | None:
-    """What makes ``path`` unreadable as a checkpoint, or None when it looks like a sound checkpoint."""
+    """What makes ``path`` unreadable as a checkpoint (a zip archive), or None when it looks sound."""
     try:
         size = int(fs.size(path))
         with fs.open(path, "rb") as f:
@@ -112,8 +91,7 @@ def _diagnose(fs: Any, path: str) -> str | None:
 
 
 def _siblings(path: str) -> list[str]:
-    """Whole-looking ``*.ckpt`` files beside ``path``, newest first (three at most): what to resume
-    from instead. "Whole-looking": a zip archive with its central directory (a cheap read of its end)."""
+    """Up to three ``*.ckpt`` files beside ``path`` with a zip central directory (a cheap read), newest first."""
     target = Path(path)
     try:
         found = [p for p in target.parent.glob("*.ckpt") if p.name != target.name and p.is_file()]
@@ -141,15 +119,10 @@ def _fsync_directory(directory: Path) -> None:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose local writes replace the target atomically and durably.
 
-    ``torch.save`` writes to ``.<name>.<pid>-<random>.tmp`` next to the target; the file is
-    ``fsync``\\ ed and renamed over the target with ``os.replace``. If anything fails before the
-    rename (an exception inside ``torch.save``, a full disk) the temporary file is removed and
-    the error re-raised, and the target still holds the previous checkpoint. A process killed
-    mid-write leaves its temporary file (it cannot clean up), never a truncated target; the next
-    successful save of the same path removes such leftovers.
-
-    Remote paths (``s3://``, ``gs://``, ...) are written as by ``TorchCheckpointIO``, inside an
-    fsspec transaction. Removing is ``TorchCheckpointIO``'s; loading too, except that a file that
+    A save writes ``.<name>.<pid>-<random>.tmp`` beside the target, ``fsync``\\ s it, renames it over the target
+    (``os.replace``) and ``fsync``\\ s the directory; on an error before the rename the target keeps the previous
+    checkpoint. A process killed mid-write leaves its temporary file, which the next save of that path removes.
+    Remote paths (``s3://``, ...), removing and loading are ``TorchCheckpointIO``'s, except that loading a file that
     is not a whole checkpoint raises :class:`CorruptCheckpointError`.
     """
 
@@ -160,15 +133,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         map_location: Callable[..., Any] | None = lambda storage, loc: storage,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """``TorchCheckpointIO.load_checkpoint``, with a clear error for a file that is not a checkpoint.
+        """``TorchCheckpointIO.load_checkpoint`` (``map_location``, ``weights_only`` as for ``torch.load``).
 
-        Args:
-            path: the checkpoint file (local or fsspec URL).
-            map_location: as for ``torch.load``.
-            weights_only: as for ``torch.load``.
-
-        Returns:
-            The loaded checkpoint.
+        A failed ``torch.load`` is diagnosed from the file's bytes; an error on a sound archive (a ``weights_only``
+        refusal, a missing device) is re-raised as it was.
 
         Raises:
             FileNotFoundError: if ``path`` does not exist.
@@ -198,15 +166,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
-        """Write ``checkpoint`` to ``path`` so that ``path`` never holds a partial file.
-
-        Args:
-            checkpoint: the state Lightning dumps (model, optimizers, loops, callbacks).
-            path: the target file; its directory is created when missing.
-            storage_options: not supported, as for ``TorchCheckpointIO``.
+        """Write ``checkpoint`` to ``path`` (its directory created when missing), never leaving a partial file there.
 
         Raises:
-            TypeError: if ``storage_options`` is given.
+            TypeError: if ``storage_options`` is given (not supported, as for ``TorchCheckpointIO``).
         """
         if storage_options is not None:
             raise TypeError(
@@ -242,10 +205,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def _checkpoint_io_or_atomic(self: Strategy) -> CheckpointIO:
-    # Strategy.checkpoint_io, with AtomicCheckpointIO where Lightning would use TorchCheckpointIO.
-    # Filled in lazily (not in __init__) so that Trainer(strategy=<instance>, plugins=[<io>])
-    # stays valid: Lightning rejects a strategy instance that already holds a CheckpointIO when
-    # plugins give one too.
+    # Filled in lazily (not in __init__) so that Trainer(strategy=<instance>, plugins=[<io>]) stays valid:
+    # Lightning rejects a strategy instance that already holds a CheckpointIO when plugins give one too.
     io = self._checkpoint_io
     if io is None:
         io = self._checkpoint_io = AtomicCheckpointIO()

@@ -1,23 +1,8 @@
 """Input pipelines that overlap loading with training, and that resume exactly where they stopped.
 
-Two independent overlaps, both from the seed's "minimise I/O waits" advice:
-
-* host side, :class:`PrefetchConfig`: DataLoader worker processes decode and collate upcoming
-  batches (``num_workers`` x ``prefetch_factor`` batches ahead) while the main process trains;
-* device side, :class:`DevicePrefetcher`: the host-to-GPU copy of batch N+1 runs on a side
-  CUDA stream while the default stream computes step N (needs pinned memory to be async).
-
-And one for restarts, :class:`ResumableDataLoader`: Lightning 2.6 restores its loop counters
-from a mid-epoch checkpoint but replays a plain ``DataLoader`` from batch 0 of the epoch, so the
-resumed run trains on batches the interrupted one already used and never sees others. Lightning
-saves and restores any training loader with ``state_dict()`` / ``load_state_dict()`` (the
-``combined_loader`` entry of the fit loop's checkpoint state); this loader's state is the
-epoch of its sampler and the number of batches *handed to the loop* (not those the workers
-have prefetched), and on resume it skips that many batches of indices before loading anything.
-
-Skipping batches, rather than restoring an iterator's state, keeps torch's own DataLoader and works
-with any sampler whose order is a function of its epoch (Lightning's ``DistributedSampler``,
-:class:`EpochRandomSampler`); the async strategy's shared batch queue resumes at epoch ends only.
+Host side, :class:`PrefetchConfig` (loader workers prepare upcoming batches while the step runs); device side,
+:class:`DevicePrefetcher` (the copy of batch N+1 overlaps step N); restarts, :class:`ResumableDataLoader` (a
+mid-epoch checkpoint resumes at the next unseen batch; the async strategy's shared batch queue only at epoch ends).
 """
 
 from __future__ import annotations
@@ -38,18 +23,14 @@ log = logging.getLogger("lightning_strategies")
 
 @dataclass(frozen=True)
 class PrefetchConfig:
-    """How a DataLoader prepares upcoming batches; checked when built.
+    """How a DataLoader prepares upcoming batches; checked when built (``ValueError``).
 
     Attributes:
-        num_workers: loader worker processes; 0 loads in the training process, in series with
-            the step (no host-side overlap).
-        prefetch_factor: batches each worker prepares ahead; ``None`` means torch's default (2)
-            when ``num_workers > 0``. Only valid with workers.
+        num_workers: loader worker processes; 0 loads in the training process, in series with the step.
+        prefetch_factor: batches each worker prepares ahead (``None``: torch's default, 2). Only valid with workers.
         pin_memory: page-locked host batches, so a CUDA copy can be asynchronous.
-        persistent_workers: keep workers alive between epochs (saves their start-up cost each
-            epoch). Only valid with workers.
-        device_prefetch: copy batch N+1 to the GPU on a side stream during step N
-            (:class:`DevicePrefetcher`); a no-op on CPU.
+        persistent_workers: keep workers alive between epochs (no start-up cost each epoch). Only valid with workers.
+        device_prefetch: copy batch N+1 to the GPU during step N (:class:`DevicePrefetcher`); a no-op on CPU.
     """
 
     num_workers: int = 0
@@ -111,20 +92,15 @@ _cpu_notice_given = False
 class DevicePrefetcher:
     """Iterate ``loader`` with each batch already on ``device``, copied one step ahead.
 
-    On CUDA, while the caller trains on batch N, batch N+1 is copied on a dedicated stream; the
-    default stream waits for that copy only when batch N+1 is handed out. The copy overlaps
-    compute only if the host tensors are pinned (``pin_memory=True``). On any other device this
-    is a plain pass-through (said once in the log), so configs can leave it on everywhere.
-
-    ``sampler`` and ``batch_sampler`` of the wrapped loader are exposed so Lightning can still
-    call ``set_epoch`` on a distributed sampler, and ``state_dict`` / ``load_state_dict`` are the
-    wrapped :class:`ResumableDataLoader`'s, less the batch copied ahead (which the training loop
-    has not taken), so a checkpoint resumes at the right batch; over a loader without them the
-    state is empty.
+    On CUDA, batch N+1 is copied on a side stream while the caller trains on batch N; the default stream waits for
+    that copy only when batch N+1 is handed out. The copy overlaps compute only from pinned host memory
+    (``pin_memory=True``). On any other device it is a pass-through (said once in the log), so configs can leave it
+    on. The loader's ``sampler`` and ``batch_sampler`` are exposed (Lightning calls ``set_epoch`` through them);
+    ``state_dict`` / ``load_state_dict`` are the wrapped :class:`ResumableDataLoader`'s, less the batch copied ahead,
+    so a checkpoint resumes at the right batch (empty over another loader).
 
     Args:
         loader: any iterable of batches (tensors or collections of tensors).
-        device: the device batches are moved to.
         non_blocking: asynchronous copies (only asynchronous from pinned memory).
     """
 
@@ -200,16 +176,12 @@ class DevicePrefetcher:
 class EpochRandomSampler(RandomSampler):
     """A shuffling sampler whose order is a function of ``(seed, epoch)`` alone.
 
-    ``RandomSampler`` draws each epoch's order from a generator that runs on from epoch to
-    epoch, so a fresh process cannot reproduce epoch ``e`` without replaying epochs ``0..e-1``.
-    This one permutes with a generator seeded ``seed + epoch``, exactly as
-    ``DistributedSampler(num_replicas=1, shuffle=True, seed=seed)`` does, and Lightning calls its
-    :meth:`set_epoch` before every epoch (also the first one after a resume). It stays a
-    ``RandomSampler``, so Lightning still sees a shuffled loader and swaps in its
-    ``DistributedSampler`` when the run is distributed.
+    ``RandomSampler``'s generator runs on from epoch to epoch, so a fresh process cannot reproduce epoch ``e``
+    without replaying epochs ``0..e-1``. This one permutes with a generator seeded ``seed + epoch``, as
+    ``DistributedSampler(num_replicas=1, shuffle=True, seed=seed)`` does; Lightning calls :meth:`set_epoch` before
+    every epoch. Being a ``RandomSampler``, it is still swapped for a ``DistributedSampler`` in a distributed run.
 
     Args:
-        data_source: the (map-style) dataset.
         seed: the base seed; runs with the same seed see the same order in every epoch.
     """
 
@@ -232,15 +204,12 @@ _SEED_RANGE = 2**63  # torch.Generator.manual_seed takes 64-bit seeds; seed + ep
 
 
 class _SkipFirst:
-    """The loader's index sampler, minus the batches a resumed epoch has already trained on.
+    """The loader's index sampler, minus the batches a resumed epoch has already trained on (none of them loaded).
 
-    Torch's iterators call ``iter(loader._index_sampler)`` when an epoch's iteration is set up
-    (twice for worker processes; and they keep this object for persistent workers), so the skip
-    is read then from ``skip``, a one-item list the loader clears once the iterator is built.
-    (Not the loader itself: a persistent iterator holding its loader would be a reference cycle,
-    freed late by the garbage collector, whose worker shutdown then waits out its timeouts.)
-    Only indices are skipped: no sample of a skipped batch is loaded.
-    """
+    Torch calls ``iter(loader._index_sampler)`` as it sets up an epoch's iteration (twice with workers; persistent
+    workers keep this object), so the skip is read then from ``skip``, a one-item list the loader clears after. Not
+    from the loader: a persistent iterator holding it would be a reference cycle, collected late, whose worker
+    shutdown then waits out its timeouts."""
 
     def __init__(self, inner: Any, skip: list[int]) -> None:
         self.inner = inner
@@ -261,7 +230,6 @@ _END = object()
 
 
 def _sampler_epoch(loader: DataLoader[Any]) -> int | None:
-    """The epoch of the loader's sampler (``DistributedSampler``, :class:`EpochRandomSampler`), if it has one."""
     candidates = [loader.sampler, getattr(loader.batch_sampler, "sampler", None)]
     for sampler in candidates:
         epoch = getattr(sampler, "epoch", None)
@@ -273,28 +241,24 @@ def _sampler_epoch(loader: DataLoader[Any]) -> int | None:
 class ResumableDataLoader(DataLoader[Any]):
     """A ``DataLoader`` that a checkpoint taken mid-epoch resumes at the next unseen batch.
 
-    It takes exactly ``DataLoader``'s arguments. Two things differ:
+    Lightning 2.6 restores its loop counters from a mid-epoch checkpoint but replays a plain ``DataLoader`` from the
+    epoch's first batch. This one takes exactly ``DataLoader``'s arguments, and:
 
-    * ``state_dict()`` / ``load_state_dict()``, which Lightning calls to save it with every
-      checkpoint and restore it on ``fit(ckpt_path=...)``. The state is the sampler's epoch and
-      the batches this epoch has handed to the training loop; batches that worker processes
-      have prefetched but the loop has not taken are not counted, so they are loaded again.
-      On resume the first iteration skips the counted batches' *indices* (nothing is loaded for
-      them), unless the saved epoch was complete or its sampler epoch differs from the current
-      one (a checkpoint at an epoch's last batch resumes at the next epoch's first batch).
-    * ``shuffle=True`` builds an :class:`EpochRandomSampler` seeded by ``generator``'s initial
-      seed (else torch's, i.e. ``seed_everything``), so the order of every epoch is
-      reproducible in a fresh process; ``DistributedSampler`` already is.
+    * its ``state_dict()`` / ``load_state_dict()``, which Lightning calls with every checkpoint and on
+      ``fit(ckpt_path=...)``, hold the sampler's epoch and the batches handed to the training loop (not those the
+      workers prefetched). On resume the first iteration skips those batches' *indices*, loading nothing for them,
+      unless the saved epoch was complete or its sampler epoch differs (a checkpoint at an epoch's last batch
+      resumes at the next epoch's first). Skipping, not restoring an iterator, keeps torch's own loader.
+    * ``shuffle=True`` builds an :class:`EpochRandomSampler` seeded by ``generator``'s initial seed (else torch's,
+      i.e. ``seed_everything``), so every epoch's order is reproducible in a fresh process.
 
-    Iteration starts at the first ``next()``, not at ``iter()``: Lightning creates the first
-    epoch's iterator before it calls ``set_epoch``, and with worker processes a plain loader
-    would fix the order of the wrong epoch then (after an epoch-end resume: epoch 0's order).
+    Iteration starts at the first ``next()``, not at ``iter()``: Lightning creates the first epoch's iterator before
+    it calls ``set_epoch``, and with workers a plain loader would fix the wrong epoch's order then.
 
-    Exact means: the resumed run sees the same indices in the same steps as an uninterrupted
-    run. Random augmentations drawn inside the dataset are not replayed (worker processes seed
-    their RNGs per epoch, and skipped batches are never loaded), and a sampler that draws its
-    order from global random state cannot be reproduced; use one whose order depends on its
-    epoch. A map-style dataset is required: an ``IterableDataset`` has no indices to skip.
+    Exact means the same indices in the same steps as an uninterrupted run. Random augmentations drawn in the dataset
+    are not replayed (workers seed their RNGs per epoch; skipped batches are never loaded), and the sampler's order
+    must depend on its epoch alone (``DistributedSampler``, :class:`EpochRandomSampler`), not on global random state.
+    The dataset must be map-style (``TypeError`` for an ``IterableDataset``: it has no indices to skip).
     """
 
     def __init__(

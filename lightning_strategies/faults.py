@@ -1,19 +1,9 @@
 """The Lightning-facing side of the heartbeat diagnosis: naming the rank that was lost in a fit.
 
-The heartbeats and the diagnosis itself live in :mod:`lightning_strategies.comm.heartbeat`
-(Lightning-free). The strategies of this package start a heartbeat after the process group
-(:class:`PeerFailureMixin`), raise :class:`PeerLostError` when a training step fails because a
-peer is gone, and add the diagnosis as a note (``BaseException.add_note``) to any other error
-Lightning re-raises, such as a failed barrier or checkpoint broadcast. For any other strategy
-(Lightning's ``ddp``, FSDP, ...) the callback :class:`PeerFailureReport` does the same. Both also
-start the heartbeat's watch (:meth:`~lightning_strategies.comm.heartbeat.Heartbeat.watch`): a peer
-silent for ``DEFAULT_WATCH_GRACE`` seconds while the job runs (frozen, or dead where NCCL does not
-notice) makes every survivor abort its communication
-(:func:`~lightning_strategies.comm.heartbeat.abort_communication`), so the blocked operation fails
-and the step raises :class:`PeerLostError` long before the process group's timeout.
-
-The heartbeat's public names are re-exported here, so ``from lightning_strategies.faults import
-PeerLostError`` (or ``Heartbeat``, ...) keeps working.
+The heartbeats and the diagnosis live in :mod:`lightning_strategies.comm.heartbeat` (Lightning-free); this
+package's strategies use them through :class:`PeerFailureMixin`, any other strategy through the callback
+:class:`PeerFailureReport`. The heartbeat's public names are re-exported here (``from lightning_strategies.faults
+import PeerLostError`` keeps working).
 """
 
 from __future__ import annotations
@@ -68,14 +58,14 @@ def strategy_label(strategy: Strategy) -> str:
 class PeerFailureMixin(DDPStrategy):
     """Put first in the bases of a ``DDPStrategy`` subclass: lost peers are named on failure.
 
-    Starts a :class:`Heartbeat` once the process group exists, raises :class:`PeerLostError`
-    when ``optimizer_step`` (which runs Lightning's closure: ``training_step`` and ``backward``)
-    or ``training_step`` fails because a peer is gone, adds the diagnosis as a note to any other
-    error (``on_exception``), and stops the heartbeat at teardown. A subclass whose
-    ``optimizer_step`` does not call ``super()`` wraps its body in ``with self._peer_watch():``.
-
-    The heartbeat's watch aborts this rank's communication when a peer has been silent for
-    :attr:`peer_watch_grace` seconds; the step then raises :class:`PeerLostError`.
+    Starts a :class:`Heartbeat` once the process group exists, raises :class:`PeerLostError` when ``optimizer_step``
+    (which runs Lightning's closure) or ``training_step`` fails because a peer is gone, adds the diagnosis as a note
+    to any other error Lightning re-raises (``on_exception``), such as a failed barrier or checkpoint broadcast, and
+    stops the heartbeat at teardown. A subclass whose ``optimizer_step`` does not call ``super()`` wraps its body in
+    ``with self._peer_watch():``. A peer silent for :attr:`peer_watch_grace` seconds (frozen, or dead where NCCL
+    does not notice) makes the heartbeat's watch abort this rank's communication
+    (:func:`~lightning_strategies.comm.heartbeat.abort_communication`), so the blocked step raises
+    :class:`PeerLostError` long before the process group's timeout.
     """
 
     _peer_heartbeat: Heartbeat | None = None
@@ -129,14 +119,10 @@ class PeerFailureMixin(DDPStrategy):
 class PeerFailureReport(Callback):
     """Name the lost peer in the error of any strategy (Lightning's ``ddp``, FSDP, ...).
 
-    Starts a heartbeat per rank when the fit (or validate/test/predict) is set up, and on an
-    exception adds the diagnosis to it as a note, e.g. ``"ddp: lost peer rank 1 of 2: no
-    heartbeat for 2.5 s ..."``. With a strategy of this package (which keeps its own heartbeat)
-    it does nothing, so adding it to every run is safe.
-
-    Its heartbeat watches the peers as the strategies' do: a peer silent for ``watch_grace``
-    seconds makes this rank abort its communication, so a blocked collective fails (and Lightning
-    re-raises it with the diagnosis as its note) instead of waiting for the process group's timeout.
+    Starts a heartbeat per rank at setup (fit, validate, test or predict) and adds the diagnosis to an exception as a
+    note, e.g. ``"ddp: lost peer rank 1 of 2: no heartbeat for 2.5 s ..."``. Its watch works as in
+    :class:`PeerFailureMixin`: a blocked collective fails instead of waiting for the process group's timeout. With a
+    strategy of this package (which keeps its own heartbeat) it does nothing, so adding it to every run is safe.
 
     Args:
         interval: seconds between heartbeats.

@@ -1,10 +1,4 @@
-"""The contract between a LightningModule and :class:`~lightning_strategies.strategies.pipeline.PipelineStrategy`.
-
-A pipeline strategy cannot split an arbitrary ``forward``: it needs the model as an ordered list
-of blocks, each consuming the previous one's output, and the loss as a function of the last
-block's output. A module opts in by adding the two methods of :class:`PipelineModule`; its
-``training_step`` / ``validation_step`` / ``test_step`` stay as they are.
-"""
+"""The contract between a LightningModule and :class:`~lightning_strategies.strategies.pipeline.PipelineStrategy`."""
 
 from __future__ import annotations
 
@@ -19,9 +13,10 @@ __all__ = ["PipelineModule", "check_pipeline_module"]
 class PipelineModule(Protocol):
     """A LightningModule that a pipeline strategy can split into stages.
 
-    Both methods are called on every rank; the blocks must share their parameters with the
-    module (``self.parameters()``), so the optimizer from ``configure_optimizers`` and the
-    checkpoint's ``state_dict`` keep describing the whole model.
+    A pipeline cannot split an arbitrary ``forward``: it needs the model as ordered blocks, each consuming the
+    previous one's output, and the loss of the last block's output. A module opts in by adding these two methods (its
+    ``*_step`` methods stay as they are). Both are called on every rank; the blocks must share their parameters with
+    the module, so the optimizer from ``configure_optimizers`` and the checkpoint keep describing the whole model.
     """
 
     def pipeline_layers(self) -> nn.Sequential:

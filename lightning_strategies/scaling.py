@@ -1,14 +1,9 @@
 """Batch-size scaling rules and gradual warmup for large-batch data-parallel training.
 
-When P data-parallel replicas each take a batch of b, the optimizer sees a *global* batch of
-``b x P x accumulate``. Goyal et al. (2017, *Accurate, Large Minibatch SGD: Training ImageNet
-in 1 Hour*) keep accuracy by scaling the learning rate with the batch (``linear``: "when the
-minibatch size is multiplied by k, multiply the learning rate by k", §2.1) and ramping it up
-over the first epochs (§2.2, gradual warmup). Adaptive optimizers (LAMB, You et al. 2020) are
-usually paired with ``sqrt`` scaling (Krizhevsky 2014) instead.
-
-Replicas are *data-parallel* replicas as the strategy reports them: a pipeline's stages see
-the same samples and are not replicas (see :func:`replicas_of`).
+Goyal et al. (2017, *Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour*) keep accuracy as the global batch
+(per-device batch x replicas x accumulate) grows by scaling the learning rate with it (``linear``, §2.1) and ramping
+it up over the first epochs (§2.2, gradual warmup); adaptive optimizers (LAMB, You et al. 2020) usually pair with
+``sqrt`` scaling (Krizhevsky 2014). Replicas are *data-parallel*: a pipeline's stages are not (:func:`replicas_of`).
 """
 
 from __future__ import annotations
@@ -53,9 +48,7 @@ def global_batch_size(per_device: int, *, replicas: int, accumulate: int = 1) ->
     """Samples per optimizer step: ``per_device x replicas x accumulate``.
 
     Args:
-        per_device: batch size of one replica's data loader.
         replicas: data-parallel replicas (processes that see *different* samples).
-        accumulate: micro-steps accumulated before each optimizer step.
 
     Raises:
         ValueError: when any factor is not a positive integer.
@@ -69,16 +62,14 @@ def global_batch_size(per_device: int, *, replicas: int, accumulate: int = 1) ->
 def scaled_lr(base_lr: float, *, base_batch_size: int, global_batch_size: int, rule: str) -> float:
     """The learning rate for ``global_batch_size`` given ``base_lr`` tuned at ``base_batch_size``.
 
-    ``none`` keeps ``base_lr``; ``linear`` multiplies it by ``k = global/base`` (Goyal et al.
-    §2.1); ``sqrt`` by ``sqrt(k)`` (Krizhevsky 2014; the usual rule for LAMB).
+    ``none`` keeps ``base_lr``; ``linear`` multiplies it by ``k = global/base`` (Goyal et al.), ``sqrt`` by ``sqrt(k)``.
 
     Raises:
         ValueError: for an unknown rule (the valid ones are listed) or non-positive inputs.
     """
     if rule not in SCALING_RULES:
         raise ValueError(
-            f"unknown scaling rule {rule!r}; expected one of {', '.join(SCALING_RULES)} "
-            "(set scaling=none|linear|sqrt)"
+            f"unknown scaling rule {rule!r}; expected one of {', '.join(SCALING_RULES)} (set scaling=none|linear|sqrt)"
         )
     lr = _positive_float("base lr", base_lr, "set optimizer.lr to a positive value")
     base = _positive_int("base batch size", base_batch_size, "set scaling.base_batch_size to 1 or more")
@@ -96,12 +87,8 @@ class ScalingPlan:
     """How a run's global batch and learning rate were derived, for logs and ``metrics.json``.
 
     Attributes:
-        per_device: batch size of one replica's loader.
-        replicas: data-parallel replicas.
-        accumulate: gradient-accumulation steps.
-        global_batch: ``per_device x replicas x accumulate``.
+        global_batch: ``per_device x replicas x accumulate`` (data-parallel replicas, gradient-accumulation steps).
         base_lr: the configured lr, tuned at ``base_batch_size``.
-        base_batch_size: the batch size ``base_lr`` was tuned at.
         rule: ``none``, ``linear`` or ``sqrt``.
         lr: the scaled lr that training reaches after warmup.
         warmup_epochs: epochs of linear warmup from ``base_lr`` (or less) to ``lr``.
@@ -160,9 +147,7 @@ def plan_scaling(
     glob = global_batch_size(per_device, replicas=replicas, accumulate=accumulate)
     lr = scaled_lr(base_lr, base_batch_size=base_batch_size, global_batch_size=glob, rule=rule)
     if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int | float) or warmup_epochs < 0:
-        raise ValueError(
-            f"warmup_epochs must be a number >= 0, found {warmup_epochs!r}; set scaling.warmup_epochs"
-        )
+        raise ValueError(f"warmup_epochs must be a number >= 0, found {warmup_epochs!r}; set scaling.warmup_epochs")
     return ScalingPlan(
         per_device=per_device,
         replicas=replicas,
@@ -177,12 +162,8 @@ def plan_scaling(
 
 
 def replicas_of(strategy: Any) -> int:
-    """Data-parallel replicas of a Lightning strategy.
-
-    A parallel strategy's ``distributed_sampler_kwargs["num_replicas"]`` is the number of
-    different data shards, which is what a scaling rule must see (a pipeline strategy reports
-    its replicas there, not its stages); a single-device strategy has one.
-    """
+    """Data-parallel replicas of a Lightning strategy: its ``distributed_sampler_kwargs["num_replicas"]``, the number
+    of different data shards (a pipeline strategy reports its replicas there, not its stages), else 1."""
     kwargs = getattr(strategy, "distributed_sampler_kwargs", None)
     if isinstance(kwargs, dict) and kwargs.get("num_replicas"):
         return int(kwargs["num_replicas"])
@@ -192,21 +173,19 @@ def replicas_of(strategy: Any) -> int:
 class LinearWarmup(LRScheduler):
     """Gradual warmup (Goyal et al. §2.2), then an optional decay; stepped once per optimizer step.
 
-    The optimizer is built with the *target* lr (the scaled lr). For the first ``warmup_steps``
-    steps the lr grows linearly from ``start_factor x target`` to the target; after that it
-    stays constant (``decay="none"``), follows a half cosine to 0 at ``total_steps``
-    (``"cosine"``), or is multiplied by ``gamma`` at each of ``milestones`` (``"step"``, Goyal's
-    /10 at epochs 30, 60, 80; milestones are in steps).
-
     Args:
-        optimizer: the wrapped optimizer; its groups' current ``lr`` are the targets.
-        warmup_steps: optimizer steps of warmup (0 disables warmup).
-        start_factor: first lr as a fraction of the target, e.g. ``base_lr / scaled_lr``.
-        decay: ``"none"``, ``"cosine"`` or ``"step"``.
+        optimizer: the wrapped optimizer, built with the *target* (scaled) lr: its groups' current ``lr``.
+        warmup_steps: optimizer steps over which the lr grows linearly to the target (0: no warmup).
+        start_factor: the first lr as a fraction of the target, in (0, 1], e.g. ``base_lr / scaled_lr``.
+        decay: after warmup, ``"none"`` (constant), ``"cosine"`` (a half cosine to 0 at ``total_steps``) or
+            ``"step"`` (times ``gamma`` at each of ``milestones``; Goyal's /10 at epochs 30, 60, 80).
         total_steps: steps of the whole run; needed for ``"cosine"``.
-        milestones: steps at which ``"step"`` decays.
+        milestones: steps (not epochs) at which ``"step"`` decays.
         gamma: the ``"step"`` decay factor.
         last_epoch: as in torch schedulers; -1 starts fresh.
+
+    Raises:
+        ValueError: an argument out of range, or ``"cosine"`` without ``total_steps > warmup_steps``.
     """
 
     def __init__(
@@ -261,15 +240,13 @@ class LinearWarmup(LRScheduler):
 
 @dataclass(frozen=True)
 class ScalingConfig:
-    """A run's scaling rule and lr schedule, as configured (``conf/scaling/*.yaml``).
+    """A run's scaling rule and lr schedule, as configured (``conf/scaling/*.yaml``; ``ValueError`` if invalid).
 
     Attributes:
         rule: ``none``, ``linear`` (Goyal et al.) or ``sqrt`` (usual with LAMB).
         base_batch_size: the global batch the optimizer's lr was tuned at (256 in Goyal et al.).
-        warmup_epochs: epochs of gradual linear warmup from the base lr to the scaled lr
-            (Goyal et al. use 5; 0 disables it). Fractions of an epoch are allowed.
-        decay: after warmup, ``none`` (constant), ``cosine`` (to 0 at the end of training) or
-            ``step`` (times ``gamma`` at each epoch in ``milestones``).
+        warmup_epochs: epochs (fractions allowed) of linear warmup from the base lr to the scaled lr (Goyal: 5).
+        decay: after warmup, ``none`` (constant), ``cosine`` (to 0 at the end of training) or ``step``.
         milestones: epochs at which ``step`` decay multiplies the lr by ``gamma``.
         gamma: the ``step`` decay factor.
     """

@@ -1,12 +1,5 @@
-"""The layer-wise machinery :class:`~lightning_strategies.optim.Lamb` and
-:class:`~lightning_strategies.optim.Lars` share.
-
-Each optimizer module holds only its own algorithm; here are the parts both run the same way:
-the torch optimizer conventions (``step`` with a closure, groups validated when added, old
-checkpoints filled with new options), the ``foreach`` decision, the CPU cache blocking of the
-multi-tensor paths, norms and NVIDIA's global gradient clip factor, and the validation helpers
-that keep both optimizers' error messages alike.
-"""
+"""The layer-wise machinery :class:`~lightning_strategies.optim.Lamb` and :class:`~lightning_strategies.optim.Lars`
+share: torch's optimizer conventions, the ``foreach`` decision, CPU cache blocking, norms and validation."""
 
 from __future__ import annotations
 
@@ -26,13 +19,8 @@ _FOREACH_TYPES = (Tensor, torch.nn.Parameter)
 
 
 class _LayerwiseOptimizer(Optimizer):
-    """The torch conventions Lamb and Lars share.
-
-    The constructor's values and every param group are validated when given
-    (``_validate_group``), complex parameters refused, options added after a checkpoint was
-    written filled with their defaults (``_GROUP_DEFAULTS``) so old optimizer states load, and
-    ``step`` evaluates the closure and hands the update to ``_update``.
-    """
+    """The torch conventions Lamb and Lars share; ``_GROUP_DEFAULTS`` fills in options added after a checkpoint was
+    written, so old optimizer states load."""
 
     _GROUP_DEFAULTS: ClassVar[dict[str, Any]] = {}
 
@@ -56,10 +44,10 @@ class _LayerwiseOptimizer(Optimizer):
                 group.setdefault(key, value)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group (as torch does), then check its hyperparameters and parameters.
+        """Add ``param_group`` as torch does (keys it lacks take the constructor's values), then validate it.
 
-        Args:
-            param_group: the group; keys it lacks take the constructor's values.
+        Raises:
+            ValueError: an invalid hyperparameter or a complex parameter (the group is not added).
         """
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
@@ -72,13 +60,7 @@ class _LayerwiseOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Perform one optimisation step.
-
-        Args:
-            closure: re-evaluates the model and returns the loss (called with grad enabled).
-
-        Returns:
-            The closure's loss, or None without a closure.
+        """Perform one optimisation step; returns the loss of ``closure`` (called with grad enabled), if given.
 
         Raises:
             RuntimeError: a parameter has a sparse gradient.
@@ -95,7 +77,6 @@ class _LayerwiseOptimizer(Optimizer):
 
 
 def _use_foreach(foreach: bool | None, params: Iterable[Tensor]) -> bool:
-    """``foreach`` when given, else True when every tensor is a plain tensor on a foreach device."""
     if foreach is not None:
         return bool(foreach)
     if torch.jit.is_scripting():
@@ -128,32 +109,24 @@ def _global_clip_factor(grads: list[Tensor], max_norm: float, *, foreach: bool) 
 
 # ---- CPU cache blocking of the multi-tensor paths -----------------------------------------
 
-# On CPU the foreach ops are a C++ loop over the per-tensor kernels, so an op over a whole
-# list streams every tensor through memory once per op (ResNet-50: ~100 MB per op), and each
-# op that returns new tensors page-faults in fresh memory of that size. Cutting the list into
-# units of at most this many elements (runs of whole tensors; a larger tensor alone, in
-# chunks) keeps a unit in cache across all of its ops and its temporaries small. GPUs fuse a
-# list into few launches: no blocking.
+# On CPU the foreach ops are a C++ loop over the per-tensor kernels, so an op over a whole list streams every tensor
+# through memory once per op (ResNet-50: ~100 MB per op), and each op that returns new tensors page-faults in fresh
+# memory of that size. Units of at most this many elements (runs of whole tensors; a larger tensor alone, in chunks)
+# stay in cache across all of their ops and keep temporaries small. GPUs fuse a list into few launches: no blocking.
 CPU_BLOCK_ELEMENTS = 1 << 19
 
 
 def _cache_block_elements(device: torch.device) -> int | None:
-    """The most elements of one cache unit on ``device`` (None: no blocking, off CPU)."""
     # read at call time, so a test can shrink CPU_BLOCK_ELEMENTS to exercise the chunking
     return CPU_BLOCK_ELEMENTS if device.type == "cpu" else None
 
 
 class _CacheUnit:
-    """Parallel tensor lists holding either a run of whole tensors or one tensor's flat chunks.
-
-    The lists' entries are the unit's *views*: its whole tensors, or the one tensor's chunks.
+    """Parallel tensor lists of *views*: a run of whole tensors, or one tensor's flat chunks (``chunked``).
 
     Attributes:
         tensor_indices: the tensors' positions in the original lists (one position when chunked).
-        chunked: whether the lists hold chunks of the one tensor ``tensor_indices[0]``.
-        tensor_lists: the parallel lists of views, in the order given to :func:`_split_into_cache_units`.
-        op_slices: slices of the lists to run each op on: everything for a run of whole
-            tensors, one chunk at a time for a chunked tensor.
+        op_slices: the slices to run each op on: all of a run, one chunk at a time of a chunked tensor.
     """
 
     def __init__(self, tensor_indices: list[int], tensor_lists: list[list[Tensor]], chunked: bool) -> None:
@@ -178,10 +151,10 @@ class _CacheUnit:
 
 
 def _split_into_cache_units(tensor_lists: list[list[Tensor]], block: int | None) -> list[_CacheUnit]:
-    """Split parallel tensor lists into cache-sized units (one unit of everything for ``block=None``).
+    """Split parallel tensor lists into units of at most ``block`` elements (``None``: one unit of everything).
 
-    A contiguous tensor of more than ``block`` elements is a unit alone, cut into chunks of
-    ``block``; a non-contiguous one (channels_last) cannot be viewed flat and joins a run whole.
+    A larger contiguous tensor is a unit alone, in chunks; a non-contiguous one (channels_last) cannot be viewed flat
+    and joins a run whole.
     """
     n = len(tensor_lists[0])
     if block is None:
@@ -217,7 +190,6 @@ def _split_into_cache_units(tensor_lists: list[list[Tensor]], block: int | None)
 
 
 def _refuse_sparse_grads(name: str, params: Iterable[Tensor]) -> None:
-    """Raise ``RuntimeError`` when a parameter of optimizer ``name`` has a sparse gradient."""
     for p in params:
         if p.grad is not None and p.grad.is_sparse:
             raise RuntimeError(
@@ -228,7 +200,6 @@ def _refuse_sparse_grads(name: str, params: Iterable[Tensor]) -> None:
 
 
 def _refuse_complex_params(name: str, params: Iterable[Tensor], group: int) -> None:
-    """Raise ``ValueError`` when param group ``group`` of optimizer ``name`` holds a complex tensor."""
     for p in params:
         if torch.is_complex(p):
             raise ValueError(
@@ -256,12 +227,10 @@ def _require_nonnegative(group: dict[str, Any], key: str, what: str, where: str)
 
 
 def _require_flags(group: dict[str, Any], keys: Iterable[str], where: str) -> None:
-    """Require each of ``group``'s ``keys`` to be True or False."""
     for key in keys:
         _require_valid(isinstance(group[key], bool), f"{key} value", group[key], "True or False", where)
 
 
 def _require_foreach_option(group: dict[str, Any], where: str) -> None:
-    """Require ``group["foreach"]`` to be None (decide), True or False."""
     foreach = group["foreach"]
     _require_valid(foreach in (None, True, False), "foreach value", foreach, "None, True or False", where)

@@ -1,14 +1,8 @@
 """LAMB: layer-wise adaptive moments for large-batch training.
 
-You, Li, Reddi, Hseu, Kumar, Bhojanapalli, Song, Demmel, Keutzer and Hsieh, "Large Batch
-Optimization for Deep Learning: Training BERT in 76 minutes", ICLR 2020
-(arXiv:1904.00962), Algorithm 2. The style follows torch's ``optim/adamw.py`` and timm's
-``optim/lamb.py``; ``trust_clip=True`` is timm's LAMBC, ``max_grad_norm`` NVIDIA's
-global gradient pre-normalisation (apex ``FusedLAMB``).
-
-The machinery shared with :mod:`lightning_strategies.optim.lars` (validation, the ``foreach``
-decision, the CPU cache blocking of the multi-tensor path) is in
-:mod:`lightning_strategies.optim._foreach`.
+You, Li, Reddi, Hseu, Kumar, Bhojanapalli, Song, Demmel, Keutzer and Hsieh, "Large Batch Optimization for Deep
+Learning: Training BERT in 76 minutes", ICLR 2020 (arXiv:1904.00962), Algorithm 2, in the style of torch's
+``optim/adamw.py`` and timm's ``optim/lamb.py``.
 """
 
 from __future__ import annotations
@@ -54,40 +48,24 @@ class Lamb(_LayerwiseOptimizer):
             \min(\cdot, 1) \text{ with trust\_clip}; 1 \text{ if layer\_adaptation is False}) \\
         x &\leftarrow x - \eta \cdot \text{trust} \cdot r
 
-    The implementation evaluates :math:`r` as
-    :math:`\lambda x + c\, m / (\sqrt{v} + \epsilon\sqrt{1-\beta_2^t})` with
-    :math:`c = \sqrt{1-\beta_2^t} / (1-\beta_1^t)`, the same quantity with two passes over the
-    tensors fewer. Norms are taken in float32 (float64 for float64 parameters); the moments
-    are kept in the parameter's dtype (so bf16/fp16 parameters get bf16/fp16 state, as in
-    torch's Adam: use fp32 master weights where that precision matters).
-
-    The multi-tensor path (``torch._foreach_*`` ops, norms by ``torch._foreach_norm``) and the
-    per-tensor path run the same elementwise operations in the same order and agree to the
-    last bit up to the summation order of norms. On CPU the multi-tensor path is cache
-    blocked: runs of small tensors, and large tensors in chunks, of ``CPU_BLOCK_ELEMENTS`` go
-    through all their operations while in cache (unblocked, a foreach op streams the whole
-    list through memory once per op; see :mod:`lightning_strategies.optim._foreach`).
-
-    Per param group: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bias_correction``,
-    ``trust_clip``, ``foreach`` and ``layer_adaptation`` (default True; False gives
-    trust = 1, the paper's exclusion of biases and normalisation layers, which
-    :func:`~lightning_strategies.optim.param_groups` sets for them).
+    Norms are taken in float32 (float64 for float64 parameters); the moments have the parameter's dtype (as in torch's
+    Adam: use fp32 master weights where bf16/fp16 state is too coarse). Every option but ``max_grad_norm`` may be set
+    per param group, as may ``layer_adaptation`` (default True; False gives trust = 1, the paper's exclusion of biases
+    and normalisation layers, which :func:`~lightning_strategies.optim.param_groups` sets for them).
 
     Args:
-        params: parameters or param groups (dicts) to optimise.
         lr: learning rate :math:`\eta`.
         betas: decay rates :math:`(\beta_1, \beta_2)` of the first and second moments.
         eps: added to :math:`\sqrt{\hat v}` for numerical stability.
-        weight_decay: decoupled weight decay :math:`\lambda`, added to the update before the
-            trust ratio (as in the paper).
+        weight_decay: decoupled weight decay :math:`\lambda`, added to the update before the trust ratio.
         bias_correction: divide the moments by :math:`1-\beta^t`.
-        trust_clip: clip the trust ratio to at most 1 (LAMBC).
-        max_grad_norm: when set and the global gradient norm over all groups exceeds it,
-            gradients are scaled by ``max_grad_norm / global_norm`` before the moments
-            (NVIDIA's variant); ``p.grad`` itself is left untouched. Global, so read from the
-            constructor, not from the groups.
-        foreach: use the multi-tensor ``torch._foreach_*`` path (``None``: whenever every
-            parameter is a plain tensor on CPU, CUDA or XPU). Both paths give the same result.
+        trust_clip: clip the trust ratio to at most 1 (timm's LAMBC).
+        max_grad_norm: when set and the global gradient norm over all groups exceeds it, gradients are scaled by
+            ``max_grad_norm / global_norm`` before the moments (NVIDIA's pre-normalisation, apex ``FusedLAMB``);
+            ``p.grad`` itself is left untouched. Global, so read from the constructor, not from the groups.
+        foreach: use the multi-tensor ``torch._foreach_*`` path (``None``: whenever every parameter is a plain tensor
+            on CPU, CUDA or XPU; cache blocked on CPU). Both paths run the same operations in the same order and
+            agree to the last bit up to the summation order of norms.
 
     Raises:
         ValueError: a hyperparameter out of range, or a complex parameter.
@@ -142,7 +120,6 @@ class Lamb(_LayerwiseOptimizer):
         _validate_lamb(group, where=where)
 
     def _init_group(self, group: dict[str, Any]) -> _LambGroup:
-        """The group's tensors that have a gradient, their state created at their first step."""
         out = _LambGroup()
         for p in group["params"]:
             grad = p.grad
@@ -163,7 +140,6 @@ class Lamb(_LayerwiseOptimizer):
         return out
 
     def _update(self) -> None:
-        """The global clip factor (with ``max_grad_norm``), then each group's Algorithm 2 update."""
         params_with_grad = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         _refuse_sparse_grads("Lamb", params_with_grad)
         max_grad_norm = self.defaults["max_grad_norm"]
@@ -212,7 +188,6 @@ class _LambOptions:
 
     @classmethod
     def from_group(cls, group: dict[str, Any]) -> _LambOptions:
-        """The options of ``group`` (a validated Lamb param group)."""
         beta1, beta2 = group["betas"]
         return cls(
             lr=float(group["lr"]),
@@ -229,8 +204,8 @@ class _LambOptions:
 def _bias_terms(steps: Sequence[Tensor], o: _LambOptions) -> tuple[list[float], list[float]]:
     """Per tensor ``c = sqrt(1-b2^t)/(1-b1^t)`` and ``eps * sqrt(1-b2^t)`` (1 and eps without correction).
 
-    One vectorised float64 computation on the host step counters for the whole list (the
-    per-tensor path calls it with one-element lists, so both paths get the same numbers).
+    With them ``r = wd x + c m / (sqrt(v) + eps sqrt(1-b2^t))``: the paper's ``r`` with two passes over the tensors
+    fewer. Computed in float64 on the host step counters, per tensor too (one-element lists), so both paths agree.
     """
     if not o.bias_correction:
         return [1.0] * len(steps), [o.eps] * len(steps)
@@ -250,7 +225,6 @@ def _trust_step_sizes(w_norms: Tensor, r_norms: Tensor, o: _LambOptions) -> Tens
 
 
 def _single_tensor_lamb(g: _LambGroup, o: _LambOptions, grad_scale: Tensor | None) -> None:
-    """The per-tensor path: every operation on one tensor, then the next tensor."""
     for x, grad, m, v, step in zip(g.params, g.grads, g.exp_avgs, g.exp_avg_sqs, g.steps, strict=True):
         if grad_scale is not None:
             grad = grad.mul(grad_scale)  # g = g min(1, max_grad_norm / ||all g||)
@@ -270,7 +244,6 @@ def _single_tensor_lamb(g: _LambGroup, o: _LambOptions, grad_scale: Tensor | Non
 
 
 def _multi_tensor_lamb(g: _LambGroup, o: _LambOptions, grad_scale: Tensor | None) -> None:
-    """The multi-tensor path: ``torch._foreach_*`` ops per device and dtype, cache blocked on CPU."""
     grouped = Optimizer._group_tensors_by_device_and_dtype(
         [g.params, g.grads, g.exp_avgs, g.exp_avg_sqs, g.steps]  # type: ignore[list-item]
     )
@@ -280,9 +253,8 @@ def _multi_tensor_lamb(g: _LambGroup, o: _LambOptions, grad_scale: Tensor | None
         c, eps_t = _bias_terms(steps, o)
         norm_dtype = _norm_dtype(xs[0])
         for unit in _split_into_cache_units([xs, grads, ms, vs], _cache_block_elements(xs[0].device)):
-            # A unit is a run of whole tensors, or one large tensor cut into chunks; each op
-            # below runs on one run / chunk, which stays in cache from the first op to the last.
-            # A chunked tensor's step waits for its norm, so its chunks of r are kept until then.
+            # Each op below runs on one run / chunk, which stays in cache from the first op to the last;
+            # a chunked tensor's step waits for its whole norm, so its chunks of r are kept until then.
             x_views, g_views, m_views, v_views = unit.tensor_lists
             c_views, eps_views = unit.select_for_views(c), unit.select_for_views(eps_t)
             w_norms: list[Tensor] = []
@@ -311,12 +283,7 @@ def _multi_tensor_lamb(g: _LambGroup, o: _LambOptions, grad_scale: Tensor | None
 
 
 def _lamb_direction(
-    xs: list[Tensor],
-    ms: list[Tensor],
-    vs: list[Tensor],
-    eps_t: list[float],
-    c: list[float],
-    weight_decay: float,
+    xs: list[Tensor], ms: list[Tensor], vs: list[Tensor], eps_t: list[float], c: list[float], weight_decay: float
 ) -> list[Tensor]:
     """r = m^/(sqrt(v^)+eps) + wd x for a list of tensors, from the bias terms of ``_bias_terms``."""
     denom = torch._foreach_sqrt(vs)
@@ -331,7 +298,6 @@ def _lamb_direction(
 
 
 def _validate_lamb(group: dict[str, Any], *, where: str) -> None:
-    """Raise ``ValueError`` for an invalid Lamb hyperparameter of ``group`` (message prefixed by ``where``)."""
     _require_nonnegative(group, "lr", "learning rate", where)
     _require_nonnegative(group, "eps", "epsilon value", where)
     _require_nonnegative(group, "weight_decay", "weight_decay value", where)

@@ -1,9 +1,7 @@
 """LARS: layer-wise adaptive rate scaling for large-batch SGD.
 
-You, Gitman and Ginsburg, "Large Batch Training of Convolutional Networks", 2017
-(arXiv:1708.03888), Algorithm 1, with torch's SGD momentum convention on top (as in
-NVIDIA's LARC and timm's ``optim/lars.py``). The machinery shared with
-:mod:`lightning_strategies.optim.lamb` is in :mod:`lightning_strategies.optim._foreach`.
+You, Gitman and Ginsburg, "Large Batch Training of Convolutional Networks", 2017 (arXiv:1708.03888), Algorithm 1,
+with torch's SGD momentum convention on top (as in NVIDIA's LARC and timm's ``optim/lars.py``).
 """
 
 from __future__ import annotations
@@ -46,34 +44,24 @@ class Lars(_LayerwiseOptimizer):
         d &\leftarrow d + \mu b \text{ (nesterov)} \quad\text{or}\quad d \leftarrow b \\
         x &\leftarrow x - \gamma d
 
-    with :math:`\gamma` = ``lr``, :math:`\eta_{tc}` = ``trust_coefficient``,
-    :math:`\lambda` = ``weight_decay``, :math:`\mu` = ``momentum``; with ``momentum=0`` there
-    is no buffer and :math:`x \leftarrow x - \gamma d`. Norms are taken in float32 (float64 for
-    float64 parameters); the momentum buffer has the parameter's dtype.
-
-    The multi-tensor path (``torch._foreach_*``, norms by ``torch._foreach_norm``) and the
-    per-tensor path run the same elementwise operations in the same order; on CPU the former
-    is cache blocked as in :class:`~lightning_strategies.optim.Lamb`. The first step with
-    momentum (buffers are created whole) runs per tensor on either path.
-
-    Per param group: ``lr``, ``momentum``, ``weight_decay``, ``trust_coefficient``, ``eps``,
-    ``nesterov``, ``trust_clip``, ``foreach`` and ``layer_adaptation`` (default True; False
-    gives local = 1, plain SGD for biases and normalisation layers, which
-    :func:`~lightning_strategies.optim.param_groups` sets for them).
+    With ``momentum=0`` there is no buffer and :math:`x \leftarrow x - \gamma d`. Norms are taken in float32
+    (float64 for float64 parameters); the momentum buffer has the parameter's dtype. Every option may be set per
+    param group, as may ``layer_adaptation`` (default True; False gives local = 1, plain SGD for biases and
+    normalisation layers, which :func:`~lightning_strategies.optim.param_groups` sets for them).
 
     Args:
-        params: parameters or param groups (dicts) to optimise.
         lr: global learning rate :math:`\gamma` (no default: it depends on the batch size).
         momentum: momentum factor :math:`\mu`.
         weight_decay: L2 weight decay :math:`\lambda`, inside the local lr and the step.
-        trust_coefficient: :math:`\eta_{tc}`, how far one step may move a tensor relative to
-            its norm.
+        trust_coefficient: :math:`\eta_{tc}`, how far one step may move a tensor relative to its norm.
         eps: added to the local-lr denominator.
         nesterov: Nesterov momentum (needs ``momentum > 0``).
-        trust_clip: LARC's clipping: scale each tensor's step by ``min(local / lr, 1)``, so its
-            effective rate is ``min(local, lr)`` (NVIDIA apex ``LARC(clip=True)``, timm ``trust_clip``).
-        foreach: use the multi-tensor ``torch._foreach_*`` path (``None``: whenever every
-            parameter is a plain tensor on CPU, CUDA or XPU). Both paths give the same result.
+        trust_clip: LARC's clipping: scale each tensor's step by ``min(local / lr, 1)``, so its effective rate is
+            ``min(local, lr)``: the layer-wise rate may lower the global one, never raise it (NVIDIA apex
+            ``LARC(clip=True)``, timm ``trust_clip``).
+        foreach: use the multi-tensor ``torch._foreach_*`` path (``None``: whenever every parameter is a plain tensor
+            on CPU, CUDA or XPU; cache blocked on CPU as in :class:`~lightning_strategies.optim.Lamb`). Both paths
+            run the same operations in the same order.
 
     Raises:
         ValueError: a hyperparameter out of range, or a complex parameter.
@@ -118,7 +106,6 @@ class Lars(_LayerwiseOptimizer):
         _validate_lars(group, where=where)
 
     def _update(self) -> None:
-        """Each group's update; momentum buffers are read from and written back to the state."""
         # every group checked before any is updated: an error leaves no half-applied step
         _refuse_sparse_grads("Lars", [p for g in self.param_groups for p in g["params"] if p.grad is not None])
         for group in self.param_groups:
@@ -152,7 +139,6 @@ class _LarsOptions:
 
     @classmethod
     def from_group(cls, group: dict[str, Any]) -> _LarsOptions:
-        """The options of ``group`` (a validated Lars param group)."""
         return cls(
             lr=float(group["lr"]),
             momentum=float(group["momentum"]),
@@ -166,12 +152,7 @@ class _LarsOptions:
 
 
 def _local_lrs(w_norms: Tensor, g_norms: Tensor, o: _LarsOptions) -> Tensor:
-    """tc ||x|| / (||g|| + wd ||x|| + eps) per tensor; 1 when a norm is 0; LARC-clipped with trust_clip.
-
-    LARC's clipping (NVIDIA apex ``LARC(clip=True)``, timm's ``trust_clip``) scales by
-    ``min(local / lr, 1)``, so the effective rate ``lr x scale`` is ``min(local, lr)``: the layer-wise
-    rate may lower the global one, never raise it.
-    """
+    """tc ||x|| / (||g|| + wd ||x|| + eps) per tensor; 1 when a norm is 0; with trust_clip ``min(local / lr, 1)``."""
     local = o.trust_coefficient * w_norms / (g_norms + o.weight_decay * w_norms + o.eps)
     local = torch.where(torch.minimum(w_norms, g_norms) > 0, local, 1.0)  # norms >= 0: both non-zero
     if o.trust_clip:
@@ -212,7 +193,6 @@ def _single_tensor_lars(params: list[Tensor], grads: list[Tensor], bufs: list[Te
 
 
 def _multi_tensor_lars(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor | None], o: _LarsOptions) -> None:
-    """The multi-tensor path: ``torch._foreach_*`` ops per device and dtype, cache blocked on CPU."""
     grouped = Optimizer._group_tensors_by_device_and_dtype(
         [params, grads, bufs],  # type: ignore[list-item]
         with_indices=True,
@@ -229,8 +209,7 @@ def _multi_tensor_lars(params: list[Tensor], grads: list[Tensor], bufs: list[Ten
             continue
         lists = [xs, gs] if o.momentum == 0 else [xs, gs, cast(list[Tensor], dev_bufs)]
         for unit in _split_into_cache_units(lists, _cache_block_elements(xs[0].device)):
-            # A unit is a run of whole tensors, or one large tensor cut into chunks; each op
-            # below runs on one run / chunk, which stays in cache from the first op to the last.
+            # each op below runs on one run / chunk, which stays in cache from the first op to the last
             x_views, g_views = unit.tensor_lists[0], unit.tensor_lists[1]
             local_views: list[Tensor] | None = None
             if o.layer_adaptation:
@@ -263,18 +242,13 @@ def _multi_tensor_lars(params: list[Tensor], grads: list[Tensor], bufs: list[Ten
 
 
 def _validate_lars(group: dict[str, Any], *, where: str) -> None:
-    """Raise ``ValueError`` for an invalid Lars hyperparameter of ``group`` (message prefixed by ``where``)."""
     momentum, tc = group["momentum"], group["trust_coefficient"]
     _require_nonnegative(group, "lr", "learning rate", where)
     ok = _is_real_number(momentum) and 0.0 <= momentum < 1.0
     _require_valid(ok, "momentum value", momentum, "0 <= momentum < 1", where)
     _require_nonnegative(group, "weight_decay", "weight_decay value", where)
     _require_valid(
-        _is_real_number(tc) and tc > 0.0,
-        "trust_coefficient value",
-        tc,
-        "a float > 0 (the paper uses 0.001)",
-        where,
+        _is_real_number(tc) and tc > 0.0, "trust_coefficient value", tc, "a float > 0 (the paper uses 0.001)", where
     )
     _require_nonnegative(group, "eps", "epsilon value", where)
     _require_flags(group, ("nesterov", "trust_clip", "layer_adaptation"), where)

@@ -1,11 +1,4 @@
-"""Weight-decay parameter groups: decay on weights, none on biases and normalisation layers.
-
-As timm's ``param_groups_weight_decay`` and the LAMB/LARS papers do: biases and 1-D tensors
-(batch/layer-norm scales and shifts) get ``weight_decay=0`` and ``layer_adaptation=False``
-(trust ratio 1 in :class:`~lightning_strategies.optim.Lamb` and
-:class:`~lightning_strategies.optim.Lars`). The extra ``layer_adaptation`` key is ignored by
-other torch optimizers (SGD, AdamW), so the groups work with any of them.
-"""
+"""Weight-decay parameter groups: decay on weights, none on biases and normalisation layers."""
 
 from __future__ import annotations
 
@@ -20,24 +13,19 @@ __all__ = ["param_groups"]
 log = logging.getLogger("lightning_strategies")
 
 
-def param_groups(
-    model: nn.Module,
-    weight_decay: float,
-    *,
-    no_decay: Iterable[str] = ("bias",),
-) -> list[dict[str, Any]]:
+def param_groups(model: nn.Module, weight_decay: float, *, no_decay: Iterable[str] = ("bias",)) -> list[dict[str, Any]]:
     """Split ``model``'s trainable parameters into a decayed and a non-decayed group.
 
-    A parameter goes to the non-decayed group when it has at most one dimension (biases,
-    norm-layer weights) or when its full name, or the last component of its name, is in
-    ``no_decay`` (e.g. ``("bias", "pos_embed", "cls_token")``). Parameters with
-    ``requires_grad=False`` are left out; empty groups are dropped. The counts of each group
-    are logged at INFO on the ``lightning_strategies`` logger.
+    As timm's ``param_groups_weight_decay`` and the LAMB/LARS papers do, a parameter gets ``weight_decay=0`` and
+    ``layer_adaptation=False`` (trust ratio 1 in :class:`~lightning_strategies.optim.Lamb` and
+    :class:`~lightning_strategies.optim.Lars`; other torch optimizers ignore the key) when it has at most one
+    dimension (biases, norm layers) or its full name, or its name's last component, is in ``no_decay``. Frozen
+    parameters are left out; the group sizes are logged at INFO on the ``lightning_strategies`` logger.
 
     Args:
         model: the module whose ``named_parameters()`` are grouped (shared parameters once).
         weight_decay: the decayed group's ``weight_decay``.
-        no_decay: extra names (full, or last component) that get no decay.
+        no_decay: extra names (full, or last component) that get no decay, e.g. ``("bias", "pos_embed")``.
 
     Returns:
         ``[{"params", "weight_decay": weight_decay, "layer_adaptation": True},
