@@ -10,7 +10,11 @@ count (one per free core, recipes/checks.py); "quiet" means this machine's ambie
 output reports (start/end load averages, and the busy cores the app measured). The busy processes
 are pure-Python spin loops at normal priority, started before the run and ended after it.
 Prints ``name value unit`` lines: the training seconds (metrics.json ``wall_s``), the threads the app
-chose, and ``loaded_over_quiet`` (goal: <= 1.5).
+chose, and ``loaded_over_quiet`` (goal: <= 1.5). Beside each run, a fixed one-thread torch workload
+(``PROBE``) is timed under the same conditions: ``floor_probe_loaded_over_quiet`` is what the machine
+itself allows a one-thread job beside the busy processes (2/3 of a core on 2 fair cores: 1.5 x, more
+where the 2 vCPUs are hyperthreads of one core), and ``loaded_over_quiet_over_floor`` the app's
+ratio over that floor.
 """
 
 from __future__ import annotations
@@ -31,6 +35,21 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._common import header, line, load_line, median  # noqa: E402
 
 SPIN = "while True:\n    pass\n"
+# The machine's own floor: a fixed one-thread torch workload (a small conv net's forward and
+# backward, as the app's), timed inside the process so start-up does not count.
+PROBE = """
+import time, torch
+torch.set_num_threads(1)
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, 32, 3, padding=1),
+                          torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 10))
+x = torch.randn(64, 3, 32, 32)
+net(x).sum().backward()
+t = time.perf_counter()
+for _ in range(ITERS):
+    net(x).sum().backward()
+print(time.perf_counter() - t)
+"""
 
 
 def _busy(count: int) -> list[subprocess.Popen[bytes]]:
@@ -53,12 +72,21 @@ def _train(args: list[str], out: Path, threads: int | None) -> tuple[float, str]
     return float(json.loads((out / "metrics.json").read_text())["wall_s"]), chosen.group(0) if chosen else "n/a"
 
 
+def _probe(iters: int) -> float:
+    """Seconds of the one-thread probe workload (the floor a one-thread run can reach)."""
+    out = subprocess.run([sys.executable, "-c", PROBE.replace("ITERS", str(iters))], capture_output=True,
+                         text=True, timeout=1800, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 epochs instead of the recipe's 8")
     parser.add_argument("--rounds", type=int, default=1, help="quiet/loaded pairs, interleaved")
     parser.add_argument("--fixed-threads", type=int, default=None,
                         help="also run loaded with this OMP_NUM_THREADS (the thread count before the app chose it)")
+    parser.add_argument("--probe-iters", type=int, default=60,
+                        help="iterations of the one-thread probe run quiet and loaded in every round (0: skip)")
     parser.add_argument("--out", type=Path, default=None, help="also write the output lines to this file")
     args = parser.parse_args()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -69,7 +97,8 @@ def main() -> None:
     if args.out is not None:  # written as it goes: a run stopped early keeps its finished rounds
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text("\n".join(lines) + "\n")
-    times: dict[str, list[float]] = {"quiet": [], "loaded": [], "loaded_fixed": []}
+    times: dict[str, list[float]] = {"quiet": [], "loaded": [], "loaded_fixed": [], "probe_quiet": [],
+                                     "probe_loaded": []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for kind in ("quiet", "loaded", *(["loaded_fixed"] if args.fixed_threads else [])):
@@ -78,6 +107,9 @@ def main() -> None:
                     time.sleep(1.0 if spinners else 0.0)  # the spinners running before the app measures the cores
                     seconds, chosen = _train(train_args, Path(tmp) / f"{kind}{r}",
                                              args.fixed_threads if kind == "loaded_fixed" else None)
+                    if args.probe_iters and kind != "loaded_fixed":  # beside the same spinners
+                        times[f"probe_{kind}"].append(_probe(args.probe_iters))
+                        chosen += f"; one-thread probe {times[f'probe_{kind}'][-1]:.2f} s"
                 finally:
                     for p in spinners:
                         p.kill()
@@ -93,6 +125,11 @@ def main() -> None:
         if values:
             lines.append(line(f"{kind}_train_s", median(values), "s"))
     lines.append(line("loaded_over_quiet", median(times["loaded"]) / median(times["quiet"]), "x"))
+    if times["probe_quiet"]:
+        floor = median(times["probe_loaded"]) / median(times["probe_quiet"])
+        lines.append(line("floor_probe_loaded_over_quiet", floor, "x"))
+        ratio = median(times["loaded"]) / median(times["quiet"])
+        lines.append(line("loaded_over_quiet_over_floor", ratio / floor, "x"))
     if times["loaded_fixed"]:
         lines.append(line(f"loaded_{args.fixed_threads}_threads_over_quiet",
                           median(times["loaded_fixed"]) / median(times["quiet"]), "x"))
