@@ -1,7 +1,7 @@
-"""Link probes for ``benchmarks/scale_cluster.py``, run inside an emulated node.
+"""Link probes for ``benchmarks/scale_cluster.py`` and the shaping test, run inside an emulated node.
 
     _cluster_probe.py stream-recv HOST PORT         accept one TCP stream, read to EOF; print JSON
-    _cluster_probe.py stream-send HOST PORT SECONDS  send zeros for SECONDS
+    _cluster_probe.py stream-send HOST PORT SECONDS  send zeros for SECONDS; print JSON (bytes sent)
     _cluster_probe.py echo HOST PORT                 echo every message back until EOF
     _cluster_probe.py ping HOST PORT COUNT           COUNT 64-byte round trips; print JSON
 
@@ -55,15 +55,20 @@ def stream_recv(host: str, port: int) -> None:
             last = now
             if not skip_t and now - first >= SKIP_S:
                 skip_bytes, skip_t = total, now
-    print(json.dumps({"bytes": total, "goodput": (total - skip_bytes) / max(last - skip_t, 1e-9)}))
+    steady_bytes, steady_seconds = total - skip_bytes, last - skip_t
+    print(json.dumps({"bytes": total, "seconds": last - first, "steady_bytes": steady_bytes,
+                      "steady_seconds": steady_seconds, "goodput": steady_bytes / max(steady_seconds, 1e-9)}))
 
 
 def stream_send(host: str, port: int, seconds: float) -> None:
     payload = b"\0" * CHUNK
+    sent = 0
     with _connect(host, port) as conn:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             conn.sendall(payload)
+            sent += len(payload)
+    print(json.dumps({"sent": sent}))
 
 
 def _read(conn: socket.socket, n: int) -> bytes:

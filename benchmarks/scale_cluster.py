@@ -74,7 +74,8 @@ def probe(rate: str) -> dict[str, float]:
         a, b = cluster.nodes
         py = sys.executable
         recv = cluster.popen(b, [py, str(PROBE), "stream-recv", b.address, "5001"], stdout=subprocess.PIPE)
-        send = cluster.popen(a, [py, str(PROBE), "stream-send", b.address, "5001", str(STREAM_S)])
+        send = cluster.popen(a, [py, str(PROBE), "stream-send", b.address, "5001", str(STREAM_S)],
+                             stdout=subprocess.DEVNULL)
         send.wait(timeout=60)
         got = json.loads(recv.communicate(timeout=60)[0])
         echo = cluster.popen(b, [py, str(PROBE), "echo", b.address, "5002"])

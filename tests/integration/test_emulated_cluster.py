@@ -20,7 +20,7 @@ from benchmarks.emulated.cluster import MTU, PREFIX
 from benchmarks.emulated.launch import launch
 
 ROOT = Path(__file__).resolve().parents[2]
-STREAM = Path(__file__).with_name("_emulated_stream.py")
+STREAM = ROOT / "benchmarks" / "_cluster_probe.py"
 FIT = ROOT / "benchmarks" / "emulated" / "_fit.py"
 OK, REASON = EmulatedCluster.available()
 pytestmark = pytest.mark.skipif(not OK, reason=REASON)
@@ -120,9 +120,10 @@ def test_shaping_holds_and_header_bytes() -> None:
     rate = 100e6
     with EmulatedCluster(nodes=2, rate="100mbit") as cluster:
         a, b = cluster.nodes
-        recv = cluster.popen(b, [sys.executable, str(STREAM), "recv", b.address, "5001"], stdout=subprocess.PIPE)
+        py = sys.executable
+        recv = cluster.popen(b, [py, str(STREAM), "stream-recv", b.address, "5001"], stdout=subprocess.PIPE)
         before = cluster.nic()
-        send = cluster.popen(a, [sys.executable, str(STREAM), "send", b.address, "5001", "2.5"], stdout=subprocess.PIPE)
+        send = cluster.popen(a, [py, str(STREAM), "stream-send", b.address, "5001", "2.5"], stdout=subprocess.PIPE)
         sent = json.loads(send.communicate(timeout=60)[0])["sent"]
         got = json.loads(recv.communicate(timeout=60)[0])
         after = cluster.nic()
