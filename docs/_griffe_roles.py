@@ -3,6 +3,7 @@
 - Sphinx roles (``:class:`~lightning_strategies.comm.ring.NodeLayout```): mkdocstrings does not
   read them, so each becomes an *optional* autorefs link: a link where the object has a page in
   the API reference, plain code where it has none (a private helper), never an unresolved one.
+- RST's escaped space after inline code (``fsync``\\ ed): dropped, as Sphinx renders it.
 - Parameters described together (``rank, world: this rank and the number of ranks.``): griffe
   reads one parameter named ``rank, world``, absent from the signature. Each name gets its own
   entry with the shared description.
@@ -82,4 +83,5 @@ class SphinxRoles(griffe.Extension):
 
     def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
         if obj.docstring is not None:
-            obj.docstring.value = split_grouped_parameters(convert(obj.docstring.value, obj))
+            text = re.sub(r"(?<=`)\\ ", "", obj.docstring.value)
+            obj.docstring.value = split_grouped_parameters(convert(text, obj))
