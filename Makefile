@@ -35,7 +35,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-## every benchmark in --quick mode (the full runs are in README); _*.py are their helper modules
+## every benchmark in --quick mode (the full runs are on the results pages, docs/measured/); _*.py are their helper modules
 bench: install
 	for b in benchmarks/[!_]*.py; do $(PY) $$b --quick || exit 1; done
 
