@@ -14,7 +14,7 @@ checkpoint file, a loss, an image, a dataset, a batch size) and states what must
 Unit-speed rows run in this process; multi-process rows (2 ranks forked from this process,
 each a Lightning job launched "by hand": ``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_PORT`` set, so
 no launcher kills a survivor for us) and subprocess rows are marked ``slow``. The table's
-``found`` and ``outcome`` columns are the README's "Reliability" table.
+``found`` and ``outcome`` columns are the "Bad input" table of docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -593,8 +593,8 @@ class Row:
 
     Attributes:
         id: the test id.
-        found: the bad input, in words (README's left column).
-        outcome: what happens, in words (README's right column).
+        found: the bad input, in words (docs/reliability.md's left column).
+        outcome: what happens, in words (docs/reliability.md's right column).
         act: does it; returns how each rank (or the one process) ended.
         error: the exception type name every rank must end with; None: none may raise.
         fragments: regular expressions the message must contain (found, expected, fix).

@@ -1,5 +1,5 @@
 """LightningCLI with every strategy of this package: by name, by class path (with and without
-options, on the command line and in YAML), and a fit through the README's example script."""
+options, on the command line and in YAML), and a fit through the example script of docs/quickstart.md."""
 
 from __future__ import annotations
 

@@ -503,7 +503,7 @@ def test_checkpoint_resumes_and_loads_into_a_single_device_model(tmp_path: Path)
     momentum buffers, indexed as on one device) and load with torch.load + load_state_dict into
     the unsplit module. Resumed on one device, and under 2 stages, it ends where one device's own
     save-and-resume ends (pipeline vs one device: the tolerance of this file; Lightning's resume
-    is compared with itself, see README "How to resume" on max_steps). Resumed under 3 stages
+    is compared with itself, see docs/howto/resume.md on max_steps). Resumed under 3 stages
     with the same 4 micro-batches, it ends bit-identical to the 2-stage resume: each block
     computes the same micro-batches in the same order whatever the split. The other way round,
     one device's checkpoint resumes under 3 stages.
