@@ -101,6 +101,16 @@ class ModelParallelStrategy(StrategyBase):
     def _group(self, axis: str) -> dist.ProcessGroup | None:
         return self._mesh.get_group(axis) if self._mesh is not None else None
 
+    def _own_groups(self, *more: dist.ProcessGroup) -> list[dist.ProcessGroup]:
+        """This rank's groups of the mesh and ``more``, each once, the default (world) group left out."""
+        if self._mesh is None or not (dist.is_available() and dist.is_initialized()):
+            return []
+        groups: list[dist.ProcessGroup] = []
+        for group in (self._mesh.get_group(self.mesh_axis), self._mesh.get_group("dp"), *more):
+            if group is not dist.GroupMember.WORLD and group not in groups:
+                groups.append(group)
+        return groups
+
     @override
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:

@@ -373,7 +373,7 @@ class PipelineStrategy(PipelineSplit):
         # an active exception"): ours go here (the default group is Lightning's). After an error they are left
         # to the process's exit: destroying a group waits for its pending work, which a hung peer never ends.
         module = self.lightning_module
-        groups = self._own_groups()
+        groups = self._own_groups(*(self._runtime.stage_groups() if self._runtime is not None else ()))
         hand_back = (
             not self.failed
             and module is not None
@@ -395,18 +395,6 @@ class PipelineStrategy(PipelineSplit):
         self._mesh = None
         with placeholders_stay(module):
             super().teardown()
-
-    def _own_groups(self) -> list[dist.ProcessGroup]:
-        """The mesh's groups of this rank, and any per-direction P2P groups the stages made."""
-        candidates: list[Any] = [self._group("pp"), self._group("dp")]
-        if self._runtime is not None:
-            candidates += self._runtime.stage_groups()
-        default = dist.GroupMember.WORLD if dist.is_available() and dist.is_initialized() else None
-        groups: list[dist.ProcessGroup] = []
-        for group in candidates:
-            if isinstance(group, dist.ProcessGroup) and group is not default and group not in groups:
-                groups.append(group)
-        return groups
 
 
 @contextmanager

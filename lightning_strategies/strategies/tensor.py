@@ -316,13 +316,3 @@ class TensorParallelStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         destroy_at_exit(self._own_groups())
-
-    def _own_groups(self) -> list[dist.ProcessGroup]:
-        if self._mesh is None or not (dist.is_available() and dist.is_initialized()):
-            return []
-        groups: list[dist.ProcessGroup] = []
-        for name in ("dp", "tp"):
-            group = self._mesh.get_group(name)
-            if group is not dist.GroupMember.WORLD and group not in groups:
-                groups.append(group)
-        return groups
