@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ __all__ = [
     "PipelineSplit",
     "check_balance",
     "check_schedule",
+    "instance_attribute",
     "no_state_broadcast",
     "placeholders_stay",
 ]
@@ -373,39 +374,37 @@ def check_balance(balance: Any) -> Balance:
 
 
 @contextmanager
-def no_state_broadcast(module: nn.Module | None) -> Iterator[None]:
-    """Within the block DDP's setup does not broadcast rank 0's module state (each rank has rank 0's
-    weights already, placeholders have none): Lightning skips ``_ddp_params_and_buffers_to_ignore``."""
+def instance_attribute(module: nn.Module | None, name: str, value: Any) -> Iterator[None]:
+    """Within the block ``module``'s own ``name`` is ``value`` (over its class's), then as it was before."""
     if module is None:
         yield
         return
-    key = "_ddp_params_and_buffers_to_ignore"
-    had, previous = key in module.__dict__, module.__dict__.get(key)
-    module.__dict__[key] = [*(n for n, _ in module.named_parameters()), *(n for n, _ in module.named_buffers())]
+    had, previous = name in module.__dict__, module.__dict__.get(name)
+    module.__dict__[name] = value
     try:
         yield
     finally:
         if had:
-            module.__dict__[key] = previous
+            module.__dict__[name] = previous
         else:
-            del module.__dict__[key]
+            del module.__dict__[name]
 
 
-@contextmanager
-def placeholders_stay(module: nn.Module | None) -> Iterator[None]:
+def no_state_broadcast(module: nn.Module | None) -> AbstractContextManager[None]:
+    """Within the block DDP's setup does not broadcast rank 0's module state (each rank has rank 0's
+    weights already, placeholders have none): Lightning skips ``_ddp_params_and_buffers_to_ignore``."""
+    names = [n for n, _ in (*module.named_parameters(), *module.named_buffers())] if module is not None else []
+    return instance_attribute(module, "_ddp_params_and_buffers_to_ignore", names)
+
+
+def placeholders_stay(module: nn.Module | None) -> AbstractContextManager[None]:
     """Within the block, ``module.cpu()`` (Lightning's teardown) leaves the ``meta`` placeholders (not copyable)."""
-    if module is None:
-        yield
-        return
 
     def cpu() -> nn.Module:
+        assert module is not None
         return module._apply(lambda t: t if t.is_meta else t.cpu())
 
-    module.__dict__["cpu"] = cpu
-    try:
-        yield
-    finally:
-        del module.__dict__["cpu"]
+    return instance_attribute(module, "cpu", cpu)
 
 
 def check_schedule(

@@ -29,8 +29,8 @@ Schedules, stages and transfers are ``torch.distributed.pipelining``'s; ``world 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, suppress
 from typing import Any, cast
 
 import lightning.pytorch as pl
@@ -60,6 +60,7 @@ from lightning_strategies.strategies._pipeline_split import (
     PipelineSplit,
     check_balance,
     check_schedule,
+    instance_attribute,
     no_state_broadcast,
     placeholders_stay,
 )
@@ -220,10 +221,6 @@ class PipelineStrategy(PipelineSplit):
             "(x, y) from the dataset / collate_fn."
         )
 
-    def _last_stage_outputs(self, inputs: Tensor) -> Tensor:
-        runtime = self._ensure_runtime(inputs)
-        return runtime.broadcast_from_last(runtime.forward(inputs), key=("eval", *inputs.shape, inputs.dtype))
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         # Lightning's closure zeroes gradients *after* training_step (on a window's first micro-step): this step's
@@ -302,36 +299,33 @@ class PipelineStrategy(PipelineSplit):
         assert module is not None
         log_values(module, metrics, at_epoch_end=due == "epoch_end")
 
-    def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
+    def _eval_step(self, hook: str, context: AbstractContextManager[Any], *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         assert module is not None
         batch = args[0] if args else kwargs["batch"]
-        inputs = self._split_batch(batch)[0] if hook != "predict_step" or isinstance(batch, list | tuple) else batch
-        outputs = self._last_stage_outputs(inputs)
-        with _forward_returns(module, outputs):
-            return getattr(module, hook)(*args, **kwargs)
+        predicting = hook == "predict_step"  # a prediction batch may be the inputs alone
+        inputs = batch if predicting and not isinstance(batch, list | tuple) else self._split_batch(batch)[0]
+        with context:
+            runtime = self._ensure_runtime(inputs)
+            outputs = runtime.forward(inputs)
+            if not predicting:  # every rank runs the hook (its logging pairs up): each gets the outputs
+                outputs = runtime.broadcast_from_last(outputs, key=("eval", *inputs.shape, inputs.dtype))
+            elif outputs is None:
+                return None  # predictions come from the last stage only
+            with _forward_returns(module, outputs):
+                return getattr(module, hook)(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self.precision_plugin.val_step_context():
-            return self._eval_step("validation_step", *args, **kwargs)
+        return self._eval_step("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self.precision_plugin.test_step_context():
-            return self._eval_step("test_step", *args, **kwargs)
+        return self._eval_step("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.lightning_module
-        assert module is not None
-        batch = args[0] if args else kwargs["batch"]
-        inputs = self._split_batch(batch)[0] if isinstance(batch, list | tuple) else batch
-        outputs = self._ensure_runtime(inputs).forward(inputs)
-        if outputs is None:
-            return None
-        with self.precision_plugin.predict_step_context(), _forward_returns(module, outputs):
-            return module.predict_step(*args, **kwargs)
+        return self._eval_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
 
     def _predict_on_last_stage_only(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn != TrainerFn.PREDICTING or self._holds_last_stage():
@@ -397,20 +391,10 @@ class PipelineStrategy(PipelineSplit):
             super().teardown()
 
 
-@contextmanager
-def _forward_returns(module: nn.Module, outputs: Tensor) -> Iterator[None]:
+def _forward_returns(module: nn.Module, outputs: Tensor) -> AbstractContextManager[None]:
     """Within the block, ``module(x)`` returns ``outputs`` (the pipeline's) instead of computing."""
 
     def forward(*args: Any, **kwargs: Any) -> Tensor:
         return outputs
 
-    had = "forward" in module.__dict__
-    previous = module.__dict__.get("forward")
-    module.__dict__["forward"] = forward
-    try:
-        yield
-    finally:
-        if had:
-            module.__dict__["forward"] = previous
-        else:
-            del module.__dict__["forward"]
+    return instance_attribute(module, "forward", forward)
