@@ -72,7 +72,10 @@ class ModelParallelStrategy(StrategyBase):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Shards over replicas only: every rank of a model-parallel group must see the same batches.
-        return {"num_replicas": self.replicas, "rank": self.global_rank // self.model_parallel_size}
+        return {"num_replicas": self.replicas, "rank": self._replica_rank()}
+
+    def _replica_rank(self) -> int:
+        return self.global_rank // self.model_parallel_size
 
     @override
     def _configure_launcher(self) -> None:
@@ -110,6 +113,12 @@ class ModelParallelStrategy(StrategyBase):
             if group is not dist.GroupMember.WORLD and group not in groups:
                 groups.append(group)
         return groups
+
+    @override
+    def on_train_end(self) -> None:
+        # The split state goes at teardown: keep the full optimizer state for a save_checkpoint after fit.
+        self._keep_state_at_fit_end()
+        super().on_train_end()
 
     @override
     @contextmanager

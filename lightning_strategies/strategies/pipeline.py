@@ -268,12 +268,8 @@ class PipelineStrategy(PipelineSplit):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         with torch.no_grad():
             for p, g in zip(self._runtime.stage_parameters, grads, strict=True):
-                if g is None:
-                    continue
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad.add_(g)  # accumulation across micro-steps, as backward() accumulates
+                if g is not None:  # accumulation across micro-steps, as backward() accumulates
+                    p.grad = g if p.grad is None else p.grad.add_(g)
         self._average_replica_gradients()
         return self.precision_plugin.post_backward(closure_loss, module)
 

@@ -228,9 +228,6 @@ class TensorParallelStrategy(ModelParallelStrategy):
         )
         self.metrics.flush_if_due(self.lightning_module)
 
-    def _replica_rank(self) -> int:
-        return self.global_rank // self.tp_size
-
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full model on global rank 0 (``{}`` elsewhere), each shard gathered to group rank 0 alone."""
@@ -290,12 +287,6 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 for key, value in entry.items():
                     if isinstance(value, Tensor) and not isinstance(value, DTensor) and value.shape == p.shape:
                         entry[key] = shard_full_tensor(value, p)
-
-    @override
-    def on_train_end(self) -> None:
-        # The shards go at teardown: keep the full optimizer state for a save_checkpoint after fit.
-        self._keep_state_at_fit_end()
-        super().on_train_end()
 
     @override
     def teardown(self) -> None:
