@@ -29,7 +29,7 @@ Schedules, stages and transfers are ``torch.distributed.pipelining``'s; ``world 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, suppress
 from typing import Any, cast
 
@@ -152,7 +152,8 @@ class PipelineStrategy(PipelineSplit):
         # every trainer function runs the stages; taken after sync batch norm's conversion (it replaces modules)
         self._blocks = self._layers(module)
         self._metrics_over_replicas(module)
-        self._predict_on_last_stage_only(trainer)
+        if trainer.state.fn == TrainerFn.PREDICTING and not self._holds_last_stage():
+            predict_nothing(trainer)  # predictions come from the last stage only
         plugin = self.precision_plugin
         if isinstance(plugin, PipelineMixedPrecision) and trainer.state.fn == TrainerFn.FITTING:
             for optimizer in self.optimizers:
@@ -189,7 +190,10 @@ class PipelineStrategy(PipelineSplit):
         module = self.lightning_module
         pp_group = self._group("pp")
         assert module is not None and self._blocks is not None and pp_group is not None and self._layout is not None
-        autocast, loss_scaler = self._autocast_and_scaler()
+        plugin = self.precision_plugin
+        mixed = plugin if isinstance(plugin, MixedPrecision) else None
+        autocast = mixed.forward_context if mixed is not None else None
+        loss_scaler = mixed.scaler.scale if mixed is not None and mixed.scaler is not None else None
         if self._balance == "time" and not self._profiled:
             self._balance_by_time(inputs, autocast)
         self._runtime = PipelineRuntime(
@@ -204,13 +208,6 @@ class PipelineStrategy(PipelineSplit):
             loss_scaler=loss_scaler,
         )
         return self._runtime
-
-    def _autocast_and_scaler(self) -> tuple[Callable[[], Any] | None, Callable[[Tensor], Tensor] | None]:
-        plugin = self.precision_plugin
-        if not isinstance(plugin, MixedPrecision):
-            return None, None
-        scaler = plugin.scaler
-        return plugin.forward_context, (scaler.scale if scaler is not None else None)
 
     def _split_batch(self, batch: Any) -> tuple[Tensor, Tensor]:
         if isinstance(batch, list | tuple) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch):
@@ -270,13 +267,10 @@ class PipelineStrategy(PipelineSplit):
             for p, g in zip(self._runtime.stage_parameters, grads, strict=True):
                 if g is not None:  # accumulation across micro-steps, as backward() accumulates
                     p.grad = g if p.grad is None else p.grad.add_(g)
-        self._average_replica_gradients()
-        return self.precision_plugin.post_backward(closure_loss, module)
-
-    def _average_replica_gradients(self) -> None:
         dp_group = self._group("dp")
-        if self._runtime is not None and dp_group is not None and self._sync_replicas:
+        if dp_group is not None and self._sync_replicas:
             average_gradients(self._runtime.stage_parameters, dp_group)
+        return self.precision_plugin.post_backward(closure_loss, module)
 
     @override
     def _after_optimizer_step(self) -> None:
@@ -322,11 +316,6 @@ class PipelineStrategy(PipelineSplit):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
-
-    def _predict_on_last_stage_only(self, trainer: pl.Trainer) -> None:
-        if trainer.state.fn != TrainerFn.PREDICTING or self._holds_last_stage():
-            return
-        predict_nothing(trainer)
 
     @override
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
