@@ -229,7 +229,6 @@ class _ReplicateInput(torch.autograd.Function):
 class _StyleHooks:
     """Partitions a linear layer as torch's style does and installs timed input/output hooks."""
 
-    style: str = ""
     src_data_rank: int | None = None  # each rank cuts its shard from its own copy
 
     def _install(self, module: nn.Module, mesh: DeviceMesh, stats: TensorParallelStats) -> list[RemovableHandle]:
@@ -252,7 +251,6 @@ class _TimedColwise(_StyleHooks, ColwiseParallel):
     def __init__(self, *, gather: bool) -> None:
         super().__init__()
         self.gather = gather
-        self.style = "colwise_gather" if gather else "colwise"
 
     def _input(self, inputs: tuple[Any, ...], mesh: DeviceMesh, stats: TensorParallelStats) -> tuple[Any, ...]:
         x = inputs[0]
@@ -273,8 +271,6 @@ class _TimedColwise(_StyleHooks, ColwiseParallel):
 class _TimedRowwise(_StyleHooks, RowwiseParallel):
     """Row-parallel: weight ``Shard(1)``, bias replicated; input split on the last dim; the partial
     outputs all-reduced in forward (Megatron's ``g``; its backward needs no communication)."""
-
-    style = "rowwise"
 
     def _install(self, module: nn.Module, mesh: DeviceMesh, stats: TensorParallelStats) -> list[RemovableHandle]:
         self.desired_input_layouts = (Shard(-1),)
