@@ -265,8 +265,7 @@ def profile_stages(
     seconds = torch.zeros(len(blocks), dtype=torch.float64, device=device)
     x = sample
     for stage in range(layout.num_stages):
-        owner = layout.owner(stage)
-        if owner != rank:
+        if layout.owner(stage) != rank:
             continue
         if stage > 0 and layout.owner(stage - 1) != rank:
             x = _recv_with_meta(layout.owner(stage - 1), group, device)

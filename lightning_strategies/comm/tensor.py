@@ -288,12 +288,6 @@ class _TimedRowwise(_StyleHooks, RowwiseParallel):
         return full
 
 
-def _style(name: str) -> _StyleHooks:
-    if name == "rowwise":
-        return _TimedRowwise()
-    return _TimedColwise(gather=name == "colwise_gather")
-
-
 class TensorParallelModule:
     """A module whose planned linear layers are split over a 1-D ``mesh`` (made by :func:`parallelize`).
 
@@ -312,7 +306,8 @@ class TensorParallelModule:
         self._handles: list[RemovableHandle] = []
         modules = dict(module.named_modules())
         for name, style in self.plan.items():
-            self._handles += _style(style)._install(modules[name], mesh, self.stats)
+            hooks = _TimedRowwise() if style == "rowwise" else _TimedColwise(gather=style == "colwise_gather")
+            self._handles += hooks._install(modules[name], mesh, self.stats)
 
     @property
     def tp_size(self) -> int:

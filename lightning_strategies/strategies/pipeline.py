@@ -175,8 +175,7 @@ class PipelineStrategy(PipelineSplit):
     def process_dataloader(self, dataloader: object) -> object:
         # drop_last for training: every step needs a batch that splits into equal micro-batches.
         trainer = self.trainer
-        training = trainer is not None and trainer.training
-        if training and isinstance(dataloader, DataLoader):
+        if trainer is not None and trainer.training and isinstance(dataloader, DataLoader):
             batch_sampler = dataloader.batch_sampler
             if isinstance(batch_sampler, BatchSampler) and not batch_sampler.drop_last:
                 batch_sampler.drop_last = True
@@ -353,15 +352,13 @@ class PipelineStrategy(PipelineSplit):
         # to the process's exit: destroying a group waits for its pending work, which a hung peer never ends.
         module = self.lightning_module
         groups = self._own_groups(*(self._runtime.stage_groups() if self._runtime is not None else ()))
-        hand_back = (
+        if (
             not self.failed
             and module is not None
             and self.global_rank == 0
-            and bool(self._model_at_fit_end)
+            and self._model_at_fit_end
             and isinstance(self.launcher, _MultiProcessingLauncher)
-        )
-        if hand_back:
-            assert module is not None and self._model_at_fit_end is not None
+        ):
             module.load_state_dict(self._model_at_fit_end, assign=True)
         self._runtime = None
         self._step_grads = None

@@ -197,8 +197,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         for p in module.parameters():
             if p.grad is not None:
                 (sharded if is_sharded(p) else replicated).append(local_part(p.grad))
-        dp_group = self._mesh.get_group("dp") if self.replicas > 1 else None
-        for grads, group, size in ((sharded, dp_group, self.replicas), (replicated, None, self.world_size)):
+        for grads, group, size in ((sharded, self._group("dp"), self.replicas), (replicated, None, self.world_size)):
             if not grads or size == 1:
                 continue
             t0 = time.perf_counter()
