@@ -1,4 +1,4 @@
-"""The scale model of ``benchmarks/scale.py``: step time and bytes per link of every strategy.
+"""The scale model: step time and bytes per link of every strategy (``benchmarks/scale.py`` validates it).
 
 Pure arithmetic (no torch), one function per strategy, so ``tests/unit/test_scale_model.py`` holds
 the formulas to hand-computed values. A strategy's step is a list of *phases*; a phase is work that
@@ -26,6 +26,7 @@ B bytes in ``latency + B / bandwidth``.
                flat ring's every step waits for the inter-node hop
     ring       the same schedule run by ``comm.ring`` (Python send/recv per segment: its own
                per-message cost)
+    ring_bf16  the ring on bf16 copies of fp32 buckets: half the bytes, the same messages
     ring_hier  reduce-scatter in the node (L-1 steps of D_b/L), L rings across the M nodes on D_b/L
                (2(M-1) steps of D_b/(L M), sharing the node's NIC), all-gather in the node: per
                worker 2(L-1)/L x D intra and 2(M-1)/M x D/L inter-node bytes; latency terms
@@ -50,6 +51,10 @@ B bytes in ``latency + B / bandwidth``.
                when its input has arrived and a core is free; with one core per process and no
                wake-ups it is (M+K-1) chunks forward and backward plus 2(K-1) transfers on the
                critical path. With R > 1, a ring all-reduce of D/K over the replicas
+    tensor     T = P / R processes split every planned layer (share s of the compute and of D) and
+               take T x the data-parallel batch: s + T(1 - s) of a worker's compute per device,
+               a ring all-reduce over T of each activation payload (``Workload.tensor_collectives``,
+               forward and backward), and with R > 1 a ring of D (s/T + 1 - s) over the replicas
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ __all__ = [
 ]
 
 MIB = 1 << 20
-STRATEGIES = ("ddp", "ring", "ring_hier", "ps", "ps_1", "async", "pipeline")
+STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_1", "async", "pipeline", "tensor")
 
 
 @dataclass(frozen=True)
@@ -197,6 +202,10 @@ class Workload:
             batch, as much work per device as a data-parallel worker).
         backward_share: the backward's share of ``stage_compute_s`` (2/3: a backward computes the
             gradients of the inputs and of the weights, each a forward's work).
+        tensor_size: tensor-parallel group T (the tensor strategy only); 0: the whole world.
+        tensor_collectives: bytes of each activation all-reduce of a tensor-parallel step (forward
+            and backward, at the group's batch).
+        tensor_split_share: the share of compute and of gradient bytes in the split layers.
     """
 
     grad_bytes: float
@@ -206,6 +215,9 @@ class Workload:
     activation_bytes: float = 0.0
     stage_compute_s: float | None = None
     backward_share: float = 2 / 3
+    tensor_size: int = 0
+    tensor_collectives: tuple[float, ...] = ()
+    tensor_split_share: float = 1.0
 
 
 @dataclass
@@ -366,14 +378,15 @@ def _overlapped(phases: dict[str, float], costs: Costs) -> float:
 
 
 def _flat_ring(strategy: str, costs: Costs, world: int, work: Workload) -> Prediction:
-    ring = strategy == "ring"
+    ring = strategy != "ddp"
+    wire = 0.5 if strategy == "ring_bf16" else 1.0  # buckets are cut in fp32, sent as bf16
     segment = costs.ring_segment_bytes if ring else costs.gloo_segment_bytes
     overhead = costs.ring_overhead_s if ring else 0.0
-    buckets = costs.buckets(work.grad_bytes, world, grow=ring)
+    buckets = [wire * b for b in costs.buckets(work.grad_bytes, world, grow=ring)]
     latency, bandwidth, reduce = _ring(costs, world, buckets, segment=segment, overhead=overhead)
     k = contention(world, costs.cores)
     phases = {"compute": k * costs.compute_s, "latency": k * latency, "bandwidth": k * bandwidth, "reduce": k * reduce}
-    sent = 2 * (world - 1) / world * work.grad_bytes
+    sent = 2 * (world - 1) / world * work.grad_bytes * wire
     messages = sum(2 * (world - 1) * _segments(b / world, segment) for b in buckets) if world > 1 else 0.0
     nodes = math.ceil(world / costs.local_size)
     across = sent if nodes > 1 else 0.0  # the rank before each node boundary sends all of it across
@@ -573,11 +586,45 @@ def _pipeline(costs: Costs, world: int, work: Workload) -> Prediction:
     return Prediction(sum(phases.values()), phases, act + dp, max(act, nic, dp), nic, 2 * m)
 
 
+def _tensor(costs: Costs, world: int, work: Workload) -> Prediction:
+    group = work.tensor_size or world
+    if world % group:
+        raise ValueError(f"tensor: P={world} is not a multiple of T={group} processes per group")
+    replicas, share = world // group, work.tensor_split_share
+    link = costs.intra if group <= costs.local_size else costs.inter
+    latency = bandwidth = reduce = 0.0
+    for x in work.tensor_collectives if group > 1 else ():
+        chunk = x / group
+        latency += 2 * (group - 1) * _segments(chunk, costs.gloo_segment_bytes) * link.latency_s
+        bandwidth += 2 * (group - 1) * chunk / link.bandwidth
+        reduce += (group - 1) * chunk * costs.reduce_s_per_byte
+    k = contention(world, costs.cores)
+    phases = {
+        "compute": k * costs.compute_s * (share + group * (1 - share)),
+        "latency": k * latency,
+        "bandwidth": k * bandwidth,
+        "reduce": k * reduce,
+    }
+    held = work.grad_bytes * (share / group + 1 - share)
+    dp = 0.0
+    if replicas > 1:
+        sub = costs.with_(local_size=max(1, costs.local_size // group))
+        lat, bw, red = _ring(sub, replicas, costs.buckets(held), segment=costs.gloo_segment_bytes, overhead=0.0,
+                             rings=group)  # fmt: skip
+        phases["allreduce"] = k * (lat + bw + red)
+        dp = 2 * (replicas - 1) / replicas * held
+    act = sum(2 * (group - 1) / group * x for x in work.tensor_collectives) if group > 1 else 0.0
+    nodes = math.ceil(world / costs.local_size)
+    nic = act if group > costs.local_size else (group * dp if nodes > 1 else 0.0)
+    messages = 2 * (group - 1) * len(work.tensor_collectives) if group > 1 else 0
+    return Prediction(sum(phases.values()), phases, act + dp, max(act, dp), nic, messages, inter_sent_bytes=nic)
+
+
 def predict(strategy: str, costs: Costs, world: int, work: Workload) -> Prediction:
     """The step of ``strategy`` (one of :data:`STRATEGIES`) at ``world`` processes."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, found {world}")
-    if strategy in ("ddp", "ring"):
+    if strategy in ("ddp", "ring", "ring_bf16"):
         return _flat_ring(strategy, costs, world, work)
     if strategy == "ring_hier":
         return _hier_ring(costs, world, work)
@@ -589,4 +636,6 @@ def predict(strategy: str, costs: Costs, world: int, work: Workload) -> Predicti
         return _async(costs, world, work)
     if strategy == "pipeline":
         return _pipeline(costs, world, work)
+    if strategy == "tensor":
+        return _tensor(costs, world, work)
     raise ValueError(f"unknown strategy {strategy!r}: expected one of {list(STRATEGIES)}")
