@@ -138,6 +138,8 @@ class Costs:
         overlap_s: seconds of the all-reduce (ddp, ring, ring_hier) hidden under the backward pass;
             0: compute, then communicate (what the validation runs do).
         async_lease: batches an async worker leases at a time (``comm.async_.lease.DEFAULT_LEASE``).
+        cpu_links: the links' bandwidth is CPU work (loopback copies) and slows with contention;
+            ``False``: a network's, which does not.
     """
 
     compute_s: float
@@ -169,6 +171,11 @@ class Costs:
     min_chunk_bytes: float = 0.0
     overlap_s: float = 0.0
     async_lease: int = 4
+    cpu_links: bool = True
+
+    def wire(self, world: int) -> float:
+        """The contention factor of a bandwidth term."""
+        return contention(world, self.cores) if self.cpu_links else 1.0
 
     def buckets(self, grad_bytes: float, world: int = 1, *, grow: bool = False) -> list[float]:
         """DDP's buckets of ``grad_bytes``; with ``grow``, the ring strategy's (at least P x min chunk)."""
@@ -385,7 +392,8 @@ def _flat_ring(strategy: str, costs: Costs, world: int, work: Workload) -> Predi
     buckets = [wire * b for b in costs.buckets(work.grad_bytes, world, grow=ring)]
     latency, bandwidth, reduce = _ring(costs, world, buckets, segment=segment, overhead=overhead)
     k = contention(world, costs.cores)
-    phases = {"compute": k * costs.compute_s, "latency": k * latency, "bandwidth": k * bandwidth, "reduce": k * reduce}
+    bw = costs.wire(world)
+    phases = {"compute": k * costs.compute_s, "latency": k * latency, "bandwidth": bw * bandwidth, "reduce": k * reduce}
     sent = 2 * (world - 1) / world * work.grad_bytes * wire
     messages = sum(2 * (world - 1) * _segments(b / world, segment) for b in buckets) if world > 1 else 0.0
     nodes = math.ceil(world / costs.local_size)
@@ -417,8 +425,8 @@ def _hier_ring(costs: Costs, world: int, work: Workload) -> Prediction:
             bandwidth += 2 * (nodes - 1) * flows * piece / costs.inter.bandwidth
             reduce += (nodes - 1) * piece * costs.reduce_s_per_byte
             messages += n
-    k = contention(world, costs.cores)
-    phases = {"compute": k * costs.compute_s, "latency": k * latency, "bandwidth": k * bandwidth, "reduce": k * reduce}
+    k, bw = contention(world, costs.cores), costs.wire(world)
+    phases = {"compute": k * costs.compute_s, "latency": k * latency, "bandwidth": bw * bandwidth, "reduce": k * reduce}
     d = work.grad_bytes
     intra_bytes = 2 * (local - 1) / local * d
     inter_bytes = 2 * (nodes - 1) / nodes * d / local  # per worker
@@ -473,7 +481,9 @@ def _ps(costs: Costs, world: int, work: Workload) -> Prediction:
         phases["transport"] = costs.rpc_exchange_s
         phases["protocol"] = (p - 1) * costs.ps_protocol_s
     else:
-        phases.update(messages=k * messages * costs.rpc_overhead_s, bandwidth=k * wire, latency=wire_latency)
+        phases.update(
+            messages=k * messages * costs.rpc_overhead_s, bandwidth=costs.wire(p) * wire, latency=wire_latency
+        )
     sent = 2 * (p - 1) / p * d
     nic = 2 * local * off / p * d if nodes > 1 else 0.0
     link = max(2 * d / p, nic)  # one peer's pair of messages, or the node's NIC
@@ -533,7 +543,7 @@ def _async(costs: Costs, world: int, work: Workload) -> Prediction:
     else:
         phases.update(
             messages=k * messages * costs.rpc_overhead_s,
-            bandwidth=k * wire,
+            bandwidth=costs.wire(p) * wire,
             latency=(2 * link.latency_s) if p > 1 else 0.0,  # the push and its reply
         )
     step = sum(phases.values())
@@ -602,7 +612,7 @@ def _tensor(costs: Costs, world: int, work: Workload) -> Prediction:
     phases = {
         "compute": k * costs.compute_s * (share + group * (1 - share)),
         "latency": k * latency,
-        "bandwidth": k * bandwidth,
+        "bandwidth": costs.wire(world) * bandwidth,
         "reduce": k * reduce,
     }
     held = work.grad_bytes * (share / group + 1 - share)
