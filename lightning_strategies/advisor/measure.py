@@ -337,10 +337,11 @@ def _measure_blocks(module: Any, batch: Any, saved: _Saved, tflops: float | None
             layer(leaf)
 
         def bwd(out: Tensor = out, i: int = i) -> None:
-            torch.autograd.backward(out, grads[i], retain_graph=True)
+            if out.requires_grad:  # a block before the first weight (a pooling of the data) has no backward
+                torch.autograd.backward(out, grads[i], retain_graph=True)
 
         fwd_flops, bwd_flops = _flops(fwd), _flops(bwd)
-        if i > 0:
+        if i > 0 and out.requires_grad:
             grads[i - 1] = torch.autograd.grad(out, leaf, grads[i], retain_graph=True)[0]
         if tflops:
             f_s, b_s = fwd_flops / (tflops * 1e12), bwd_flops / (tflops * 1e12)
