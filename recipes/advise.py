@@ -67,7 +67,7 @@ def advised_strategy(
         NoStrategyFitsError: when no strategy fits the model in a device's memory.
     """
     key = f"{_cluster(cluster).name}|{model.get('name', model.get('_target_'))}|{data.get('batch_size')}"
-    cached = json.loads(os.environ.get(ENV, "{}"))
+    cached = json.loads(os.environ.get(ENV) or "{}")
     if cached.get("key") == key:
         name, options = cached["name"], cached["options"]
     else:
