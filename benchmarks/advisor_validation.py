@@ -16,11 +16,22 @@ ran (K = P stages, M = 4K micro-batches; T = P). Lines:
                                                            steps (error), and the tau between the order of
                                                            its first and its second half of timed steps
 
-    python benchmarks/advisor_validation.py          # writes results/advisor_validation.txt (~30 s)
-    python benchmarks/advisor_validation.py --quick  # the same, nothing written (CI)
+    python benchmarks/advisor_validation.py          # writes results/advisor_validation.txt (~2 min)
+    python benchmarks/advisor_validation.py --quick  # narrower models, nothing written (CI, ~1 min)
 
-Not done here: ``advisor_memory_error_max`` (predicted peak against tensor bytes per rank of real
-fits); see the report of issue #30.
+Memory (``_advisor_memory.py``): the digits ResNet and the wide MLP fitted under ddp, ps, pipeline
+(K = 2, 4) and tensor (T = 2), each rank's tensors read before every optimizer step and at the end
+(``_rank_memory.RankMemory``, the machinery of ``pipeline_memory.py``), against the advisor's
+parameters + gradients + optimizer state of that rank (a pipeline's stage s on rank s); the
+activations and communication buffers of its peak are freed by then, so they are printed next to the
+busiest rank's peak RSS growth, not held to the goal:
+
+    advisor_memory_predicted_mib_<model>_<config>_rank<r>, ..._measured_mib_...   MiB
+    advisor_memory_error_<model>_<config>    max over ranks |predicted - measured| / measured (frac)
+    advisor_memory_error_max                                                  goal <= 0.10
+    advisor_memory_peak_predicted_mib_<model>_<config>   the busiest rank's whole peak (+ activations,
+                                                         buffers), next to
+    advisor_memory_rss_growth_mib_<model>_<config>       its peak RSS over the baseline at setup
 """
 
 from __future__ import annotations
@@ -36,14 +47,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import _advisor_memory
 from benchmarks._common import header, line, load_line, median
+from benchmarks._rank_memory import map_large_allocations
 from benchmarks.emulated._fit import IN, MLP, OUT
 from lightning_strategies.advisor import load_cluster, measure
 from lightning_strategies.advisor.advise import _row
 from lightning_strategies.advisor.measure import Measurement
 
 RESULTS = Path(__file__).parent / "results"
-STEP_GOAL, TAU_GOAL = 0.15, 0.8
+STEP_GOAL, TAU_GOAL, MEMORY_GOAL = 0.15, 0.8, 0.10
 LAYOUTS = {"2x2": (2, 2), "4x1": (4, 1)}
 RATES = ("1gbit", "200mbit", "50mbit")
 NAMES = {"ps1": "ps1"}
@@ -70,14 +83,40 @@ def predicted(m: Measurement, strategy: str, layout: str, rate: str) -> float:
     return _row(strategy, m, cluster, 32, compute_s, **options).step_s
 
 
+def memory_lines(rows: list[_advisor_memory.Row]) -> list[str]:
+    out = []
+    for row in rows:
+        tag = f"{row.model}_{row.config}"
+        for r, (pred, got) in enumerate(zip(row.predicted, row.ranks, strict=True)):
+            out.append(line(f"advisor_memory_predicted_mib_{tag}_rank{r}", _advisor_memory.state(pred) / 2**20, "MiB"))
+            out.append(line(f"advisor_memory_measured_mib_{tag}_rank{r}", got["tensor_mib"], "MiB"))
+        out.append(line(f"advisor_memory_error_{tag}", row.error, "frac"))
+        busiest = max(range(len(row.ranks)), key=lambda i: row.predicted[i].total)
+        out.append(line(f"advisor_memory_peak_predicted_mib_{tag}", row.predicted[busiest].total / 2**20, "MiB"))
+        out.append(line(f"advisor_memory_rss_growth_mib_{tag}", row.ranks[busiest]["growth_mib"], "MiB"))
+    worst = max(rows, key=lambda r: r.error)
+    out.append(line("advisor_memory_error_max", worst.error, "frac"))
+    fixed = [g["growth_mib"] - p.total / 2**20 for row in rows for p, g in zip(row.predicted, row.ranks, strict=True)]
+    out.append(f"# memory: worst {worst.model}_{worst.config} ({worst.error:.4f}); goal <= {MEMORY_GOAL}: "
+               f"{'met' if worst.error <= MEMORY_GOAL else 'MISSED'}. Peak RSS growth exceeds the predicted peak by "
+               f"{min(fixed):.1f}-{max(fixed):.1f} MiB per process (gloo, Lightning, the autograd engine, the "
+               "allocator), more than these models' own 1-30 MiB: on CPU at these sizes RSS measures the process, "
+               "not the strategy, so it is printed, not held to the goal")  # fmt: skip
+    print(out[-1], flush=True)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="write nothing (CI)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # as every process of the stored runs
-    text = [header("advisor_validation: the advisor against results/cluster_strategies.json")]
+    map_large_allocations()  # freed tensors leave the RSS (see _rank_memory)
+    text = [header("advisor_validation: the advisor against results/cluster_strategies.json and real fits' memory")]
     print(text[0], flush=True)
     text.append(load_line("start"))
+    # the fits fork their ranks from this process: before it runs autograd itself
+    text.extend(memory_lines(_advisor_memory.run(args.quick)))
     raw = json.loads((RESULTS / "cluster_strategies.json").read_text())
     text.append(f"# measured: {raw['header']}")
     model = MLP(1024, 2)
@@ -113,14 +152,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             second.append(median(steps[half:] or steps))
         tau, floor = kendall_tau(pred, meas), kendall_tau(first, second)
         text.append(line(f"advisor_step_error_max_{layout}_{rate}", max(cell_errors), "x"))
-        text.append(line(f"advisor_rank_kendall_tau_{layout}_{rate}", tau, "x"))
-        text.append(line(f"advisor_rank_kendall_tau_{layout}_{rate}_floor", floor, "x"))
+        text.append(line(f"advisor_rank_kendall_tau_{layout}_{rate}", tau, "tau"))
+        text.append(line(f"advisor_rank_kendall_tau_{layout}_{rate}_floor", floor, "tau"))
         taus.append((tau, floor, f"{layout}_{rate}"))
     worst = max(errors)
     text.append(line("advisor_step_error_max", worst[0], "x"))
     text.append(line("advisor_step_error_max_floor", max(spreads), "x"))
-    text.append(line("advisor_rank_kendall_tau_min", min(taus)[0], "x"))
-    text.append(line("advisor_rank_kendall_tau_min_floor", min(t[1] for t in taus), "x"))
+    text.append(line("advisor_rank_kendall_tau_min", min(taus)[0], "tau"))
+    text.append(line("advisor_rank_kendall_tau_min_floor", min(t[1] for t in taus), "tau"))
     text.append(f"# worst step: {worst[1]} ({worst[0]:.3f}); goal <= {STEP_GOAL}: "
                 f"{'met' if worst[0] <= STEP_GOAL else 'MISSED'}; cells over it: "
                 + ", ".join(f"{t} {e:.2f}" for e, t in sorted(errors, reverse=True) if e > STEP_GOAL))  # fmt: skip

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from lightning_strategies.advisor.measure import Measurement
 from lightning_strategies.comm.pipeline import partition_blocks
 
-__all__ = ["BUCKET_BYTES", "Memory", "memory", "pipeline_stages"]
+__all__ = ["BUCKET_BYTES", "Memory", "memory", "pipeline_memory", "pipeline_stages"]
 
 BUCKET_BYTES = 25 << 20  # DDP's bucket_cap_mb
 
@@ -80,10 +80,8 @@ def memory(
     if strategy == "ps1":
         return Memory(2 * p, g, o, _acts(m, batch), g)
     if strategy == "pipeline":
-        rows = [
-            _stage(m, s, b, batch, stages, microbatches, schedule) for s, b in enumerate(pipeline_stages(m, stages))
-        ]
-        return max(rows, key=lambda r: r.total)
+        return max(pipeline_memory(m, batch=batch, stages=stages, microbatches=microbatches, schedule=schedule),
+                   key=lambda r: r.total)  # fmt: skip
     if strategy == "tensor":
         split, t = float(m.tensor_split_param_bytes), tp_size
         held = p - split + split / t
@@ -95,6 +93,13 @@ def memory(
         f"memory: unknown strategy {strategy!r}: expected one of ddp, ring, ring_hier, ring_bf16, ps, ps1, async, "
         "pipeline, tensor. Fix: name one of them"
     )
+
+
+def pipeline_memory(
+    m: Measurement, *, batch: int, stages: int, microbatches: int, schedule: str = "1f1b"
+) -> list[Memory]:
+    """Each stage's peak, in stage order (:func:`memory` reports the largest)."""
+    return [_stage(m, s, b, batch, stages, microbatches, schedule) for s, b in enumerate(pipeline_stages(m, stages))]
 
 
 def _stage(m: Measurement, s: int, blocks: list[int], batch: int, k: int, micro: int, schedule: str) -> Memory:

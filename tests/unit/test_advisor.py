@@ -23,6 +23,7 @@ from lightning_strategies.advisor import (
     to_json,
     write_png,
 )
+from lightning_strategies.advisor.memory import pipeline_memory
 from lightning_strategies.advisor.report import JSON_KEYS
 
 GIB = 1 << 30
@@ -105,6 +106,20 @@ def test_memory_per_strategy_by_hand() -> None:
     pipe = memory("pipeline", m, batch=32, world=2, stages=2, microbatches=4)
     assert pipe.total == max(pipe.total, memory("pipeline", m, batch=32, world=2, stages=2, microbatches=8).total / 2)
     assert pipe.activations > 0 and pipe.params < p
+
+
+def test_pipeline_memory_per_stage_by_hand() -> None:
+    m = measure(Toy(), BATCH)
+    stages = pipeline_memory(m, batch=32, stages=2, microbatches=4)
+    # balance by parameters (the strategy's "params"): [net.0, relu] | [net.2, relu, net.4] (144 | 340 weights)
+    assert [s.params for s in stages] == [4 * 144, 4 * 340] and sum(s.params for s in stages) == PARAMS
+    assert [s.grads for s in stages] == [4 * 144, 4 * 340]
+    # stage 0 holds min(K - 0, M) = 2 micro-batches of 2 x 32 / 4 = 16 rows: net.0's input and the ReLU's output;
+    # stage 1 one: net.2's input and the ReLU's (16 x 16 each), net.4's input (16 x 16)
+    assert [s.activations for s in stages] == [2 * (16 * 8 + 16 * 16) * 4, 1 * 3 * 16 * 16 * 4]
+    # a send and a receive buffer of the 16 x 16 boundary activation
+    assert [s.buffers for s in stages] == [2 * 16 * 16 * 4] * 2
+    assert memory("pipeline", m, batch=32, world=2, stages=2, microbatches=4) == max(stages, key=lambda s: s.total)
 
 
 def test_advise_ranks_fitting_strategies_by_step_and_marks_the_others() -> None:
