@@ -32,8 +32,15 @@ BATCH = 16
 STEPS = 2
 CLASSES = 10
 # (model name, build_model's arguments, image side); --quick: narrower
-MODELS = {"resnet": ("resnet18", {"stem": "small", "width": 16}, 32), "wide_mlp": ("wide_mlp", {"width": 1024}, 8)}
-QUICK = {"resnet": ("resnet18", {"stem": "small", "width": 8}, 16), "wide_mlp": ("wide_mlp", {"width": 256}, 8)}
+Spec = tuple[str, dict[str, Any], int]
+MODELS: dict[str, Spec] = {
+    "resnet": ("resnet18", {"stem": "small", "width": 16}, 32),
+    "wide_mlp": ("wide_mlp", {"width": 1024}, 8),
+}
+QUICK: dict[str, Spec] = {
+    "resnet": ("resnet18", {"stem": "small", "width": 8}, 16),
+    "wide_mlp": ("wide_mlp", {"width": 256}, 8),
+}
 # (tag, strategy, processes)
 CONFIGS = (("ddp", "ddp", 2), ("ps", "ps", 2), ("pipeline_K2", "pipeline", 2), ("pipeline_K4", "pipeline", 4),
            ("tensor_T2", "tensor", 2))  # fmt: skip
@@ -68,20 +75,20 @@ def _optimizer() -> Any:
     return functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=5e-4)
 
 
-def _module(spec: tuple[str, dict[str, Any], int]) -> ClassificationModule:
+def _module(spec: Spec) -> ClassificationModule:
     torch.manual_seed(0)
     name, kwargs, _ = spec
     net = build_model(name, num_classes=CLASSES, in_channels=1, **kwargs)
     return ClassificationModule(net, num_classes=CLASSES, optimizer=_optimizer())
 
 
-def _batch(spec: tuple[str, dict[str, Any], int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(spec: Spec, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     side = spec[2]
     return torch.randn(n, 1, side, side, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
 
 
-def _strategy(strategy: str, world: int) -> tuple[Any, int, dict[str, int]]:
+def _strategy(strategy: str, world: int) -> tuple[Any, int, dict[str, Any]]:
     """The strategy, its loader batch, and the advisor's options for it."""
     if strategy == "ddp":
         return "ddp_fork", BATCH, {}
@@ -93,7 +100,7 @@ def _strategy(strategy: str, world: int) -> tuple[Any, int, dict[str, int]]:
     return TensorParallelStrategy(tp_size=world, start_method="fork"), world * BATCH, {"tp_size": world}
 
 
-def _fit(spec: tuple[str, dict[str, Any], int], strategy: str, world: int, out: Path) -> None:
+def _fit(spec: Spec, strategy: str, world: int, out: Path) -> None:
     built, loader_batch, _ = _strategy(strategy, world)
     x, y = _batch(spec, loader_batch * STEPS * (1 if strategy in ("pipeline", "tensor") else world))
     trainer = pl.Trainer(

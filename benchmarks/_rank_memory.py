@@ -42,7 +42,9 @@ def status_kib(key: str) -> int:
     raise RuntimeError(f"no {key} in /proc/self/status")
 
 
-def _state_tensors(optimizer: torch.optim.Optimizer) -> list[Any]:
+def _state_tensors(optimizer: torch.optim.Optimizer | None) -> list[Any]:
+    if optimizer is None:  # a shard whose slices hold no trainable tensor
+        return []
     return [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
