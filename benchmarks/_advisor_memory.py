@@ -1,5 +1,6 @@
-"""The advisor's memory per device against real fits: each strategy's busiest rank, by the tensors it
-holds at the end of training (``_rank_memory.RankMemory``, as ``pipeline_memory.py`` measures).
+"""The advisor's memory per device against real fits: each strategy's ranks, by the tensors each held
+before its optimizer steps and at the end of training (``_rank_memory.RankMemory``, as
+``pipeline_memory.py`` measures).
 
 Models: the digits ResNet (``recipes/models.py`` resnet18, small stem, width 16, 1 x 32 x 32) and the
 wide MLP (1 x 8 x 8 -> 1024 -> 1024 -> 1024 -> 10), in the recipes' ``ClassificationModule`` with
