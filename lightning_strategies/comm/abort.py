@@ -74,7 +74,9 @@ def _process_groups() -> list[dist.ProcessGroup]:
     if not dist.is_available() or not dist.is_initialized():
         return []
     world = dist.distributed_c10d._world
-    groups = sorted(world.pg_names, key=lambda g: world.pg_names[g]) if hasattr(world, "pg_names") else []
+    names = getattr(world, "pg_names", {})
+    # torch names a new group by a counter ("0", "1", ...): numeric names sort as numbers ("2" before "10")
+    groups = sorted(names, key=lambda g: (0, int(names[g]), "") if names[g].isdigit() else (1, 0, names[g]))
     default = dist.group.WORLD
     if default is not None and default not in groups:
         groups.insert(0, default)
