@@ -38,7 +38,7 @@ class Lars(_LayerwiseOptimizer):
     .. math::
         \text{local} &= \eta_{tc} \, \|x\| / (\|g\| + \lambda \|x\| + \epsilon)
             \quad (1 \text{ if } \|x\| = 0 \text{ or } \|g\| = 0;
-            \min(\cdot, 1) \text{ with trust\_clip}; 1 \text{ if layer\_adaptation is False}) \\
+            \min(\cdot / \gamma, 1) \text{ with trust\_clip}; 1 \text{ if layer\_adaptation is False}) \\
         d &= \text{local} \cdot (g + \lambda x) \\
         b &\leftarrow \mu b + d \quad (b = d \text{ at the first step, as torch's SGD}) \\
         d &\leftarrow d + \mu b \text{ (nesterov)} \quad\text{or}\quad d \leftarrow b \\
