@@ -4,11 +4,13 @@ share: torch's optimizer conventions, the ``foreach`` decision, CPU cache blocki
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
+from typing_extensions import Self
 
 __all__: list[str] = []
 
@@ -39,7 +41,7 @@ class _LayerwiseOptimizer(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        for group in self.param_groups:
+        for group in [self.defaults, *self.param_groups]:
             for key, value in self._GROUP_DEFAULTS.items():
                 group.setdefault(key, value)
 
@@ -71,6 +73,16 @@ class _LayerwiseOptimizer(Optimizer):
                 loss = closure()
         self._update()
         return loss
+
+
+@dataclass(frozen=True)
+class _GroupOptions:
+    """A param group's hyperparameters as plain Python scalars, read once per step: each field is the group's key
+    of that name, as a ``bool`` or a ``float`` (its annotation)."""
+
+    @classmethod
+    def from_group(cls, group: dict[str, Any]) -> Self:
+        return cls(**{f.name: bool(group[f.name]) if f.type == "bool" else float(group[f.name]) for f in fields(cls)})
 
 
 # ---- the foreach decision, norms, the global clip factor ----------------------------------
