@@ -139,10 +139,7 @@ class _Ring:
         return (self.rank + 1 - (t - self.world + 1)) % self.world
 
     def recv_chunk(self, t: int) -> int:
-        # What we receive at step t is what we forward at step t+1.
-        if t < self.world - 1:
-            return (self.rank - t - 1) % self.world
-        return (self.rank - (t - self.world + 1)) % self.world
+        return self.send_chunk(t + 1)  # what we receive at step t is what we forward at step t+1
 
     def absorb(
         self,
