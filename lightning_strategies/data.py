@@ -293,9 +293,6 @@ class ResumableDataLoader(DataLoader[Any]):
         return _SkipFirst(super()._index_sampler, self._skip)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        return self._iterate()
-
-    def _iterate(self) -> Iterator[Any]:
         epoch = _sampler_epoch(self)
         skip = self._resume_skip(epoch)
         self._epoch, self._batches, self._complete = epoch, skip, False
