@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -105,14 +105,6 @@ class Lamb(_LayerwiseOptimizer):
             "foreach": foreach,
         }
         super().__init__(params, defaults)
-
-    _GROUP_DEFAULTS: ClassVar[dict[str, Any]] = {
-        "bias_correction": True,
-        "trust_clip": False,
-        "layer_adaptation": True,
-        "max_grad_norm": None,
-        "foreach": None,
-    }
 
     def _validate_group(self, group: dict[str, Any], *, where: str) -> None:
         _require_nonnegative(group, "lr", "learning rate", where)

@@ -7,7 +7,7 @@ with torch's SGD momentum convention on top (as in NVIDIA's LARC and timm's ``op
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -93,15 +93,6 @@ class Lars(_LayerwiseOptimizer):
             "foreach": foreach,
         }
         super().__init__(params, defaults)
-
-    _GROUP_DEFAULTS: ClassVar[dict[str, Any]] = {
-        "trust_coefficient": 0.001,
-        "eps": 1e-8,
-        "nesterov": False,
-        "trust_clip": False,
-        "layer_adaptation": True,
-        "foreach": None,
-    }
 
     def _validate_group(self, group: dict[str, Any], *, where: str) -> None:
         momentum, tc = group["momentum"], group["trust_coefficient"]
