@@ -165,9 +165,8 @@ class DevicePrefetcher:
         while upcoming is not None:
             current_stream = torch.cuda.current_stream(self.device)
             current_stream.wait_stream(stream)
-            batch = upcoming
-            _record_stream(batch, current_stream)
-            upcoming = preload()
+            _record_stream(upcoming, current_stream)
+            batch, upcoming = upcoming, preload()
             self._ahead = 0 if upcoming is None else 1
             yield batch
         self._ahead = 0

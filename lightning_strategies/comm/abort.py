@@ -91,9 +91,8 @@ def _store_port(diagnosis: PeerDiagnosis | None) -> int | None:
             return int(base.port)
     except Exception:  # no default group (a direct caller): fall back to the diagnosis's address
         pass
-    if diagnosis is not None and diagnosis.store_host.rpartition(":")[2].isdigit():
-        return int(diagnosis.store_host.rpartition(":")[2])
-    return None
+    port = diagnosis.store_host.rpartition(":")[2] if diagnosis is not None else ""
+    return int(port) if port.isdigit() else None
 
 
 def _sockets_of(pid: int | str) -> dict[str, str]:
