@@ -8,6 +8,7 @@ adding and sending overlap; NCCL p2p needs grouped calls (NCCL's own all-reduce 
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,12 +50,8 @@ class RingPeerError(RuntimeError):
 def _chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     """``parts`` contiguous ranges covering ``numel``, sizes differing by at most one (no padding)."""
     base, extra = divmod(numel, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
+    sizes = [base + 1 if i < extra else base for i in range(parts)]
+    return list(itertools.pairwise(itertools.accumulate(sizes, initial=0)))
 
 
 def _segments(bounds: tuple[int, int], seg_elems: int) -> list[tuple[int, int]]:
