@@ -229,8 +229,7 @@ _END = object()
 
 
 def _sampler_epoch(loader: DataLoader[Any]) -> int | None:
-    candidates = [loader.sampler, getattr(loader.batch_sampler, "sampler", None)]
-    for sampler in candidates:
+    for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
         epoch = getattr(sampler, "epoch", None)
         if isinstance(epoch, int) and not isinstance(epoch, bool):
             return epoch
