@@ -144,9 +144,8 @@ class DedicatedServers:
     def check_world(self, world: int) -> None:
         if self.num_servers >= world:
             raise ValueError(
-                f"AsyncParameterServerStrategy(dedicated_servers=True, num_servers={self.num_servers}) with "
-                f"{world} processes: expected at least one worker besides the servers. Fix: start more "
-                f"processes, or pass num_servers < {world}."
+                f"AsyncElasticStrategy(num_servers={self.num_servers}) with {world} processes: expected at least "
+                f"one worker besides the servers. Fix: start more processes, or pass num_servers < {world}."
             )
 
     def connected_store(self) -> dist.Store:
@@ -284,10 +283,10 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
             )
         if start_method != "popen":
             raise ValueError(
-                f"AsyncParameterServerStrategy(dedicated_servers=True, start_method={start_method!r}): Lightning's "
-                f"{start_method!r} launcher ends every process when one dies, which dedicated servers are there to "
-                "survive. Expected processes started independently (torchrun, SLURM, by hand) or "
-                "start_method='popen'. Fix: pass start_method='popen' (the default)."
+                f"AsyncElasticStrategy(start_method={start_method!r}): Lightning's {start_method!r} launcher ends "
+                "every process when one dies, which dedicated servers are there to survive. Expected processes "
+                "started independently (torchrun, SLURM, by hand) or start_method='popen'. Fix: pass "
+                "start_method='popen' (the default)."
             )
         super().__init__(num_servers=num_servers or 1, **kwargs)
         self.dedicated_servers = True
@@ -394,7 +393,7 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
         limit = trainer.limit_train_batches
         if not (isinstance(limit, float) and limit == 1.0):
             raise ValueError(
-                f"AsyncParameterServerStrategy(dedicated_servers=True) found Trainer(limit_train_batches={limit!r}): "
+                f"AsyncElasticStrategy (strategy='async_elastic') found Trainer(limit_train_batches={limit!r}): "
                 "expected 1.0, because the epoch ends when its every batch is pushed, whoever trains it. "
                 "Fix: train on a smaller dataset (a Subset) instead of limiting the batches."
             )
