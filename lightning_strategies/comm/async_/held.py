@@ -164,16 +164,19 @@ class HeldRequests:
                 ready += self.retry(held)
         return ready
 
+    @staticmethod
+    def take(w: WorkerState) -> list[Held]:
+        """``w``'s requests still held, each marked answered (holding the lock)."""
+        held = w.held()
+        for h in held:
+            h.done = True
+        w.pending = w.gate = None
+        return held
+
     def take_all(self) -> list[Held]:
         """Every request still held, each marked answered (holding the lock)."""
-        held = []
-        for w in self._workers.values():
-            for h in w.held():
-                h.done = True
-                held.append(h)
-            w.pending = w.gate = None
         self._waiting.clear()
-        return held
+        return [h for w in self._workers.values() for h in self.take(w)]
 
     def timeout_error(self, held: Held) -> ShardError:
         seconds = self.timeout.total_seconds()

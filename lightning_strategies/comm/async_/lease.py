@@ -89,7 +89,6 @@ class BatchLease:
         self.rpc_timeout = rpc_timeout
         self.lease = lease
         self.max_staleness = max_staleness
-        self.report_clock = max_staleness is not None
         self.prefetch = prefetch
         self.incarnation = incarnation
         self._known_min: int | None = None  # the others' lowest clock, as a gate last answered
@@ -306,7 +305,7 @@ class BatchLease:
             # with a bound the others wait for this clock; and while a refill is held, its acks are
             # the only way the coordinator learns of the batches pushed meanwhile (with membership,
             # an epoch ends only once every batch is acked)
-            if self.report_clock or (self._refill is not None and self._acks):
+            if self.max_staleness is not None or (self._refill is not None and self._acks):
                 if self._report is None:
                     self._send_report()
                 else:
@@ -386,8 +385,7 @@ def report_failure(worker: int, reason: str, *, coordinator_rank: int = 0, timeo
 def join_run(worker: int, incarnation: int, name: str, *, coordinator_rank: int, rpc_timeout: float) -> JoinReply:
     """(Membership) Register this process as ``worker``'s ``incarnation`` with the coordinator."""
     fut = _call(coordinator_rank, worker, _rpc_join, worker, incarnation, name, timeout=rpc_timeout)
-    reply: JoinReply = wait_reply(fut, f"worker {worker}: joining the async run (coordinator rank {coordinator_rank})")
-    return reply
+    return wait_reply(fut, f"worker {worker}: joining the async run (coordinator rank {coordinator_rank})")
 
 
 def leave_run(worker: int, incarnation: int, *, coordinator_rank: int, rpc_timeout: float) -> None:
