@@ -274,7 +274,7 @@ class AsyncCoordinator:
                     self.admissions.append((worker, clock, low))
                 return completed(GateReply(low))
             fut: Future[GateReply | ShardError] = Future()
-            self._held.hold_gate(w, self._held.new(worker, fut, need=need, credit_held=True, gate=True))
+            self._held.hold(w, self._held.new(worker, fut, need=need, credit_held=True, gate=True))
         return fut
 
     def _expire(self, held: Held) -> list[Ready]:

@@ -34,7 +34,6 @@ from lightning_strategies.comm.async_.messages import (
     JoinReply,
     LeasedBatch,
     LeaseReply,
-    ReportReply,
 )
 from lightning_strategies.comm.rpc import call_host, wait_reply
 
@@ -111,7 +110,6 @@ class BatchLease:
         self._pace = 1.0  # this worker's speed over the mean worker's, as the coordinator measures it
         self.offset = 0
         self.lrs: list[float] | None = None
-        self.min_other: int | None = None
         #: seconds the worker waited for a refill (lease empty), and for the staleness bound (its gate,
         #: or a refill it held)
         self.wait_seconds = 0.0
@@ -338,12 +336,11 @@ class BatchLease:
             self._report = None
             self._unconfirmed = []
             try:
-                reply: ReportReply = wait_reply(
+                wait_reply(
                     fut,
                     f"worker {self.worker}: reporting its clock to the async coordinator (rank "
                     f"{self.coordinator_rank}) failed",
                 )
-                self.min_other = reply.min_other
             except (RuntimeError, TimeoutError) as err:
                 self._error = err
                 return
