@@ -328,10 +328,8 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if self._start_method == "popen":
-            assert self.cluster_environment is not None
-            self._launcher = ElasticScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        assert self.cluster_environment is not None  # and start_method is "popen" (the constructor checks it)
+        self._launcher = ElasticScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_distributed(self) -> None:

@@ -108,7 +108,7 @@ class AsyncCoordinator:
 
     def _per_worker(self, value: Callable[[WorkerState], Any]) -> list[Any]:
         with self._lock:
-            return [value(self._workers[r]) for r in sorted(self._workers)]
+            return [value(self._workers[r]) for r in self.ranks]
 
     @property
     def clocks(self) -> list[int]:
@@ -134,7 +134,7 @@ class AsyncCoordinator:
     def served(self, epoch: int) -> list[int]:
         """Batches leased to each worker in epoch ``epoch``, in rank order (zeros when unknown)."""
         with self._lock:
-            return self._queue.served(epoch, sorted(self._workers))
+            return self._queue.served(epoch, self.ranks)
 
     def remaining(self, epoch: int) -> int:
         """Batches of epoch ``epoch`` not leased yet."""
@@ -165,8 +165,7 @@ class AsyncCoordinator:
 
     def left_or_lost(self) -> bool:
         """(Membership) Whether every worker has left or been dropped."""
-        with self._lock:
-            return not any(w.alive for w in self._workers.values())
+        return not self.alive
 
     # -- refills, reports, gates --------------------------------------------------------------
 
