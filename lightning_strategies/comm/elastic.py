@@ -370,8 +370,7 @@ class MembershipMonitor:
         self._seen[rank] = (self._seen[rank][0], time.monotonic())
 
     def _lost(self, rank: int, reason: str) -> None:
-        self._pings.pop(rank, None)
-        self._seen.pop(rank, None)
+        self.forget(rank)
         self.events.append((rank, reason, time.monotonic() - self._start))
         if rank in self.servers:
             if not self._failed:

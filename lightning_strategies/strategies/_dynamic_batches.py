@@ -62,7 +62,7 @@ def training_plan(name: str, dataloader: object, workers: int) -> DataPlan:
             "queue. Fix: return a DataLoader(dataset, batch_size=..., shuffle=...) from train_dataloader() "
             "(optionally in a DevicePrefetcher)."
         )
-    plan = plan_of(dataloader)
+    plan = plan_of(name, dataloader)
     if plan.num_batches < workers:
         raise ValueError(
             f"{name} found {plan.num_batches} training batches per epoch ({plan.num_samples} samples in "
@@ -73,7 +73,7 @@ def training_plan(name: str, dataloader: object, workers: int) -> DataPlan:
     return plan
 
 
-def plan_of(dataloader: DataLoader) -> DataPlan:
+def plan_of(name: str, dataloader: DataLoader) -> DataPlan:
     """The batching of ``dataloader`` as a :class:`DataPlan` (its sampler decides shuffle and seed)."""
     sampler = dataloader.sampler
     batch_size = dataloader.batch_size
@@ -84,7 +84,7 @@ def plan_of(dataloader: DataLoader) -> DataPlan:
         sampler = getattr(dataloader.batch_sampler, "sampler", sampler)
     if not isinstance(batch_size, int):
         raise TypeError(
-            f"AsyncParameterServerStrategy could not find the batch size of the training DataLoader (batch "
+            f"{name} could not find the batch size of the training DataLoader (batch "
             f"sampler {type(dataloader.batch_sampler).__qualname__}): expected DataLoader(batch_size=...) or a "
             "batch sampler with a `batch_size`. Fix: pass batch_size to the DataLoader."
         )

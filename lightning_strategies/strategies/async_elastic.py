@@ -5,8 +5,8 @@ everything between processes goes over RPC and the store (:mod:`lightning_strate
 changed relative to ``"async"`` are:
 
 - ``_configure_launcher``: :class:`ElasticScriptLauncher` (``popen`` without the observer that kills all if one dies).
-- ``setup_distributed`` / ``setup_environment`` / ``_start_rpc``: the job's store, this start's incarnation, a
-  one-rank process group, a join of the dynamic RPC group, the member heartbeat.
+- ``setup_distributed`` / ``_start_rpc``: the job's store, this start's incarnation, a one-rank process group,
+  a join of the dynamic RPC group, the member heartbeat.
 - ``distributed_sampler_kwargs`` / ``barrier`` / ``reduce_boolean_decision``: nothing spans processes.
 - ``setup`` (``_start_coordination``) / ``_start_servers``: the coordinator and the membership monitor on the
   chief, the shards from the chief's weights, a lease and a join on each worker.
@@ -40,7 +40,6 @@ from typing_extensions import override
 
 from lightning_strategies.comm.async_ import (
     AsyncCoordinator,
-    BatchLease,
     DataPlan,
     JoinReply,
     fetch_published,
@@ -62,6 +61,7 @@ from lightning_strategies.comm.elastic import (
 from lightning_strategies.comm.heartbeat import DEFAULT_STORE_TIMEOUT, Heartbeat
 from lightning_strategies.comm.ps import Packed, pack, register_shard, slice_of, unpack
 from lightning_strategies.comm.rpc import call_host, shutdown_rpc, worker_name
+from lightning_strategies.strategies._base import exposed
 from lightning_strategies.strategies.async_ps import AsyncParameterServerStrategy
 
 __all__ = [
@@ -144,9 +144,8 @@ class DedicatedServers:
     def check_world(self, world: int) -> None:
         if self.num_servers >= world:
             raise ValueError(
-                f"AsyncParameterServerStrategy(dedicated_servers=True, num_servers={self.num_servers}) with "
-                f"{world} processes: expected at least one worker besides the servers. Fix: start more "
-                f"processes, or pass num_servers < {world}."
+                f"AsyncElasticStrategy(num_servers={self.num_servers}) with {world} processes: expected at least "
+                f"one worker besides the servers. Fix: start more processes, or pass num_servers < {world}."
             )
 
     def connected_store(self) -> dist.Store:
@@ -156,7 +155,6 @@ class DedicatedServers:
     def connect(self, rank: int, address: str, port: int, *, backend: str, timeout: timedelta,
                 startup: timedelta) -> None:  # fmt: skip
         """Connect to the job's store (rank 0 serves it), take this start's incarnation, make a one-rank group."""
-        self.join, self._left = None, False
         self.store, self._tcp = connect_store(address, port, rank, timeout=startup)
         self.incarnation = next_incarnation(self.store, rank)
         if rank < self.num_servers and self.incarnation > 0:
@@ -284,19 +282,16 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
             )
         if start_method != "popen":
             raise ValueError(
-                f"AsyncParameterServerStrategy(dedicated_servers=True, start_method={start_method!r}): Lightning's "
-                f"{start_method!r} launcher ends every process when one dies, which dedicated servers are there to "
-                "survive. Expected processes started independently (torchrun, SLURM, by hand) or "
-                "start_method='popen'. Fix: pass start_method='popen' (the default)."
+                f"AsyncElasticStrategy(start_method={start_method!r}): Lightning's {start_method!r} launcher ends "
+                "every process when one dies, which dedicated servers are there to survive. Expected processes "
+                "started independently (torchrun, SLURM, by hand) or start_method='popen'. Fix: pass "
+                "start_method='popen' (the default)."
             )
         super().__init__(num_servers=num_servers or 1, **kwargs)
         self.dedicated_servers = True
         self._members = DedicatedServers(self.num_servers)
 
-    @property
-    def members(self) -> DedicatedServers:
-        """This process's membership of the run."""
-        return self._members
+    members: DedicatedServers = exposed("_members", "This process's membership of the run.")
 
     @property
     def is_chief(self) -> bool:
@@ -333,10 +328,8 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if self._start_method == "popen":
-            assert self.cluster_environment is not None
-            self._launcher = ElasticScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        assert self.cluster_environment is not None  # and start_method is "popen" (the constructor checks it)
+        self._launcher = ElasticScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_distributed(self) -> None:
@@ -354,16 +347,8 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
         super().setup_distributed()
 
     @override
-    def setup_environment(self) -> None:
-        self._members.check_world(self.num_nodes * self.num_processes)
-        super().setup_environment()
-
-    @override
     def _start_rpc(self) -> None:
-        beat = self._peer_heartbeat
-        if beat is not None:
-            beat.stop(finished=False)  # the one-rank process group's store reaches no peer
-            self._peer_heartbeat = None
+        self._stop_heartbeat(finished=False)  # the one-rank process group's store reaches no peer
         if self._members.store is None:
             return  # not fitting: no peers
         self._peer_heartbeat = self._members.join_rpc(
@@ -394,7 +379,7 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
         limit = trainer.limit_train_batches
         if not (isinstance(limit, float) and limit == 1.0):
             raise ValueError(
-                f"AsyncParameterServerStrategy(dedicated_servers=True) found Trainer(limit_train_batches={limit!r}): "
+                f"AsyncElasticStrategy (strategy='async_elastic') found Trainer(limit_train_batches={limit!r}): "
                 "expected 1.0, because the epoch ends when its every batch is pushed, whoever trains it. "
                 "Fix: train on a smaller dataset (a Subset) instead of limiting the batches."
             )
@@ -426,14 +411,7 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
             trainer.limit_val_batches = 0  # the chief validates, on the whole validation set
             trainer.num_sanity_val_steps = 0
         if not self.is_server:
-            lease = self._lease = BatchLease(
-                self.global_rank,
-                coordinator_rank=0,
-                rpc_timeout=self._rpc_timeout,
-                lease=self.lease,
-                max_staleness=self.max_staleness,
-                incarnation=members.incarnation,
-            )
+            lease = self._lease = self._new_lease(members.incarnation)
             # joined before its first lease, which Lightning draws while the optimizers are set up
             members.join = join_run(
                 self.global_rank, members.incarnation, members.name, coordinator_rank=0, rpc_timeout=self._rpc_timeout
@@ -480,22 +458,7 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
         else:
             store.wait(["ps_ready"], self._startup)
         if not self.is_server:
-            assert self.async_client is not None
-            self.async_client.pull()  # the current weights (a joining worker's first step is on them)
-            self._load_buffers(self._fetch_buffers())
-
-    def _fetch_buffers(self) -> Packed | None:
-        if self._coordinator is not None:
-            return self._coordinator.published("buffers")
-        return fetch_published("buffers", coordinator_rank=0, worker=self.global_rank, rpc_timeout=self._rpc_timeout)
-
-    def _load_buffers(self, packed: Packed | None) -> None:
-        if packed is None or not self._buffers:
-            return
-        with torch.no_grad():
-            for b, v in zip(self._buffers, unpack(packed, self._buffers), strict=True):
-                if v is not None:
-                    b.copy_(v.reshape(b.shape))
+            self._pull_members()  # the current weights (a joining worker's first step is on them)
 
     @override
     def _training_loader(self, dataloader: DataLoader, plan: DataPlan) -> object:
@@ -586,9 +549,22 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
             self._pull_members()
 
     def _pull_members(self) -> None:
-        if self.async_client is not None:
-            self.async_client.pull()
-            self._load_buffers(self._fetch_buffers())
+        """The latest weights from the servers, and the buffers the latest worker published."""
+        if self.async_client is None:
+            return
+        self.async_client.pull()
+        if self._coordinator is not None:
+            packed = self._coordinator.published("buffers")
+        else:
+            packed = fetch_published(
+                "buffers", coordinator_rank=0, worker=self.global_rank, rpc_timeout=self._rpc_timeout
+            )
+        if packed is None or not self._buffers:
+            return
+        with torch.no_grad():
+            for b, v in zip(self._buffers, unpack(packed, self._buffers), strict=True):
+                if v is not None:
+                    b.copy_(v.reshape(b.shape))
 
     def _train_end(self) -> None:
         """The chief ends the run and waits for the workers to take the last weights and leave; a worker takes
@@ -608,10 +584,12 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
 
     def _leave(self) -> None:
         if self._members.leave(self.global_rank, self._rpc_timeout):
-            beat = self._peer_heartbeat
-            if beat is not None:  # done: no beat may reach the store after the chief closes it
-                beat.stop()
-                self._peer_heartbeat = None
+            self._stop_heartbeat()  # done: no beat may reach the store after the chief closes it
+
+    def _stop_heartbeat(self, *, finished: bool = True) -> None:
+        if self._peer_heartbeat is not None:
+            self._peer_heartbeat.stop(finished=finished)
+            self._peer_heartbeat = None
 
     @override
     def on_train_end(self) -> None:
@@ -627,9 +605,8 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
             with contextlib.suppress(Exception):  # a fit whose loop never ran (joined after the last batch)
                 self._leave()
         members.stop_watching()
-        if self._peer_heartbeat is not None:  # before its store closes: a beat after that fails in C++,
-            self._peer_heartbeat.stop()  # which prints a stack trace at the end of a clean run
-            self._peer_heartbeat = None
+        # before its store closes: a beat after that fails in C++, which prints a stack trace at the end of a clean run
+        self._stop_heartbeat()
         if self._rpc_started:
             self._rpc_started = False
             shutdown_rpc(failed=True, timeout=self.ps_timeout, grace_seconds=0.5)

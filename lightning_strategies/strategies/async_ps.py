@@ -52,7 +52,7 @@ from lightning_strategies.comm.async_ps import (
 from lightning_strategies.comm.ps import OptimizerSpec, Packed, Slice, broadcast_from_rank0
 from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.data import DevicePrefetcher
-from lightning_strategies.strategies._base import is_last_batch
+from lightning_strategies.strategies._base import exposed, is_last_batch
 from lightning_strategies.strategies._dynamic_batches import (
     DynamicBatchSampler,
     check_loop,
@@ -128,28 +128,14 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         self._plan: DataPlan | None = None
         self._limit: int | None = None  # Trainer(limit_train_batches=n): batches per rank and epoch
         self._drawn: deque[LeasedBatch] = deque()  # drawn from the lease, not trained yet (in order)
-        self._unpushed: list[LeasedBatch] = []  # trained since the last push
-        self._gap_max: int | None = None
-        self._lease_waited = (0.0, 0.0)  # the lease's (wait, gate) seconds at the last log
-        self._local_steps = 0
-        self._accumulated = _Accumulator()
-        # pushes that skipped steps did not make: the lease's and the bound's clock is the client's pushes plus these
-        self._skipped_pushes = 0
         self._stepped = False  # this optimizer_step reached the push (the scaler did not skip it)
-        # staleness of this step's push (one per shard), and of the pushes since the last log
-        self._step_staleness: list[int] = []
-        self._staleness_sum = 0
-        self._staleness_count = 0
+        self._step_staleness: list[int] = []  # staleness of this step's push (one per shard)
+        self._reset_fit_state()
 
-    @property
-    def coordinator(self) -> AsyncCoordinator | None:
-        """The clocks, bound and data queue (on rank 0 while fitting)."""
-        return self._coordinator
-
-    @property
-    def batch_lease(self) -> BatchLease | None:
-        """This worker's lease of batches (while fitting)."""
-        return self._lease
+    coordinator: AsyncCoordinator | None = exposed(
+        "_coordinator", "The clocks, bound and data queue (on rank 0 while fitting)."
+    )
+    batch_lease: BatchLease | None = exposed("_lease", "This worker's lease of batches (while fitting).")
 
     @property
     def async_client(self) -> AsyncParameterServerClient | None:
@@ -176,22 +162,29 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
                 self.world_size, self.max_staleness, timeout=self.ps_timeout, push_every=self.push_every
             )
             register_coordinator(self._coordinator)
-        self._lease = BatchLease(
+        self._lease = self._new_lease()
+        self.barrier("async_coordinator_ready")
+        per_rank_sigterm(trainer)
+
+    def _new_lease(self, incarnation: int = 0) -> BatchLease:
+        return BatchLease(
             self.global_rank,
             coordinator_rank=_COORDINATOR_RANK,
             rpc_timeout=self._rpc_timeout,
             lease=self.lease,
             max_staleness=self.max_staleness,
+            incarnation=incarnation,
         )
-        self.barrier("async_coordinator_ready")
-        per_rank_sigterm(trainer)
 
     def _reset_fit_state(self) -> None:
         self._local_steps, self._accumulated = 0, _Accumulator()
+        # pushes that skipped steps did not make: the lease's and the bound's clock is the client's pushes plus these
         self._skipped_pushes = 0
         self._drawn.clear()
-        self._unpushed, self._gap_max, self._lease_waited = [], None, (0.0, 0.0)
-        self._staleness_sum = self._staleness_count = 0
+        self._unpushed: list[LeasedBatch] = []  # trained since the last push
+        self._gap_max: int | None = None
+        self._lease_waited = (0.0, 0.0)  # the lease's (wait, gate) seconds at the last log
+        self._staleness_sum = self._staleness_count = 0  # of the pushes since the last log
 
     @property
     def _rpc_timeout(self) -> float:
@@ -246,15 +239,14 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         return self._training_loader(dataloader, plan)
 
     def _training_loader(self, dataloader: DataLoader, plan: DataPlan) -> object:
-        name = type(self).__name__
         trainer = self.trainer
         assert trainer is not None
         limit = trainer.limit_train_batches
         self._limit = limit if isinstance(limit, int) else None
         if isinstance(limit, int) and plan.num_batches < limit * self.world_size:
             raise ValueError(
-                f"{name} found Trainer(limit_train_batches={limit}) with {self.world_size} processes and "
-                f"{plan.num_batches} batches per epoch: expected at least {limit} x {self.world_size} = "
+                f"{type(self).__name__} found Trainer(limit_train_batches={limit}) with {self.world_size} processes "
+                f"and {plan.num_batches} batches per epoch: expected at least {limit} x {self.world_size} = "
                 f"{limit * self.world_size} batches, so that every rank reaches its limit (and validates). Fix: "
                 f"limit_train_batches <= {plan.num_batches // self.world_size}."
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -20,6 +21,11 @@ from lightning_strategies.comm.async_.workers import Held, WorkerState
 from lightning_strategies.comm.rpc import ShardError, completed
 
 __all__ = ["AsyncCoordinator"]
+
+
+def _part(path: str, doc: str) -> Any:
+    """A read-only property returning ``self.<path>``, a dotted path into one of the coordinator's parts."""
+    return property(operator.attrgetter(path), doc=doc)
 
 
 class AsyncCoordinator:
@@ -88,21 +94,12 @@ class AsyncCoordinator:
     def max_staleness(self, value: int | None) -> None:
         self._clocks.max_staleness = value
 
-    @property
-    def workers_lost(self) -> int:
-        return self._members.workers_lost
-
-    @property
-    def workers_joined(self) -> int:
-        return self._members.workers_joined
-
-    @property
-    def batches_redrawn(self) -> int:
-        return self._queue.batches_redrawn
-
-    @property
-    def batches_returned(self) -> int:
-        return self._queue.batches_returned
+    workers_lost: int = _part("_members.workers_lost", "Workers dropped (lost, failed or frozen).")
+    workers_joined: int = _part("_members.workers_joined", "Workers that rejoined as a new incarnation.")
+    batches_redrawn: int = _part("_queue.batches_redrawn", "Batches put back after their worker was lost.")
+    batches_returned: int = _part("_queue.batches_returned", "Leased batches a worker gave back untrained.")
+    current_epoch: int | None = _part("_chief.current", "The epoch the chief opened last (membership runs).")
+    stopped: bool = _part("_chief.stopped", "The run is over (:meth:`close`).")
 
     @property
     def ranks(self) -> list[int]:
@@ -111,7 +108,7 @@ class AsyncCoordinator:
 
     def _per_worker(self, value: Callable[[WorkerState], Any]) -> list[Any]:
         with self._lock:
-            return [value(self._workers[r]) for r in sorted(self._workers)]
+            return [value(self._workers[r]) for r in self.ranks]
 
     @property
     def clocks(self) -> list[int]:
@@ -134,20 +131,10 @@ class AsyncCoordinator:
         with self._lock:
             return sorted(r for r, w in self._workers.items() if w.alive)
 
-    @property
-    def current_epoch(self) -> int | None:
-        """The epoch the chief opened last (membership runs)."""
-        return self._chief.current
-
-    @property
-    def stopped(self) -> bool:
-        """The run is over (:meth:`close`)."""
-        return self._chief.stopped
-
     def served(self, epoch: int) -> list[int]:
         """Batches leased to each worker in epoch ``epoch``, in rank order (zeros when unknown)."""
         with self._lock:
-            return self._queue.served(epoch, sorted(self._workers))
+            return self._queue.served(epoch, self.ranks)
 
     def remaining(self, epoch: int) -> int:
         """Batches of epoch ``epoch`` not leased yet."""
@@ -178,8 +165,7 @@ class AsyncCoordinator:
 
     def left_or_lost(self) -> bool:
         """(Membership) Whether every worker has left or been dropped."""
-        with self._lock:
-            return not any(w.alive for w in self._workers.values())
+        return not self.alive
 
     # -- refills, reports, gates --------------------------------------------------------------
 
@@ -287,7 +273,7 @@ class AsyncCoordinator:
                     self.admissions.append((worker, clock, low))
                 return completed(GateReply(low))
             fut: Future[GateReply | ShardError] = Future()
-            self._held.hold_gate(w, self._held.new(worker, fut, need=need, credit_held=True, gate=True))
+            self._held.hold(w, self._held.new(worker, fut, need=need, credit_held=True, gate=True))
         return fut
 
     def _expire(self, held: Held) -> list[Ready]:

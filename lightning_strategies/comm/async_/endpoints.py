@@ -103,10 +103,6 @@ def _rpc_published(key: str) -> Any:
     return coordinator.published(key) if coordinator is not None else None
 
 
-def _rpc_ping() -> bool:
-    return True
-
-
 def _rpc_run_state(epoch: int) -> tuple[int, bool, bool, bool]:
     """(batches of ``epoch`` done, epoch complete, run stopped, every worker gone): servers poll it."""
     coordinator = hosted_coordinator()

@@ -98,18 +98,16 @@ class HeldRequests:
         return LeaseReply([], waited=time.monotonic() - held.start, offset=w.offset, lrs=self.board.lrs)
 
     def hold(self, w: WorkerState, held: Held) -> None:
-        w.pending = held
+        """Hold a refill or a gate (a gate is always held on credit) until it can be answered or times out."""
+        if held.gate:
+            if w.gate is not None and not w.gate.done:
+                w.gate.done = True  # replaced: its worker gave up on it
+            w.gate = held
+        else:
+            w.pending = held
         if held.credit_held:
             w.held_refills += 1
             heapq.heappush(self._waiting, (held.need, next(self._seq), held))
-        self._watchdog.watch(held)
-
-    def hold_gate(self, w: WorkerState, held: Held) -> None:
-        if w.gate is not None and not w.gate.done:
-            w.gate.done = True  # replaced: its worker gave up on it
-        w.gate = held
-        w.held_refills += 1
-        heapq.heappush(self._waiting, (held.need, next(self._seq), held))
         self._watchdog.watch(held)
 
     def release_credit(self) -> list[Ready]:
@@ -164,16 +162,19 @@ class HeldRequests:
                 ready += self.retry(held)
         return ready
 
+    @staticmethod
+    def take(w: WorkerState) -> list[Held]:
+        """``w``'s requests still held, each marked answered (holding the lock)."""
+        held = w.held()
+        for h in held:
+            h.done = True
+        w.pending = w.gate = None
+        return held
+
     def take_all(self) -> list[Held]:
         """Every request still held, each marked answered (holding the lock)."""
-        held = []
-        for w in self._workers.values():
-            for h in w.held():
-                h.done = True
-                held.append(h)
-            w.pending = w.gate = None
         self._waiting.clear()
-        return held
+        return [h for w in self._workers.values() for h in self.take(w)]
 
     def timeout_error(self, held: Held) -> ShardError:
         seconds = self.timeout.total_seconds()

@@ -34,7 +34,6 @@ from lightning_strategies.comm.async_.messages import (
     JoinReply,
     LeasedBatch,
     LeaseReply,
-    ReportReply,
 )
 from lightning_strategies.comm.rpc import call_host, wait_reply
 
@@ -89,7 +88,6 @@ class BatchLease:
         self.rpc_timeout = rpc_timeout
         self.lease = lease
         self.max_staleness = max_staleness
-        self.report_clock = max_staleness is not None
         self.prefetch = prefetch
         self.incarnation = incarnation
         self._known_min: int | None = None  # the others' lowest clock, as a gate last answered
@@ -112,7 +110,6 @@ class BatchLease:
         self._pace = 1.0  # this worker's speed over the mean worker's, as the coordinator measures it
         self.offset = 0
         self.lrs: list[float] | None = None
-        self.min_other: int | None = None
         #: seconds the worker waited for a refill (lease empty), and for the staleness bound (its gate,
         #: or a refill it held)
         self.wait_seconds = 0.0
@@ -306,7 +303,7 @@ class BatchLease:
             # with a bound the others wait for this clock; and while a refill is held, its acks are
             # the only way the coordinator learns of the batches pushed meanwhile (with membership,
             # an epoch ends only once every batch is acked)
-            if self.report_clock or (self._refill is not None and self._acks):
+            if self.max_staleness is not None or (self._refill is not None and self._acks):
                 if self._report is None:
                     self._send_report()
                 else:
@@ -339,12 +336,11 @@ class BatchLease:
             self._report = None
             self._unconfirmed = []
             try:
-                reply: ReportReply = wait_reply(
+                wait_reply(
                     fut,
                     f"worker {self.worker}: reporting its clock to the async coordinator (rank "
                     f"{self.coordinator_rank}) failed",
                 )
-                self.min_other = reply.min_other
             except (RuntimeError, TimeoutError) as err:
                 self._error = err
                 return
@@ -386,8 +382,7 @@ def report_failure(worker: int, reason: str, *, coordinator_rank: int = 0, timeo
 def join_run(worker: int, incarnation: int, name: str, *, coordinator_rank: int, rpc_timeout: float) -> JoinReply:
     """(Membership) Register this process as ``worker``'s ``incarnation`` with the coordinator."""
     fut = _call(coordinator_rank, worker, _rpc_join, worker, incarnation, name, timeout=rpc_timeout)
-    reply: JoinReply = wait_reply(fut, f"worker {worker}: joining the async run (coordinator rank {coordinator_rank})")
-    return reply
+    return wait_reply(fut, f"worker {worker}: joining the async run (coordinator rank {coordinator_rank})")
 
 
 def leave_run(worker: int, incarnation: int, *, coordinator_rank: int, rpc_timeout: float) -> None:

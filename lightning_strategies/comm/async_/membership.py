@@ -75,10 +75,7 @@ class Membership(ABC):
         self.alive_count -= 1
         self.workers_lost += int(lost)
         self._event(w, "drop" if lost else "leave", reason)
-        ready: list[Ready] = [(h.future, ShardError(f"worker {w.rank} was dropped: {reason}")) for h in w.held()]
-        for h in w.held():
-            h.done = True
-        w.pending = w.gate = None
+        ready: list[Ready] = [(h.future, ShardError(f"worker {w.rank} was dropped: {reason}")) for h in held.take(w)]
         self.queue.dropped(w)
         w.version += 1  # out of the staleness frame
         self.clocks.log()

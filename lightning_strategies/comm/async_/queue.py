@@ -49,13 +49,12 @@ class BatchQueue:
         self._rate_sum = 0.0  # over the alive workers with a measured rate
         self._rated = 0
 
-    def open(self, epoch: int, plan: DataPlan, alive: int) -> Epoch:
+    def open(self, epoch: int, plan: DataPlan, alive: int) -> None:
         batches = plan.batches(epoch)
-        known = self.epochs[epoch] = Epoch(epoch, plan, batches, deque(range(len(batches))), {}, alive)
+        self.epochs[epoch] = Epoch(epoch, plan, batches, deque(range(len(batches))), {}, alive)
         self._clocks.activate_all()
         for old in [e for e in self.epochs if e < epoch - 2 and self.epochs[e].complete]:
             del self.epochs[old]  # keep the last few epochs' accounting for inspection
-        return known
 
     def take_acks(self, w: WorkerState, acks: Iterable[tuple[int, int]]) -> None:
         new = 0
