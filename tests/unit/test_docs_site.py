@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import importlib.util
 import inspect
 import itertools
 import os
@@ -21,6 +22,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from app_utils import CONF
@@ -219,3 +221,46 @@ def test_readme_is_short_and_links_into_the_site() -> None:
     assert not missing, missing
     for page in ("quickstart", "choose", "reliability", "architecture", "contributing", "gpu", "reference/index"):
         assert f"docs/{page}.md" in links, f"README has no link to docs/{page}.md"
+
+
+def load_griffe_extension() -> Any:
+    spec = importlib.util.spec_from_file_location("_griffe_roles", DOCS / "_griffe_roles.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def returns_items(text: str) -> list[str]:
+    """The descriptions griffe's Google parser reads in the docstring's Returns section."""
+    import griffe
+
+    sections = griffe.Docstring(text, parser="google").parse()
+    return [item.description for s in sections if s.kind is griffe.DocstringSectionKind.returns for item in s.value]
+
+
+def test_griffe_extension_keeps_a_returns_literal_whole() -> None:
+    # param_groups' Returns is one ``[{...}, {...}]`` literal over two lines at the item's indentation
+    from lightning_strategies.optim import param_groups
+
+    text = inspect.cleandoc(param_groups.__doc__ or "")
+    assert len(returns_items(text)) == 2  # what griffe reads unaided: the literal cut in two items
+    (whole,) = returns_items(load_griffe_extension().join_open_literals(text))
+    assert whole.count("``") == 2 and '"layer_adaptation": True}' in whole and "without empty groups" in whole
+    # a section without an open literal is left as it was
+    plain = "Summary.\n\nReturns:\n    the value.\n    More about it.\n\nRaises:\n    ValueError: never.\n"
+    assert load_griffe_extension().join_open_literals(plain) == plain.rstrip("\n")
+
+
+def test_griffe_extension_shows_rst_math_as_tex_code() -> None:
+    # Lamb's docstring: :math:`x` roles and a `.. math::` block, which Markdown would print raw
+    from lightning_strategies.optim import Lamb
+
+    text = inspect.cleandoc(Lamb.__doc__ or "")
+    out = load_griffe_extension().rst_math(text)
+    assert ".. math::" in text and ":math:`" in text
+    assert ".. math::" not in out and ":math:" not in out
+    fence = out.split("```latex\n", 1)[1].split("\n```", 1)[0]
+    block = text.split(".. math::\n", 1)[1].split("\n\n", 1)[0]
+    assert fence.splitlines() == [line[4:] for line in block.splitlines()]  # the TeX, as written
+    assert "For each parameter tensor `x` with gradient `g`" in out
