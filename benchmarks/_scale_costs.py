@@ -2,7 +2,7 @@
 (:class:`Cluster`, :func:`cluster_costs`). Pure arithmetic, no torch.
 
 A calibration repetition (``benchmarks/_scale_measure.py``) gives seconds of micro-benchmarks; this
-turns them into the model's :class:`~benchmarks._scale_model.Costs`:
+turns them into the model's :class:`~lightning_strategies.advisor.model.Costs`:
 
     compute_s          the stand-in alone on rank 0 (the others idle in a barrier)
     cores              P x alone / (all P ranks at once): the cores the P processes effectively get
@@ -47,7 +47,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
-from benchmarks._scale_model import MIB, Costs, Link, Workload, contention, pipeline_makespan
+from lightning_strategies.advisor.model import MIB, Costs, Link, Workload, contention, pipeline_makespan
 
 __all__ = [
     "CALIB_BIG",

@@ -46,7 +46,7 @@ from torch import Tensor
 from benchmarks._pipeline_models import loss as pipeline_loss
 from benchmarks._pipeline_models import real_balanced
 from benchmarks._scale_costs import CALIB_BIG, CALIB_SMALL
-from benchmarks._scale_model import ddp_buckets
+from lightning_strategies.advisor.model import ddp_buckets
 from lightning_strategies.comm.async_ import (
     AsyncCoordinator,
     BatchLease,

@@ -8,13 +8,10 @@ one torch thread each; 1F1B, 2K micro-batches). Under the pipeline ``configure_m
 ``meta`` and rank 0 materialises one block at a time, so a rank holds its stages' weights,
 gradients and momentum and, at setup, one block in transit.
 
-Per process, a callback takes the resident set size at ``setup`` (after the imports and the
-process group, before the model exists) as the baseline, resets the kernel's peak-RSS counter
-there (``/proc/self/clear_refs``), and reads the peak (``VmHWM``) and the tensor-accounted bytes
-(parameters + gradients + optimizer state of this rank, from the tensors) at the end of
-training, before the strategy gathers anything for a checkpoint. glibc's allocator is set to map
-every allocation of 1 MiB or more on its own (``mallopt``), so freed weights return to the kernel
-and the peak is what was held at once, not the heap's history.
+Per process, ``_rank_memory.RankMemory`` reads the peak RSS over its baseline at ``setup`` and the
+tensor-accounted bytes (parameters + gradients + optimizer state of this rank) at the end of
+training; glibc's allocator maps every allocation of 1 MiB or more on its own, so freed weights
+return to the kernel and the peak is what was held at once, not the heap's history.
 
     single_peak_rss_growth_mib              peak RSS over the baseline, one process
     pipeline_peak_rss_growth_K<k>_rank<r>_mib
@@ -32,7 +29,6 @@ Rounds (``--rounds``) run the three configurations in turn; the median of each l
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import multiprocessing as mp
 import statistics
@@ -50,19 +46,11 @@ import lightning.pytorch as pl
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks._common import header, line, load_line, pyplot, save_figure
+from benchmarks._rank_memory import RankMemory, map_large_allocations
 from lightning_strategies import PipelineStrategy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOALS = {2: 0.60, 4: 0.35}
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for text in f:
-            if text.startswith(key):
-                return int(text.split()[1])
-    raise RuntimeError(f"no {key} in /proc/self/status")
 
 
 class WideMLP(pl.LightningModule):
@@ -101,29 +89,6 @@ class WideMLP(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3, momentum=0.9)
 
 
-class _Measure(pl.Callback):
-    """Baseline RSS at setup (peak counter reset there); peak RSS and tensor bytes at the end of training."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.baseline_kib = 0
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-        self.baseline_kib = _status_kib("VmRSS:")
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        params = [p for p in pl_module.parameters() if not p.is_meta]
-        state = [v for s in trainer.optimizers[0].state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        tensors = [*params, *(p.grad for p in params if p.grad is not None), *state]
-        row = {
-            "growth_mib": (_status_kib("VmHWM:") - self.baseline_kib) / 1024,
-            "tensor_mib": sum(t.numel() * t.element_size() for t in tensors) / 2**20,
-        }
-        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(row))
-
-
 def _fit(stages: int, width: int, layers: int, steps: int, out: Path) -> None:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(16 * steps, width, generator=g), torch.randn(16 * steps, width, generator=g))
@@ -131,7 +96,7 @@ def _fit(stages: int, width: int, layers: int, steps: int, out: Path) -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=max(1, stages), strategy=strategy, max_steps=steps, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        callbacks=[_Measure(out)],
+        callbacks=[RankMemory(out)],
     )  # fmt: skip
     trainer.fit(WideMLP(width, layers), DataLoader(data, batch_size=16))
 
@@ -187,9 +152,7 @@ def main() -> None:
     if args.quick:
         args.width, args.steps, args.rounds = 512, 2, 1
     torch.set_num_threads(1)
-    # every allocation of 1 MiB or more mapped on its own and unmapped when freed (fixed threshold:
-    # glibc otherwise raises it as large blocks are freed, and serves them from a heap it keeps)
-    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    map_large_allocations()
     print(header(f"pipeline_memory {args.layers} x {args.width}, batch 16, {args.steps} steps"), flush=True)
     print(load_line("start"), flush=True)
     goals = ", ".join(f"pipeline_peak_rss_over_single_K{k} <= {g:.2f}" for k, g in GOALS.items())

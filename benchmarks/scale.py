@@ -1,6 +1,6 @@
 """A scale model: step time and bytes per link of every strategy, calibrated here, validated, projected.
 
-The model (``benchmarks/_scale_model.py``, formulas in its docstring) predicts a step of ddp, ring
+The model (``lightning_strategies/advisor/model.py``, formulas in its docstring) predicts a step of ddp, ring
 (flat and hierarchical), ps (P shards and one server), async and pipeline from a few constants:
 per-message latency and bandwidth of the links (inside and between nodes), host work per message
 and per byte, compute time, and the cores the processes share. On this 2-vCPU machine P = 3 or 4
@@ -71,9 +71,9 @@ from benchmarks._scale_costs import (
     slower,
 )
 from benchmarks._scale_measure import standin_iters, world_worker
-from benchmarks._scale_model import Costs, Link, Prediction, Workload, predict
 from benchmarks._workers import reserved_port, run_workers
 from benchmarks.ps_traffic import resnet50_sizes
+from lightning_strategies.advisor.model import Costs, Link, Prediction, Workload, predict
 
 GOAL = 0.15
 STRATEGIES_MEASURED = ("ddp", "ring", "ps", "ps_1", "async", "pipeline")

@@ -165,9 +165,8 @@ class DevicePrefetcher:
         while upcoming is not None:
             current_stream = torch.cuda.current_stream(self.device)
             current_stream.wait_stream(stream)
-            batch = upcoming
-            _record_stream(batch, current_stream)
-            upcoming = preload()
+            _record_stream(upcoming, current_stream)
+            batch, upcoming = upcoming, preload()
             self._ahead = 0 if upcoming is None else 1
             yield batch
         self._ahead = 0
@@ -230,8 +229,7 @@ _END = object()
 
 
 def _sampler_epoch(loader: DataLoader[Any]) -> int | None:
-    candidates = [loader.sampler, getattr(loader.batch_sampler, "sampler", None)]
-    for sampler in candidates:
+    for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
         epoch = getattr(sampler, "epoch", None)
         if isinstance(epoch, int) and not isinstance(epoch, bool):
             return epoch
@@ -293,9 +291,6 @@ class ResumableDataLoader(DataLoader[Any]):
         return _SkipFirst(super()._index_sampler, self._skip)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        return self._iterate()
-
-    def _iterate(self) -> Iterator[Any]:
         epoch = _sampler_epoch(self)
         skip = self._resume_skip(epoch)
         self._epoch, self._batches, self._complete = epoch, skip, False

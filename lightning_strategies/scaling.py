@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
@@ -27,9 +27,13 @@ __all__ = [
     "scaled_lr",
 ]
 
-ScalingRule = Literal["none", "linear", "sqrt"]
 SCALING_RULES: tuple[str, ...] = ("none", "linear", "sqrt")
 DECAYS: tuple[str, ...] = ("none", "cosine", "step")
+
+
+def _one_of(what: str, value: Any, names: tuple[str, ...], hint: str = "") -> None:
+    if value not in names:
+        raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(names)}{hint}")
 
 
 def _positive_int(name: str, value: Any, fix: str) -> int:
@@ -67,10 +71,7 @@ def scaled_lr(base_lr: float, *, base_batch_size: int, global_batch_size: int, r
     Raises:
         ValueError: for an unknown rule (the valid ones are listed) or non-positive inputs.
     """
-    if rule not in SCALING_RULES:
-        raise ValueError(
-            f"unknown scaling rule {rule!r}; expected one of {', '.join(SCALING_RULES)} (set scaling=none|linear|sqrt)"
-        )
+    _one_of("scaling rule", rule, SCALING_RULES, " (set scaling=none|linear|sqrt)")
     lr = _positive_float("base lr", base_lr, "set optimizer.lr to a positive value")
     base = _positive_int("base batch size", base_batch_size, "set scaling.base_batch_size to 1 or more")
     glob = _positive_int("global batch size", global_batch_size, "check data.batch_size and devices")
@@ -206,8 +207,7 @@ class LinearWarmup(LRScheduler):
             raise ValueError(
                 f"start_factor must be in (0, 1], found {start_factor!r}: warmup starts at or below the target lr"
             )
-        if decay not in DECAYS:
-            raise ValueError(f"unknown decay {decay!r}; expected one of {', '.join(DECAYS)}")
+        _one_of("decay", decay, DECAYS)
         if decay == "cosine" and (total_steps is None or total_steps <= warmup_steps):
             raise ValueError(
                 f"decay='cosine' needs total_steps > warmup_steps, found total_steps={total_steps!r}, "
@@ -259,16 +259,11 @@ class ScalingConfig:
     gamma: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.rule not in SCALING_RULES:
-            raise ValueError(
-                f"unknown scaling rule {self.rule!r}; expected one of {', '.join(SCALING_RULES)} "
-                "(set scaling=none|linear|sqrt)"
-            )
+        _one_of("scaling rule", self.rule, SCALING_RULES, " (set scaling=none|linear|sqrt)")
         _positive_int("scaling.base_batch_size", self.base_batch_size, "set it to the batch the lr was tuned at")
         if not isinstance(self.warmup_epochs, int | float) or self.warmup_epochs < 0:
             raise ValueError(f"scaling.warmup_epochs must be >= 0, found {self.warmup_epochs!r}")
-        if self.decay not in DECAYS:
-            raise ValueError(f"unknown scaling.decay {self.decay!r}; expected one of {', '.join(DECAYS)}")
+        _one_of("scaling.decay", self.decay, DECAYS)
         if not 0 < self.gamma <= 1:
             raise ValueError(f"scaling.gamma must be in (0, 1], found {self.gamma!r}")
         object.__setattr__(self, "milestones", tuple(int(m) for m in self.milestones))

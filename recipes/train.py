@@ -82,6 +82,11 @@ def _output_dir(cfg: DictConfig) -> Path:
 def _strategy_name(cfg: DictConfig, strategy: Any) -> str:
     if HydraConfig.initialized():
         choice = HydraConfig.get().runtime.choices.get("strategy")
+        if choice == "advised":  # name what the advisor chose (every rank built the same, recipes.advise)
+            from recipes.advise import ENV
+
+            chosen = json.loads(os.environ.get(ENV) or "{}").get("name")
+            return f"advised:{chosen}" if chosen else "advised"
         if choice:
             return str(choice)
     return type(strategy).__name__

@@ -74,7 +74,9 @@ def _process_groups() -> list[dist.ProcessGroup]:
     if not dist.is_available() or not dist.is_initialized():
         return []
     world = dist.distributed_c10d._world
-    groups = sorted(world.pg_names, key=lambda g: world.pg_names[g]) if hasattr(world, "pg_names") else []
+    names = getattr(world, "pg_names", {})
+    # torch names a new group by a counter ("0", "1", ...): numeric names sort as numbers ("2" before "10")
+    groups = sorted(names, key=lambda g: (0, int(names[g]), "") if names[g].isdigit() else (1, 0, names[g]))
     default = dist.group.WORLD
     if default is not None and default not in groups:
         groups.insert(0, default)
@@ -89,9 +91,8 @@ def _store_port(diagnosis: PeerDiagnosis | None) -> int | None:
             return int(base.port)
     except Exception:  # no default group (a direct caller): fall back to the diagnosis's address
         pass
-    if diagnosis is not None and diagnosis.store_host.rpartition(":")[2].isdigit():
-        return int(diagnosis.store_host.rpartition(":")[2])
-    return None
+    port = diagnosis.store_host.rpartition(":")[2] if diagnosis is not None else ""
+    return int(port) if port.isdigit() else None
 
 
 def _sockets_of(pid: int | str) -> dict[str, str]:

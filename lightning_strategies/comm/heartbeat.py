@@ -18,6 +18,7 @@ import time
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -273,10 +274,16 @@ class Heartbeat:
         peers = [r for r in range(self.world) if r != self.rank]
         keys = [f"beat/{r}" for r in peers] + [f"mark/{r}" for r in peers]
         start = time.monotonic()
+
+        def diagnosis(**found: Any) -> PeerDiagnosis:
+            waited = time.monotonic() - start
+            return PeerDiagnosis(
+                self.rank, self.world, store_host=self.store_host, store_rank=self.store_rank, waited=waited, **found
+            )
+
         try:
             for r in self._absent(peers, ("beat", "mark")):  # a peer that never started its heartbeat
-                self.store.add(f"beat/{r}", 0)  # creates the keys (0), as its start would: multi_get waits for none
-                self.store.add(f"mark/{r}", 0)
+                _create_keys(self.store, r)  # as its start would: multi_get waits for none
             poll = time.monotonic()
             first, marks = self._poll(keys, peers)
             slowest = time.monotonic() - poll
@@ -292,23 +299,11 @@ class Heartbeat:
                 suspects = {r for r in suspects if beats[r] == first[r] and not marks[r]}
             failed = self._reasons([r for r, m in marks.items() if m == _FAILED])
         except Exception as err:
-            return PeerDiagnosis(
-                self.rank,
-                self.world,
-                store_error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
-                store_host=self.store_host,
-                store_rank=self.store_rank,
-                waited=time.monotonic() - start,
-            )
-        return PeerDiagnosis(
-            self.rank,
-            self.world,
+            return diagnosis(store_error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+        return diagnosis(
             lost=tuple(sorted(r for r in suspects if not marks[r])),
             failed=failed,
             finished=tuple(sorted(r for r, m in marks.items() if m == _FINISHED)),
-            store_host=self.store_host,
-            store_rank=self.store_rank,
-            waited=time.monotonic() - start,
         )
 
     def _poll(self, keys: list[str], peers: list[int]) -> tuple[dict[int, int], dict[int, int]]:

@@ -188,8 +188,7 @@ def raise_peer_lost(heartbeat: Callable[[], _Beat | None], strategy: Callable[[]
         _set_reported(lost)
         raise lost from err
     beat = heartbeat()
-    found = beat.found if beat is not None else None
-    if beat is not None and found is not None:
+    if beat is not None and (found := beat.found) is not None:
         text = found.describe(strategy()) or f"{strategy()}: the peer watch aborted the communication"
         lost = PeerLostError(text, ranks=found.gone, strategy=strategy(), diagnosis=found)
         beat.report_failure(_lost_reason(found, strategy()))

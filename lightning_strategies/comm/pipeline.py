@@ -11,6 +11,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -59,12 +60,9 @@ def partition_blocks(costs: Sequence[float], parts: int) -> list[int]:
             "Fix: use fewer stages (num_stages x stages_per_rank), or split the model into more blocks "
             "in pipeline_layers()."
         )
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-    inf = math.inf
+    prefix = [0.0, *accumulate(float(c) for c in costs)]
     # best[k][i]: the smallest possible largest group cost of the first i blocks in k groups
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    best = [[math.inf] * (n + 1) for _ in range(parts + 1)]
     cut = [[0] * (n + 1) for _ in range(parts + 1)]
     best[0][0] = 0.0
     for k in range(1, parts + 1):
@@ -145,13 +143,13 @@ class _Timer:
     """
 
     def __init__(self, device: torch.device) -> None:
-        self._cuda = torch.device(device).type == "cuda"
         self._device = torch.device(device)
+        self._cuda = self._device.type == "cuda"
         self._seconds = 0.0
         self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def start(self) -> tuple[float, Any]:
-        if not self._cuda:
+        if self._device.type != "cuda":
             return time.perf_counter(), None
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self._device))
@@ -270,13 +268,10 @@ class PipelineRuntime:
         self._autocast = autocast
         self._loss_scaler = loss_scaler
         self._raw_losses: list[Tensor] = []
-        bounds = [0]
-        for c in counts:
-            bounds.append(bounds[-1] + c)
         self.blocks = blocks
-        self.bounds = bounds
+        self.bounds = [0, *accumulate(counts)]
         self.stage_indices = list(range(self.group_rank, self.num_stages, self.group_size))
-        self.submodules = [nn.Sequential(*blocks[bounds[s] : bounds[s + 1]]) for s in self.stage_indices]
+        self.submodules = [nn.Sequential(*blocks[self.bounds[s] : self.bounds[s + 1]]) for s in self.stage_indices]
         for stage, submodule in zip(self.stage_indices, self.submodules, strict=True):
             if any(t.is_meta for t in (*submodule.parameters(), *submodule.buffers())):
                 raise ValueError(
@@ -437,17 +432,16 @@ class PipelineRuntime:
         if self.group_size == 1:
             assert tensor is not None
             return tensor
-        src = dist.get_global_rank(self.group, self.last_rank)
         meta = self._output_meta.get(key) if key is not None else None
         if meta is None:
             box: list[Any] = [(tuple(tensor.shape), tensor.dtype) if tensor is not None else None]
-            dist.broadcast_object_list(box, src=src, group=self.group, device=self.device)
+            dist.broadcast_object_list(box, group=self.group, device=self.device, group_src=self.last_rank)
             meta = box[0]
             if key is not None:
                 self._output_meta[key] = meta
         shape, dtype = meta
         tensor = torch.empty(shape, dtype=dtype, device=self.device) if tensor is None else tensor.contiguous()
-        dist.broadcast(tensor, src=src, group=self.group)
+        dist.broadcast(tensor, group=self.group, group_src=self.last_rank)
         return tensor
 
     # -- collectives over the pipeline's group (every rank of the group calls them) -----------------

@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -65,10 +66,7 @@ class StageLayout:
     @property
     def bounds(self) -> list[int]:
         """Index of each stage's first block, and the number of blocks at the end."""
-        out = [0]
-        for c in self.counts:
-            out.append(out[-1] + c)
-        return out
+        return [0, *accumulate(self.counts)]
 
     def blocks(self, stage: int) -> range:
         """The block indices of ``stage``."""
@@ -94,28 +92,20 @@ class StageLayout:
         return [i for s in self.stages_of(rank) for i in self.blocks(s)]
 
 
-_Slot = tuple[nn.Module, str, bool]  # (module owning the tensor, its attribute name, is a parameter)
+_Slot = tuple[nn.Module, str, bool, Tensor]  # (module owning the tensor, its attribute name, is a parameter, it)
 
 
 def _slots(module: nn.Module) -> list[_Slot]:
     out: list[_Slot] = []
     for m in module.modules():
-        out += [(m, name, True) for name, p in m._parameters.items() if p is not None]
-        out += [(m, name, False) for name, b in m._buffers.items() if b is not None]
+        out += [(m, name, True, p) for name, p in m._parameters.items() if p is not None]
+        out += [(m, name, False, b) for name, b in m._buffers.items() if b is not None]
     return out
 
 
 def tensors_of(module: nn.Module) -> list[Tensor]:
     """``module``'s parameters and buffers, each once, in the order every rank sends and receives them."""
-    seen: set[int] = set()
-    out: list[Tensor] = []
-    for m, name, is_param in _slots(module):
-        t = m._parameters[name] if is_param else m._buffers[name]
-        assert t is not None
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
+    return list({id(t): t for *_, t in _slots(module)}.values())
 
 
 def is_materialized(module: nn.Module) -> bool:
@@ -128,9 +118,7 @@ def _replace(module: nn.Module, make: Callable[[Tensor], Tensor | None]) -> list
     for every replaced parameter (optimizers hold parameters by identity: the caller swaps them there)."""
     memo: dict[int, Tensor] = {}
     replaced: list[tuple[Tensor, Tensor]] = []
-    for m, name, is_param in _slots(module):
-        old = m._parameters[name] if is_param else m._buffers[name]
-        assert old is not None
+    for m, name, is_param, old in _slots(module):
         if id(old) not in memo:
             made = make(old)
             if made is None:
@@ -189,18 +177,8 @@ def initialize(module: nn.Module) -> None:
 
 def held_bytes(tensors: Iterable[Tensor | None]) -> int:
     """Bytes of the tensors that have storage here (``meta`` and ``None`` count zero), each once."""
-    seen: set[int] = set()
-    total = 0
-    for t in tensors:
-        if t is None or t.is_meta or id(t) in seen:
-            continue
-        seen.add(id(t))
-        total += t.numel() * t.element_size()
-    return total
-
-
-def _global(group: dist.ProcessGroup, rank: int) -> int:
-    return dist.get_global_rank(group, rank)
+    held = {id(t): t for t in tensors if t is not None and not t.is_meta}
+    return sum(t.numel() * t.element_size() for t in held.values())
 
 
 def distribute_blocks(
@@ -240,32 +218,31 @@ def distribute_blocks(
                     move_to(block, device)
                 else:
                     for t in tensors_of(block):
-                        dist.send(t.detach().to(device).contiguous(), dst=_global(pp_group, owner), group=pp_group)
+                        dist.send(t.detach().to(device).contiguous(), group=pp_group, group_dst=owner)
                     to_meta(block)
             else:  # the owner in replica 0
                 materialize(block, device, fresh=True)
                 with torch.no_grad():
                     for t in tensors_of(block):
-                        dist.recv(t, src=_global(pp_group, 0), group=pp_group)
+                        dist.recv(t, group=pp_group, group_src=0)
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        src = _global(dp_group, 0)
         with torch.no_grad():
             for i in layout.blocks_of(pp_rank):
                 for t in tensors_of(blocks[i]):
-                    dist.broadcast(t, src=src, group=dp_group)
+                    dist.broadcast(t, group=dp_group, group_src=0)
 
 
 def _send_with_meta(tensor: Tensor, dst: int, group: dist.ProcessGroup, device: torch.device) -> None:
-    dist.send_object_list([(tuple(tensor.shape), tensor.dtype)], dst=dst, group=group, device=device)
-    dist.send(tensor.contiguous(), dst=dst, group=group)
+    dist.send_object_list([(tuple(tensor.shape), tensor.dtype)], group=group, device=device, group_dst=dst)
+    dist.send(tensor.contiguous(), group=group, group_dst=dst)
 
 
 def _recv_with_meta(src: int, group: dist.ProcessGroup, device: torch.device) -> Tensor:
     box: list[Any] = [None]
-    dist.recv_object_list(box, src=src, group=group, device=device)
+    dist.recv_object_list(box, group=group, device=device, group_src=src)
     shape, dtype = box[0]
     out = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(out, src=src, group=group)
+    dist.recv(out, group=group, group_src=src)
     return out
 
 
@@ -288,18 +265,17 @@ def profile_stages(
     seconds = torch.zeros(len(blocks), dtype=torch.float64, device=device)
     x = sample
     for stage in range(layout.num_stages):
-        owner = layout.owner(stage)
-        if owner != rank:
+        if layout.owner(stage) != rank:
             continue
         if stage > 0 and layout.owner(stage - 1) != rank:
-            x = _recv_with_meta(_global(group, layout.owner(stage - 1)), group, device)
+            x = _recv_with_meta(layout.owner(stage - 1), group, device)
         assert x is not None, "the rank holding stage 0 gives the sample"
         span = layout.blocks(stage)
         with autocast() if autocast is not None else nullcontext():
             measured, x = profile(nn.Sequential(*blocks[span.start : span.stop]), x)
         seconds[span.start : span.stop] = torch.tensor(measured, dtype=torch.float64, device=device)
         if stage + 1 < layout.num_stages and layout.owner(stage + 1) != rank:
-            _send_with_meta(x, _global(group, layout.owner(stage + 1)), group, device)
+            _send_with_meta(x, layout.owner(stage + 1), group, device)
     if dist.get_world_size(group) > 1:
         dist.all_reduce(seconds, group=group)  # each block measured by one rank: the sum is its time
     return seconds
@@ -324,17 +300,17 @@ def move_blocks(
         params = [t for t in tensors_of(block) if isinstance(t, nn.Parameter)]
         if rank == a:
             for t in tensors_of(block):
-                dist.send(t.detach().to(device).contiguous(), dst=_global(group, b), group=group)
+                dist.send(t.detach().to(device).contiguous(), group=group, group_dst=b)
             pairs = to_meta(block)
             states = [[_cpu(opt.state.pop(p, {})) for p in params] for opt in optimizers]
-            dist.send_object_list([states], dst=_global(group, b), group=group, device=device)
+            dist.send_object_list([states], group=group, device=device, group_dst=b)
         else:
             pairs = materialize(block, device, fresh=True)
             with torch.no_grad():
                 for t in tensors_of(block):
-                    dist.recv(t, src=_global(group, a), group=group)
+                    dist.recv(t, group=group, group_src=a)
             box: list[Any] = [None]
-            dist.recv_object_list(box, src=_global(group, a), group=group, device=device)
+            dist.recv_object_list(box, group=group, device=device, group_src=a)
             by_old = dict((id(o), n) for o, n in pairs)
             for opt, opt_states in zip(optimizers, box[0], strict=True):
                 for p, state in zip(params, opt_states, strict=True):
@@ -372,9 +348,7 @@ class Spill:
 
     def add(self, key: int, tensor: Tensor) -> None:
         """Keep ``tensor`` (a snapshot: a device tensor is copied to the host) under ``key``."""
-        value = tensor.detach()
-        if value.device.type != "cpu":
-            value = value.cpu()
+        value = tensor.detach().cpu()  # no copy of a CPU tensor
         self._pending[key] = value
         self._bytes += value.numel() * value.element_size()
         if self._bytes >= self._chunk_bytes:
@@ -429,10 +403,10 @@ def gather_state_dict(
                 spill.add(i, value)
             else:
                 buffer = torch.empty(value.shape, dtype=value.dtype, device=device)
-                dist.recv(buffer, src=_global(group, owner), group=group)
+                dist.recv(buffer, group=group, group_src=owner)
                 spill.add(i, buffer)
         elif rank == owner:
-            dist.send(value.detach().to(device).contiguous(), dst=_global(group, 0), group=group)
+            dist.send(value.detach().to(device).contiguous(), group=group, group_dst=0)
     if spill is None:
         return {}
     tensors = spill.finish()
@@ -465,12 +439,12 @@ def gather_optimizer_state(
     rank = dist.get_rank(group)
     mine = state_dict["state"]
     parts: list[Any] = [None] * dist.get_world_size(group) if rank == 0 else []
-    dist.gather_object(_describe(mine), parts if rank == 0 else None, dst=_global(group, 0), group=group)
+    dist.gather_object(_describe(mine), parts if rank == 0 else None, group=group, group_dst=0)
     if rank != 0:
         for index in sorted(mine):
             for value in mine[index].values():
                 if isinstance(value, Tensor):
-                    dist.send(value.detach().to(device).contiguous(), dst=_global(group, 0), group=group)
+                    dist.send(value.detach().to(device).contiguous(), group=group, group_dst=0)
         return {}
     where = {index: (owner, entry) for owner, part in enumerate(parts) for index, entry in part.items()}
     spill = Spill(spill_dir)
@@ -488,7 +462,7 @@ def gather_optimizer_state(
             else:
                 _, shape, dtype = spec
                 buffer = torch.empty(shape, dtype=dtype, device=device)
-                dist.recv(buffer, src=_global(group, owner), group=group)
+                dist.recv(buffer, group=group, group_src=owner)
                 spill.add(len(slots), buffer)
             slots.append((index, key))
     tensors = spill.finish()

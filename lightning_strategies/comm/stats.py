@@ -40,9 +40,7 @@ class CommStats:
     @property
     def intra_node_bytes_received(self) -> int | None:
         """Of ``bytes_received``, those from this node (``None``: not split)."""
-        if self.inter_node_bytes_received is None:
-            return None
-        return self.bytes_received - self.inter_node_bytes_received
+        return None if self.inter_node_bytes_received is None else self.bytes_received - self.inter_node_bytes_received
 
     def __add__(self, other: CommStats) -> CommStats:
         if not isinstance(other, CommStats):
@@ -75,8 +73,6 @@ class CommStats:
         (the four node-split keys only when the counts are split)."""
         out = {f"{prefix}{f.name}": float(getattr(self, f.name)) for f in fields(self) if f.name not in _SPLIT}
         if self.inter_node_bytes_sent is not None and self.inter_node_bytes_received is not None:
-            out[f"{prefix}inter_node_bytes_sent"] = float(self.inter_node_bytes_sent)
-            out[f"{prefix}inter_node_bytes_received"] = float(self.inter_node_bytes_received)
-            out[f"{prefix}intra_node_bytes_sent"] = float(self.bytes_sent - self.inter_node_bytes_sent)
-            out[f"{prefix}intra_node_bytes_received"] = float(self.bytes_received - self.inter_node_bytes_received)
+            for name in (*_SPLIT, "intra_node_bytes_sent", "intra_node_bytes_received"):
+                out[f"{prefix}{name}"] = float(getattr(self, name))
         return out

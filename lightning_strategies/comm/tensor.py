@@ -11,7 +11,7 @@ gives the module back whole.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,6 @@ __all__ = [
     "TensorParallelModule",
     "TensorParallelStats",
     "activation_bytes_per_step",
-    "all_reduce_bytes_sent",
     "auto_plan",
     "check_plan",
     "full_tensor",
@@ -140,11 +139,6 @@ def ring_all_reduce_bytes(payload: int, group_size: int) -> int:
     return 2 * (group_size - 1) * payload // group_size if group_size > 1 else 0
 
 
-def all_reduce_bytes_sent(payload: int, group_size: int) -> int:
-    """Alias of :func:`ring_all_reduce_bytes` (the model the strategy's ``comm/bytes_sent`` uses)."""
-    return ring_all_reduce_bytes(payload, group_size)
-
-
 def _all_gather_bytes(full_payload: int, group_size: int) -> int:
     return (group_size - 1) * full_payload // group_size if group_size > 1 else 0
 
@@ -203,6 +197,15 @@ def _settled(t: Tensor) -> Tensor:
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
+def _timed_replicate(t: DTensor, mesh: DeviceMesh, model: Callable[[int, int], int]) -> tuple[Tensor, CommStats]:
+    """``t`` made whole on every rank (an all-reduce or all-gather), and that collective: ``model(payload bytes,
+    ranks)`` bytes each way."""
+    t0 = time.perf_counter()
+    full = _settled(t.redistribute(mesh, (Replicate(),)).to_local())
+    sent = model(full.numel() * full.element_size(), mesh.size())
+    return full, CommStats(bytes_sent=sent, bytes_received=sent, calls=1, seconds=time.perf_counter() - t0)
+
+
 class _ReplicateInput(torch.autograd.Function):
     """``DTensor.from_local(x, mesh, [Replicate()])`` whose backward all-reduce (Megatron's ``f``, summing a
     column-parallel layer's partial input gradients) is timed and counted."""
@@ -218,23 +221,15 @@ class _ReplicateInput(torch.autograd.Function):
             return grad, None, None
         if not grad.placements[0].is_partial():
             return _settled(grad.to_local()), None, None
-        t0 = time.perf_counter()
-        local = _settled(grad.redistribute(ctx.mesh, (Replicate(),)).to_local())
-        stats: TensorParallelStats = ctx.stats
-        payload = local.numel() * local.element_size()
-        stats.backward += CommStats(
-            bytes_sent=ring_all_reduce_bytes(payload, ctx.mesh.size()),
-            bytes_received=ring_all_reduce_bytes(payload, ctx.mesh.size()),
-            calls=1,
-            seconds=time.perf_counter() - t0,
-        )
+        local, comm = _timed_replicate(grad, ctx.mesh, ring_all_reduce_bytes)
+        ctx.stats.backward += comm
         return local, None, None
 
 
 class _StyleHooks:
     """Partitions a linear layer as torch's style does and installs timed input/output hooks."""
 
-    style: str = ""
+    src_data_rank: int | None = None  # each rank cuts its shard from its own copy
 
     def _install(self, module: nn.Module, mesh: DeviceMesh, stats: TensorParallelStats) -> list[RemovableHandle]:
         self._partition_linear_fn("", module, mesh)  # type: ignore[attr-defined]
@@ -249,10 +244,6 @@ class _StyleHooks:
         raise NotImplementedError
 
 
-def _count_forward(stats: TensorParallelStats, t0: float, sent: int) -> None:
-    stats.forward += CommStats(bytes_sent=sent, bytes_received=sent, calls=1, seconds=time.perf_counter() - t0)
-
-
 class _TimedColwise(_StyleHooks, ColwiseParallel):
     """Column-parallel: weight and bias ``Shard(0)``; input replicated (gradient all-reduced in
     backward); output split on the last dim (``colwise``) or all-gathered (``colwise_gather``)."""
@@ -260,7 +251,6 @@ class _TimedColwise(_StyleHooks, ColwiseParallel):
     def __init__(self, *, gather: bool) -> None:
         super().__init__()
         self.gather = gather
-        self.style = "colwise_gather" if gather else "colwise"
 
     def _input(self, inputs: tuple[Any, ...], mesh: DeviceMesh, stats: TensorParallelStats) -> tuple[Any, ...]:
         x = inputs[0]
@@ -273,18 +263,14 @@ class _TimedColwise(_StyleHooks, ColwiseParallel):
     def _output(self, out: DTensor, mesh: DeviceMesh, stats: TensorParallelStats) -> Tensor:
         if not self.gather:
             return out.to_local()
-        t0 = time.perf_counter()
-        full = _settled(out.redistribute(mesh, (Replicate(),)).to_local())
-        payload = full.numel() * full.element_size()
-        _count_forward(stats, t0, _all_gather_bytes(payload, mesh.size()))
+        full, comm = _timed_replicate(out, mesh, _all_gather_bytes)
+        stats.forward += comm
         return full
 
 
 class _TimedRowwise(_StyleHooks, RowwiseParallel):
     """Row-parallel: weight ``Shard(1)``, bias replicated; input split on the last dim; the partial
     outputs all-reduced in forward (Megatron's ``g``; its backward needs no communication)."""
-
-    style = "rowwise"
 
     def _install(self, module: nn.Module, mesh: DeviceMesh, stats: TensorParallelStats) -> list[RemovableHandle]:
         self.desired_input_layouts = (Shard(-1),)
@@ -297,17 +283,9 @@ class _TimedRowwise(_StyleHooks, RowwiseParallel):
         return (DTensor.from_local(x, mesh, (Shard(-1),), run_check=False), *inputs[1:])
 
     def _output(self, out: DTensor, mesh: DeviceMesh, stats: TensorParallelStats) -> Tensor:
-        t0 = time.perf_counter()
-        full = _settled(out.redistribute(mesh, (Replicate(),)).to_local())
-        payload = full.numel() * full.element_size()
-        _count_forward(stats, t0, ring_all_reduce_bytes(payload, mesh.size()))
+        full, comm = _timed_replicate(out, mesh, ring_all_reduce_bytes)
+        stats.forward += comm
         return full
-
-
-def _style(name: str) -> _StyleHooks:
-    if name == "rowwise":
-        return _TimedRowwise()
-    return _TimedColwise(gather=name == "colwise_gather")
 
 
 class TensorParallelModule:
@@ -328,7 +306,8 @@ class TensorParallelModule:
         self._handles: list[RemovableHandle] = []
         modules = dict(module.named_modules())
         for name, style in self.plan.items():
-            self._handles += _style(style)._install(modules[name], mesh, self.stats)
+            hooks = _TimedRowwise() if style == "rowwise" else _TimedColwise(gather=style == "colwise_gather")
+            self._handles += hooks._install(modules[name], mesh, self.stats)
 
     @property
     def tp_size(self) -> int:
@@ -363,10 +342,6 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, str]) ->
     return TensorParallelModule(module, mesh, plan)
 
 
-for _cls in (_TimedColwise, _TimedRowwise):
-    _cls.src_data_rank = None  # each rank cuts its shard from its own copy
-
-
 def is_sharded(t: Tensor) -> bool:
     """Whether ``t`` is a ``DTensor`` split over its mesh (some ``Shard`` placement)."""
     return isinstance(t, DTensor) and any(p.is_shard() for p in t.placements)
@@ -383,15 +358,13 @@ def full_tensor(t: Tensor, *, dst: int | None = 0) -> Tensor | None:
     if not isinstance(t, DTensor):
         return t
     if dst is None or not is_sharded(t):
-        full = _settled(t.full_tensor()) if dst is None else _settled(t.to_local())
-        return full
+        return _settled(t.full_tensor()) if dst is None else _settled(t.to_local())
     mesh = t.device_mesh
     group = mesh.get_group()
     dim = next(p.dim for p in t.placements if p.is_shard())  # type: ignore[attr-defined]
     local = _settled(t.to_local()).contiguous()
-    rank = dist.get_rank(group)
-    parts = [torch.empty_like(local) for _ in range(mesh.size())] if rank == dst else None
-    dist.gather(local, parts, dst=dist.get_global_rank(group, dst), group=group)
+    parts = [torch.empty_like(local) for _ in range(mesh.size())] if dist.get_rank(group) == dst else None
+    dist.gather(local, parts, group=group, group_dst=dst)
     return torch.cat(parts, dim=dim) if parts is not None else None
 
 

@@ -3,12 +3,15 @@ share: torch's optimizer conventions, the ``foreach`` decision, CPU cache blocki
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, ClassVar, cast
+from dataclasses import dataclass, fields
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
+from typing_extensions import Self
 
 __all__: list[str] = []
 
@@ -19,10 +22,8 @@ _FOREACH_TYPES = (Tensor, torch.nn.Parameter)
 
 
 class _LayerwiseOptimizer(Optimizer):
-    """The torch conventions Lamb and Lars share; ``_GROUP_DEFAULTS`` fills in options added after a checkpoint was
-    written, so old optimizer states load."""
-
-    _GROUP_DEFAULTS: ClassVar[dict[str, Any]] = {}
+    """The torch conventions Lamb and Lars share. Options an older checkpoint may lack, every keyword-only one of the
+    constructor and ``layer_adaptation``, are filled in at their defaults, so old optimizer states load."""
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
         # the constructor's values are checked first, so their errors name no param group
@@ -39,8 +40,10 @@ class _LayerwiseOptimizer(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        for group in self.param_groups:
-            for key, value in self._GROUP_DEFAULTS.items():
+        options = inspect.signature(type(self).__init__).parameters.values()
+        later = {p.name: p.default for p in options if p.kind is p.KEYWORD_ONLY} | {"layer_adaptation": True}
+        for group in [self.defaults, *self.param_groups]:
+            for key, value in later.items():
                 group.setdefault(key, value)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -71,6 +74,16 @@ class _LayerwiseOptimizer(Optimizer):
                 loss = closure()
         self._update()
         return loss
+
+
+@dataclass(frozen=True)
+class _GroupOptions:
+    """A param group's hyperparameters as plain Python scalars, read once per step: each field is the group's key
+    of that name, as a ``bool`` or a ``float`` (its annotation)."""
+
+    @classmethod
+    def from_group(cls, group: dict[str, Any]) -> Self:
+        return cls(**{f.name: bool(group[f.name]) if f.type == "bool" else float(group[f.name]) for f in fields(cls)})
 
 
 # ---- the foreach decision, norms, the global clip factor ----------------------------------

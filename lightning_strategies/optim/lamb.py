@@ -9,15 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
+from typing_extensions import Self
 
 from lightning_strategies.optim._foreach import (
     _cache_block_elements,
     _global_clip_factor,
+    _GroupOptions,
     _is_real_number,
     _LayerwiseOptimizer,
     _norm_dtype,
@@ -104,20 +106,31 @@ class Lamb(_LayerwiseOptimizer):
         }
         super().__init__(params, defaults)
 
-    _GROUP_DEFAULTS: ClassVar[dict[str, Any]] = {
-        "bias_correction": True,
-        "trust_clip": False,
-        "layer_adaptation": True,
-        "max_grad_norm": None,
-        "foreach": None,
-    }
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self.defaults.setdefault("max_grad_norm", None)
-
     def _validate_group(self, group: dict[str, Any], *, where: str) -> None:
-        _validate_lamb(group, where=where)
+        _require_nonnegative(group, "lr", "learning rate", where)
+        _require_nonnegative(group, "eps", "epsilon value", where)
+        _require_nonnegative(group, "weight_decay", "weight_decay value", where)
+        betas = group["betas"]
+        _require_valid(
+            isinstance(betas, Sequence) and not isinstance(betas, str) and len(betas) == 2,
+            "betas",
+            betas,
+            "a pair (beta1, beta2) such as (0.9, 0.999)",
+            where,
+        )
+        for i, beta in enumerate(betas):
+            ok = _is_real_number(beta) and 0.0 <= beta < 1.0
+            _require_valid(ok, f"beta parameter at index {i}", beta, "0 <= beta < 1", where)
+        mgn = group["max_grad_norm"]
+        _require_valid(
+            mgn is None or (_is_real_number(mgn) and mgn > 0.0),
+            "max_grad_norm value",
+            mgn,
+            "None (no pre-normalisation) or a float > 0",
+            where,
+        )
+        _require_flags(group, ("bias_correction", "trust_clip", "layer_adaptation"), where)
+        _require_foreach_option(group, where)
 
     def _init_group(self, group: dict[str, Any]) -> _LambGroup:
         out = _LambGroup()
@@ -174,9 +187,7 @@ class _LambGroup:
 
 
 @dataclass(frozen=True)
-class _LambOptions:
-    """One param group's hyperparameters as plain Python scalars, read once per step."""
-
+class _LambOptions(_GroupOptions):
     lr: float
     beta1: float
     beta2: float
@@ -187,18 +198,9 @@ class _LambOptions:
     layer_adaptation: bool
 
     @classmethod
-    def from_group(cls, group: dict[str, Any]) -> _LambOptions:
+    def from_group(cls, group: dict[str, Any]) -> Self:
         beta1, beta2 = group["betas"]
-        return cls(
-            lr=float(group["lr"]),
-            beta1=float(beta1),
-            beta2=float(beta2),
-            eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
-            bias_correction=bool(group["bias_correction"]),
-            trust_clip=bool(group["trust_clip"]),
-            layer_adaptation=bool(group["layer_adaptation"]),
-        )
+        return super().from_group({**group, "beta1": beta1, "beta2": beta2})
 
 
 def _bias_terms(steps: Sequence[Tensor], o: _LambOptions) -> tuple[list[float], list[float]]:
@@ -295,30 +297,3 @@ def _lamb_direction(
         rs = list(torch._foreach_div(ms, denom))
         torch._foreach_mul_(rs, c)  # r = c m / denom = m^/(sqrt(v^)+eps)
     return rs
-
-
-def _validate_lamb(group: dict[str, Any], *, where: str) -> None:
-    _require_nonnegative(group, "lr", "learning rate", where)
-    _require_nonnegative(group, "eps", "epsilon value", where)
-    _require_nonnegative(group, "weight_decay", "weight_decay value", where)
-    betas = group["betas"]
-    _require_valid(
-        isinstance(betas, Sequence) and not isinstance(betas, str) and len(betas) == 2,
-        "betas",
-        betas,
-        "a pair (beta1, beta2) such as (0.9, 0.999)",
-        where,
-    )
-    for i, beta in enumerate(betas):
-        ok = _is_real_number(beta) and 0.0 <= beta < 1.0
-        _require_valid(ok, f"beta parameter at index {i}", beta, "0 <= beta < 1", where)
-    mgn = group["max_grad_norm"]
-    _require_valid(
-        mgn is None or (_is_real_number(mgn) and mgn > 0.0),
-        "max_grad_norm value",
-        mgn,
-        "None (no pre-normalisation) or a float > 0",
-        where,
-    )
-    _require_flags(group, ("bias_correction", "trust_clip", "layer_adaptation"), where)
-    _require_foreach_option(group, where)

@@ -7,7 +7,7 @@ with torch's SGD momentum convention on top (as in NVIDIA's LARC and timm's ``op
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -15,6 +15,7 @@ from torch.optim.optimizer import Optimizer, ParamsT
 
 from lightning_strategies.optim._foreach import (
     _cache_block_elements,
+    _GroupOptions,
     _is_real_number,
     _LayerwiseOptimizer,
     _norm_dtype,
@@ -38,7 +39,7 @@ class Lars(_LayerwiseOptimizer):
     .. math::
         \text{local} &= \eta_{tc} \, \|x\| / (\|g\| + \lambda \|x\| + \epsilon)
             \quad (1 \text{ if } \|x\| = 0 \text{ or } \|g\| = 0;
-            \min(\cdot, 1) \text{ with trust\_clip}; 1 \text{ if layer\_adaptation is False}) \\
+            \min(\cdot / \gamma, 1) \text{ with trust\_clip}; 1 \text{ if layer\_adaptation is False}) \\
         d &= \text{local} \cdot (g + \lambda x) \\
         b &\leftarrow \mu b + d \quad (b = d \text{ at the first step, as torch's SGD}) \\
         d &\leftarrow d + \mu b \text{ (nesterov)} \quad\text{or}\quad d \leftarrow b \\
@@ -93,17 +94,23 @@ class Lars(_LayerwiseOptimizer):
         }
         super().__init__(params, defaults)
 
-    _GROUP_DEFAULTS: ClassVar[dict[str, Any]] = {
-        "trust_coefficient": 0.001,
-        "eps": 1e-8,
-        "nesterov": False,
-        "trust_clip": False,
-        "layer_adaptation": True,
-        "foreach": None,
-    }
-
     def _validate_group(self, group: dict[str, Any], *, where: str) -> None:
-        _validate_lars(group, where=where)
+        momentum, tc = group["momentum"], group["trust_coefficient"]
+        _require_nonnegative(group, "lr", "learning rate", where)
+        ok = _is_real_number(momentum) and 0.0 <= momentum < 1.0
+        _require_valid(ok, "momentum value", momentum, "0 <= momentum < 1", where)
+        _require_nonnegative(group, "weight_decay", "weight_decay value", where)
+        _require_valid(
+            _is_real_number(tc) and tc > 0.0, "trust_coefficient value", tc, "a float > 0 (the paper uses 0.001)", where
+        )
+        _require_nonnegative(group, "eps", "epsilon value", where)
+        _require_flags(group, ("nesterov", "trust_clip", "layer_adaptation"), where)
+        if group["nesterov"] and momentum <= 0.0:
+            raise ValueError(
+                f"{where}Invalid nesterov value: True with momentum={momentum!r}; Nesterov momentum needs "
+                "momentum > 0. Set momentum (e.g. 0.9) or nesterov=False."
+            )
+        _require_foreach_option(group, where)
 
     def _update(self) -> None:
         # every group checked before any is updated: an error leaves no half-applied step
@@ -125,9 +132,7 @@ class Lars(_LayerwiseOptimizer):
 
 
 @dataclass(frozen=True)
-class _LarsOptions:
-    """One param group's hyperparameters as plain Python scalars, read once per step."""
-
+class _LarsOptions(_GroupOptions):
     lr: float
     momentum: float
     weight_decay: float
@@ -136,19 +141,6 @@ class _LarsOptions:
     nesterov: bool
     trust_clip: bool
     layer_adaptation: bool
-
-    @classmethod
-    def from_group(cls, group: dict[str, Any]) -> _LarsOptions:
-        return cls(
-            lr=float(group["lr"]),
-            momentum=float(group["momentum"]),
-            weight_decay=float(group["weight_decay"]),
-            trust_coefficient=float(group["trust_coefficient"]),
-            eps=float(group["eps"]),
-            nesterov=bool(group["nesterov"]),
-            trust_clip=bool(group["trust_clip"]),
-            layer_adaptation=bool(group["layer_adaptation"]),
-        )
 
 
 def _local_lrs(w_norms: Tensor, g_norms: Tensor, o: _LarsOptions) -> Tensor:
@@ -239,22 +231,3 @@ def _multi_tensor_lars(params: list[Tensor], grads: list[Tensor], bufs: list[Ten
                     torch._foreach_add_(x_views[part], steps, alpha=-o.lr)  # x = x - lr d
                 else:
                     torch._foreach_add_(x_views[part], b_views, alpha=-o.lr)  # x = x - lr b
-
-
-def _validate_lars(group: dict[str, Any], *, where: str) -> None:
-    momentum, tc = group["momentum"], group["trust_coefficient"]
-    _require_nonnegative(group, "lr", "learning rate", where)
-    ok = _is_real_number(momentum) and 0.0 <= momentum < 1.0
-    _require_valid(ok, "momentum value", momentum, "0 <= momentum < 1", where)
-    _require_nonnegative(group, "weight_decay", "weight_decay value", where)
-    _require_valid(
-        _is_real_number(tc) and tc > 0.0, "trust_coefficient value", tc, "a float > 0 (the paper uses 0.001)", where
-    )
-    _require_nonnegative(group, "eps", "epsilon value", where)
-    _require_flags(group, ("nesterov", "trust_clip", "layer_adaptation"), where)
-    if group["nesterov"] and momentum <= 0.0:
-        raise ValueError(
-            f"{where}Invalid nesterov value: True with momentum={momentum!r}; Nesterov momentum needs "
-            "momentum > 0. Set momentum (e.g. 0.9) or nesterov=False."
-        )
-    _require_foreach_option(group, where)

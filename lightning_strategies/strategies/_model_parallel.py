@@ -72,7 +72,10 @@ class ModelParallelStrategy(StrategyBase):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Shards over replicas only: every rank of a model-parallel group must see the same batches.
-        return {"num_replicas": self.replicas, "rank": self.global_rank // self.model_parallel_size}
+        return {"num_replicas": self.replicas, "rank": self._replica_rank()}
+
+    def _replica_rank(self) -> int:
+        return self.global_rank // self.model_parallel_size
 
     @override
     def _configure_launcher(self) -> None:
@@ -100,6 +103,22 @@ class ModelParallelStrategy(StrategyBase):
 
     def _group(self, axis: str) -> dist.ProcessGroup | None:
         return self._mesh.get_group(axis) if self._mesh is not None else None
+
+    def _own_groups(self, *more: dist.ProcessGroup) -> list[dist.ProcessGroup]:
+        """This rank's groups of the mesh and ``more``, each once, the default (world) group left out."""
+        if self._mesh is None or not (dist.is_available() and dist.is_initialized()):
+            return []
+        groups: list[dist.ProcessGroup] = []
+        for group in (self._mesh.get_group(self.mesh_axis), self._mesh.get_group("dp"), *more):
+            if group is not dist.GroupMember.WORLD and group not in groups:
+                groups.append(group)
+        return groups
+
+    @override
+    def on_train_end(self) -> None:
+        # The split state goes at teardown: keep the full optimizer state for a save_checkpoint after fit.
+        self._keep_state_at_fit_end()
+        super().on_train_end()
 
     @override
     @contextmanager

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, cast
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -36,23 +36,9 @@ class PipelineMixedPrecision(GroupNormClipping, MixedPrecision):
     so an inf on any rank skips the step everywhere. Clipping is
     :class:`~lightning_strategies.strategies._model_parallel.GroupNormClipping`'s.
 
-    Args:
-        device: the autocast device type.
-        scaler: the gradient scaler (``16-mixed``; ``None``: torch's default).
-        group: the pipeline's process group, for the clipping norm.
-        root_device: returns this rank's device.
+    Args: ``GroupNormClipping``'s ``group`` (the pipeline's, for the clipping norm) and ``device`` (returns this
+    rank's device), then ``MixedPrecision``'s ``precision``, ``device`` (the autocast device type) and ``scaler``.
     """
-
-    def __init__(
-        self,
-        precision: Literal["16-mixed", "bf16-mixed"],
-        device: str,
-        scaler: torch.amp.GradScaler | None,
-        *,
-        group: Callable[[], dist.ProcessGroup | None],
-        root_device: Callable[[], torch.device],
-    ) -> None:
-        super().__init__(group, root_device, precision, device, scaler)
 
     def check_optimizer(self, optimizer: Optimizer) -> None:
         """Refuse, under ``16-mixed``, an optimizer that unscales inside its own ``step`` (fused ones):
@@ -131,8 +117,7 @@ def pipeline_precision(
     if isinstance(plugin, PipelineMixedPrecision) or type(plugin) is GroupNormPrecision:
         return plugin
     if type(plugin) is MixedPrecision:
-        mixed = cast(Literal["16-mixed", "bf16-mixed"], plugin.precision)
-        return PipelineMixedPrecision(mixed, plugin.device, plugin.scaler, group=group, root_device=device)
+        return PipelineMixedPrecision(group, device, plugin.precision, plugin.device, plugin.scaler)
     if type(plugin) is Precision:
         return GroupNormPrecision(group, device)
     raise ValueError(

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, suppress
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -39,6 +39,7 @@ __all__ = [
     "PipelineSplit",
     "check_balance",
     "check_schedule",
+    "instance_attribute",
     "no_state_broadcast",
     "placeholders_stay",
 ]
@@ -82,7 +83,6 @@ class PipelineSplit(ModelParallelStrategy):
     def on_train_end(self) -> None:
         # the stages' groups go at teardown: gather the state now (save_checkpoint after fit, a spawned fit's caller)
         self._model_at_fit_end = self.lightning_module_state_dict()
-        self._keep_state_at_fit_end()
         super().on_train_end()
 
     @property
@@ -222,7 +222,7 @@ class PipelineSplit(ModelParallelStrategy):
         pp_group = self._gathers()
         if pp_group is None:
             return module.state_dict()
-        if self.global_rank // self.num_stages != 0:
+        if self._replica_rank() != 0:
             return {}  # replicas hold the same weights as replica 0, which is what is saved
         state = module.state_dict(keep_vars=True)
         return gather_state_dict(state, self._owners(module), group=pp_group, device=self.root_device)
@@ -236,7 +236,7 @@ class PipelineSplit(ModelParallelStrategy):
         pp_group = self._gathers()
         if pp_group is None:
             return optimizer.state_dict()
-        if self.global_rank // self.num_stages != 0:
+        if self._replica_rank() != 0:
             return {}
         return gather_optimizer_state(optimizer.state_dict(), group=pp_group, device=self.root_device)
 
@@ -244,13 +244,10 @@ class PipelineSplit(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint, memory-mapped when it is a local file in torch's format."""
         path = os.fspath(checkpoint_path) if isinstance(checkpoint_path, str | os.PathLike) else None
-        io: CheckpointIO = self.checkpoint_io
-        if path is None or not os.path.isfile(path) or not isinstance(io, TorchCheckpointIO):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        try:
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
-        except Exception:  # not a zip archive, an old format: the IO's own load and its diagnosis
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if path is not None and os.path.isfile(path) and isinstance(self.checkpoint_io, TorchCheckpointIO):
+            with suppress(Exception):  # not a zip archive, an old format: the IO's own load and its diagnosis
+                return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -373,39 +370,37 @@ def check_balance(balance: Any) -> Balance:
 
 
 @contextmanager
-def no_state_broadcast(module: nn.Module | None) -> Iterator[None]:
-    """Within the block DDP's setup does not broadcast rank 0's module state (each rank has rank 0's
-    weights already, placeholders have none): Lightning skips ``_ddp_params_and_buffers_to_ignore``."""
+def instance_attribute(module: nn.Module | None, name: str, value: Any) -> Iterator[None]:
+    """Within the block ``module``'s own ``name`` is ``value`` (over its class's), then as it was before."""
     if module is None:
         yield
         return
-    key = "_ddp_params_and_buffers_to_ignore"
-    had, previous = key in module.__dict__, module.__dict__.get(key)
-    module.__dict__[key] = [*(n for n, _ in module.named_parameters()), *(n for n, _ in module.named_buffers())]
+    had, previous = name in module.__dict__, module.__dict__.get(name)
+    module.__dict__[name] = value
     try:
         yield
     finally:
         if had:
-            module.__dict__[key] = previous
+            module.__dict__[name] = previous
         else:
-            del module.__dict__[key]
+            del module.__dict__[name]
 
 
-@contextmanager
-def placeholders_stay(module: nn.Module | None) -> Iterator[None]:
+def no_state_broadcast(module: nn.Module | None) -> AbstractContextManager[None]:
+    """Within the block DDP's setup does not broadcast rank 0's module state (each rank has rank 0's
+    weights already, placeholders have none): Lightning skips ``_ddp_params_and_buffers_to_ignore``."""
+    names = [n for n, _ in (*module.named_parameters(), *module.named_buffers())] if module is not None else []
+    return instance_attribute(module, "_ddp_params_and_buffers_to_ignore", names)
+
+
+def placeholders_stay(module: nn.Module | None) -> AbstractContextManager[None]:
     """Within the block, ``module.cpu()`` (Lightning's teardown) leaves the ``meta`` placeholders (not copyable)."""
-    if module is None:
-        yield
-        return
 
     def cpu() -> nn.Module:
+        assert module is not None
         return module._apply(lambda t: t if t.is_meta else t.cpu())
 
-    module.__dict__["cpu"] = cpu
-    try:
-        yield
-    finally:
-        del module.__dict__["cpu"]
+    return instance_attribute(module, "cpu", cpu)
 
 
 def check_schedule(

@@ -29,8 +29,8 @@ Schedules, stages and transfers are ``torch.distributed.pipelining``'s; ``world 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, suppress
 from typing import Any, cast
 
 import lightning.pytorch as pl
@@ -60,6 +60,7 @@ from lightning_strategies.strategies._pipeline_split import (
     PipelineSplit,
     check_balance,
     check_schedule,
+    instance_attribute,
     no_state_broadcast,
     placeholders_stay,
 )
@@ -151,7 +152,8 @@ class PipelineStrategy(PipelineSplit):
         # every trainer function runs the stages; taken after sync batch norm's conversion (it replaces modules)
         self._blocks = self._layers(module)
         self._metrics_over_replicas(module)
-        self._predict_on_last_stage_only(trainer)
+        if trainer.state.fn == TrainerFn.PREDICTING and not self._holds_last_stage():
+            predict_nothing(trainer)  # predictions come from the last stage only
         plugin = self.precision_plugin
         if isinstance(plugin, PipelineMixedPrecision) and trainer.state.fn == TrainerFn.FITTING:
             for optimizer in self.optimizers:
@@ -173,8 +175,7 @@ class PipelineStrategy(PipelineSplit):
     def process_dataloader(self, dataloader: object) -> object:
         # drop_last for training: every step needs a batch that splits into equal micro-batches.
         trainer = self.trainer
-        training = trainer is not None and trainer.training
-        if training and isinstance(dataloader, DataLoader):
+        if trainer is not None and trainer.training and isinstance(dataloader, DataLoader):
             batch_sampler = dataloader.batch_sampler
             if isinstance(batch_sampler, BatchSampler) and not batch_sampler.drop_last:
                 batch_sampler.drop_last = True
@@ -188,7 +189,10 @@ class PipelineStrategy(PipelineSplit):
         module = self.lightning_module
         pp_group = self._group("pp")
         assert module is not None and self._blocks is not None and pp_group is not None and self._layout is not None
-        autocast, loss_scaler = self._autocast_and_scaler()
+        plugin = self.precision_plugin
+        mixed = plugin if isinstance(plugin, MixedPrecision) else None
+        autocast = mixed.forward_context if mixed is not None else None
+        loss_scaler = mixed.scaler.scale if mixed is not None and mixed.scaler is not None else None
         if self._balance == "time" and not self._profiled:
             self._balance_by_time(inputs, autocast)
         self._runtime = PipelineRuntime(
@@ -204,13 +208,6 @@ class PipelineStrategy(PipelineSplit):
         )
         return self._runtime
 
-    def _autocast_and_scaler(self) -> tuple[Callable[[], Any] | None, Callable[[Tensor], Tensor] | None]:
-        plugin = self.precision_plugin
-        if not isinstance(plugin, MixedPrecision):
-            return None, None
-        scaler = plugin.scaler
-        return plugin.forward_context, (scaler.scale if scaler is not None else None)
-
     def _split_batch(self, batch: Any) -> tuple[Tensor, Tensor]:
         if isinstance(batch, list | tuple) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch):
             return batch[0], batch[1]
@@ -219,10 +216,6 @@ class PipelineStrategy(PipelineSplit):
             "pair of tensors, since stage 0 takes the inputs and the last stage the targets. Fix: return "
             "(x, y) from the dataset / collate_fn."
         )
-
-    def _last_stage_outputs(self, inputs: Tensor) -> Tensor:
-        runtime = self._ensure_runtime(inputs)
-        return runtime.broadcast_from_last(runtime.forward(inputs), key=("eval", *inputs.shape, inputs.dtype))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -271,19 +264,12 @@ class PipelineStrategy(PipelineSplit):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         with torch.no_grad():
             for p, g in zip(self._runtime.stage_parameters, grads, strict=True):
-                if g is None:
-                    continue
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad.add_(g)  # accumulation across micro-steps, as backward() accumulates
-        self._average_replica_gradients()
-        return self.precision_plugin.post_backward(closure_loss, module)
-
-    def _average_replica_gradients(self) -> None:
+                if g is not None:  # accumulation across micro-steps, as backward() accumulates
+                    p.grad = g if p.grad is None else p.grad.add_(g)
         dp_group = self._group("dp")
-        if self._runtime is not None and dp_group is not None and self._sync_replicas:
+        if dp_group is not None and self._sync_replicas:
             average_gradients(self._runtime.stage_parameters, dp_group)
+        return self.precision_plugin.post_backward(closure_loss, module)
 
     @override
     def _after_optimizer_step(self) -> None:
@@ -302,41 +288,33 @@ class PipelineStrategy(PipelineSplit):
         assert module is not None
         log_values(module, metrics, at_epoch_end=due == "epoch_end")
 
-    def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
+    def _eval_step(self, hook: str, context: AbstractContextManager[Any], *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         assert module is not None
         batch = args[0] if args else kwargs["batch"]
-        inputs = self._split_batch(batch)[0] if hook != "predict_step" or isinstance(batch, list | tuple) else batch
-        outputs = self._last_stage_outputs(inputs)
-        with _forward_returns(module, outputs):
-            return getattr(module, hook)(*args, **kwargs)
+        predicting = hook == "predict_step"  # a prediction batch may be the inputs alone
+        inputs = batch if predicting and not isinstance(batch, list | tuple) else self._split_batch(batch)[0]
+        with context:
+            runtime = self._ensure_runtime(inputs)
+            outputs = runtime.forward(inputs)
+            if not predicting:  # every rank runs the hook (its logging pairs up): each gets the outputs
+                outputs = runtime.broadcast_from_last(outputs, key=("eval", *inputs.shape, inputs.dtype))
+            elif outputs is None:
+                return None  # predictions come from the last stage only
+            with _forward_returns(module, outputs):
+                return getattr(module, hook)(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self.precision_plugin.val_step_context():
-            return self._eval_step("validation_step", *args, **kwargs)
+        return self._eval_step("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self.precision_plugin.test_step_context():
-            return self._eval_step("test_step", *args, **kwargs)
+        return self._eval_step("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.lightning_module
-        assert module is not None
-        batch = args[0] if args else kwargs["batch"]
-        inputs = self._split_batch(batch)[0] if isinstance(batch, list | tuple) else batch
-        outputs = self._ensure_runtime(inputs).forward(inputs)
-        if outputs is None:
-            return None
-        with self.precision_plugin.predict_step_context(), _forward_returns(module, outputs):
-            return module.predict_step(*args, **kwargs)
-
-    def _predict_on_last_stage_only(self, trainer: pl.Trainer) -> None:
-        if trainer.state.fn != TrainerFn.PREDICTING or self._holds_last_stage():
-            return
-        predict_nothing(trainer)
+        return self._eval_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
 
     @override
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
@@ -373,16 +351,14 @@ class PipelineStrategy(PipelineSplit):
         # an active exception"): ours go here (the default group is Lightning's). After an error they are left
         # to the process's exit: destroying a group waits for its pending work, which a hung peer never ends.
         module = self.lightning_module
-        groups = self._own_groups()
-        hand_back = (
+        groups = self._own_groups(*(self._runtime.stage_groups() if self._runtime is not None else ()))
+        if (
             not self.failed
             and module is not None
             and self.global_rank == 0
-            and bool(self._model_at_fit_end)
+            and self._model_at_fit_end
             and isinstance(self.launcher, _MultiProcessingLauncher)
-        )
-        if hand_back:
-            assert module is not None and self._model_at_fit_end is not None
+        ):
             module.load_state_dict(self._model_at_fit_end, assign=True)
         self._runtime = None
         self._step_grads = None
@@ -396,33 +372,11 @@ class PipelineStrategy(PipelineSplit):
         with placeholders_stay(module):
             super().teardown()
 
-    def _own_groups(self) -> list[dist.ProcessGroup]:
-        """The mesh's groups of this rank, and any per-direction P2P groups the stages made."""
-        candidates: list[Any] = [self._group("pp"), self._group("dp")]
-        if self._runtime is not None:
-            candidates += self._runtime.stage_groups()
-        default = dist.GroupMember.WORLD if dist.is_available() and dist.is_initialized() else None
-        groups: list[dist.ProcessGroup] = []
-        for group in candidates:
-            if isinstance(group, dist.ProcessGroup) and group is not default and group not in groups:
-                groups.append(group)
-        return groups
 
-
-@contextmanager
-def _forward_returns(module: nn.Module, outputs: Tensor) -> Iterator[None]:
+def _forward_returns(module: nn.Module, outputs: Tensor) -> AbstractContextManager[None]:
     """Within the block, ``module(x)`` returns ``outputs`` (the pipeline's) instead of computing."""
 
     def forward(*args: Any, **kwargs: Any) -> Tensor:
         return outputs
 
-    had = "forward" in module.__dict__
-    previous = module.__dict__.get("forward")
-    module.__dict__["forward"] = forward
-    try:
-        yield
-    finally:
-        if had:
-            module.__dict__["forward"] = previous
-        else:
-            del module.__dict__["forward"]
+    return instance_attribute(module, "forward", forward)

@@ -168,8 +168,8 @@ class RingAllReduceStrategy(StrategyBase):
         mine = torch.tensor([self.node_rank, self.local_rank], dtype=torch.int64, device=self.root_device)
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(rows, mine)  # once per fit: the only host read of this setup
-        pairs = torch.stack(rows).tolist()
-        layout = NodeLayout.from_ranks([p[0] for p in pairs], [p[1] for p in pairs])
+        node_ranks, local_ranks = torch.stack(rows).T.tolist()
+        layout = NodeLayout.from_ranks(node_ranks, local_ranks)
         if layout.num_nodes != self.num_nodes:
             raise ValueError(
                 f"ring: found node ranks 0..{layout.num_nodes - 1} in the cluster environment "

@@ -197,8 +197,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         for p in module.parameters():
             if p.grad is not None:
                 (sharded if is_sharded(p) else replicated).append(local_part(p.grad))
-        dp_group = self._mesh.get_group("dp") if self.replicas > 1 else None
-        for grads, group, size in ((sharded, dp_group, self.replicas), (replicated, None, self.world_size)):
+        for grads, group, size in ((sharded, self._group("dp"), self.replicas), (replicated, None, self.world_size)):
             if not grads or size == 1:
                 continue
             t0 = time.perf_counter()
@@ -227,9 +226,6 @@ class TensorParallelStrategy(ModelParallelStrategy):
             },
         )
         self.metrics.flush_if_due(self.lightning_module)
-
-    def _replica_rank(self) -> int:
-        return self.global_rank // self.tp_size
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -292,12 +288,6 @@ class TensorParallelStrategy(ModelParallelStrategy):
                         entry[key] = shard_full_tensor(value, p)
 
     @override
-    def on_train_end(self) -> None:
-        # The shards go at teardown: keep the full optimizer state for a save_checkpoint after fit.
-        self._keep_state_at_fit_end()
-        super().on_train_end()
-
-    @override
     def teardown(self) -> None:
         """Give the module back whole (on every rank); keep the mesh for a later ``test()``: DTensor caches sharding
         decisions keyed by meshes equal by layout, so a new mesh after this one's groups died would meet cached
@@ -316,13 +306,3 @@ class TensorParallelStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         destroy_at_exit(self._own_groups())
-
-    def _own_groups(self) -> list[dist.ProcessGroup]:
-        if self._mesh is None or not (dist.is_available() and dist.is_initialized()):
-            return []
-        groups: list[dist.ProcessGroup] = []
-        for name in ("dp", "tp"):
-            group = self._mesh.get_group(name)
-            if group is not dist.GroupMember.WORLD and group not in groups:
-                groups.append(group)
-        return groups

@@ -210,6 +210,28 @@ GOALS["cluster_strategies.py"] = [
 ]
 
 
+# advisor_validation.py: the advisor's memory per rank (parameters, gradients, optimizer state) against
+# the tensors each rank of a real fit held (ddp, ps, pipeline K=2/4, tensor T=2; the ResNet and the MLP):
+# accounting, 0.000-0.004 measured (goal <= 0.10); a strategy whose model forgets a kind (the gradients,
+# a server's shard, the other stages) is off by 0.25 or more. Step errors and taus of a quick run are
+# timing (the MLP's compute measured under the CI's load): only that they exist, errors >= 0, |tau| <= 1.
+GOALS["advisor_validation.py"] = [
+    (r"advisor_memory_error_(resnet|wide_mlp)_(ddp|ps|pipeline_K2|pipeline_K4|tensor_T2)", 0.0, 0.02),
+    (r"advisor_memory_error_max", 0.0, 0.02),
+    (r"advisor_step_error_max", 0.0, math.inf),
+    (r"advisor_rank_kendall_tau_(min|(2x2|4x1)_(1gbit|200mbit|50mbit))", -1.0, 1.0),
+]
+# advisor_resnet50.py: ResNet-50's float32 gradients as the advisor measures them (accounting, exact);
+# its predicted steps on the A100 preset come from counted FLOPs and the preset, not timing: bf16 on
+# the wire halves the ring's bytes, so it is never slower than ddp (0.55 at the quick run's 64 px)
+GOALS["advisor_resnet50.py"] = [
+    _exact(r"advisor_resnet50_grad_bytes", _RESNET50_BYTES),
+    (r"advisor_resnet50_step_s_(ddp|ring|ring_hier|ring_bf16|ps|ps1|async|pipeline|tensor)", 1e-4, 10.0),
+    (r"advisor_resnet50_rank_ring_bf16", 1, 9),
+]
+PAIRS["advisor_resnet50.py"] = [(r"advisor_resnet50_step_s_ring_bf16", "advisor_resnet50_step_s_ddp", 0.0, 1.0)]
+
+
 def check_quick_output(script: str, stdout: str) -> None:
     """What a quick run's output must hold (see the module doc); raises AssertionError."""
     lines = stdout.splitlines()

@@ -1,4 +1,4 @@
-"""The scale model's formulas (benchmarks/_scale_model.py, _scale_costs.py) against values worked out by hand.
+"""The scale model (lightning_strategies/advisor/model.py, _scale_costs.py) against values worked out by hand.
 
 Each test builds costs in which one term is isolated (every other constant 0 or infinitely fast), so
 the prediction must equal the formula written out in the test. Tolerances: float arithmetic on a
@@ -23,7 +23,7 @@ from benchmarks._scale_costs import (
     slower,
     solve_chunk_overhead,
 )
-from benchmarks._scale_model import (
+from lightning_strategies.advisor.model import (
     MIB,
     Costs,
     Link,
@@ -92,6 +92,34 @@ def test_overlap_hides_the_all_reduce_under_the_backward_pass_up_to_its_length()
     assert predict("ring", c.with_(overlap_s=1.0), 4, one_bucket()).step_s == pytest.approx(0.1, rel=REL)
     assert predict("ps", c.with_(overlap_s=1.0), 4, one_bucket()).step_s == pytest.approx(0.1, rel=REL)  # no comm
     assert cluster_costs(Cluster(overlap=0.5), c).overlap_s == pytest.approx(0.5 * 2 / 3 * 256 / 2470)
+
+
+def test_ring_bf16_sends_half_the_bytes_in_the_same_messages() -> None:
+    c = costs(intra=Link(1e-3, 1e9), ring_segment_bytes=math.inf)
+    fp32, bf16 = predict("ring", c, 4, one_bucket()), predict("ring_bf16", c, 4, one_bucket())
+    assert bf16.busiest_sent_bytes == pytest.approx(0.5 * 2 * 3 / 4 * D, rel=REL)
+    assert bf16.messages == fp32.messages == 6
+    assert bf16.step_s == pytest.approx(6 * 1e-3 + 0.5 * 2 * 3 / 4 * D / 1e9, rel=REL)
+
+
+def test_tensor_parallel_splits_compute_and_all_reduces_each_activation_over_the_group() -> None:
+    # T = P = 4, one node: 3/4 of the compute split, 2 activation payloads of 8 MiB, 1 GB/s, 1 ms per message
+    c = costs(compute_s=0.1, intra=Link(1e-3, 1e9), gloo_segment_bytes=math.inf)
+    work = Workload(grad_bytes=D, tensor_collectives=(8 * MIB, 8 * MIB), tensor_split_share=0.75)
+    got = predict("tensor", c, 4, work)
+    compute = 0.1 * (0.75 + 4 * 0.25)  # 4x the batch; the split 3/4 on a quarter of the weights
+    comm = 2 * (2 * 3 * 1e-3 + 2 * 3 * (2 * MIB) / 1e9)  # two rings of 2(T-1) steps of 8 MiB / 4
+    assert got.step_s == pytest.approx(compute + comm, rel=REL)
+    assert got.busiest_sent_bytes == pytest.approx(2 * 2 * 3 / 4 * 8 * MIB, rel=REL)
+    assert got.messages == 12 and got.nic_bytes == 0.0
+    # 2 groups of 2 over 2 nodes of 2: the activations stay in the node, the replicas' ring of the
+    # held gradient (D (s/T + 1 - s)) crosses it
+    two = predict("tensor", c.with_(local_size=2, inter=Link(0.0, 1e9), inter_shared=True), 4, Workload(
+        grad_bytes=D, tensor_size=2, tensor_collectives=(8 * MIB,), tensor_split_share=0.75))  # fmt: skip
+    held = D * (0.75 / 2 + 0.25)
+    assert two.phases["allreduce"] == pytest.approx(2 * 1 * 2 * (held / 2) / 1e9, rel=REL)  # 2 rings share the NIC
+    with pytest.raises(ValueError, match="multiple of T=3"):
+        predict("tensor", c, 4, Workload(grad_bytes=D, tensor_size=3))
 
 
 def test_ddp_buckets_are_1_mib_then_25_mib() -> None:

@@ -271,12 +271,6 @@ class ParameterShard:
 
     # -- optimizer ----------------------------------------------------------------------------
 
-    def _set_lrs(self, lrs: Sequence[float]) -> None:
-        if self.optimizer is None:
-            return
-        for group, g in zip(self.optimizer.param_groups, self._group_ids, strict=True):
-            group["lr"] = lrs[g]
-
     def _step(self, grads_by_worker: list[list[Tensor | None]], lrs: Sequence[float] | None) -> None:
         if self.optimizer is None:
             self.version += 1
@@ -293,8 +287,9 @@ class ParameterShard:
                 part = g.to(p.device, p.dtype).div(n) if n > 1 else g.to(p.device, p.dtype)
                 avg = part if avg is None else avg.add_(part)
             p.grad = avg
-        if lrs is not None:
-            self._set_lrs(lrs)
+        if lrs is not None:  # the workers' lr of each group (LR schedulers run on the workers)
+            for group, worker_group in zip(self.optimizer.param_groups, self._group_ids, strict=True):
+                group["lr"] = lrs[worker_group]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1

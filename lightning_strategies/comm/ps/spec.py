@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -145,9 +146,5 @@ def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _group_starts(group_sizes: Sequence[int]) -> list[int]:
-    starts, pos = [], 0
-    for n in group_sizes:
-        if n:
-            starts.append(pos)
-        pos += n
-    return starts
+    """The flat index of each non-empty group's first tensor."""
+    return [start for start, n in zip(itertools.accumulate(group_sizes, initial=0), group_sizes, strict=False) if n]

@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from lightning_strategies.comm.ring.check import _check_peers, _check_peers_hierarchical, _validated
+from lightning_strategies.comm.ring.check import _validated
 from lightning_strategies.comm.ring.layout import NodeLayout
 from lightning_strategies.comm.ring.transport import _make_ring, _run
 from lightning_strategies.comm.stats import CommStats
@@ -73,11 +73,7 @@ def ring_all_reduce(
             f"ring_all_reduce: found a layout of {layout.world} processes in a world of {dist.get_world_size()}: "
             "expected the layout of the whole world (NodeLayout.from_ranks over every rank)."
         )
-    wire, problem = _validated(tensor, op, wire_dtype)
-    if check_peers and world > 1:
-        _check_peers(tensor, problem, pg, op, wire)
-    elif problem is not None:
-        raise problem
+    wire = _validated(tensor, op, wire_dtype, [pg] if check_peers and world > 1 else [])
     stats = CommStats(calls=1)
     if layout is not None:
         stats.inter_node_bytes_sent = stats.inter_node_bytes_received = 0
@@ -123,11 +119,7 @@ def hierarchical_all_reduce(
     """
     start = time.perf_counter()
     local, nodes = dist.get_world_size(intra_group), dist.get_world_size(inter_group)
-    wire, problem = _validated(tensor, op, wire_dtype)
-    if check_peers and local * nodes > 1:
-        _check_peers_hierarchical(tensor, problem, intra_group, inter_group, op, wire)
-    elif problem is not None:
-        raise problem
+    wire = _validated(tensor, op, wire_dtype, [intra_group, inter_group] if check_peers and local * nodes > 1 else [])
     stats = CommStats(calls=1, inter_node_bytes_sent=0, inter_node_bytes_received=0)
     if local * nodes > 1 and tensor.numel() > 0:
         wire = None if wire == tensor.dtype else wire

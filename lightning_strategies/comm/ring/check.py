@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -145,50 +146,28 @@ def _verdict(table: list[list[int]], group: dist.ProcessGroup, who: str = "") ->
     return None
 
 
-def _check_peers(
-    tensor: Any, problem: Exception | None, group: dist.ProcessGroup, op: str, wire: torch.dtype | None
-) -> None:
-    """One all-gather of a few integers, so that a bad or mismatched call raises on *every* rank.
-
-    Otherwise a mismatched rank waits for the process-group timeout, or a bad input raises on one rank alone.
-    """
-    table = _gather_rows(tensor, _call_row(tensor, problem, op, wire), group)
-    if problem is not None:
-        raise problem
-    verdict = _verdict(table, group)
-    if verdict is not None:
-        raise verdict
-
-
-def _check_peers_hierarchical(
-    tensor: Any,
-    problem: Exception | None,
-    intra: dist.ProcessGroup,
-    inter: dist.ProcessGroup,
-    op: str,
-    wire: torch.dtype | None,
-) -> None:
-    """:func:`_check_peers` inside the node, then across (no group spans the world).
-
-    The node's verdict travels across as this rank's "input ok", so every rank raises and none waits.
-    """
-    row = _call_row(tensor, problem, op, wire)
-    inside = _gather_rows(tensor, row, intra)
-    first = problem if problem is not None else _verdict(inside, intra)
-    across = _gather_rows(tensor, [*row[:4], int(first is None)], inter)
-    if first is not None:
-        raise first
-    verdict = _verdict(across, inter, " (or a process on their node did)")
-    if verdict is not None:
-        raise verdict
-
-
 def _validated(
-    tensor: Any, op: str, wire_dtype: str | torch.dtype | None
-) -> tuple[torch.dtype | None, Exception | None]:
-    """The wire dtype and this rank's problem with the call (raised only after telling the peers)."""
+    tensor: Any, op: str, wire_dtype: str | torch.dtype | None, groups: Sequence[dist.ProcessGroup] = ()
+) -> torch.dtype | None:
+    """The wire dtype, once this rank's input is checked and, over ``groups`` (none: this rank alone), the peers'.
+
+    One all-gather of a few integers per group, so that a bad or mismatched call raises on *every* rank: otherwise
+    a mismatched rank waits for the process-group timeout, or a bad input raises on one rank alone. The hierarchical
+    ring checks inside the node, then across (no group spans the world): the node's verdict travels across as this
+    rank's "input ok", so every rank raises and none waits.
+    """
+    problem: Exception | None
     try:
         wire = resolve_wire_dtype(wire_dtype)
     except ValueError as exc:  # told to the peers like any other bad input
-        return None, exc
-    return wire, _local_problem(tensor, op, wire)
+        wire, problem = None, exc
+    else:
+        problem = _local_problem(tensor, op, wire)
+    row = _call_row(tensor, problem, op, wire)
+    for i, group in enumerate(groups):
+        table = _gather_rows(tensor, [*row[:4], int(problem is None)], group)
+        if problem is None:
+            problem = _verdict(table, group, " (or a process on their node did)" if i else "")
+    if problem is not None:
+        raise problem
+    return wire

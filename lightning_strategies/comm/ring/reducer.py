@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,9 @@ from lightning_strategies.comm.ring.layout import NodeLayout
 from lightning_strategies.comm.stats import CommStats
 
 __all__ = ["RingBucketReducer"]
+
+# The reducer thread's queue: (tensor, its future, the CUDA event it waits for), then None to stop.
+_Work: TypeAlias = "queue.SimpleQueue[tuple[torch.Tensor, torch.futures.Future[Any], Any] | None]"
 
 
 class RingBucketReducer:
@@ -59,8 +62,7 @@ class RingBucketReducer:
         self.wire_dtype = resolve_wire_dtype(wire_dtype)
         self.check_peers = check_peers
         self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA calls not read yet
-        self._queue: queue.SimpleQueue[tuple[torch.Tensor, torch.futures.Future[Any], Any] | None]
-        self._queue = queue.SimpleQueue()
+        self._queue: _Work = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._stats = CommStats()
         self._error: BaseException | None = None
@@ -117,24 +119,12 @@ class RingBucketReducer:
         return _stop_reducer_thread(self._queue, self._thread, timeout)
 
     def _reduce(self, tensor: torch.Tensor, event: Any) -> CommStats:
+        options: dict[str, Any] = {"op": self.op, "wire_dtype": self.wire_dtype, "check_peers": self.check_peers}
+
         def run() -> CommStats:
             if self.inter_group is not None:
-                return hierarchical_all_reduce(
-                    tensor,
-                    self.group,
-                    self.inter_group,
-                    op=self.op,
-                    wire_dtype=self.wire_dtype,
-                    check_peers=self.check_peers,
-                )
-            return ring_all_reduce(
-                tensor,
-                self.group,
-                op=self.op,
-                wire_dtype=self.wire_dtype,
-                check_peers=self.check_peers,
-                layout=self.layout,
-            )
+                return hierarchical_all_reduce(tensor, self.group, self.inter_group, **options)
+            return ring_all_reduce(tensor, self.group, layout=self.layout, **options)
 
         if event is None:
             return run()
@@ -178,10 +168,7 @@ class RingBucketReducer:
 _EXIT_JOIN_SECONDS = 10.0
 
 
-def _serve_reducer(
-    reducer_ref: weakref.ReferenceType[RingBucketReducer],
-    work: queue.SimpleQueue[tuple[torch.Tensor, torch.futures.Future[Any], Any] | None],
-) -> None:
+def _serve_reducer(reducer_ref: weakref.ReferenceType[RingBucketReducer], work: _Work) -> None:
     """The reducer thread: a weak reference only, so that a dropped reducer can be collected."""
     while (item := work.get()) is not None:
         reducer = reducer_ref()
@@ -192,11 +179,7 @@ def _serve_reducer(
         del reducer  # no strong reference while waiting for the next item
 
 
-def _stop_reducer_thread(
-    work: queue.SimpleQueue[tuple[torch.Tensor, torch.futures.Future[Any], Any] | None],
-    thread: threading.Thread,
-    timeout: float,
-) -> bool:
+def _stop_reducer_thread(work: _Work, thread: threading.Thread, timeout: float) -> bool:
     if thread.is_alive():
         work.put(None)
         if thread is not threading.current_thread():

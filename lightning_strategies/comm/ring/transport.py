@@ -8,6 +8,7 @@ adding and sending overlap; NCCL p2p needs grouped calls (NCCL's own all-reduce 
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,12 +50,8 @@ class RingPeerError(RuntimeError):
 def _chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     """``parts`` contiguous ranges covering ``numel``, sizes differing by at most one (no padding)."""
     base, extra = divmod(numel, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
+    sizes = [base + 1 if i < extra else base for i in range(parts)]
+    return list(itertools.pairwise(itertools.accumulate(sizes, initial=0)))
 
 
 def _segments(bounds: tuple[int, int], seg_elems: int) -> list[tuple[int, int]]:
@@ -139,10 +136,7 @@ class _Ring:
         return (self.rank + 1 - (t - self.world + 1)) % self.world
 
     def recv_chunk(self, t: int) -> int:
-        # What we receive at step t is what we forward at step t+1.
-        if t < self.world - 1:
-            return (self.rank - t - 1) % self.world
-        return (self.rank - (t - self.world + 1)) % self.world
+        return self.send_chunk(t + 1)  # what we receive at step t is what we forward at step t+1
 
     def absorb(
         self,
@@ -211,21 +205,15 @@ class _Ring:
         )
 
 
-def _wait(ring: _Ring, work: Any, peer: int, what: str, t: int) -> None:
+def _guarded(ring: _Ring, call: Callable[[], Any], peer: int, what: str, t: int) -> Any:
+    """Start a send / receive, or wait for one, as a :class:`RingPeerError` on failure."""
     try:
-        work.wait()
-    except RuntimeError as exc:  # gloo raises RuntimeError for closed connections and timeouts
+        return call()
+    except RuntimeError as exc:  # gloo's for closed connections (at once when posting on one) and timeouts
         raise ring.fail(exc, peer, what, t) from exc
 
 
-def _post(ring: _Ring, start: Callable[[], Any], peer: int, what: str, t: int) -> Any:
-    """Start a send / receive; gloo raises at once if the pair's connection is already gone."""
-    try:
-        return start()
-    except RuntimeError as exc:
-        raise ring.fail(exc, peer, what, t) from exc
-
-
+# A function of its own: the fault tests replace it to stop a rank mid-ring, once a segment has arrived.
 def _reduce_segment(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.add_(src)
 
@@ -260,7 +248,7 @@ def _ring_pipelined(ring: _Ring, seg_elems: int, window: int = _WINDOW) -> None:
 
     def drain(step: int, t: int) -> None:
         for w in pending.pop(step, []):
-            _wait(ring, w, ring.nxt, "sending to", t)
+            _guarded(ring, w.wait, ring.nxt, "sending to", t)
 
     def lands_in_place(t: int) -> bool:
         # All-gather segments that are forwarded land where they leave from. With a wire dtype
@@ -279,10 +267,10 @@ def _ring_pipelined(ring: _Ring, seg_elems: int, window: int = _WINDOW) -> None:
             drain(t - (world - 1), t)
         dst = landing(u)
         ring.count(received=dst.numel() * itemsize)
-        return _post(ring, lambda: pg.recv([dst], ring.prev, u), ring.prev, "receiving from", t)
+        return _guarded(ring, lambda: pg.recv([dst], ring.prev, u), ring.prev, "receiving from", t)
 
     def send(t: int, k: int, src: torch.Tensor) -> None:
-        work = _post(ring, lambda: pg.send([src], ring.nxt, send_base[t] + k), ring.nxt, "sending to", t)
+        work = _guarded(ring, lambda: pg.send([src], ring.nxt, send_base[t] + k), ring.nxt, "sending to", t)
         pending.setdefault(t, []).append(work)
         ring.count(sent=src.numel() * itemsize)
 
@@ -292,7 +280,7 @@ def _ring_pipelined(ring: _Ring, seg_elems: int, window: int = _WINDOW) -> None:
             forward[a:b].copy_(flat[a:b])
         send(ring.first, k, forward[a:b])
     for u, (t, k, a, b) in enumerate(recv_units):
-        _wait(ring, posted[u], ring.prev, "receiving from", t)
+        _guarded(ring, posted[u].wait, ring.prev, "receiving from", t)
         if u + window < len(recv_units):
             posted.append(post_recv(u + window))
         out = forward[a:b] if wire is not None and t < world - 1 else None
@@ -324,9 +312,9 @@ def _ring_batched(ring: _Ring) -> None:
             ops.append(dist.P2POp(dist.irecv, inp[: rb - ra], prev, ring.pg))
             ring.count(received=(rb - ra) * buf_dtype.itemsize)
         if ops:  # both chunks empty (numel < P) on both sides: nothing to exchange this step
-            works = _post(ring, functools.partial(dist.batch_isend_irecv, ops), ring.prev, "exchanging with", t)
+            works = _guarded(ring, functools.partial(dist.batch_isend_irecv, ops), ring.prev, "exchanging with", t)
             for w in works:
-                _wait(ring, w, ring.prev, "exchanging with", t)
+                _guarded(ring, w.wait, ring.prev, "exchanging with", t)
         got, mine = inp[: rb - ra], flat[ra:rb]
         ring.absorb(t, mine, got, scratch)
         if wire is None:  # absorb left the value to forward in ``mine``; this path sends buffers

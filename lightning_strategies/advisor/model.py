@@ -1,4 +1,4 @@
-"""The scale model of ``benchmarks/scale.py``: step time and bytes per link of every strategy.
+"""The scale model: step time and bytes per link of every strategy (``benchmarks/scale.py`` validates it).
 
 Pure arithmetic (no torch), one function per strategy, so ``tests/unit/test_scale_model.py`` holds
 the formulas to hand-computed values. A strategy's step is a list of *phases*; a phase is work that
@@ -26,6 +26,7 @@ B bytes in ``latency + B / bandwidth``.
                flat ring's every step waits for the inter-node hop
     ring       the same schedule run by ``comm.ring`` (Python send/recv per segment: its own
                per-message cost)
+    ring_bf16  the ring on bf16 copies of fp32 buckets: half the bytes, the same messages
     ring_hier  reduce-scatter in the node (L-1 steps of D_b/L), L rings across the M nodes on D_b/L
                (2(M-1) steps of D_b/(L M), sharing the node's NIC), all-gather in the node: per
                worker 2(L-1)/L x D intra and 2(M-1)/M x D/L inter-node bytes; latency terms
@@ -50,13 +51,19 @@ B bytes in ``latency + B / bandwidth``.
                when its input has arrived and a core is free; with one core per process and no
                wake-ups it is (M+K-1) chunks forward and backward plus 2(K-1) transfers on the
                critical path. With R > 1, a ring all-reduce of D/K over the replicas
+    tensor     T = P / R processes split every planned layer (share s of the compute and of D) and
+               take T x the data-parallel batch: s + T(1 - s) of a worker's compute per device,
+               a ring all-reduce over T of each activation payload (``Workload.tensor_collectives``,
+               forward and backward), and with R > 1 a ring of D (s/T + 1 - s) over the replicas
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+
+from lightning_strategies.advisor.schedule import pipeline_busy, pipeline_makespan
 
 __all__ = [
     "MIB",
@@ -73,7 +80,7 @@ __all__ = [
 ]
 
 MIB = 1 << 20
-STRATEGIES = ("ddp", "ring", "ring_hier", "ps", "ps_1", "async", "pipeline")
+STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_1", "async", "pipeline", "tensor")
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,8 @@ class Costs:
         overlap_s: seconds of the all-reduce (ddp, ring, ring_hier) hidden under the backward pass;
             0: compute, then communicate (what the validation runs do).
         async_lease: batches an async worker leases at a time (``comm.async_.lease.DEFAULT_LEASE``).
+        cpu_links: the links' bandwidth is CPU work (loopback copies) and slows with contention;
+            ``False``: a network's, which does not.
     """
 
     compute_s: float
@@ -164,6 +173,11 @@ class Costs:
     min_chunk_bytes: float = 0.0
     overlap_s: float = 0.0
     async_lease: int = 4
+    cpu_links: bool = True
+
+    def wire(self, world: int) -> float:
+        """The contention factor of a bandwidth term."""
+        return contention(world, self.cores) if self.cpu_links else 1.0
 
     def buckets(self, grad_bytes: float, world: int = 1, *, grow: bool = False) -> list[float]:
         """DDP's buckets of ``grad_bytes``; with ``grow``, the ring strategy's (at least P x min chunk)."""
@@ -197,6 +211,10 @@ class Workload:
             batch, as much work per device as a data-parallel worker).
         backward_share: the backward's share of ``stage_compute_s`` (2/3: a backward computes the
             gradients of the inputs and of the weights, each a forward's work).
+        tensor_size: tensor-parallel group T (the tensor strategy only); 0: the whole world.
+        tensor_collectives: bytes of each activation all-reduce of a tensor-parallel step (forward
+            and backward, at the group's batch).
+        tensor_split_share: the share of compute and of gradient bytes in the split layers.
     """
 
     grad_bytes: float
@@ -206,6 +224,9 @@ class Workload:
     activation_bytes: float = 0.0
     stage_compute_s: float | None = None
     backward_share: float = 2 / 3
+    tensor_size: int = 0
+    tensor_collectives: tuple[float, ...] = ()
+    tensor_split_share: float = 1.0
 
 
 @dataclass
@@ -252,83 +273,6 @@ def ddp_buckets(grad_bytes: float, cap: float = 25 * MIB, first: float = MIB) ->
     return buckets
 
 
-def pipeline_busy(stages: int, microbatches: int) -> list[int]:
-    """Stages busy in each of the M + K - 1 slots of a pipelined pass (fill, steady state, drain)."""
-    k, m = stages, microbatches
-    return [min(j + 1, k, m, m + k - 1 - j) for j in range(m + k - 1)]
-
-
-def pipeline_makespan(
-    stages: int,
-    microbatches: int,
-    forward_s: float,
-    backward_s: float,
-    *,
-    hop: Callable[[int], float] = lambda busy: 0.0,
-    cores: float | None = None,
-    replicas: int = 1,
-) -> float:
-    """Seconds of one GPipe step of ``replicas`` pipelines of ``stages`` processes sharing ``cores``.
-
-    Each stage runs its M forward chunks, then its M backward chunks (micro-batch order, as
-    ``torch.distributed.pipelining``'s ScheduleGPipe); stage s's forward of micro-batch m needs
-    stage s-1's, its backward stage s+1's (the last stage's, its own forward, done by then). A
-    chunk is ``forward_s`` or ``backward_s`` of work for one core; while n processes are busy each
-    progresses at min(1, cores / n) (``cores=None``: 1, a device each). A chunk's output reaches
-    the next stage ``hop(b)`` after it ends, b the processes busy at that moment besides the
-    receiver (the sender included when it goes straight on to its next chunk).
-    """
-    k, m = stages, microbatches
-    order = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    # with a device each the replicas do not interact: one is enough
-    procs = [(r, s) for r in range(replicas if cores is not None else 1) for s in range(k)]
-    pos = dict.fromkeys(procs, 0)
-    left: dict[tuple[int, int], float] = {}  # busy processes: work left in their chunk
-    ready: dict[tuple[int, str, int, int], float] = {}  # (replica, kind, stage, micro-batch): input arrives
-    idle = set(procs)
-
-    def needs(p: tuple[int, int]) -> tuple[int, str, int, int] | None:
-        (r, s), (kind, i) = p, order[pos[p]]
-        if kind == "F":
-            return (r, "F", s - 1, i) if s > 0 else None
-        return (r, "B", s + 1, i) if s < k - 1 else None
-
-    t = 0.0
-    while True:
-        for p in sorted(idle):
-            if pos[p] < len(order) and ((dep := needs(p)) is None or ready.get(dep, math.inf) <= t):
-                left[p] = forward_s if order[pos[p]][0] == "F" else backward_s
-                idle.discard(p)
-        if not left:
-            arrivals = [ready.get(d, math.inf) for p in idle if pos[p] < len(order) and (d := needs(p)) is not None]
-            if not arrivals:
-                return t
-            t = min(arrivals)  # nothing runs until the next input arrives
-            continue
-        rate = 1.0 if cores is None else min(1.0, cores / len(left))
-        done_in = min(left.values()) / rate
-        waiting = [ready[d] - t for p in idle if pos[p] < len(order) and (d := needs(p)) in ready and ready[d] > t]
-        dt = min([done_in, *waiting])
-        t += dt
-        finished = [p for p, w in left.items() if w - dt * rate <= 1e-12 * max(forward_s, backward_s, 1e-30)]
-        for p in left:
-            left[p] -= dt * rate
-        sent = []
-        for p in finished:
-            del left[p]
-            kind, i = order[pos[p]]
-            pos[p] += 1
-            idle.add(p)
-            r, s = p
-            if (kind == "F" and s < k - 1) or (kind == "B" and s > 0):
-                sent.append(((r, kind, s, i), (r, s + 1 if kind == "F" else s - 1)))
-        # the senders that go straight on count as busy for the messages they just sent
-        starting = [p for p in idle if pos[p] < len(order) and ((d := needs(p)) is None or ready.get(d, math.inf) <= t)]
-        for key, receiver in sent:
-            busy = sum(1 for p in (*left, *starting) if p != receiver)
-            ready[key] = t + hop(busy)
-
-
 def _segments(nbytes: float, segment: float) -> float:
     return 1.0 if math.isinf(segment) or nbytes <= 0 else max(1.0, math.ceil(nbytes / segment))
 
@@ -366,14 +310,16 @@ def _overlapped(phases: dict[str, float], costs: Costs) -> float:
 
 
 def _flat_ring(strategy: str, costs: Costs, world: int, work: Workload) -> Prediction:
-    ring = strategy == "ring"
+    ring = strategy != "ddp"
+    wire = 0.5 if strategy == "ring_bf16" else 1.0  # buckets are cut in fp32, sent as bf16
     segment = costs.ring_segment_bytes if ring else costs.gloo_segment_bytes
     overhead = costs.ring_overhead_s if ring else 0.0
-    buckets = costs.buckets(work.grad_bytes, world, grow=ring)
+    buckets = [wire * b for b in costs.buckets(work.grad_bytes, world, grow=ring)]
     latency, bandwidth, reduce = _ring(costs, world, buckets, segment=segment, overhead=overhead)
     k = contention(world, costs.cores)
-    phases = {"compute": k * costs.compute_s, "latency": k * latency, "bandwidth": k * bandwidth, "reduce": k * reduce}
-    sent = 2 * (world - 1) / world * work.grad_bytes
+    bw = costs.wire(world)
+    phases = {"compute": k * costs.compute_s, "latency": k * latency, "bandwidth": bw * bandwidth, "reduce": k * reduce}
+    sent = 2 * (world - 1) / world * work.grad_bytes * wire
     messages = sum(2 * (world - 1) * _segments(b / world, segment) for b in buckets) if world > 1 else 0.0
     nodes = math.ceil(world / costs.local_size)
     across = sent if nodes > 1 else 0.0  # the rank before each node boundary sends all of it across
@@ -404,8 +350,8 @@ def _hier_ring(costs: Costs, world: int, work: Workload) -> Prediction:
             bandwidth += 2 * (nodes - 1) * flows * piece / costs.inter.bandwidth
             reduce += (nodes - 1) * piece * costs.reduce_s_per_byte
             messages += n
-    k = contention(world, costs.cores)
-    phases = {"compute": k * costs.compute_s, "latency": k * latency, "bandwidth": k * bandwidth, "reduce": k * reduce}
+    k, bw = contention(world, costs.cores), costs.wire(world)
+    phases = {"compute": k * costs.compute_s, "latency": k * latency, "bandwidth": bw * bandwidth, "reduce": k * reduce}
     d = work.grad_bytes
     intra_bytes = 2 * (local - 1) / local * d
     inter_bytes = 2 * (nodes - 1) / nodes * d / local  # per worker
@@ -460,7 +406,9 @@ def _ps(costs: Costs, world: int, work: Workload) -> Prediction:
         phases["transport"] = costs.rpc_exchange_s
         phases["protocol"] = (p - 1) * costs.ps_protocol_s
     else:
-        phases.update(messages=k * messages * costs.rpc_overhead_s, bandwidth=k * wire, latency=wire_latency)
+        phases.update(
+            messages=k * messages * costs.rpc_overhead_s, bandwidth=costs.wire(p) * wire, latency=wire_latency
+        )
     sent = 2 * (p - 1) / p * d
     nic = 2 * local * off / p * d if nodes > 1 else 0.0
     link = max(2 * d / p, nic)  # one peer's pair of messages, or the node's NIC
@@ -520,7 +468,7 @@ def _async(costs: Costs, world: int, work: Workload) -> Prediction:
     else:
         phases.update(
             messages=k * messages * costs.rpc_overhead_s,
-            bandwidth=k * wire,
+            bandwidth=costs.wire(p) * wire,
             latency=(2 * link.latency_s) if p > 1 else 0.0,  # the push and its reply
         )
     step = sum(phases.values())
@@ -573,11 +521,45 @@ def _pipeline(costs: Costs, world: int, work: Workload) -> Prediction:
     return Prediction(sum(phases.values()), phases, act + dp, max(act, nic, dp), nic, 2 * m)
 
 
+def _tensor(costs: Costs, world: int, work: Workload) -> Prediction:
+    group = work.tensor_size or world
+    if world % group:
+        raise ValueError(f"tensor: P={world} is not a multiple of T={group} processes per group")
+    replicas, share = world // group, work.tensor_split_share
+    link = costs.intra if group <= costs.local_size else costs.inter
+    latency = bandwidth = reduce = 0.0
+    for x in work.tensor_collectives if group > 1 else ():
+        chunk = x / group
+        latency += 2 * (group - 1) * _segments(chunk, costs.gloo_segment_bytes) * link.latency_s
+        bandwidth += 2 * (group - 1) * chunk / link.bandwidth
+        reduce += (group - 1) * chunk * costs.reduce_s_per_byte
+    k = contention(world, costs.cores)
+    phases = {
+        "compute": k * costs.compute_s * (share + group * (1 - share)),
+        "latency": k * latency,
+        "bandwidth": costs.wire(world) * bandwidth,
+        "reduce": k * reduce,
+    }
+    held = work.grad_bytes * (share / group + 1 - share)
+    dp = 0.0
+    if replicas > 1:
+        sub = costs.with_(local_size=max(1, costs.local_size // group))
+        lat, bw, red = _ring(sub, replicas, costs.buckets(held), segment=costs.gloo_segment_bytes, overhead=0.0,
+                             rings=group)  # fmt: skip
+        phases["allreduce"] = k * (lat + bw + red)
+        dp = 2 * (replicas - 1) / replicas * held
+    act = sum(2 * (group - 1) / group * x for x in work.tensor_collectives) if group > 1 else 0.0
+    nodes = math.ceil(world / costs.local_size)
+    nic = act if group > costs.local_size else (group * dp if nodes > 1 else 0.0)
+    messages = 2 * (group - 1) * len(work.tensor_collectives) if group > 1 else 0
+    return Prediction(sum(phases.values()), phases, act + dp, max(act, dp), nic, messages, inter_sent_bytes=nic)
+
+
 def predict(strategy: str, costs: Costs, world: int, work: Workload) -> Prediction:
     """The step of ``strategy`` (one of :data:`STRATEGIES`) at ``world`` processes."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, found {world}")
-    if strategy in ("ddp", "ring"):
+    if strategy in ("ddp", "ring", "ring_bf16"):
         return _flat_ring(strategy, costs, world, work)
     if strategy == "ring_hier":
         return _hier_ring(costs, world, work)
@@ -589,4 +571,6 @@ def predict(strategy: str, costs: Costs, world: int, work: Workload) -> Predicti
         return _async(costs, world, work)
     if strategy == "pipeline":
         return _pipeline(costs, world, work)
+    if strategy == "tensor":
+        return _tensor(costs, world, work)
     raise ValueError(f"unknown strategy {strategy!r}: expected one of {list(STRATEGIES)}")

@@ -1,0 +1,220 @@
+"""Every strategy predicted for a measured module on a cluster: step time, memory, bytes, a reason, a rank.
+
+Every strategy steps the same samples: a data-parallel worker its ``batch``, a pipeline replica of
+K stages K x ``batch`` in M micro-batches, a tensor-parallel group of T processes T x ``batch``.
+Strategies that fit in a device's memory are ranked by step time; the others are listed, unranked.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_strategies.advisor.cluster import Cluster
+from lightning_strategies.advisor.measure import Measurement
+from lightning_strategies.advisor.memory import Memory, memory, pipeline_stages
+from lightning_strategies.advisor.model import Prediction, Workload, predict
+
+__all__ = ["STRATEGIES", "Advice", "NoStrategyFitsError", "StrategyAdvice", "advise"]
+
+STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pipeline", "tensor")
+_MODEL = {"ps1": "ps_1"}
+_GIB = 1 << 30
+
+
+class NoStrategyFitsError(ValueError):
+    """No strategy holds the model in a device's memory."""
+
+
+@dataclass(frozen=True)
+class StrategyAdvice:
+    """One strategy's prediction.
+
+    Attributes:
+        name: the strategy (``conf/strategy/<name>.yaml``; ``ps1`` is ``ps`` with one server).
+        options: the strategy's arguments the prediction assumes (stages, micro-batches, tp_size).
+        step_s: seconds per step; ``math.inf`` where the strategy cannot run the model.
+        efficiency: one device's step alone over this step (1: linear scaling).
+        memory: the busiest device's peak.
+        link_bytes: bytes on the busiest link per step (one direction).
+        nic_bytes: bytes through the busiest node's network link per step.
+        fits: whether ``memory`` fits in a device (and the strategy can run the model at all).
+        reason: one line on what sets its pace, or why it does not fit.
+        rank: 1 for the fastest strategy that fits; ``None`` for one that does not.
+    """
+
+    name: str
+    options: dict[str, Any]
+    step_s: float
+    efficiency: float
+    memory: Memory
+    link_bytes: float
+    nic_bytes: float
+    fits: bool
+    reason: str
+    rank: int | None = None
+
+    def overrides(self) -> list[str]:
+        """The Hydra app's overrides that select this strategy (``strategy=ps strategy.num_servers=1``)."""
+        base = "ps" if self.name == "ps1" else self.name
+        return [f"strategy={base}", *(f"strategy.{k}={v}" for k, v in self.options.items())]
+
+
+@dataclass(frozen=True)
+class Advice:
+    """The strategies for one module on one cluster, ranked."""
+
+    cluster: Cluster
+    measurement: Measurement
+    batch: int
+    rows: tuple[StrategyAdvice, ...] = field(default_factory=tuple)
+
+    def best(self) -> StrategyAdvice:
+        """The first choice.
+
+        Raises:
+            NoStrategyFitsError: naming the smallest footprint against the device's memory.
+        """
+        ranked = [r for r in self.rows if r.rank is not None]
+        if ranked:
+            return min(ranked, key=lambda r: r.rank or 0)
+        runnable = [r for r in self.rows if math.isfinite(r.step_s)] or list(self.rows)
+        least = min(runnable, key=lambda r: r.memory.total)
+        raise NoStrategyFitsError(
+            f"no strategy fits this model on {self.cluster.name}: the smallest footprint is {least.name}'s "
+            f"{least.memory.total / _GIB:.2f} GiB per device, expected at most {self.cluster.device_memory_gib:g} GiB. "
+            "Fix: a smaller per-device batch, more pipeline stages or tensor-parallel processes (more devices), "
+            "or devices with more memory"
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(2, n + 1) if n % d == 0]
+
+
+def _work(m: Measurement, batch: int, **kw: Any) -> Workload:
+    return Workload(grad_bytes=float(m.grad_bytes), tensors=len(m.tensors), **kw)
+
+
+def _pipeline_work(m: Measurement, batch: int, k: int, micro: int) -> Workload:
+    mb = k * batch / micro
+    stages = pipeline_stages(m, k)
+    slowest = max(stages, key=lambda s: sum(m.blocks[i].forward_s + m.blocks[i].backward_s for i in s))
+    fwd = sum(m.blocks[i].forward_s for i in slowest) * mb / m.batch_size
+    bwd = sum(m.blocks[i].backward_s for i in slowest) * mb / m.batch_size
+    boundary = max((m.blocks[s[-1]].output_bytes for s in stages[:-1]), default=0) * mb / m.batch_size
+    return _work(m, batch, stages=k, microbatches=micro, activation_bytes=boundary, stage_compute_s=fwd + bwd,
+                 backward_share=bwd / (fwd + bwd) if fwd + bwd else 2 / 3)  # fmt: skip
+
+
+def _tensor_work(m: Measurement, batch: int, t: int) -> Workload:
+    scale = t * batch / m.batch_size
+    return _work(m, batch, tensor_size=t, tensor_collectives=tuple(x * scale for x in m.tensor_payloads),
+                 tensor_split_share=m.tensor_split_share)  # fmt: skip
+
+
+def _reason(name: str, pred: Prediction, mem: Memory, cluster: Cluster, options: dict[str, Any]) -> str:
+    comm = 1 - pred.phases.get("compute", 0.0) / pred.step_s if pred.step_s > 0 else 0.0
+    pace = f"communication {comm:.0%} of the step, {pred.link_bytes / 1e6:.3g} MB on the busiest link"
+    what = {
+        "ddp": "the backend's ring all-reduce of every gradient",
+        "ring": "our ring all-reduce of every gradient",
+        "ring_hier": "one ring per local rank across nodes, 1/L of the gradient each",
+        "ring_bf16": "the ring with bf16 on the wire: half the bytes",
+        "ps": "sharded parameter servers: 2(P-1) RPC messages per step",
+        "ps1": "one server receives and sends every gradient",
+        "async": "sharded servers without a barrier (stale updates)",
+    }.get(name, "")
+    if name == "pipeline":
+        k, micro = options["num_stages"], options["microbatches"]
+        what = f"K={k} stages x M={micro} micro-batches, bubble {(k - 1) / (micro + k - 1):.0%}"
+    if name == "tensor":
+        what = f"T={options['tp_size']}: layers split, activations all-reduced"
+    return f"{what}; {pace}"
+
+
+def _row(name: str, m: Measurement, cluster: Cluster, batch: int, compute_s: float, **options: Any) -> StrategyAdvice:
+    world = cluster.world
+    k, micro, t = options.get("num_stages", 1), options.get("microbatches", 1), options.get("tp_size", 1)
+    if name == "pipeline":
+        work = _pipeline_work(m, batch, k, micro)
+    elif name == "tensor":
+        work = _tensor_work(m, batch, t)
+    else:
+        work = _work(m, batch)
+    pred = predict(_MODEL.get(name, name), cluster.costs(compute_s), world, work)
+    mem = memory(name, m, batch=batch, world=world, stages=k, microbatches=micro, tp_size=t)
+    fits = mem.total <= cluster.memory_bytes
+    reason = _reason(name, pred, mem, cluster, options)
+    if not fits:
+        reason = f"needs {mem.total / _GIB:.2f} GiB per device, over the {cluster.device_memory_gib:g} GiB; " + reason
+    eff = compute_s / pred.step_s if pred.step_s > 0 else 1.0
+    return StrategyAdvice(name, options, pred.step_s, eff, mem, pred.link_bytes, pred.nic_bytes, fits, reason)
+
+
+def _unavailable(name: str, why: str) -> StrategyAdvice:
+    return StrategyAdvice(name, {}, math.inf, 0.0, Memory(0, 0, 0, 0, 0), 0.0, 0.0, False, why)
+
+
+def _pipelines(m: Measurement, cluster: Cluster, batch: int, compute_s: float) -> StrategyAdvice:
+    if not m.pipeline or len(m.blocks) < 2:
+        return _unavailable("pipeline", "the module has no pipeline_layers() of 2 or more blocks to cut")
+    rows = []
+    for k in (d for d in _divisors(cluster.world) if d <= len(m.blocks)):
+        for micro in (k, 2 * k, 4 * k, 8 * k):
+            if micro <= k * batch and (k * batch) % micro == 0:
+                rows.append(_row("pipeline", m, cluster, batch, compute_s, num_stages=k, microbatches=micro))
+    if not rows:
+        return _unavailable("pipeline", f"no stage count divides {cluster.world} processes with a block per stage")
+    return min(rows, key=lambda r: (not r.fits, r.step_s))
+
+
+def _tensors(m: Measurement, cluster: Cluster, batch: int, compute_s: float) -> StrategyAdvice:
+    sizes = [t for t in _divisors(cluster.world) if m.tensor_split_gcd and m.tensor_split_gcd % t == 0]
+    if not sizes:
+        return _unavailable("tensor", "no nn.Linear layers whose widths divide by a tensor-parallel group size")
+    rows = [_row("tensor", m, cluster, batch, compute_s, tp_size=t) for t in sizes]
+    return min(rows, key=lambda r: (not r.fits, r.step_s))
+
+
+def advise(
+    m: Measurement, cluster: Cluster, *, batch: int | None = None, strategies: Sequence[str] = STRATEGIES
+) -> Advice:
+    """Predict, explain and rank ``strategies`` for ``m`` on ``cluster``.
+
+    Args:
+        m: the module measured (:func:`~lightning_strategies.advisor.measure.measure`).
+        cluster: where it is to train.
+        batch: the per-device (data-parallel) batch; default the measured batch.
+        strategies: which to consider.
+
+    Raises:
+        ValueError: an unknown strategy name.
+    """
+    unknown = sorted(set(strategies) - set(STRATEGIES))
+    if unknown:
+        raise ValueError(f"advise: found strategies {unknown}: expected some of {list(STRATEGIES)}. Fix: drop them")
+    batch = batch or m.batch_size
+    compute_s = m.step_s * batch / m.batch_size
+    rows: list[StrategyAdvice] = []
+    for name in strategies:
+        if cluster.world < 2 and name not in ("ddp",):
+            rows.append(_unavailable(name, "one process: nothing to distribute"))
+        elif name == "ring_hier" and cluster.nodes < 2:
+            row = _row(name, m, cluster, batch, compute_s)
+            rows.append(StrategyAdvice(**{**row.__dict__, "reason": "one node: the flat ring; " + row.reason}))
+        elif name == "pipeline":
+            rows.append(_pipelines(m, cluster, batch, compute_s))
+        elif name == "tensor":
+            rows.append(_tensors(m, cluster, batch, compute_s))
+        elif name == "ps1":
+            rows.append(_row(name, m, cluster, batch, compute_s, num_servers=1))
+        else:
+            rows.append(_row(name, m, cluster, batch, compute_s))
+    order = sorted((r for r in rows if r.fits), key=lambda r: r.step_s)
+    ranks = {id(r): i + 1 for i, r in enumerate(order)}
+    ranked = tuple(StrategyAdvice(**{**r.__dict__, "rank": ranks.get(id(r))}) for r in rows)
+    ranked = tuple(sorted(ranked, key=lambda r: (r.rank is None, r.rank or 0, r.memory.total)))
+    return Advice(cluster, m, batch, ranked)

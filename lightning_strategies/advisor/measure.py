@@ -1,0 +1,380 @@
+"""What the advisor measures of a module on one example batch: bytes per tensor, per block, and time.
+
+Blocks are the module's ``pipeline_layers()`` (:class:`~lightning_strategies.PipelineModule`), run
+one after the other on a detached copy of the previous block's output, so each block's forward and
+backward are timed alone; a module without them is one block, run through ``training_step``.
+Activation bytes are what autograd saves for the backward pass (parameters excluded), counted once
+per storage; the bytes saved between a column- and a row-parallel layer of the tensor plan
+(:func:`~lightning_strategies.comm.tensor.auto_plan`) are split by the tensor-parallel group.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_strategies.comm.tensor import auto_plan
+
+__all__ = ["Block", "Measurement", "TensorBytes", "measure"]
+
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class TensorBytes:
+    """One trainable tensor: its bytes, its gradient's and its optimizer state's."""
+
+    name: str
+    param: int
+    grad: int
+    state: int
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block at the measured batch.
+
+    Attributes:
+        param_bytes: its parameters' bytes (trainable or not).
+        output_bytes: its output, the activation a pipeline sends at a boundary after it.
+        saved_bytes: what autograd holds for its backward pass.
+        split_saved_bytes: the part of ``saved_bytes`` the tensor plan splits.
+        forward_s, backward_s: seconds, alone (the stated throughput's when ``tflops`` was given).
+        flops: forward + backward, counted.
+    """
+
+    name: str
+    param_bytes: int
+    output_bytes: int
+    saved_bytes: int
+    split_saved_bytes: int
+    forward_s: float
+    backward_s: float
+    flops: float
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A module at one batch: what each strategy's prediction starts from.
+
+    Attributes:
+        batch_size: samples of the measured batch.
+        tensors: trainable tensors, in ``named_parameters`` order.
+        buffer_bytes: the module's buffers (replicated by every strategy).
+        blocks: the pipeline blocks (one block for a module without ``pipeline_layers``).
+        pipeline: whether the blocks are the module's ``pipeline_layers()``.
+        optimizer: the optimizer's class name.
+        tensor_payloads: bytes of each activation collective of a tensor-parallel step (forward and
+            backward), at the measured batch.
+        tensor_split_param_bytes: parameter bytes of the layers the tensor plan splits.
+        tensor_split_flops: their forward + backward FLOPs at the measured batch.
+        tensor_split_gcd: the greatest common divisor of their split dimensions (0: no plan).
+        timed_on: where the times come from.
+    """
+
+    batch_size: int
+    tensors: tuple[TensorBytes, ...]
+    buffer_bytes: int
+    blocks: tuple[Block, ...]
+    pipeline: bool
+    optimizer: str
+    tensor_payloads: tuple[float, ...]
+    tensor_split_param_bytes: int
+    tensor_split_flops: float
+    tensor_split_gcd: int
+    timed_on: str
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(t.param for t in self.tensors)
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(t.grad for t in self.tensors)
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return sum(t.state for t in self.tensors)
+
+    @property
+    def step_s(self) -> float:
+        return sum(b.forward_s + b.backward_s for b in self.blocks)
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(b.saved_bytes for b in self.blocks)
+
+    @property
+    def flops(self) -> float:
+        return sum(b.flops for b in self.blocks)
+
+    @property
+    def tensor_split_share(self) -> float:
+        """The share of the compute in the layers the tensor plan splits."""
+        return min(1.0, self.tensor_split_flops / self.flops) if self.flops else 0.0
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size() if isinstance(t, Tensor) else 0
+
+
+def _out_bytes(out: Any) -> int:
+    if isinstance(out, Tensor):
+        return _nbytes(out)
+    if isinstance(out, tuple | list):
+        return sum(_out_bytes(o) for o in out)
+    return 0
+
+
+class _Saved:
+    """While ``counting``: the bytes autograd saves (once per storage, parameters left out), the
+    tensor plan's collectives and the FLOPs of its split layers."""
+
+    def __init__(self, params: set[int]) -> None:
+        self.params, self.seen = params, set[int]()
+        self.total = self.split = 0
+        self.splitting = self.active = False
+        self.payloads: list[float] = []
+        self.split_flops = 0.0
+
+    def pack(self, t: Tensor) -> Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.params and ptr not in self.seen:
+            self.seen.add(ptr)
+            self.total += t.untyped_storage().nbytes()
+            self.split += t.untyped_storage().nbytes() if self.splitting else 0
+        return t
+
+    @contextmanager
+    def counting(self) -> Iterator[None]:
+        self.total = self.split = 0
+        self.seen.clear()
+        self.active = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+                yield
+        finally:
+            self.active = False
+
+    def planned(self, style: str, layer: nn.Linear, x: Tensor, out: Tensor) -> None:
+        if not self.active:
+            return
+        if style != "rowwise" and x.requires_grad:
+            self.payloads.append(_nbytes(x))  # the input gradient's all-reduce, backward
+        if style == "rowwise":
+            self.payloads.append(_nbytes(out))  # the partial outputs' all-reduce, forward
+        if style == "colwise_gather":
+            self.payloads.append(_nbytes(out) / 2)  # an all-gather moves half an all-reduce's bytes
+        self.split_flops += 6.0 * x.numel() * layer.out_features  # 2 x rows x in x out, forward and backward
+        self.splitting = style == "colwise"
+
+
+def _plan_hooks(module: nn.Module, saved: _Saved) -> list[Any]:
+    modules = dict(module.named_modules())
+    handles = []
+    for name, style in auto_plan(module).items():
+
+        def post(mod: nn.Module, args: Any, out: Tensor, style: str = style) -> None:
+            saved.planned(style, mod, args[0], out)  # type: ignore[arg-type]
+
+        handles.append(modules[name].register_forward_hook(post))
+    return handles
+
+
+def _loss(module: Any, out: Tensor, batch: Any) -> Tensor:
+    targets = batch[1] if isinstance(batch, tuple | list) and len(batch) > 1 else None
+    return module.pipeline_loss(out, targets)
+
+
+def _step_loss(module: Any, batch: Any) -> Tensor:
+    out = module.training_step(batch, 0)
+    return out["loss"] if isinstance(out, dict) else out
+
+
+def _time(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, int]:
+    """Bytes of state per tensor after one step at lr 0 (the weights stay as they are)."""
+    lrs = [g.get("lr") for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        if "lr" in g:
+            g["lr"] = 0.0 if not isinstance(g["lr"], Tensor) else torch.zeros_like(g["lr"])
+    for p in module.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    out = {names[id(p)]: sum(_nbytes(v) for v in s.values()) for p, s in optimizer.state.items() if id(p) in names}
+    for g, lr in zip(optimizer.param_groups, lrs, strict=True):
+        if lr is not None:
+            g["lr"] = lr
+    optimizer.state.clear()
+    return out
+
+
+def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
+    """The first optimizer of what ``configure_optimizers`` may return."""
+    if isinstance(configured, torch.optim.Optimizer):
+        return configured
+    if isinstance(configured, dict):
+        return _first_optimizer(configured["optimizer"])
+    if isinstance(configured, list | tuple) and configured:
+        return _first_optimizer(configured[0])
+    raise ValueError(
+        f"configure_optimizers returned {type(configured).__name__}: expected an optimizer, a dict "
+        "with 'optimizer' or a list of them. Fix: pass measure(..., optimizer=factory)"
+    )
+
+
+def measure(
+    module: nn.Module,
+    batch: Any,
+    *,
+    optimizer: OptimizerFactory | None = None,
+    tflops: float | None = None,
+    device: str = "",
+    repeats: int = 3,
+) -> Measurement:
+    """Measure ``module`` on ``batch`` (``(inputs, targets)`` for a pipeline module).
+
+    The module is measured on a copy: its weights, buffers and gradients are left as they were.
+
+    Args:
+        module: a LightningModule (or any module with ``training_step``).
+        batch: one training batch at the per-device batch size.
+        optimizer: builds the optimizer from the parameters; default the module's
+            ``configure_optimizers()``.
+        tflops: a device's sustained throughput: block times are counted FLOPs over it instead
+            of timed here.
+        device: the name of that device (for the report).
+        repeats: timed runs per block (the median is kept).
+    """
+    module = copy.deepcopy(module)
+    module.train()
+    lit: Any = module
+    names = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    opt = optimizer(module.parameters()) if optimizer is not None else _first_optimizer(lit.configure_optimizers())
+    pipeline = callable(getattr(module, "pipeline_layers", None)) and callable(getattr(module, "pipeline_loss", None))
+    inputs = batch[0] if isinstance(batch, tuple | list) else batch
+    size = len(inputs) if isinstance(inputs, Tensor) else 1
+    blocks: list[Block] = []
+    saved = _Saved(params)
+    hooks = _plan_hooks(module, saved)
+    try:
+        if pipeline:
+            blocks = _measure_blocks(module, batch, saved, tflops, repeats)
+        else:
+            blocks = [_measure_whole(module, batch, saved, tflops, repeats)]
+    finally:
+        for h in hooks:
+            h.remove()
+    state = _optimizer_state(module, opt, names)
+    tensors = tuple(
+        TensorBytes(n, _nbytes(p), _nbytes(p), state.get(n, 0)) for n, p in module.named_parameters() if p.requires_grad
+    )
+    plan = auto_plan(module)
+    modules = dict(module.named_modules())
+    split = sum(_nbytes(p) for n in plan for p in modules[n].parameters())
+    dims = [getattr(modules[n], "in_features" if st == "rowwise" else "out_features") for n, st in plan.items()]
+    timed_on = f"{device or 'device'} at {tflops:g} TFLOPS (counted FLOPs)" if tflops else "this machine, timed"
+    return Measurement(
+        batch_size=size,
+        tensors=tensors,
+        buffer_bytes=sum(_nbytes(b) for b in module.buffers()),
+        blocks=tuple(blocks),
+        pipeline=pipeline,
+        optimizer=type(opt).__name__,
+        tensor_payloads=tuple(saved.payloads),
+        tensor_split_param_bytes=split,
+        tensor_split_flops=saved.split_flops,
+        tensor_split_gcd=math.gcd(*dims) if dims else 0,
+        timed_on=timed_on,
+    )
+
+
+def _flops(fn: Callable[[], Any]) -> float:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return float(counter.get_total_flops())
+
+
+def _measure_blocks(module: Any, batch: Any, saved: _Saved, tflops: float | None, repeats: int) -> list[Block]:
+    layers: nn.Sequential = module.pipeline_layers()
+    x: Any = batch[0]
+    leaves, outs = [], []
+    for i, layer in enumerate(layers):  # one counted run: saved bytes, outputs, the plan's collectives
+        leaf = x.detach().requires_grad_(i > 0 and x.is_floating_point())  # no gradient for the data
+        with saved.counting():
+            out = layer(leaf)
+        leaves.append(leaf)
+        outs.append((out, saved.total, saved.split))
+        x = out
+    loss = _loss(module, outs[-1][0], batch)
+    grads: list[Any] = [None] * len(outs)
+    grads[-1] = torch.autograd.grad(loss, outs[-1][0], retain_graph=True)[0]
+    blocks = []
+    for i in reversed(range(len(layers))):  # each backward needs the gradient of the block after it
+        layer, leaf, (out, nsaved, nsplit) = layers[i], leaves[i], outs[i]
+
+        def fwd(layer: nn.Module = layer, leaf: Tensor = leaf) -> None:
+            layer(leaf)
+
+        def bwd(out: Tensor = out, i: int = i) -> None:
+            if out.requires_grad:  # a block before the first weight (a pooling of the data) has no backward
+                torch.autograd.backward(out, grads[i], retain_graph=True)
+
+        fwd_flops, bwd_flops = _flops(fwd), _flops(bwd)
+        if i > 0 and out.requires_grad:
+            grads[i - 1] = torch.autograd.grad(out, leaf, grads[i], retain_graph=True)[0]
+        if tflops:
+            f_s, b_s = fwd_flops / (tflops * 1e12), bwd_flops / (tflops * 1e12)
+        else:
+            f_s, b_s = _time(fwd, repeats), _time(bwd, repeats)
+        blocks.append(
+            Block(
+                f"{i}:{type(layer).__name__}",
+                sum(_nbytes(p) for p in layer.parameters()),
+                _out_bytes(out),
+                nsaved,
+                nsplit,
+                f_s,
+                b_s,
+                fwd_flops + bwd_flops,
+            )
+        )
+    for p in module.parameters():
+        p.grad = None
+    return blocks[::-1]
+
+
+def _measure_whole(module: Any, batch: Any, saved: _Saved, tflops: float | None, repeats: int) -> Block:
+    with saved.counting():
+        loss = _step_loss(module, batch)
+    nsaved, nsplit = saved.total, saved.split
+    flops = _flops(lambda: _step_loss(module, batch).backward())
+    if tflops:
+        f_s, b_s = flops / 3 / (tflops * 1e12), 2 * flops / 3 / (tflops * 1e12)
+    else:
+        f_s = _time(lambda: _step_loss(module, batch), repeats)
+        b_s = max(0.0, _time(lambda: _step_loss(module, batch).backward(), repeats) - f_s)
+    del loss
+    for p in module.parameters():
+        p.grad = None
+    return Block("model", sum(_nbytes(p) for p in module.parameters()), 0, nsaved, nsplit, f_s, b_s, flops)

@@ -1,0 +1,186 @@
+"""The advisor (lightning_strategies.advisor): a toy model's measured sizes against its known ones, the
+memory formulas and the ranking against hand-computed values, the presets, the report's schema."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from lightning_strategies.advisor import (
+    Cluster,
+    NoStrategyFitsError,
+    advise,
+    load_cluster,
+    measure,
+    memory,
+    preset_names,
+    to_json,
+    write_png,
+)
+from lightning_strategies.advisor.memory import pipeline_memory
+from lightning_strategies.advisor.report import JSON_KEYS
+
+GIB = 1 << 30
+
+
+class Toy(pl.LightningModule):
+    """8 -> 16 -> 16 -> 4 (ReLUs between): 484 float32 weights; its optimizer given by the test."""
+
+    def __init__(self, opt: str = "adam") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+        self.opt = opt
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def pipeline_layers(self) -> nn.Sequential:
+        return self.net
+
+    def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(outputs, targets)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.pipeline_loss(self(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.opt == "adam":
+            return torch.optim.Adam(self.parameters())
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9 if self.opt == "momentum" else 0.0)
+
+
+PARAMS = 4 * (8 * 16 + 16 + 16 * 16 + 16 + 16 * 4 + 4)  # 1936 B
+BATCH = (torch.randn(32, 8), torch.randn(32, 4))
+
+
+def test_measure_counts_the_toy_models_bytes_per_tensor_and_per_block() -> None:
+    toy = Toy()
+    before = [p.detach().clone() for p in toy.parameters()]
+    m = measure(toy, BATCH)
+    assert all(torch.equal(a, b) for a, b in zip(before, toy.parameters(), strict=True))  # measured on a copy
+    assert m.param_bytes == m.grad_bytes == PARAMS and len(m.tensors) == 6
+    # Adam: exp_avg and exp_avg_sq per weight (2 x params) and a float32 step count per tensor
+    assert m.optimizer == "Adam" and m.optimizer_bytes == 2 * PARAMS + 6 * 4
+    assert measure(Toy("momentum"), BATCH).optimizer_bytes == PARAMS  # one momentum buffer
+    assert measure(Toy("sgd"), BATCH).optimizer_bytes == 0
+    # outputs at the block boundaries: 32 rows x 16, 16, 16, 16, 4 float32 values
+    assert [b.output_bytes for b in m.blocks] == [32 * 16 * 4] * 4 + [32 * 4 * 4]
+    # saved for backward: each Linear its input, each ReLU its output (32 x 8 the data, 32 x 16 the others)
+    assert [b.saved_bytes for b in m.blocks] == [32 * 8 * 4] + [32 * 16 * 4] * 4
+    # the tensor plan pairs net.0 / net.2 (colwise / rowwise): the ReLU between and net.2's input are split
+    assert [b.split_saved_bytes for b in m.blocks] == [0, 2048, 2048, 0, 0]
+    # net.2's output all-reduce, net.4's input-gradient all-reduce and its output gathered (half an all-reduce)
+    assert m.tensor_payloads == (32 * 16 * 4, 32 * 16 * 4, 32 * 4 * 4 / 2)
+    assert m.tensor_split_gcd == 4 and m.pipeline and m.step_s > 0
+
+
+def test_a_stated_throughput_gives_counted_flops_over_it() -> None:
+    m = measure(Toy(), BATCH, tflops=1.0, device="toy")
+    # forward 2 x rows x in x out per Linear; backward twice that, except the first layer's input gradient
+    fwd = 2 * 32 * (8 * 16 + 16 * 16 + 16 * 4)
+    assert m.flops == pytest.approx(3 * fwd - 2 * 32 * 8 * 16, rel=0.02)  # + the loss's and ReLUs' few FLOPs
+    assert m.step_s == pytest.approx(m.flops / 1e12, rel=1e-9) and "toy" in m.timed_on
+
+
+def test_memory_per_strategy_by_hand() -> None:
+    m = measure(Toy(), BATCH)
+    p, o, acts = PARAMS, 2 * PARAMS + 24, 32 * 8 * 4 + 4 * 32 * 16 * 4
+    ddp = memory("ddp", m, batch=32, world=4)
+    assert (ddp.params, ddp.grads, ddp.optimizer, ddp.activations, ddp.buffers) == (p, p, o, acts, p)
+    assert memory("ddp", m, batch=64, world=4).activations == 2 * acts  # linear in the batch
+    ps = memory("ps", m, batch=32, world=4)
+    assert (ps.params, ps.optimizer) == (p + p / 4, o / 4)
+    assert memory("ps1", m, batch=32, world=4).params == 2 * p
+    # tensor, T = 2: the split layers are every weight; 2048 + 2048 saved bytes split in two
+    tp = memory("tensor", m, batch=32, world=2, tp_size=2)
+    assert tp.params == p / 2 and tp.optimizer == pytest.approx(o / 2)
+    assert tp.activations == pytest.approx((acts - 2048) * 2)  # the group's batch is 2 x 32
+    # pipeline K=2, M=4 (1F1B): stage 0 holds min(K, M) = 2 micro-batches of 2 x 32 / 4 = 16 rows
+    pipe = memory("pipeline", m, batch=32, world=2, stages=2, microbatches=4)
+    assert pipe.total == max(pipe.total, memory("pipeline", m, batch=32, world=2, stages=2, microbatches=8).total / 2)
+    assert pipe.activations > 0 and pipe.params < p
+
+
+def test_pipeline_memory_per_stage_by_hand() -> None:
+    m = measure(Toy(), BATCH)
+    stages = pipeline_memory(m, batch=32, stages=2, microbatches=4)
+    # balance by parameters (the strategy's "params"): [net.0, relu] | [net.2, relu, net.4] (144 | 340 weights)
+    assert [s.params for s in stages] == [4 * 144, 4 * 340] and sum(s.params for s in stages) == PARAMS
+    assert [s.grads for s in stages] == [4 * 144, 4 * 340]
+    # stage 0 holds min(K - 0, M) = 2 micro-batches of 2 x 32 / 4 = 16 rows: net.0's input and the ReLU's output;
+    # stage 1 one: net.2's input and the ReLU's (16 x 16 each), net.4's input (16 x 16)
+    assert [s.activations for s in stages] == [2 * (16 * 8 + 16 * 16) * 4, 1 * 3 * 16 * 16 * 4]
+    # a send and a receive buffer of the 16 x 16 boundary activation
+    assert [s.buffers for s in stages] == [2 * 16 * 16 * 4] * 2
+    assert memory("pipeline", m, batch=32, world=2, stages=2, microbatches=4) == max(stages, key=lambda s: s.total)
+
+
+def test_advise_ranks_fitting_strategies_by_step_and_marks_the_others() -> None:
+    m = measure(Toy(), BATCH)
+    fast = Cluster(nodes=2, per_node=2, intra_gbps=100, inter_gbps=1, latency_us=10, device_memory_gib=1)
+    advice = advise(m, fast)
+    ranks = [r.rank for r in advice.rows if r.rank]
+    assert ranks == list(range(1, len(ranks) + 1))
+    steps = [r.step_s for r in advice.rows if r.rank]
+    assert steps == sorted(steps)
+    assert {r.name for r in advice.rows} == {"ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async",
+                                             "pipeline", "tensor"}  # fmt: skip
+    assert all(r.reason for r in advice.rows) and advice.best().rank == 1
+    # a device smaller than every footprint: nothing ranked, and a message that says so
+    tiny = fast.with_(device_memory_gib=1e-9)
+    none = advise(m, tiny)
+    assert all(r.rank is None and not r.fits for r in none.rows)
+    with pytest.raises(NoStrategyFitsError, match=r"no strategy fits this model .* expected at most 1e-09 GiB"):
+        none.best()
+
+
+def test_the_advised_overrides_name_the_apps_strategy_configs() -> None:
+    advice = advise(measure(Toy(), BATCH), load_cluster("emulated_2x2_50mbit"))
+    by = {r.name: r for r in advice.rows}
+    assert by["ps1"].overrides() == ["strategy=ps", "strategy.num_servers=1"]
+    assert (
+        by["pipeline"].overrides()[0] == "strategy=pipeline" and "strategy.num_stages" in by["pipeline"].overrides()[1]
+    )
+    conf = Path(__file__).resolve().parents[2] / "conf" / "strategy"
+    for r in advice.rows:
+        assert (conf / f"{r.overrides()[0].split('=')[1]}.yaml").is_file()
+
+
+def test_presets_load_with_every_figure_and_bad_input_is_refused(tmp_path: Path) -> None:
+    names = preset_names()
+    assert {"a100", "h100", "loopback", "emulated_2x2_50mbit", "emulated_4x1_1gbit"} <= set(names)
+    for name in names:
+        c = load_cluster(name)
+        assert c.world >= 2 and c.name == name
+    a100 = load_cluster("a100")
+    assert (a100.per_node, a100.intra_gbps, a100.inter_gbps, a100.tflops) == (8, 2400, 100, 60.0)
+    costs = a100.costs(0.1)
+    assert costs.inter.bandwidth == 100e9 / 8 and costs.intra.latency_s == pytest.approx(5e-6) and costs.cores is None
+    with pytest.raises(ValueError, match="found no file"):
+        load_cluster("nope")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nodes: 1\nper_node: 2\nintra_gbps: 1\ninter_gbps: 1\nlatency_us: 1\ndevice_memory_gib: 1\nfoo: 2\n")
+    with pytest.raises(ValueError, match=r"found keys \['foo'\]"):
+        load_cluster(bad)
+    with pytest.raises(ValueError, match="found nodes=0"):
+        Cluster(nodes=0, per_node=1, intra_gbps=1, inter_gbps=1, latency_us=1, device_memory_gib=1)
+
+
+def test_the_report_json_has_every_strategy_and_key_and_the_png_is_written(tmp_path: Path) -> None:
+    advice = advise(measure(Toy(), BATCH), load_cluster("loopback"))
+    data = json.loads(json.dumps(to_json(advice)))
+    assert data["world"] == 2 and data["measured"]["params"] == PARAMS
+    assert len(data["strategies"]) == 9
+    for row in data["strategies"]:
+        assert set(row) == set(JSON_KEYS)
+        assert row["step_s"] is None or math.isfinite(row["step_s"])
+        assert row["memory_total"] == pytest.approx(sum(row["memory"].values()))
+    png = write_png(advice, tmp_path / "a.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
