@@ -4,7 +4,7 @@
 
 Builds the site (``mkdocs build --strict``) into a temporary folder, serves it on 127.0.0.1 on a
 free port, and opens Home, Choose a strategy, a strategy page (its mermaid diagram), a results page
-(its plots) and an API reference page in Debian's ``chromium`` through playwright (no browser
+(its plots) and three API reference pages in Debian's ``chromium`` through playwright (no browser
 download: ``executable_path=/usr/bin/chromium``, a fresh profile). On each page: no console error,
 no page error, no failed request, no request leaving 127.0.0.1 (fonts, CDNs: the site must work
 offline), every image loaded (``naturalWidth > 0``, after scrolling so lazy images load), and on
@@ -41,6 +41,8 @@ PAGES = {
     "strategies/ring.html": "strategy_ring",
     "measured/claims.html": "results_claims",
     "reference/package.html": "api_package",
+    "reference/comm/ps.html": "api_comm_ps",
+    "reference/optim.html": "api_optim",
 }
 MUST_RENDER_DIAGRAM = {"strategies/ring.html"}
 

@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import datetime
+import importlib
+import importlib.util
 import inspect
 import itertools
 import os
@@ -20,6 +22,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from app_utils import CONF
@@ -32,6 +35,17 @@ import lightning_strategies as ls
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))
+
+
+# the modules whose every public name (``__all__``) the API reference must render
+REFERENCED_MODULES = (
+    "lightning_strategies.comm",
+    *(f"lightning_strategies.comm.{m}" for m in (
+        "ring", "stats", "ps", "async_", "async_ps", "heartbeat", "peer_lost", "abort", "pipeline",
+        "pipeline_stages", "tensor", "amp", "streams", "rpc", "elastic",
+    )),
+    "lightning_strategies.optim",
+)
 
 
 def code_blocks(text: str, languages: tuple[str, ...] = ("bash", "sh", "console", "")) -> list[str]:
@@ -62,6 +76,17 @@ def test_site_builds_strictly(tmp_path: Path) -> None:
     for name in ls.__all__:
         if name != "__version__":
             assert f'id="lightning_strategies.{name}"' in package, f"{name} is not in the API reference"
+    # every public name of the documented modules has its section (an alias may be rendered
+    # under the module that defines it: heartbeat's re-exports are documented in peer_lost, abort)
+    ids = set()
+    for html in (site / "reference").rglob("*.html"):
+        ids |= set(re.findall(r'id="(lightning_strategies[\w.]*)"', html.read_text()))
+    for module in REFERENCED_MODULES:
+        mod = importlib.import_module(module)
+        for name in mod.__all__:
+            defined_in = getattr(getattr(mod, name), "__module__", None)
+            homes = {f"{module}.{name}", f"{defined_in}.{name}"}
+            assert homes & ids, f"{module}.{name} is not in the API reference (docs/reference/)"
     assert (site / "benchmarks" / "results" / "stragglers.png").is_file()
     claims = (site / "measured" / "claims.html").read_text()
     assert 'src="../benchmarks/results/stragglers.png"' in claims
@@ -196,3 +221,46 @@ def test_readme_is_short_and_links_into_the_site() -> None:
     assert not missing, missing
     for page in ("quickstart", "choose", "reliability", "architecture", "contributing", "gpu", "reference/index"):
         assert f"docs/{page}.md" in links, f"README has no link to docs/{page}.md"
+
+
+def load_griffe_extension() -> Any:
+    spec = importlib.util.spec_from_file_location("_griffe_roles", DOCS / "_griffe_roles.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def returns_items(text: str) -> list[str]:
+    """The descriptions griffe's Google parser reads in the docstring's Returns section."""
+    import griffe
+
+    sections = griffe.Docstring(text, parser="google").parse()
+    return [item.description for s in sections if s.kind is griffe.DocstringSectionKind.returns for item in s.value]
+
+
+def test_griffe_extension_keeps_a_returns_literal_whole() -> None:
+    # param_groups' Returns is one ``[{...}, {...}]`` literal over two lines at the item's indentation
+    from lightning_strategies.optim import param_groups
+
+    text = inspect.cleandoc(param_groups.__doc__ or "")
+    assert len(returns_items(text)) == 2  # what griffe reads unaided: the literal cut in two items
+    (whole,) = returns_items(load_griffe_extension().join_open_literals(text))
+    assert whole.count("``") == 2 and '"layer_adaptation": True}' in whole and "without empty groups" in whole
+    # a section without an open literal is left as it was
+    plain = "Summary.\n\nReturns:\n    the value.\n    More about it.\n\nRaises:\n    ValueError: never.\n"
+    assert load_griffe_extension().join_open_literals(plain) == plain.rstrip("\n")
+
+
+def test_griffe_extension_shows_rst_math_as_tex_code() -> None:
+    # Lamb's docstring: :math:`x` roles and a `.. math::` block, which Markdown would print raw
+    from lightning_strategies.optim import Lamb
+
+    text = inspect.cleandoc(Lamb.__doc__ or "")
+    out = load_griffe_extension().rst_math(text)
+    assert ".. math::" in text and ":math:`" in text
+    assert ".. math::" not in out and ":math:" not in out
+    fence = out.split("```latex\n", 1)[1].split("\n```", 1)[0]
+    block = text.split(".. math::\n", 1)[1].split("\n\n", 1)[0]
+    assert fence.splitlines() == [line[4:] for line in block.splitlines()]  # the TeX, as written
+    assert "For each parameter tensor `x` with gradient `g`" in out
