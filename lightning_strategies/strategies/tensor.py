@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_strategies.comm.pipeline import average_gradients
 from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.comm.tensor import (
     STYLES,
@@ -202,12 +203,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 continue
             t0 = time.perf_counter()
             with torch.no_grad():
-                flat = torch._utils._flatten_dense_tensors(grads)
-                dist.all_reduce(flat, group=group)  # gloo has no AVG: sum, then divide
-                flat /= size
-                for g, avg in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-                    g.copy_(avg)
-            sent = ring_all_reduce_bytes(flat.numel() * flat.element_size(), size)
+                sent = ring_all_reduce_bytes(average_gradients(grads, group), size)
             self._grad_stats += CommStats(sent, sent, 1, time.perf_counter() - t0)
 
     @override
