@@ -83,11 +83,16 @@ class PeerFailureMixin(DDPStrategy):
         """A block whose error becomes :class:`PeerLostError` when a peer turns out to be gone."""
         return raise_peer_lost(lambda: self._peer_heartbeat, lambda: strategy_label(self))
 
+    def _stop_heartbeat(self, *, finished: bool = True) -> None:
+        """Stop and drop this rank's heartbeat, if any (``finished=False``: not a clean end)."""
+        if self._peer_heartbeat is not None:
+            self._peer_heartbeat.stop(finished=finished)
+            self._peer_heartbeat = None
+
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self._peer_heartbeat is not None:
-            self._peer_heartbeat.stop(finished=False)
+        self._stop_heartbeat(finished=False)
         self._peer_heartbeat = start_heartbeat(self.global_rank, self.world_size, watch_grace=self.peer_watch_grace)
 
     @override
@@ -111,9 +116,7 @@ class PeerFailureMixin(DDPStrategy):
     @override
     def teardown(self) -> None:
         super().teardown()
-        if self._peer_heartbeat is not None:
-            self._peer_heartbeat.stop()
-            self._peer_heartbeat = None
+        self._stop_heartbeat()
 
 
 class PeerFailureReport(Callback):

@@ -470,14 +470,15 @@ class PipelineRuntime:
         return seconds, sum(idle) / len(idle)
 
 
-def average_gradients(params: Sequence[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Average the parameters' gradients over ``group`` (one flat all-reduce; a collective)."""
+def average_gradients(grads: Sequence[Tensor], group: dist.ProcessGroup | None) -> int:
+    """Average ``grads`` in place over ``group`` (``None``: the world) by one flat all-reduce (a collective);
+    returns the flat tensor's bytes (0 when nothing was sent: no gradients, or a group of one)."""
     size = dist.get_world_size(group)
-    grads = [p.grad for p in params if p.grad is not None]
     if size == 1 or not grads:
-        return
+        return 0
     flat = torch._utils._flatten_dense_tensors(grads)
     dist.all_reduce(flat, group=group)  # gloo has no AVG: sum, then divide
     flat /= size
     for g, avg in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
         g.copy_(avg)
+    return flat.numel() * flat.element_size()

@@ -586,11 +586,6 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
         if self._members.leave(self.global_rank, self._rpc_timeout):
             self._stop_heartbeat()  # done: no beat may reach the store after the chief closes it
 
-    def _stop_heartbeat(self, *, finished: bool = True) -> None:
-        if self._peer_heartbeat is not None:
-            self._peer_heartbeat.stop(finished=finished)
-            self._peer_heartbeat = None
-
     @override
     def on_train_end(self) -> None:
         super().on_train_end()  # _train_end, then the chief gathers the shards' optimizer state

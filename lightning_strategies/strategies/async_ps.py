@@ -7,7 +7,7 @@ Pushes applied on arrival (:mod:`lightning_strategies.comm.async_ps`), batches l
 - ``process_dataloader``: the training loader draws from the lease (:class:`DynamicBatchSampler`).
 - ``training_step``: note the leased batch the step trains; admit it under the bound.
 - ``setup_optimizers``: ``estimated_stepping_batches`` sees the mean batches per worker.
-- ``_make_shard`` / ``_make_client``: asynchronous shards and clients.
+- ``_make_shard`` / ``client_class``: asynchronous shards and clients.
 - ``optimizer_step`` (``_push_pull``): accumulate ``push_every`` steps, push, pull every ``pull_every``, tell
   the lease; flush at the epoch's last batch. A step the gradient scaler skipped pushes nothing but still
   counts. ``_collect_own_metrics``: staleness, waits, clock.
@@ -49,7 +49,7 @@ from lightning_strategies.comm.async_ps import (
     AsyncParameterShard,
     StalenessLR,
 )
-from lightning_strategies.comm.ps import OptimizerSpec, Packed, Slice, broadcast_from_rank0
+from lightning_strategies.comm.ps import OptimizerSpec, Packed, ParameterServerClient, Slice, broadcast_from_rank0
 from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.data import DevicePrefetcher
 from lightning_strategies.strategies._base import exposed, is_last_batch
@@ -105,6 +105,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     # buffers come from rank 0 at consistent points only and an overflow skips one worker's push
     broadcast_buffers_each_step: ClassVar[bool] = False
     agree_on_overflow: ClassVar[bool] = False
+    client_class: ClassVar[type[ParameterServerClient]] = AsyncParameterServerClient
 
     def __init__(
         self,
@@ -217,10 +218,6 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         return AsyncParameterShard(
             shard_id, slices, params, spec, self.world_size, staleness_lr=self.staleness_lr, timeout=self.ps_timeout
         )
-
-    @override
-    def _make_client(self, params: Sequence[Tensor], plan: Sequence[Sequence[Slice]]) -> AsyncParameterServerClient:
-        return AsyncParameterServerClient(self.global_rank, params, plan, timeout=self.ps_timeout)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -5,7 +5,7 @@ and a worker's optimizer step becomes "push gradients, pull new values". The hoo
 
 - ``setup_environment``: start RPC after the process group (its own rendezvous port).
 - ``configure_ddp``: no DDP wrapper; check what the servers support, broadcast rank 0's weights.
-- ``setup_optimizers``: then this rank's shard and its client (``_make_shard`` / ``_make_client``: ``"async"``'s).
+- ``setup_optimizers``: then this rank's shard and its client (``_make_shard`` / ``client_class``: ``"async"``'s).
 - ``training_step``: broadcast rank 0's buffers first, as DDP does (BatchNorm statistics).
 - ``optimizer_step``: the optimizer's step runs Lightning's closure, then push/pull instead of a local
   update (a step pre-hook); its metrics are collected after the step (``_after_optimizer_step``).
@@ -97,6 +97,8 @@ class ParameterServerStrategy(StrategyBase):
     # Under 16-mixed every rank skips an overflowing step together: a rank that skipped alone would never
     # push, and the shards' barrier would wait for it. Async, with no barrier, lets each rank skip alone.
     agree_on_overflow: ClassVar[bool] = True
+    #: Each worker's push/pull handle ("async" swaps in its asynchronous client).
+    client_class: ClassVar[type[ParameterServerClient]] = ParameterServerClient
 
     wraps_ddp = False
 
@@ -251,7 +253,7 @@ class ParameterServerStrategy(StrategyBase):
         self._start_client(params, plan)
 
     def _start_client(self, params: list[Tensor], plan: list[list[Slice]]) -> None:
-        self._client = self._make_client(params, plan)
+        self._client = self.client_class(self.global_rank, params, plan, timeout=self.ps_timeout)
         if self._step_hook is not None:
             self._step_hook.remove()
         self._step_hook = self.optimizers[0].register_step_pre_hook(self._step_on_servers)
@@ -285,9 +287,6 @@ class ParameterServerStrategy(StrategyBase):
         self, shard_id: int, slices: Sequence[Slice], params: Sequence[Tensor], spec: OptimizerSpec
     ) -> ParameterShard:
         return ParameterShard(shard_id, slices, params, spec, self.world_size, timeout=self.ps_timeout)
-
-    def _make_client(self, params: Sequence[Tensor], plan: Sequence[Sequence[Slice]]) -> ParameterServerClient:
-        return ParameterServerClient(self.global_rank, params, plan, timeout=self.ps_timeout)
 
     def _push_pull(self, optimizer: Optimizer) -> None:
         assert self._client is not None

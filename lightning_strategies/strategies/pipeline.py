@@ -268,7 +268,7 @@ class PipelineStrategy(PipelineSplit):
                     p.grad = g if p.grad is None else p.grad.add_(g)
         dp_group = self._group("dp")
         if dp_group is not None and self._sync_replicas:
-            average_gradients(self._runtime.stage_parameters, dp_group)
+            average_gradients([p.grad for p in self._runtime.stage_parameters if p.grad is not None], dp_group)
         return self.precision_plugin.post_backward(closure_loss, module)
 
     @override

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_strategies.comm.pipeline import average_gradients
 from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.comm.tensor import (
     STYLES,
@@ -202,12 +203,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 continue
             t0 = time.perf_counter()
             with torch.no_grad():
-                flat = torch._utils._flatten_dense_tensors(grads)
-                dist.all_reduce(flat, group=group)  # gloo has no AVG: sum, then divide
-                flat /= size
-                for g, avg in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-                    g.copy_(avg)
-            sent = ring_all_reduce_bytes(flat.numel() * flat.element_size(), size)
+                sent = ring_all_reduce_bytes(average_gradients(grads, group), size)
             self._grad_stats += CommStats(sent, sent, 1, time.perf_counter() - t0)
 
     @override
@@ -237,12 +233,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
             return state
         if self._replica_rank() != 0:
             return {}
-        out = {}
-        for key, value in state.items():
-            full = full_tensor(value, dst=0)
-            if full is not None:
-                out[key] = full.detach().cpu() if isinstance(value, DTensor) else full
-        return out if self.global_rank == 0 else {}
+        out = {key: _gathered(value) for key, value in state.items()}  # the gathers: every rank, in key order
+        return {key: v for key, v in out.items() if v is not None} if self.global_rank == 0 else {}
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -253,12 +245,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         if self._replica_rank() != 0:
             return {}
         state = opt.state_dict()
-        gathered: dict[int, dict[str, Any]] = {}
-        for index, entry in state["state"].items():
-            gathered[index] = {}
-            for key, value in entry.items():
-                full = full_tensor(value, dst=0) if isinstance(value, DTensor) else value
-                gathered[index][key] = full.cpu() if isinstance(value, DTensor) and full is not None else full
+        gathered = {index: {key: _gathered(v) for key, v in entry.items()} for index, entry in state["state"].items()}
         if self.global_rank != 0:
             return {}
         return {"state": gathered, "param_groups": state["param_groups"]}
@@ -306,3 +293,10 @@ class TensorParallelStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         destroy_at_exit(self._own_groups())
+
+
+def _gathered(value: Any) -> Any:
+    """``value`` whole on its group's rank 0 (``None`` elsewhere when split), a split one on the CPU; a
+    collective over the value's mesh for a ``DTensor``, plain values as they are."""
+    full = full_tensor(value, dst=0)
+    return full.detach().cpu() if isinstance(value, DTensor) and full is not None else full
