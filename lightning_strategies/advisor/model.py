@@ -561,16 +561,8 @@ def predict(strategy: str, costs: Costs, world: int, work: Workload) -> Predicti
         raise ValueError(f"world size must be >= 1, found {world}")
     if strategy in ("ddp", "ring", "ring_bf16"):
         return _flat_ring(strategy, costs, world, work)
-    if strategy == "ring_hier":
-        return _hier_ring(costs, world, work)
-    if strategy == "ps":
-        return _ps(costs, world, work)
-    if strategy == "ps_1":
-        return _ps_1(costs, world, work)
-    if strategy == "async":
-        return _async(costs, world, work)
-    if strategy == "pipeline":
-        return _pipeline(costs, world, work)
-    if strategy == "tensor":
-        return _tensor(costs, world, work)
-    raise ValueError(f"unknown strategy {strategy!r}: expected one of {list(STRATEGIES)}")
+    others = {"ring_hier": _hier_ring, "ps": _ps, "ps_1": _ps_1, "async": _async, "pipeline": _pipeline,
+              "tensor": _tensor}  # fmt: skip
+    if strategy not in others:
+        raise ValueError(f"unknown strategy {strategy!r}: expected one of {list(STRATEGIES)}")
+    return others[strategy](costs, world, work)
