@@ -14,7 +14,8 @@ are local). Replicas find each other through the Lighthouse's quorum, step by st
   optimizers, LR schedulers, Lightning's loop progress, the outer loop).
 - ``optimizer_step`` (``ft``): Lightning's closure, then the gradients averaged over the quorum
   and the step committed (:func:`~lightning_strategies.comm.ft.average_and_commit`).
-- ``on_train_batch_start`` / ``on_train_end`` (``local_sgd`` / ``diloco``): the outer sync when due.
+- ``on_train_batch_start`` (``local_sgd`` / ``diloco``): the outer sync when due; the last one in
+  :class:`FTState`'s ``on_train_end``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -46,10 +48,16 @@ from lightning_strategies.comm.ft import (
     lighthouse_command,
     unflatten_into,
 )
+from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.strategies._base import MetricsWindow
-from lightning_strategies.strategies._ft_launcher import LIGHTHOUSE_ENV, FTScriptLauncher, LighthouseSettings
+from lightning_strategies.strategies._ft_launcher import (
+    LIGHTHOUSE_ENV,
+    RESTART_ENV,
+    FTScriptLauncher,
+    LighthouseSettings,
+)
 
-__all__ = ["FT_ALGORITHMS", "FTState", "FTStrategy", "ReplicaBehindError"]
+__all__ = ["FT_ALGORITHMS", "FTState", "FTStrategy", "ReplicaBehindError", "replica_path"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +88,10 @@ class FTState(Callback):
         self.kept = progress_of(trainer)
 
     @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.strategy.final_sync()
+
+    @override
     def state_dict(self) -> dict[str, Any]:
         s = self.strategy
         outer = s.outer.state_dict() if s.outer is not None else None
@@ -89,6 +101,11 @@ class FTState(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.loaded = state_dict
+
+
+def replica_path(path: Any, replica: int) -> str:
+    """Where replica ``replica`` (> 0) of a ``local_sgd`` / ``diloco`` run keeps its part of checkpoint ``path``."""
+    return f"{os.fspath(path)}.replica{replica}"
 
 
 def _callbacks(trainer: pl.Trainer) -> list[Callback]:
@@ -218,9 +235,12 @@ class FTStrategy(DDPStrategy):
         self.outer: OuterLoop | None = None
         self.state_callback: FTState | None = None
         self.metrics = MetricsWindow()
+        #: this replica's all-reduces since the fit began: payload bytes (sent = received), calls, seconds
+        self.comm_stats = CommStats()
         self._joined = False  # this fit's first quorum is done
         self._quorum_open = False  # a quorum started and not yet used by a commit
         self._synced_at = -1  # the global step of the last outer sync
+        self._own_group = False
 
     # -- processes: the launcher, a one-rank group, no DDP wrapper --------------------------------
 
@@ -256,6 +276,7 @@ class FTStrategy(DDPStrategy):
             dist.init_process_group(
                 self._get_process_group_backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=self._timeout
             )
+            self._own_group = True
 
     @override
     def configure_ddp(self) -> None:
@@ -276,9 +297,10 @@ class FTStrategy(DDPStrategy):
         super().setup_environment()
         module = self.lightning_module
         if module is not None and module.trainer.state.fn == TrainerFn.FITTING:
-            # before Lightning restores a checkpoint's callbacks, so that its state reaches this one
+            # before Lightning restores a checkpoint's callbacks, so that its state reaches this one;
+            # first, so that the others' on_train_end see the last sync's weights
             self.state_callback = FTState(self)
-            _callbacks(module.trainer).append(self.state_callback)
+            _callbacks(module.trainer).insert(0, self.state_callback)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -305,7 +327,7 @@ class FTStrategy(DDPStrategy):
                 outer_lr=self.outer_lr, outer_momentum=self.outer_momentum, nesterov=self.nesterov,
                 pseudo_grad_dtype=_WIRE_DTYPES[self.pseudo_grad_dtype],
             )  # fmt: skip
-        self.replica = self._start_replica(trainer)
+        self.replica = _start_replica(self)
         loaded = self.state_callback.loaded if self.state_callback is not None else None
         if loaded is not None:  # a checkpoint's outer loop and Manager step
             if self.outer is not None and loaded.get("outer") is not None:
@@ -313,34 +335,7 @@ class FTStrategy(DDPStrategy):
             if loaded.get("manager") is not None:
                 self.replica.manager.load_state_dict(loaded["manager"])
         self._joined, self._quorum_open, self._synced_at = False, False, -1
-
-    def _start_replica(self, trainer: pl.Trainer) -> ReplicaGroup:
-        address = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
-        if not address:
-            raise RuntimeError(
-                f"FTStrategy (replica {self.global_rank}) found no Lighthouse address: expected lighthouse='host:port' "
-                f"or {LIGHTHOUSE_ENV} set (the launcher sets it when it starts one). Fix: start one with "
-                f"`{lighthouse_command(self.replica_config.min_replicas, self.heartbeat_timeout_s)}` and pass "
-                "lighthouse='<its host>:29510', or launch with start_method='popen' from one process."
-            )
-        url = check_lighthouse(
-            address,
-            timeout_s=self.replica_config.connect_timeout_s,
-            min_replicas=self.replica_config.min_replicas,
-            heartbeat_timeout_s=self.heartbeat_timeout_s,
-        )
-        replica = ReplicaGroup(
-            self.replica_config, lighthouse=url, replica_id=f"replica_{self.global_rank}",
-            device=self.root_device, hostname=self._host(),
-        )  # fmt: skip
-        module = self.lightning_module
-        assert module is not None
-        replica.register("model", module.load_state_dict, module.state_dict)
-        replica.register("optimizers", self._load_optimizers, lambda: [o.state_dict() for o in self.optimizers])
-        replica.register("progress", self._load_progress, self._progress)
-        if self.outer is not None:
-            replica.register("outer", self.outer.load_state_dict, self.outer.state_dict)
-        return replica
+        self.comm_stats = CommStats()
 
     def _load_optimizers(self, states: list[dict[str, Any]]) -> None:
         for optimizer, state in zip(self.optimizers, states, strict=True):
@@ -385,13 +380,13 @@ class FTStrategy(DDPStrategy):
     def _join(self) -> None:
         replica, trainer = self.replica, self.lightning_module.trainer if self.lightning_module else None
         assert replica is not None and trainer is not None
-        healed = replica.start_quorum()  # step 0 (init_sync): every replica but one heals from it
+        healed = _first_quorum(self, replica)
         self._joined, self._quorum_open = True, True
         log.info(f"ft: replica {self.global_rank} joined at step {trainer.global_step} (healed: {healed})")
         if self.outer is not None:
             fragment = self.outer.due(trainer.global_step)
             if fragment is not None:  # the peers are syncing: this quorum is theirs
-                self._sync(fragment, trainer.global_step)
+                self._sync(fragment, trainer.global_step, log=False)
             self._quorum_open = False
 
     def _requorum(self) -> bool:
@@ -446,19 +441,19 @@ class FTStrategy(DDPStrategy):
             self._requorum()
             self._sync(fragment, step)
 
-    @override
-    def on_train_end(self) -> None:
-        super().on_train_end()
+    def final_sync(self) -> None:
+        """The sync due after the last inner step (``local_sgd`` / ``diloco``), if any: run by
+        :class:`FTState` first among the callbacks' ``on_train_end``, so that they see its weights."""
         trainer = self.lightning_module.trainer if self.lightning_module else None
         if self.outer is None or self.replica is None or trainer is None:
             return
         step = trainer.global_step
         fragment = self.outer.due(step)
-        if fragment is not None and self._synced_at != step:  # the last sync, after the last inner step
+        if fragment is not None and self._synced_at != step:
             self._requorum()
-            self._sync(fragment, step)
+            self._sync(fragment, step, log=False)
 
-    def _sync(self, fragment: int, step: int) -> None:
+    def _sync(self, fragment: int, step: int, *, log: bool = True) -> None:
         """The outer sync of ``fragment`` on the open quorum."""
         outer, replica = self.outer, self.replica
         assert outer is not None and replica is not None
@@ -469,11 +464,14 @@ class FTStrategy(DDPStrategy):
         )  # fmt: skip
         outer.apply(fragment, flat)
         self._synced_at = step
-        self._record(stats)
+        self._record(stats, log=log)
 
-    def _record(self, stats: CommitStats) -> None:
+    def _record(self, stats: CommitStats, *, log: bool = True) -> None:
         replica = self.replica
         assert replica is not None
+        self.comm_stats += CommStats(
+            bytes_sent=stats.bytes, bytes_received=stats.bytes, calls=stats.attempts, seconds=stats.seconds
+        )
         self.metrics.add(**{
             "ft/participants": float(stats.participants),
             "ft/commit_attempts": float(stats.attempts),
@@ -481,7 +479,26 @@ class FTStrategy(DDPStrategy):
             "ft/commit_s": stats.seconds,
         })  # fmt: skip
         self.metrics.latest(**{"ft/manager_step": float(replica.step), "ft/heals": float(replica.heals)})
-        self.metrics.flush_if_due(self.lightning_module)
+        if log:  # not where Lightning forbids self.log (joining, on_train_end)
+            self.metrics.flush_if_due(self.lightning_module)
+
+    # -- checkpoints: one file per replica under local_sgd / diloco -------------------------------
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Replica 0 writes ``filepath``; under ``local_sgd`` / ``diloco`` every other replica also
+        writes its own ``<filepath>.replica<r>``, since its weights and inner optimizer differ
+        between syncs (under ``ft`` they are replica 0's)."""
+        if self.algorithm != "ft" and not self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, replica_path(filepath, self.global_rank), storage_options)
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        own = replica_path(checkpoint_path, self.global_rank)
+        path = own if self.algorithm != "ft" and self.global_rank > 0 and os.path.exists(own) else checkpoint_path
+        return super().load_checkpoint(path, weights_only)
 
     # -- the end ---------------------------------------------------------------------------------
 
@@ -498,5 +515,57 @@ class FTStrategy(DDPStrategy):
         self.state_callback = None
         self.metrics.clear()
         super().teardown()
-        if dist.is_initialized() and dist.get_world_size() == 1:
+        if self._own_group and dist.is_initialized():
             dist.destroy_process_group()
+        self._own_group = False
+
+
+def _start_replica(self: FTStrategy) -> ReplicaGroup:
+    """The Lighthouse checked, this replica's Manager built and its state registered."""
+    address = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+    if not address:
+        raise RuntimeError(
+            f"FTStrategy (replica {self.global_rank}) found no Lighthouse address: expected lighthouse='host:port' "
+            f"or {LIGHTHOUSE_ENV} set (the launcher sets it when it starts one). Fix: start one with "
+            f"`{lighthouse_command(self.replica_config.min_replicas, self.heartbeat_timeout_s)}` and pass "
+            "lighthouse='<its host>:29510', or launch with start_method='popen' from one process."
+        )
+    url = check_lighthouse(
+        address,
+        timeout_s=self.replica_config.connect_timeout_s,
+        min_replicas=self.replica_config.min_replicas,
+        heartbeat_timeout_s=self.heartbeat_timeout_s,
+    )
+    replica = ReplicaGroup(
+        self.replica_config, lighthouse=url, replica_id=f"replica_{self.global_rank}",
+        device=self.root_device, hostname=self._host(),
+    )  # fmt: skip
+    module = self.lightning_module
+    assert module is not None
+    replica.register("model", module.load_state_dict, module.state_dict)
+    replica.register("optimizers", self._load_optimizers, lambda: [o.state_dict() for o in self.optimizers])
+    replica.register("progress", self._load_progress, self._progress)
+    if self.outer is not None:
+        replica.register("outer", self.outer.load_state_dict, self.outer.state_dict)
+    return replica
+
+
+def _first_quorum(self: FTStrategy, replica: ReplicaGroup) -> bool:
+    """This fit's first quorum (at step 0, init_sync: every replica but one heals from it); returns
+    whether this replica healed."""
+    healed = replica.start_quorum()  # step 0 (init_sync): every replica but one heals from it
+    world = self.num_nodes * self.num_processes
+    restart = int(os.environ.get(RESTART_ENV, "0")) > 0
+    if not restart:
+        # a job starts with every replica (as DDP would), or after quorum_timeout_s with those there
+        deadline = time.monotonic() + self.replica_config.quorum_timeout_s
+        while replica.participants() < world and time.monotonic() < deadline:
+            time.sleep(0.2)
+            healed |= replica.start_quorum()
+    elif world > 1 and replica.participants() < 2:
+        raise RuntimeError(
+            f"replica {self.global_rank}, started again, found no live replica to heal from (a quorum of 1): "
+            "expected one of its peers still training. The job has ended or lost every other replica; this "
+            "replica ends rather than train from its own start."
+        )
+    return healed
