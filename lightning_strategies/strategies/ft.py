@@ -387,6 +387,10 @@ class FTStrategy(DDPStrategy):
             fragment = self.outer.due(trainer.global_step)
             if fragment is not None:  # the peers are syncing: this quorum is theirs
                 self._sync(fragment, trainer.global_step, log=False)
+            elif replica.step == 0:
+                # commit the join: while the Manager's step is 0, every quorum heals all replicas but
+                # one (init_sync), which would make the first sync's quorum heal mid-run
+                replica.manager.should_commit()
             self._quorum_open = False
 
     def _requorum(self) -> bool:

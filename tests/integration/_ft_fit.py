@@ -7,8 +7,9 @@ each replica on its shard (Lightning's ``DistributedSampler``), one torch thread
 
 The case file's keys: ``out``, ``replicas``, ``algorithm``, ``max_steps``, ``batch_size``, ``n``,
 ``strategy`` (FTStrategy keyword arguments), ``kill`` (``[replica, step]``: that replica
-SIGKILLs itself at the start of that training step in its first start), ``sleep_s`` (after every
-step), ``seed_by_replica`` (each replica initialises its weights with its own seed),
+SIGKILLs itself at the start of its training step of that index in its first start, counted from its
+first step in this process), ``sleep_alone_s`` (after
+every step committed alone), ``seed_by_replica`` (each replica initialises its weights with its own seed),
 ``optimizer`` (``"sgd"`` or ``"adamw"``), ``ckpt_save`` (``[step, path]``: replica 0 saves a
 checkpoint there after that step and the fit stops), ``ckpt_path`` (resume from it).
 
@@ -16,13 +17,17 @@ Each replica writes ``replica<r>_<start>.pt`` when its fit ends: its final weigh
 ``global_step``, the Manager's step, its heals, and per committed step the participants.
 """
 
+# ruff: noqa: E402 - T0 is taken before the imports it times
 from __future__ import annotations
+
+import time
+
+T0 = time.time()  # this process's start (before the heavy imports): a restart's rejoin is timed from it
 
 import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +46,17 @@ class _Case(pl.Callback):
         self.participants: list[int] = []
         self.manager_steps: list[int] = []
         self.first_step: int | None = None
+        self.steps_here = 0
+        self.commit_times: list[float] = []
         self.t_start = time.time()
         self.t_first: float | None = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if self.first_step is None:
             self.first_step = trainer.global_step
+        self.steps_here += 1
         kill = self.cfg.get("kill")
-        if kill and self.start == 0 and self.replica == kill[0] and trainer.global_step == kill[1]:
+        if kill and self.start == 0 and self.replica == kill[0] and self.steps_here == kill[1] + 1:
             (Path(self.cfg["out"]) / "killed.json").write_text(json.dumps({"time": time.time(), "step": kill[1]}))
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -58,9 +66,10 @@ class _Case(pl.Callback):
         if self.t_first is None:
             self.t_first = time.time()
         self.participants.append(strategy.replica.participants())
+        self.commit_times.append(time.time())
         self.manager_steps.append(strategy.replica.step)
-        if self.cfg.get("sleep_s"):
-            time.sleep(self.cfg["sleep_s"])
+        if self.cfg.get("sleep_alone_s") and self.participants[-1] == 1:
+            time.sleep(self.cfg["sleep_alone_s"])
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
@@ -76,6 +85,10 @@ class _Case(pl.Callback):
             "outer": strategy.outer.state_dict() if strategy.outer is not None else None,
             "optimizer": trainer.optimizers[0].state_dict(),
             "t_start": self.t_start,
+            "t0": T0,
+            "commit_times": self.commit_times,
+            "allreduce_bytes": strategy.comm_stats.bytes_sent,
+            "allreduce_calls": strategy.comm_stats.calls,
             "t_first": self.t_first,
             "t_end": time.time(),
             "pid": os.getpid(),
