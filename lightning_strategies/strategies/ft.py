@@ -374,8 +374,7 @@ class FTStrategy(DDPStrategy):
         super().barrier(name)
 
     def _fitting(self) -> bool:
-        module = self.lightning_module
-        return module is not None and module.trainer.state.fn == TrainerFn.FITTING
+        return self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
 
     def _join(self) -> None:
         replica, trainer = self.replica, self.lightning_module.trainer if self.lightning_module else None
@@ -388,9 +387,9 @@ class FTStrategy(DDPStrategy):
             if fragment is not None:  # the peers are syncing: this quorum is theirs
                 self._sync(fragment, trainer.global_step, log=False)
             elif replica.step == 0:
-                # commit the join: while the Manager's step is 0, every quorum heals all replicas but
-                # one (init_sync), which would make the first sync's quorum heal mid-run
-                replica.manager.should_commit()
+                # commit the join (at step 0 every quorum would heal all replicas but one, init_sync),
+                # through a one-value all-reduce: a barrier behind the heals, which a commit would block
+                average_and_commit(replica.manager, lambda: [torch.zeros(1)], attempts=1, requorum=self._requorum)
             self._quorum_open = False
 
     def _requorum(self) -> bool:
