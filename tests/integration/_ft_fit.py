@@ -11,7 +11,8 @@ SIGKILLs itself at the start of its training step of that index in its first sta
 first step in this process), ``sleep_alone_s`` (after
 every step committed alone), ``seed_by_replica`` (each replica initialises its weights with its own seed),
 ``optimizer`` (``"sgd"`` or ``"adamw"``), ``ckpt_save`` (``[step, path]``: replica 0 saves a
-checkpoint there after that step and the fit stops), ``ckpt_path`` (resume from it).
+checkpoint there after that step and the fit stops), ``ckpt_path`` (resume from it), ``resumable``
+(a :class:`~lightning_strategies.ResumableDataLoader`, so that a mid-epoch resume takes the next batch).
 
 Each replica writes ``replica<r>_<start>.pt`` when its fit ends: its final weights, Lightning's
 ``global_step``, the Manager's step, its heals, and per committed step the participants.
@@ -36,7 +37,7 @@ import torch
 from lightning_utils import StopAfter, TinyRegressor, quiet_trainer, regression_data
 from torch.utils.data import DataLoader
 
-from lightning_strategies import FTStrategy
+from lightning_strategies import FTStrategy, ResumableDataLoader
 from lightning_strategies.strategies._ft_launcher import RESTART_ENV
 
 
@@ -113,7 +114,8 @@ def main() -> None:
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.5)
     data = regression_data(cfg.get("n", 64))
-    loader = DataLoader(data, batch_size=cfg.get("batch_size", 8))
+    loader_class = ResumableDataLoader if cfg.get("resumable") else DataLoader  # mid-epoch resume at the next batch
+    loader = loader_class(data, batch_size=cfg.get("batch_size", 8))
     callbacks: list[pl.Callback] = [_Case(cfg, replica, start)]
     if cfg.get("ckpt_save"):
         callbacks.append(StopAfter("batch", Path(cfg["ckpt_save"][1]), step=cfg["ckpt_save"][0]))

@@ -18,7 +18,9 @@ replica from Lightning's ``DistributedSampler`` (4 steps per epoch), and holds t
 - ``diloco`` with replica 1 SIGKILLed at the start of a sync: replica 0 commits the sync alone,
   the restarted replica heals (outer loop included) and both end equal.
 - ``diloco`` stopped after step 6 with a checkpoint (one file per replica) and resumed ends as the
-  uninterrupted run: weights, inner AdamW state and the outer loop's global copy and momentum.
+  uninterrupted run: weights, inner AdamW state and the outer loop's global copy and momentum
+  (a :class:`~lightning_strategies.ResumableDataLoader`, so that the resume takes the next batch;
+  a plain loader starts the epoch's batches again, as in Lightning).
 """
 
 from __future__ import annotations
@@ -178,7 +180,8 @@ def test_diloco_replica_killed_at_a_sync_heals(tmp_path: Path) -> None:
 
 def test_diloco_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
     steps, h, stop = 12, 4, 6
-    common = {"algorithm": "diloco", "optimizer": "adamw", "strategy": {"min_replicas": 2, "sync_every": h}}
+    common = {"algorithm": "diloco", "optimizer": "adamw", "resumable": True,
+              "strategy": {"min_replicas": 2, "sync_every": h}}  # fmt: skip
     whole = run_case(tmp_path, "whole", max_steps=steps, **common)
     ckpt = tmp_path / "stop.ckpt"
     run_case(tmp_path, "first", max_steps=steps, ckpt_save=[stop, str(ckpt)], **common)
