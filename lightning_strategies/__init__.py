@@ -23,6 +23,7 @@ from lightning_strategies.scaling import (
 from lightning_strategies.strategies._registry import register_fabric_refusals, register_strategies
 from lightning_strategies.strategies.async_elastic import AsyncElasticStrategy
 from lightning_strategies.strategies.async_ps import AsyncParameterServerStrategy
+from lightning_strategies.strategies.ft import FTStrategy
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 from lightning_strategies.strategies.pipeline import PipelineStrategy
 from lightning_strategies.strategies.ring import RingAllReduceStrategy
@@ -38,6 +39,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DevicePrefetcher",
     "EpochRandomSampler",
+    "FTStrategy",
     "LinearWarmup",
     "ParameterServerStrategy",
     "PeerFailureReport",

@@ -102,6 +102,25 @@ STRATEGY_ROWS: tuple[StrategyRow, ...] = (
         "Intra-layer model parallelism: nn.Linear layers split Megatron-style (DTensor) x data parallel",
     ),
     _fork("tensor", _TENSOR),
+    StrategyRow(
+        "ft",
+        "lightning_strategies.strategies.ft:FTStrategy",
+        "Fault-tolerant data parallel on torchft: each process a replica group, lost replicas leave the quorum, "
+        "restarted ones heal from a live peer",
+    ),
+    StrategyRow(
+        "local_sgd",
+        "lightning_strategies.strategies.ft:FTStrategy",
+        "'ft' with LocalSGD: sync_every local steps, then the parameters averaged",
+        init_params={"algorithm": "local_sgd"},
+    ),
+    StrategyRow(
+        "diloco",
+        "lightning_strategies.strategies.ft:FTStrategy",
+        "'ft' with DiLoCo: sync_every AdamW steps, then the mean pseudo-gradient and a Nesterov outer step "
+        "(fragments > 1: Streaming DiLoCo)",
+        init_params={"algorithm": "diloco"},
+    ),
 )
 
 

@@ -111,6 +111,12 @@ GOALS: dict[str, list[tuple[str, float, float]]] = {
         (r"snapshot_bytes_over_4N_N\d+", 1 - EXACT, 1 + EXACT),
         (r"snapshot_over_step_N\d+", 0.01, 100.0),
     ],
+    # ft.py --quick: DiLoCo's all-reduce payload over per-step (DDP-like) ft's for the same 40 steps,
+    # two replica threads over comm/ft: 1/H by accounting (H = 10, the run's setting line), exact
+    "ft.py": [
+        (r"diloco_allreduce_bytes_over_ddp", 0.1 - EXACT, 0.1 + EXACT),
+        (r"diloco_sync_every", 10, 10),
+    ],
     "soak.py": [
         (r"soak_rss_growth_(ddp|ring|ps|async|pipeline)", -5.0, 5.0),
         (r"soak_step_drift_(ddp|ring|ps|async|pipeline)", 0.2, 5.0),

@@ -1,0 +1,48 @@
+"""Fault tolerance and low-communication data parallelism on torchft, free of Lightning.
+
+- :mod:`~lightning_strategies.comm.ft.lighthouse`: the quorum service's address, reachability, start.
+- :mod:`~lightning_strategies.comm.ft.replica`: one process = one replica group (torchft Manager).
+- :mod:`~lightning_strategies.comm.ft.step`: all-reduce, then commit only if every replica may.
+- :mod:`~lightning_strategies.comm.ft.outer`: LocalSGD / (Streaming) DiLoCo's outer loop.
+
+torchft is imported only where a Manager or a Lighthouse is built (``pip install
+lightning-strategies[ft]``); everything else here imports without it.
+"""
+
+from lightning_strategies.comm.ft.lighthouse import (
+    LighthouseHandle,
+    LighthouseUnreachableError,
+    check_lighthouse,
+    lighthouse_command,
+    parse_lighthouse,
+    start_lighthouse,
+)
+from lightning_strategies.comm.ft.outer import ALGORITHMS, OuterLoop, split_fragments
+from lightning_strategies.comm.ft.replica import ReplicaConfig, ReplicaGroup, snapshot
+from lightning_strategies.comm.ft.step import (
+    CommitFailedError,
+    CommitStats,
+    average_and_commit,
+    flatten,
+    unflatten_into,
+)
+
+__all__ = [
+    "ALGORITHMS",
+    "CommitFailedError",
+    "CommitStats",
+    "LighthouseHandle",
+    "LighthouseUnreachableError",
+    "OuterLoop",
+    "ReplicaConfig",
+    "ReplicaGroup",
+    "average_and_commit",
+    "check_lighthouse",
+    "flatten",
+    "lighthouse_command",
+    "parse_lighthouse",
+    "snapshot",
+    "split_fragments",
+    "start_lighthouse",
+    "unflatten_into",
+]

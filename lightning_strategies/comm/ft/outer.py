@@ -1,0 +1,197 @@
+"""LocalSGD and (Streaming) DiLoCo's outer loop over plain tensors.
+
+Every replica takes ``sync_every`` (H) inner optimizer steps on its own data; then the replicas
+average, in one all-reduce:
+
+- **LocalSGD** (Lin et al., 2018, arXiv 1808.07217): the parameters themselves;
+- **DiLoCo** (Douillard et al., 2023, arXiv 2311.08105): the pseudo-gradients
+  ``Δ_i = θ_global - θ_i``, and an outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9 by default)
+  steps the global parameters with their mean, which every replica then trains from;
+- **Streaming DiLoCo** (Douillard et al., 2025, arXiv 2501.18512): the parameters in ``fragments``
+  groups, synchronised in turn, one every H / fragments steps, so each fragment is still averaged
+  every H steps while a sync moves 1/fragments of the model (here without the paper's overlap of
+  the all-reduce with the next inner steps).
+
+The all-reduce itself is the caller's (:func:`~lightning_strategies.comm.ft.step.average_and_commit`);
+this module keeps the global copy, builds what is averaged and applies the mean.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["ALGORITHMS", "OuterLoop", "split_fragments"]
+
+ALGORITHMS = ("local_sgd", "diloco")
+
+
+def split_fragments(sizes: Sequence[int], fragments: int) -> list[list[int]]:
+    """Parameter indices in ``fragments`` consecutive groups of about equal element counts.
+
+    Raises:
+        ValueError: no parameters, or more fragments than parameters.
+    """
+    if not sizes:
+        raise ValueError(
+            "found a model without parameters: expected at least one trainable parameter, since LocalSGD and "
+            "DiLoCo average parameters. Fix: give the LightningModule parameters with requires_grad=True."
+        )
+    if not 1 <= fragments <= len(sizes):
+        raise ValueError(
+            f"fragments={fragments} for a model of {len(sizes)} parameter tensors: expected 1 <= fragments <= "
+            f"{len(sizes)}, since a fragment holds whole tensors. Fix: pass fragments <= {len(sizes)}."
+        )
+    n, total = len(sizes), sum(sizes)
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    cuts = [0]
+    for f in range(1, fragments):
+        # the first tensor past f/fragments of the elements, leaving every group at least one tensor
+        j = next(j for j in range(n + 1) if prefix[j] * fragments >= total * f)
+        cuts.append(min(max(j, cuts[-1] + 1), n - (fragments - f)))
+    cuts.append(n)
+    return [list(range(cuts[f], cuts[f + 1])) for f in range(fragments)]
+
+
+class OuterLoop:
+    """The global parameters and the outer optimizer of LocalSGD / DiLoCo for ``params``.
+
+    Args:
+        params: the model's parameters, trained in place by the inner optimizer.
+        algorithm: ``"local_sgd"`` or ``"diloco"``.
+        sync_every: H, the inner steps between two syncs of each fragment.
+        fragments: parameter groups synced in turn (Streaming DiLoCo); H must be a multiple.
+        outer_lr, outer_momentum, nesterov: DiLoCo's outer SGD (one per fragment).
+        pseudo_grad_dtype: DiLoCo's all-reduce dtype (``torch.bfloat16`` halves its bytes).
+
+    Raises:
+        ValueError: ``sync_every < 1``, ``outer_lr <= 0``, momentum outside [0, 1), no parameters,
+            more fragments than parameter tensors, or H not a multiple of ``fragments``.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        *,
+        algorithm: str = "diloco",
+        sync_every: int,
+        fragments: int = 1,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        pseudo_grad_dtype: torch.dtype | None = None,
+    ) -> None:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm={algorithm!r}: expected one of {ALGORITHMS}. Fix: pick one of them.")
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(
+                f"sync_every={sync_every!r}: expected an integer >= 1 (the inner steps between two syncs). "
+                "Fix: pass e.g. sync_every=100 (the DiLoCo paper uses 500); sync_every=1 syncs every step."
+            )
+        if not (math.isfinite(outer_lr) and outer_lr > 0):
+            raise ValueError(
+                f"outer_lr={outer_lr!r}: expected a learning rate > 0 for the outer optimizer. "
+                "Fix: pass outer_lr=0.7 (the DiLoCo paper's), or use algorithm='local_sgd' for plain averaging."
+            )
+        if not 0 <= outer_momentum < 1:
+            raise ValueError(f"outer_momentum={outer_momentum!r}: expected 0 <= momentum < 1. Fix: pass 0.9.")
+        self.params = list(params)
+        self.groups = split_fragments([p.numel() for p in self.params], fragments)
+        if sync_every % fragments:
+            raise ValueError(
+                f"sync_every={sync_every} with fragments={fragments}: expected a multiple of fragments, since one "
+                f"fragment syncs every sync_every / fragments steps. Fix: pass sync_every="
+                f"{fragments * max(1, round(sync_every / fragments))}."
+            )
+        self.algorithm = algorithm
+        self.sync_every = sync_every
+        self.fragments = fragments
+        self.pseudo_grad_dtype = pseudo_grad_dtype
+        self.syncs = 0  # committed syncs (all fragments)
+        # the global parameters: where every replica started its inner steps
+        self.backup = [p.detach().clone() for p in self.params]
+        self.outer: list[torch.optim.SGD] = []
+        if algorithm == "diloco":
+            for group in self.groups:
+                tensors = [self.backup[i] for i in group]
+                for t in tensors:
+                    t.requires_grad_(True)
+                nesterov_on = nesterov and outer_momentum > 0  # torch refuses Nesterov without momentum
+                self.outer.append(torch.optim.SGD(tensors, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov_on))
+
+    @property
+    def interval(self) -> int:
+        """Inner steps between two consecutive syncs (of any fragment)."""
+        return self.sync_every // self.fragments
+
+    def due(self, step: int) -> int | None:
+        """The fragment to sync before inner step ``step`` (after ``step`` inner steps), else ``None``."""
+        if step <= 0 or step % self.interval:
+            return None
+        return (step // self.interval - 1) % self.fragments
+
+    def tensors(self, fragment: int) -> list[torch.Tensor]:
+        """What the replicas average for ``fragment``: its parameters (LocalSGD) or its
+        pseudo-gradients ``θ_global - θ_local`` (DiLoCo)."""
+        group = self.groups[fragment]
+        with torch.no_grad():
+            if self.algorithm == "local_sgd":
+                return [self.params[i].detach() for i in group]
+            return [self.backup[i].detach() - self.params[i].detach() for i in group]
+
+    @torch.no_grad()
+    def apply(self, fragment: int, averaged: torch.Tensor) -> None:
+        """Apply the all-reduced mean ``averaged`` (flat, in the order of :meth:`tensors`)."""
+        group = self.groups[fragment]
+        offset = 0
+        for i in group:
+            p, n = self.params[i], self.params[i].numel()
+            mean = averaged[offset : offset + n].view_as(p).to(p.dtype)
+            offset += n
+            if self.algorithm == "local_sgd":
+                p.copy_(mean)  # θ ← mean_i θ_i
+                self.backup[i].copy_(mean)
+            else:
+                self.backup[i].grad = mean.clone()  # the outer gradient: mean_i (θ_global - θ_i)
+        if self.algorithm == "diloco":
+            opt = self.outer[fragment]
+            opt.step()  # Nesterov SGD on θ_global: v ← μv + Δ; θ_global ← θ_global - lr (Δ + μv)
+            opt.zero_grad(set_to_none=True)
+            for i in group:
+                self.params[i].copy_(self.backup[i])  # every replica's next inner steps start from θ_global
+        self.syncs += 1
+
+    @torch.no_grad()
+    def restore(self, fragment: int) -> None:
+        """Put ``fragment``'s parameters back to the global copy (a sync that did not commit)."""
+        for i in self.groups[fragment]:
+            self.params[i].copy_(self.backup[i])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global parameters, the outer optimizers' state and the sync count."""
+        return {
+            "backup": [b.detach().clone() for b in self.backup],
+            "outer": [opt.state_dict() for opt in self.outer],
+            "syncs": self.syncs,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned (a checkpoint's or a healing peer's)."""
+        backup = state["backup"]
+        if len(backup) != len(self.backup) or len(state["outer"]) != len(self.outer):
+            raise ValueError(
+                f"the outer loop's state has {len(backup)} parameters and {len(state['outer'])} outer optimizers: "
+                f"expected {len(self.backup)} and {len(self.outer)}. Fix: load a state of the same model, "
+                "algorithm and fragments."
+            )
+        for b, v in zip(self.backup, backup, strict=True):
+            b.copy_(v)
+        for opt, sd in zip(self.outer, state["outer"], strict=True):
+            opt.load_state_dict(sd)
+        self.syncs = int(state["syncs"])

@@ -1,0 +1,195 @@
+"""``ft``, ``local_sgd`` and ``diloco`` on torchft: 2 replicas on CPU (gloo), each its own process,
+started by the strategy's launcher from ``_ft_fit.py`` (replica 0 hosts the Lighthouse).
+
+Every case runs :class:`~lightning_utils.TinyRegressor` on 64 regression samples, batches of 8 per
+replica from Lightning's ``DistributedSampler`` (4 steps per epoch), and holds the run to a reference:
+
+- ``ft`` with nothing failing equals DDP (``ddp_fork``, same sampler, same SGD + momentum) bit for
+  bit: each replica computes the same gradient on the same batch, torchft sums the two and divides
+  by 2, DDP divides each by 2 and sums; with two operands both are exactly ``round(a + b) / 2``.
+- ``ft`` with replica 1 SIGKILLed at its step 3: replica 0 goes on alone (steps with 1
+  participant), the launcher starts replica 1 again, it heals from replica 0 (weights, optimizer,
+  Lightning's loop progress) and both end with equal weights and ``global_step == Manager step``.
+- ``local_sgd`` / ``diloco`` with nothing failing equal a one-process simulation of the algorithm
+  on the same shards (H inner steps per replica on its own batches; the mean of the parameters, or
+  of the pseudo-gradients and a Nesterov SGD outer step): the same float operations in the same
+  order, so exactly (the two-operand sum is order-free).
+  The Manager's step counts the syncs plus the commit of the job's first quorum.
+- ``diloco`` with replica 1 SIGKILLed at the start of a sync: replica 0 commits the sync alone,
+  the restarted replica heals (outer loop included) and both end equal.
+- ``diloco`` stopped after step 6 with a checkpoint (one file per replica) and resumed ends as the
+  uninterrupted run: weights, inner AdamW state and the outer loop's global copy and momentum
+  (a :class:`~lightning_strategies.ResumableDataLoader`, so that the resume takes the next batch;
+  a plain loader starts the epoch's batches again, as in Lightning).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning_utils import TinyRegressor, one_process_group_cleanup, quiet_trainer, regression_data
+from torch.utils.data import DataLoader, DistributedSampler
+
+pytest.importorskip("torchft")
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).with_name("_ft_fit.py")
+JOB_TIMEOUT_S = 240.0
+N, BATCH, REPLICAS = 64, 8, 2
+FAST = {"heartbeat_timeout_s": 1.0, "join_timeout_s": 0.5, "quorum_timeout_s": 60.0, "step_timeout_s": 20.0}
+
+
+def run_case(tmp_path: Path, name: str, **cfg: Any) -> dict[tuple[int, int], dict[str, Any]]:
+    """Run one case to its end; the records ``{(replica, start): record}`` it wrote."""
+    out = tmp_path / name
+    out.mkdir()
+    cfg = {"out": str(out), "replicas": REPLICAS, "n": N, "batch_size": BATCH, **cfg}
+    cfg["strategy"] = {**FAST, **cfg.get("strategy", {})}
+    (out / "case.json").write_text(json.dumps(cfg))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1")
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out / "case.json")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
+    )  # fmt: skip
+    records = {}
+    for path in out.glob("replica*_*.pt"):
+        replica, start = path.stem.removeprefix("replica").split("_")
+        records[(int(replica), int(start))] = torch.load(path, weights_only=False)
+    assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return records
+
+
+def shard_batches(replica: int, epoch: int) -> list[list[int]]:
+    """The batches Lightning's DistributedSampler gives ``replica`` in ``epoch`` (seed 0, shuffled)."""
+    sampler = DistributedSampler(range(N), num_replicas=REPLICAS, rank=replica, shuffle=True, seed=0)
+    sampler.set_epoch(epoch)
+    order = list(sampler)
+    return [order[i : i + BATCH] for i in range(0, len(order), BATCH)]
+
+
+def outer_reference(algorithm: str, steps: int, sync_every: int) -> dict[str, Any]:
+    """Two replicas simulated in one process: AdamW inner steps, the outer step every ``sync_every``."""
+    data = regression_data(N)
+    replicas = [TinyRegressor() for _ in range(REPLICAS)]
+    for r in replicas[1:]:
+        r.load_state_dict(replicas[0].state_dict())
+    inner = [torch.optim.AdamW(r.parameters(), lr=0.01) for r in replicas]
+    global_params = [p.detach().clone().requires_grad_(True) for p in replicas[0].parameters()]
+    outer = torch.optim.SGD(global_params, lr=0.7, momentum=0.9, nesterov=True)
+    per_epoch = N // (REPLICAS * BATCH)
+    for step in range(steps):
+        epoch, index = divmod(step, per_epoch)
+        for r, (model, opt) in enumerate(zip(replicas, inner, strict=True)):
+            x, y = data[shard_batches(r, epoch)[index]]
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        if (step + 1) % sync_every:
+            continue
+        with torch.no_grad():
+            locals_ = [list(m.parameters()) for m in replicas]
+            for i, g in enumerate(global_params):
+                if algorithm == "local_sgd":
+                    mean = (locals_[0][i].detach().clone() + locals_[1][i].detach()) / REPLICAS
+                    g.copy_(mean)
+                else:
+                    deltas = [g.detach() - loc[i].detach() for loc in locals_]
+                    g.grad = (deltas[0] + deltas[1]) / REPLICAS
+            if algorithm == "diloco":
+                outer.step()
+                outer.zero_grad(set_to_none=True)
+            for loc in locals_:
+                for p, g in zip(loc, global_params, strict=True):
+                    p.copy_(g)
+    return {k: v.detach().clone() for k, v in replicas[0].state_dict().items()}
+
+
+def assert_weights_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tol: float) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], **({"rtol": 0.0, "atol": 0.0} | tol), msg=k)
+
+
+def test_ft_without_faults_equals_ddp(tmp_path: Path) -> None:
+    steps = 8
+    records = run_case(tmp_path, "ft", max_steps=steps, strategy={"min_replicas": 2})
+    with one_process_group_cleanup():
+        model = TinyRegressor()
+        trainer = quiet_trainer("ddp_fork", REPLICAS, max_steps=steps)
+        trainer.fit(model, DataLoader(regression_data(N), batch_size=BATCH))
+    reference = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for r in range(REPLICAS):
+        rec = records[(r, 0)]
+        assert rec["global_step"] == rec["manager_step"] == steps
+        assert rec["participants"] == [REPLICAS] * steps
+        assert_weights_equal(rec["weights"], reference)
+
+
+def test_ft_replica_killed_goes_on_and_the_restart_heals(tmp_path: Path) -> None:
+    steps, kill = 100, 3
+    # replica 0 sleeps 0.5 s per step while alone (up to ~50 s), so the restart (a fresh interpreter,
+    # 10-25 s to import and set up on a loaded 2-core machine) joins mid-run
+    records = run_case(tmp_path, "kill", max_steps=steps, kill=[1, kill], sleep_alone_s=0.5)
+    survivor, restarted = records[(0, 0)], records[(1, 1)]
+    assert (1, 0) not in records  # the killed start wrote nothing
+    assert 1 in survivor["participants"]  # it committed steps alone
+    assert survivor["participants"][-1] == REPLICAS  # and with the restarted replica at the end
+    assert restarted["heals"] >= 1 and restarted["first_step"] > 0
+    for rec in (survivor, restarted):
+        assert rec["global_step"] == rec["manager_step"] == steps
+    assert_weights_equal(survivor["weights"], restarted["weights"])
+
+
+@pytest.mark.parametrize("algorithm", ["local_sgd", "diloco"])
+def test_outer_loop_equals_the_one_process_reference(tmp_path: Path, algorithm: str) -> None:
+    steps, h = 12, 4
+    records = run_case(
+        tmp_path, algorithm, algorithm=algorithm, max_steps=steps, optimizer="adamw",
+        strategy={"min_replicas": 2, "sync_every": h},
+    )  # fmt: skip
+    reference = outer_reference(algorithm, steps, h)
+    for r in range(REPLICAS):
+        rec = records[(r, 0)]
+        assert rec["global_step"] == steps and rec["manager_step"] == steps // h + 1
+        assert_weights_equal(rec["weights"], reference)
+
+
+def test_diloco_replica_killed_at_a_sync_heals(tmp_path: Path) -> None:
+    steps, h = 80, 4
+    records = run_case(
+        tmp_path, "diloco_kill", algorithm="diloco", max_steps=steps, optimizer="adamw", kill=[1, 8],
+        sleep_alone_s=0.6, strategy={"sync_every": h},
+    )  # fmt: skip
+    survivor, restarted = records[(0, 0)], records[(1, 1)]
+    assert 1 in survivor["participants"]
+    assert restarted["heals"] >= 1 and restarted["first_step"] > 0
+    for rec in (survivor, restarted):
+        assert rec["global_step"] == steps and rec["manager_step"] == steps // h + 1
+    assert_weights_equal(survivor["weights"], restarted["weights"])
+    torch.testing.assert_close(survivor["outer"], restarted["outer"], rtol=0.0, atol=0.0)
+
+
+def test_diloco_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
+    steps, h, stop = 12, 4, 6
+    common = {"algorithm": "diloco", "optimizer": "adamw", "resumable": True,
+              "strategy": {"min_replicas": 2, "sync_every": h}}  # fmt: skip
+    whole = run_case(tmp_path, "whole", max_steps=steps, **common)
+    ckpt = tmp_path / "stop.ckpt"
+    run_case(tmp_path, "first", max_steps=steps, ckpt_save=[stop, str(ckpt)], **common)
+    assert ckpt.exists() and Path(f"{ckpt}.replica1").exists()
+    resumed = run_case(tmp_path, "resumed", max_steps=steps, ckpt_path=str(ckpt), **common)
+    for r in range(REPLICAS):
+        a, b = whole[(r, 0)], resumed[(r, 0)]
+        assert b["first_step"] == stop and b["global_step"] == steps and b["manager_step"] == steps // h + 1
+        assert_weights_equal(a["weights"], b["weights"])
+        torch.testing.assert_close(a["optimizer"], b["optimizer"], rtol=0.0, atol=0.0)
+        torch.testing.assert_close(a["outer"], b["outer"], rtol=0.0, atol=0.0)

@@ -1,0 +1,240 @@
+"""The Lightning-free parts of ``ft`` / ``local_sgd`` / ``diloco`` against the math, and the
+errors of the strategy's options (found / expected / fix), without torchft's processes."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_strategies.comm.ft import (
+    CommitFailedError,
+    LighthouseUnreachableError,
+    OuterLoop,
+    ReplicaConfig,
+    average_and_commit,
+    check_lighthouse,
+    flatten,
+    parse_lighthouse,
+    snapshot,
+    split_fragments,
+    unflatten_into,
+)
+
+
+def _params(*shapes: tuple[int, ...]) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in shapes]
+
+
+# -- fragments and the schedule ---------------------------------------------------------------------
+
+
+def test_fragments_split_whole_tensors_in_order_by_element_count() -> None:
+    assert split_fragments([10, 1, 10, 1], 2) == [[0, 1], [2, 3]]
+    assert split_fragments([100, 1, 1], 3) == [[0], [1], [2]]  # every group keeps a tensor
+    assert split_fragments([5] * 7, 1) == [list(range(7))]
+    groups = split_fragments([3, 9, 2, 7, 7, 1], 3)
+    assert sorted(i for g in groups for i in g) == list(range(6)) and all(groups)
+
+
+@pytest.mark.parametrize(("sizes", "fragments", "match"), [([], 1, "without parameters"), ([4, 4], 3, "fragments=3")])
+def test_fragment_errors_say_found_expected_fix(sizes: list[int], fragments: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match) as info:
+        split_fragments(sizes, fragments)
+    assert "expected" in str(info.value) and "Fix:" in str(info.value)
+
+
+def test_streaming_schedule_syncs_one_fragment_every_h_over_f_steps() -> None:
+    loop = OuterLoop(_params((2,), (3,)), sync_every=4, fragments=2)
+    assert [loop.due(s) for s in range(9)] == [None, None, 0, None, 1, None, 0, None, 1]
+    plain = OuterLoop(_params((2,)), sync_every=3)
+    assert [plain.due(s) for s in range(7)] == [None, None, None, 0, None, None, 0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"sync_every": 0}, "sync_every=0"),
+        ({"sync_every": 4, "outer_lr": 0.0}, "outer_lr=0.0"),
+        ({"sync_every": 4, "outer_lr": -1.0}, "outer_lr=-1.0"),
+        ({"sync_every": 5, "fragments": 2}, "multiple of fragments"),
+        ({"sync_every": 4, "fragments": 3}, "fragments=3"),
+    ],
+)
+def test_outer_loop_errors(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match) as info:
+        OuterLoop(_params((2,), (3,)), **kwargs)
+    assert "Fix:" in str(info.value)
+
+
+# -- the outer step against its formula ------------------------------------------------------------
+
+
+def test_diloco_outer_step_is_nesterov_sgd_on_the_mean_pseudo_gradient() -> None:
+    params = _params((3,), (2, 2))
+    loop = OuterLoop(params, sync_every=2, outer_lr=0.7, outer_momentum=0.9)
+    theta0 = [p.detach().clone() for p in params]
+    mean_delta = [torch.full((3,), 0.1), torch.full((2, 2), -0.2)]
+    v = [torch.zeros_like(t) for t in theta0]
+    expected = theta0
+    for _ in range(2):  # two syncs: the momentum buffer matters in the second
+        loop.apply(0, flatten(mean_delta))
+        v = [0.9 * vi + d for vi, d in zip(v, mean_delta, strict=True)]  # v <- mu v + delta
+        expected = [t - 0.7 * (d + 0.9 * vi) for t, d, vi in zip(expected, mean_delta, v, strict=True)]
+        for p, b, e in zip(params, loop.backup, expected, strict=True):
+            torch.testing.assert_close(p.detach(), e)
+            torch.testing.assert_close(b.detach(), e)
+    assert loop.syncs == 2
+
+
+def test_diloco_pseudo_gradient_is_global_minus_local() -> None:
+    params = _params((4,))
+    loop = OuterLoop(params, sync_every=1)
+    with torch.no_grad():
+        params[0].add_(1.5)
+    torch.testing.assert_close(loop.tensors(0)[0], torch.full((4,), -1.5))
+
+
+def test_local_sgd_takes_the_mean_of_the_parameters() -> None:
+    params = _params((3,))
+    loop = OuterLoop(params, algorithm="local_sgd", sync_every=2)
+    mean = torch.tensor([1.0, 2.0, 3.0])
+    loop.apply(0, mean)
+    torch.testing.assert_close(params[0].detach(), mean)
+    torch.testing.assert_close(loop.backup[0], mean)
+    assert loop.tensors(0)[0] is not None and torch.equal(loop.tensors(0)[0], mean)
+
+
+def test_outer_state_round_trips_with_the_momentum() -> None:
+    a = OuterLoop(_params((3,)), sync_every=1)
+    a.apply(0, torch.ones(3))
+    b = OuterLoop(_params((3,)), sync_every=1)
+    b.load_state_dict(a.state_dict())
+    for x, y in zip(a.backup, b.backup, strict=True):
+        assert torch.equal(x, y)
+    assert torch.equal(
+        a.outer[0].state_dict()["state"][0]["momentum_buffer"], b.outer[0].state_dict()["state"][0]["momentum_buffer"]
+    )
+    with pytest.raises(ValueError, match="Fix:"):
+        OuterLoop(_params((3,), (1,)), sync_every=1).load_state_dict(a.state_dict())
+
+
+# -- the all-reduce-then-commit step -----------------------------------------------------------------
+
+
+class FakeManager:
+    """A Manager whose all-reduce averages with a fixed peer and whose commits fail ``fail`` times."""
+
+    def __init__(self, peer: torch.Tensor, fail: int) -> None:
+        self.peer, self.fail, self.calls = peer, fail, 0
+
+    def allreduce(self, t: torch.Tensor) -> Any:
+        self.calls += 1
+        t.add_(self.peer.to(t.dtype)).div_(2)
+        return self
+
+    def wait(self) -> bool:
+        return True
+
+    def should_commit(self) -> bool:
+        self.fail -= 1
+        return self.fail < 0
+
+    def num_participants(self) -> int:
+        return 2
+
+    def errored(self) -> None:
+        return None
+
+
+def test_a_failed_commit_is_tried_again_on_a_new_quorum_with_intact_local_tensors() -> None:
+    local = [torch.tensor([1.0, 2.0]), torch.tensor([[3.0]])]
+    manager, requorums = FakeManager(torch.tensor([3.0, 4.0, 5.0]), fail=1), []
+    flat, stats = average_and_commit(manager, lambda: local, attempts=3, requorum=lambda: requorums.append(1) or False)
+    torch.testing.assert_close(flat, torch.tensor([2.0, 3.0, 4.0]))
+    assert torch.equal(local[0], torch.tensor([1.0, 2.0]))  # the copy was reduced, not the tensors
+    assert (stats.attempts, stats.participants, stats.bytes, len(requorums)) == (2, 2, 2 * 3 * 4, 1)
+    unflatten_into(flat, local)
+    assert torch.equal(local[1], torch.tensor([[4.0]]))
+
+
+def test_no_commit_in_any_attempt_raises() -> None:
+    with pytest.raises(CommitFailedError, match="Fix:"):
+        average_and_commit(FakeManager(torch.zeros(1), fail=5), lambda: [torch.ones(1)], attempts=2,
+                           requorum=lambda: False)  # fmt: skip
+
+
+def test_bf16_wire_halves_the_bytes() -> None:
+    _, stats = average_and_commit(FakeManager(torch.zeros(8), fail=0), lambda: [torch.ones(8)], attempts=1,
+                                  requorum=lambda: False, wire_dtype=torch.bfloat16)  # fmt: skip
+    assert stats.bytes == 8 * 2
+
+
+def test_snapshot_shares_no_storage() -> None:
+    state = {"a": torch.ones(2), "b": [torch.zeros(1), (torch.ones(1), 3)]}
+    snap = snapshot(state)
+    state["a"].add_(1)
+    state["b"][1][0].add_(1)
+    assert torch.equal(snap["a"], torch.ones(2)) and torch.equal(snap["b"][1][0], torch.ones(1))
+    assert snap["b"][1][1] == 3
+
+
+# -- the Lighthouse's address and the options' errors --------------------------------------------------
+
+
+def test_lighthouse_addresses_parse() -> None:
+    assert parse_lighthouse("node0:29510") == ("node0", 29510)
+    assert parse_lighthouse("http://10.0.0.1:1234/") == ("10.0.0.1", 1234)
+    assert parse_lighthouse("[::1]:80") == ("::1", 80)
+    with pytest.raises(ValueError, match="host:port"):
+        parse_lighthouse("node0")
+
+
+def test_no_lighthouse_reachable_names_the_address_and_the_command() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(LighthouseUnreachableError) as info:
+        check_lighthouse(f"127.0.0.1:{port}", timeout_s=0.3, min_replicas=2, heartbeat_timeout_s=1.0)
+    message = str(info.value)
+    assert f"127.0.0.1:{port}" in message and "torchft_lighthouse --min_replicas 2" in message
+    assert "--heartbeat_timeout_ms 1000" in message and "Fix:" in message
+
+
+def test_replica_config_checks() -> None:
+    with pytest.raises(ValueError, match="min_replicas=0"):
+        ReplicaConfig(min_replicas=0)
+    with pytest.raises(ValueError, match="quorum_timeout_s"):
+        ReplicaConfig(quorum_timeout_s=0.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"algorithm": "diloco", "sync_every": 0}, "sync_every=0"),
+        ({"algorithm": "diloco", "outer_lr": 0.0}, "outer_lr=0.0"),
+        ({"algorithm": "ft", "pseudo_grad_dtype": "bf16"}, "pseudo_grad_dtype"),
+        ({"algorithm": "gossip"}, "algorithm='gossip'"),
+        ({"start_method": "fork"}, "start_method='fork'"),
+        ({"commit_attempts": 0}, "commit_attempts=0"),
+    ],
+)
+def test_strategy_options_fail_when_built(kwargs: dict[str, Any], match: str) -> None:
+    from lightning_strategies import FTStrategy
+
+    with pytest.raises(ValueError, match=match) as info:
+        FTStrategy(**kwargs)
+    assert "Fix:" in str(info.value)
+
+
+def test_registry_rows_build_the_variants() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_strategies  # noqa: F401 - registers the names
+
+    assert StrategyRegistry.get("diloco").algorithm == "diloco"
+    assert StrategyRegistry.get("local_sgd").algorithm == "local_sgd"
+    assert StrategyRegistry.get("ft").algorithm == "ft"
