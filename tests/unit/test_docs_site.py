@@ -184,6 +184,7 @@ STRATEGY_PAGES = {
     "async_elastic": ls.AsyncElasticStrategy,
     "pipeline": ls.PipelineStrategy,
     "tensor": ls.TensorParallelStrategy,
+    "ft": ls.FTStrategy,
 }
 SECTIONS = ["## When to use it", "## Options", "## Metrics", "## On a fault", "## Not supported", "## GPU status"]
 
