@@ -85,12 +85,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="quiet/loaded pairs, interleaved")
     parser.add_argument("--fixed-threads", type=int, default=None,
                         help="also run loaded with this OMP_NUM_THREADS (the thread count before the app chose it)")
-    parser.add_argument("--probe-iters", type=int, default=60,
-                        help="iterations of the one-thread probe run quiet and loaded in every round (0: skip)")
+    parser.add_argument("--probe-iters", type=int, default=None,
+                        help="iterations of the one-thread probe run quiet and loaded in every round "
+                             "(0: skip; default 60, quick 10)")
     parser.add_argument("--out", type=Path, default=None, help="also write the output lines to this file")
     args = parser.parse_args()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     train_args = ["trainer.max_epochs=2"] if args.quick else []
+    if args.probe_iters is None:
+        args.probe_iters = 10 if args.quick else 60
     lines = [header(f"train under load: `python train.py {' '.join(train_args)}` quiet vs beside {cores} busy "
                     f"processes, {args.rounds} interleaved round(s)"), load_line("start")]
     print("\n".join(lines), flush=True)

@@ -65,6 +65,8 @@ FT_ALGORITHMS = ("ft", "local_sgd", "diloco")
 _WIRE_DTYPES = {None: None, "bf16": torch.bfloat16}
 
 
+_EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.PREDICTING, RunningStage.SANITY_CHECKING)
+
 class ReplicaBehindError(RuntimeError):
     """A running replica found itself behind its peers (a step they committed and it did not)."""
 
@@ -286,9 +288,10 @@ class FTStrategy(DDPStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
-            return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-        return {"num_replicas": 1, "rank": 0}  # validation and test: every replica on the whole set
+        if trainer is not None and trainer.state.stage in _EVAL_STAGES:
+            return {"num_replicas": 1, "rank": 0}  # validation and test: every replica on the whole set
+        # training, and before the fit (an app sizing its batches and scaling plan by the replicas)
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     # -- setup: the state callback, the Manager, the outer loop ----------------------------------
 
