@@ -438,18 +438,14 @@ class FTStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        trainer = self.lightning_module.trainer if self.lightning_module else None
-        if self.outer is None or self.replica is None or trainer is None:
-            return
-        step = trainer.global_step
-        fragment = self.outer.due(step)
-        if fragment is not None and self._synced_at != step:
-            self._requorum()
-            self._sync(fragment, step)
+        self._sync_if_due()
 
     def final_sync(self) -> None:
         """The sync due after the last inner step (``local_sgd`` / ``diloco``), if any: run by
         :class:`FTState` first among the callbacks' ``on_train_end``, so that they see its weights."""
+        self._sync_if_due(log=False)
+
+    def _sync_if_due(self, *, log: bool = True) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module else None
         if self.outer is None or self.replica is None or trainer is None:
             return
@@ -457,7 +453,7 @@ class FTStrategy(DDPStrategy):
         fragment = self.outer.due(step)
         if fragment is not None and self._synced_at != step:
             self._requorum()
-            self._sync(fragment, step, log=False)
+            self._sync(fragment, step, log=log)
 
     def _sync(self, fragment: int, step: int, *, log: bool = True) -> None:
         """The outer sync of ``fragment`` on the open quorum."""
