@@ -123,7 +123,7 @@ def _reason(name: str, pred: Prediction, mem: Memory, cluster: Cluster, options:
         "ring": "our ring all-reduce of every gradient",
         "ring_hier": "one ring per local rank across nodes, 1/L of the gradient each",
         "ring_bf16": "the ring with bf16 on the wire: half the bytes",
-        "ps": "sharded parameter servers: 2(P-1) RPC messages per step",
+        "ps": f"sharded parameter servers: {pred.messages:g} RPC messages per step per worker",
         "ps1": "one server receives and sends every gradient",
         "async": "sharded servers without a barrier (stale updates)",
     }.get(name, "")

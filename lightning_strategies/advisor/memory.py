@@ -75,7 +75,7 @@ def memory(
     if strategy in ("ddp", "ring", "ring_hier", "ring_bf16"):
         wire = min(g, BUCKET_BYTES) / 2 if strategy == "ring_bf16" else 0.0
         return Memory(p, g, o, _acts(m, batch), g + wire)
-    if strategy in ("ps", "async"):
+    if strategy in ("ps", "ps_flat", "async"):
         return Memory(p + p / world, g, o / world, _acts(m, batch), g)
     if strategy == "ps1":
         return Memory(2 * p, g, o, _acts(m, batch), g)
@@ -90,8 +90,8 @@ def memory(
         payload = max(m.tensor_payloads, default=0.0) * t * batch / m.batch_size
         return Memory(held, g * share, o * share, _acts(m, t * batch, saved), payload)
     raise ValueError(
-        f"memory: unknown strategy {strategy!r}: expected one of ddp, ring, ring_hier, ring_bf16, ps, ps1, async, "
-        "pipeline, tensor. Fix: name one of them"
+        f"memory: unknown strategy {strategy!r}: expected one of ddp, ring, ring_hier, ring_bf16, ps, ps_flat, ps1, "
+        "async, pipeline, tensor. Fix: name one of them"
     )
 
 

@@ -31,21 +31,29 @@ B bytes in ``latency + B / bandwidth``.
                (2(M-1) steps of D_b/(L M), sharing the node's NIC), all-gather in the node: per
                worker 2(L-1)/L x D intra and 2(M-1)/M x D/L inter-node bytes; latency terms
                2(L-1) + 2(M-1) instead of the flat ring's 2(P-1)
-    ps         sharded servers, shard s on rank s: every worker sends each of the P-1 remote shards
+    ps_flat    sharded servers, shard s on rank s: every worker sends each of the P-1 remote shards
                its D/P and each shard answers P-1 remote workers: 2(P-1)/P x D sent per rank, as the
                ring, but 2(P-1) RPC messages per rank and per step. Its transport is either the
                links' formula or, measured (``Costs.rpc_exchange_s``), every rank echoing D/P off
                every peer at once; the protocol on top (the barrier, the RPC threads' hand-offs)
                costs ``ps_protocol_s`` per remote peer
+    ps         ps_flat on one node; on N > 1 nodes of L > 1 the hierarchical push (``advisor.push``):
+               the backend's reduce-scatter and all-gather of D in the node (ring_hier's in-node
+               ring, without its Python overhead) around 2(N-1) RPC messages per rank of D/P (each
+               barrier waits for N pushers): a node's NIC carries 2(N-1)/N x D, ring_hier's; the
+               client still packs and copies back D. Both ps: pushes per bucket during backward,
+               hidden up to ``overlap_s`` as ddp's; the pull's overlap with the next forward is not
+               modelled (nothing measured yet)
     ps_1       one server (rank 0): it receives (P-1) x D and sends (P-1) x D, the seed's bottleneck,
                growing linearly with P; measured transport ``Costs.rpc_gather_s`` (P-1 ranks echoing D
                off rank 0 at once: the server's one process serialises them); its averaging of P
                pushes and its update run on one core while the workers wait
-    async      ps's messages without the barrier, each push applied alone on arrival; batches from a
-               local lease of L (4) refilled by the coordinator (rank 0) when half is used: one
-               refill round trip per L/2 steps, in the background (the ``async`` of main since its
-               lease: nothing per step on rank 0's critical path; the coordinator serves (P-1)
-               refill messages per round of steps)
+    async      ps_flat's messages without the barrier, each push applied alone on arrival (no
+               hierarchical push: no barrier to reduce in; no overlap: a push waits for its
+               reply; unchanged by the ps design of issue 28); batches from a local lease of L (4)
+               refilled by the coordinator (rank 0) when half is used: one refill round trip per
+               L/2 steps, in the background (nothing per step on rank 0's critical path; the
+               coordinator serves (P-1) refill messages per round of steps)
     pipeline   K stages x R = P/K replicas, M micro-batches, GPipe: simulated (:func:`pipeline_makespan`):
                each stage forwards its M micro-batches, then runs their backward, a chunk starting
                when its input has arrived and a core is free; with one core per process and no
@@ -60,9 +68,11 @@ B bytes in ``latency + B / bandwidth``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 
+from lightning_strategies.advisor.push import push_traffic
 from lightning_strategies.advisor.schedule import pipeline_busy, pipeline_makespan
 
 __all__ = [
@@ -80,7 +90,7 @@ __all__ = [
 ]
 
 MIB = 1 << 20
-STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_1", "async", "pipeline", "tensor")
+STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_1", "async", "pipeline", "tensor")
 
 
 @dataclass(frozen=True)
@@ -388,31 +398,28 @@ def _shard_host(costs: Costs, work: Workload, share: float, pushes: int, average
     return update + (pushes * average if pushes > 1 else 0.0)
 
 
-def _ps(costs: Costs, world: int, work: Workload) -> Prediction:
+def _ps(costs: Costs, world: int, work: Workload, *, hierarchical: bool = True) -> Prediction:
     d, p = work.grad_bytes, world
-    local = min(costs.local_size, p)
-    nodes = math.ceil(p / local)
-    off, on = p - local, local - 1
-    # each rank: P-1 pushes of D/P out, P-1 replies of D/P out (and as many in)
-    messages = 2 * (p - 1)
-    wire = 2 * _rpc_bytes_seconds(costs, p, d / p, off, on)
-    wire_latency = 2 * (costs.rpc_inter if nodes > 1 else costs.rpc_intra).latency_s if p > 1 else 0.0
+    t = push_traffic(p, costs.local_size, d, hierarchical=hierarchical)
     k = contention(p, costs.cores)
     phases = {
         "compute": k * costs.compute_s,
-        "host": k * (_client_host(costs, work) + _shard_host(costs, work, 1 / p, p, averaged=True)),
+        "host": k * (_client_host(costs, work) + _shard_host(costs, work, 1 / p, t.pushers, averaged=True)),
     }
-    if costs.rpc_exchange_s is not None and p > 1:  # the transport as measured at these sizes and peers
+    if t.hierarchical:  # the backend's reduce-scatter before the pushes and all-gather after the replies
+        latency, bandwidth, reduce = _ring(costs, t.local, costs.buckets(d), segment=costs.gloo_segment_bytes,
+                                           overhead=0.0)  # fmt: skip
+        phases["node"] = k * (latency + reduce) + costs.wire(p) * bandwidth
+    if costs.rpc_exchange_s is not None and p > 1 and not t.hierarchical:  # measured at these sizes and peers
         phases["transport"] = costs.rpc_exchange_s
         phases["protocol"] = (p - 1) * costs.ps_protocol_s
-    else:
-        phases.update(
-            messages=k * messages * costs.rpc_overhead_s, bandwidth=costs.wire(p) * wire, latency=wire_latency
-        )
-    sent = 2 * (p - 1) / p * d
-    nic = 2 * local * off / p * d if nodes > 1 else 0.0
-    link = max(2 * d / p, nic)  # one peer's pair of messages, or the node's NIC
-    return Prediction(sum(phases.values()), phases, sent, link if p > 1 else 0.0, nic, messages)
+    elif t.messages:
+        link = costs.rpc_inter if t.nodes > 1 else costs.rpc_intra
+        wire = 2 * _rpc_bytes_seconds(costs, p, t.message_bytes, t.peers_off_node, t.peers_on_node)
+        phases.update(messages=k * t.messages * costs.rpc_overhead_s, bandwidth=costs.wire(p) * wire,
+                      latency=2 * link.latency_s)  # a push and its reply  # fmt: skip
+    return Prediction(_overlapped(phases, costs), phases, t.sent_bytes, t.link_bytes, t.nic_bytes, t.messages,
+                      inter_sent_bytes=t.inter_sent_bytes)  # fmt: skip
 
 
 def _ps_1(costs: Costs, world: int, work: Workload) -> Prediction:
@@ -444,18 +451,16 @@ def _ps_1(costs: Costs, world: int, work: Workload) -> Prediction:
 
 
 def _async(costs: Costs, world: int, work: Workload) -> Prediction:
-    """ps's traffic without the barrier: each push is applied alone (an optimizer step on D/P per
+    """ps_flat's traffic without the barrier: each push is applied alone (an optimizer step on D/P per
     push, so D per rank per round of pushes, instead of averaging); a lease refill round trip every
-    L/2 steps, off the critical path but host work all the same."""
+    L/2 steps, off the critical path but host work all the same. Neither the hierarchical push (no
+    barrier to reduce in) nor the overlap with backward (a push waits for its reply): ``overlap_s``
+    does not apply."""
     d, p = work.grad_bytes, world
-    local = min(costs.local_size, p)
-    nodes = math.ceil(p / local)
-    off, on = p - local, local - 1
+    t = push_traffic(p, costs.local_size, d, hierarchical=False)
     k = contention(p, costs.cores)
     refill = 4 / costs.async_lease if p > 1 else 0.0  # 2 messages per refill, one refill per L/2 steps
-    messages = 2 * (p - 1) + refill
-    wire = 2 * _rpc_bytes_seconds(costs, p, d / p, off, on)
-    link = costs.rpc_inter if nodes > 1 else costs.rpc_intra
+    messages = t.messages + refill
     phases = {
         "compute": k * costs.compute_s,
         "host": k * (_client_host(costs, work) + _shard_host(costs, work, 1 / p, p, averaged=False)),
@@ -466,6 +471,8 @@ def _async(costs: Costs, world: int, work: Workload) -> Prediction:
         phases["transport"] = costs.rpc_exchange_s
         phases["protocol"] = (p - 1 + refill / 2) * costs.ps_protocol_s
     else:
+        link = costs.rpc_inter if t.nodes > 1 else costs.rpc_intra
+        wire = 2 * _rpc_bytes_seconds(costs, p, t.message_bytes, t.peers_off_node, t.peers_on_node)
         phases.update(
             messages=k * messages * costs.rpc_overhead_s,
             bandwidth=costs.wire(p) * wire,
@@ -479,9 +486,8 @@ def _async(costs: Costs, world: int, work: Workload) -> Prediction:
     if rank0 > step:
         phases["coordinator_wait"] = rank0 - step
         step, bound = rank0, "coordinator"
-    sent = 2 * (p - 1) / p * d
-    nic = 2 * local * off / p * d if nodes > 1 else 0.0
-    return Prediction(step, phases, sent, max(2 * d / p, nic) if p > 1 else 0.0, nic, messages, bound)
+    return Prediction(step, phases, t.sent_bytes, t.link_bytes, t.nic_bytes, messages, bound,
+                      inter_sent_bytes=t.inter_sent_bytes)  # fmt: skip
 
 
 def _pipeline(costs: Costs, world: int, work: Workload) -> Prediction:
@@ -561,8 +567,9 @@ def predict(strategy: str, costs: Costs, world: int, work: Workload) -> Predicti
         raise ValueError(f"world size must be >= 1, found {world}")
     if strategy in ("ddp", "ring", "ring_bf16"):
         return _flat_ring(strategy, costs, world, work)
-    others = {"ring_hier": _hier_ring, "ps": _ps, "ps_1": _ps_1, "async": _async, "pipeline": _pipeline,
-              "tensor": _tensor}  # fmt: skip
+    others: dict[str, Callable[[Costs, int, Workload], Prediction]] = {
+        "ring_hier": _hier_ring, "ps": _ps, "ps_flat": partial(_ps, hierarchical=False), "ps_1": _ps_1,
+        "async": _async, "pipeline": _pipeline, "tensor": _tensor}  # fmt: skip
     if strategy not in others:
         raise ValueError(f"unknown strategy {strategy!r}: expected one of {list(STRATEGIES)}")
     return others[strategy](costs, world, work)

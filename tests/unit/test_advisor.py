@@ -141,6 +141,29 @@ def test_advise_ranks_fitting_strategies_by_step_and_marks_the_others() -> None:
         none.best()
 
 
+def test_advised_ps_on_several_nodes_is_the_hierarchical_push() -> None:
+    # 4 nodes of 8: ps pushes 1/L of the node's sum across nodes, so its NIC carries the
+    # hierarchical ring's 2(N-1)/N x D and a worker sends 2(N-1) = 6 RPC messages, not 2(P-1) = 62
+    m = measure(Toy(), BATCH)
+    cluster = Cluster(nodes=4, per_node=8, intra_gbps=100, inter_gbps=1, latency_us=10, device_memory_gib=1)
+    by = {r.name: r for r in advise(m, cluster).rows}
+    assert by["ps"].nic_bytes == pytest.approx(2 * 3 / 4 * PARAMS, rel=1e-12)
+    assert by["ps"].nic_bytes == pytest.approx(by["ring_hier"].nic_bytes, rel=1e-12)
+    assert by["async"].nic_bytes == pytest.approx(2 * 8 * 24 / 32 * PARAMS, rel=1e-12)  # async keeps the flat push
+    assert by["ps"].reason.startswith("sharded parameter servers: 6 RPC messages per step per worker")
+
+
+def test_the_validation_predicts_stored_ps_runs_with_the_push_they_made() -> None:
+    from benchmarks.advisor_validation import ps_push
+
+    d = 5_316_672.0  # the emulated cluster's MLP gradient bytes
+    # 2 x 2: the flat push puts 2L(P-L)/P = 2 D on a node's NIC (2.04 D measured with TCP's headers),
+    # the hierarchical one 2(N-1)/N = 1 D
+    assert ps_push([{"nic_bytes": 2.04 * d, "D": d}], "2x2") == "ps_flat"
+    assert ps_push([{"nic_bytes": 1.02 * d, "D": d}], "2x2") == "ps"
+    assert ps_push([{"nic_bytes": 1.52 * d, "D": d}], "4x1") == "ps"  # one process per node: flat either way
+
+
 def test_the_advised_overrides_name_the_apps_strategy_configs() -> None:
     advice = advise(measure(Toy(), BATCH), load_cluster("emulated_2x2_50mbit"))
     by = {r.name: r for r in advice.rows}

@@ -34,6 +34,7 @@ from lightning_strategies.advisor.model import (
     pipeline_makespan,
     predict,
 )
+from lightning_strategies.advisor.push import push_traffic
 
 REL = 1e-12
 D = 64 * MIB  # gradient bytes of the tests' workload
@@ -91,6 +92,13 @@ def test_overlap_hides_the_all_reduce_under_the_backward_pass_up_to_its_length()
     assert predict("ddp", c.with_(overlap_s=0.04), 4, one_bucket()).step_s == pytest.approx(0.1 + comm - 0.04, rel=REL)
     assert predict("ring", c.with_(overlap_s=1.0), 4, one_bucket()).step_s == pytest.approx(0.1, rel=REL)
     assert predict("ps", c.with_(overlap_s=1.0), 4, one_bucket()).step_s == pytest.approx(0.1, rel=REL)  # no comm
+    # ps pushes per bucket during backward, as DDP's buckets: the same hiding; async's push waits for
+    # its reply: none
+    cp = costs(compute_s=0.1, rpc_overhead_s=1e-2)  # 6 messages at P = 4: 0.06 s
+    for name, over in (("ps", 0.04), ("ps_flat", 0.04), ("ps", 1.0)):
+        assert predict(name, cp.with_(overlap_s=over), 4, one_bucket()).step_s == pytest.approx(
+            0.1 + 0.06 - min(0.06, over), rel=REL)  # fmt: skip
+    assert predict("async", cp.with_(overlap_s=1.0), 4, one_bucket()).step_s == pytest.approx(0.1 + 0.07, rel=REL)
     assert cluster_costs(Cluster(overlap=0.5), c).overlap_s == pytest.approx(0.5 * 2 / 3 * 256 / 2470)
 
 
@@ -202,13 +210,112 @@ def test_ps_messages_grow_with_p_and_cost_their_host_work() -> None:
     assert predict("ps_1", c, 64, one_bucket()).step_s == pytest.approx(2 * 63 * o, rel=REL)  # all at the server
 
 
-def test_sharded_ps_across_nodes_puts_l_times_a_rings_bytes_on_the_nic() -> None:
+def test_flat_ps_across_nodes_puts_l_times_a_rings_bytes_on_the_nic() -> None:
     c = costs(local_size=8)
     world = 64
-    ps = predict("ps", c, world, one_bucket())
+    ps = predict("ps_flat", c, world, one_bucket())
     assert ps.nic_bytes == pytest.approx(2 * 8 * (world - 8) / world * D, rel=REL)
     ring = predict("ring", c, world, one_bucket())
     assert ps.nic_bytes / ring.nic_bytes == pytest.approx(8 * (world - 8) / (world - 1), rel=REL)
+    # async keeps the flat push (no barrier to reduce in): the same bytes and messages
+    flat_async = predict("async", c, world, one_bucket())
+    assert (flat_async.nic_bytes, flat_async.busiest_sent_bytes) == (ps.nic_bytes, ps.busiest_sent_bytes)
+    assert ps.messages == 2 * 63
+
+
+def test_flat_ps_is_todays_term_and_ps_on_one_node_is_flat() -> None:
+    # every term at once, on 8 nodes of 8 (the formula path): the term written out as before issue 28
+    o, alpha, beta, a, u = 1e-4, 1e-5, 1e9, 1e-11, 2e-11
+    c = costs(compute_s=0.1, local_size=8, rpc_overhead_s=o, rpc_inter=Link(alpha, beta), rpc_intra=Link(alpha, 1e12),
+              inter_shared=True, ps_average_s_per_byte=a, ps_update_s_per_byte=u)  # fmt: skip
+    p = 64
+    wire = 2 * 8 * (p - 8) * (D / p) / beta  # the node's 8 workers' off-node pushes (and replies) share the NIC
+    host = D / p * u + p * D / p * a  # one update of D/P, P pushes averaged
+    assert predict("ps_flat", c, p, one_bucket()).step_s == pytest.approx(0.1 + host + 2 * 63 * o + wire + 2 * alpha,
+                                                                          rel=REL)  # fmt: skip
+    for world in (2, 8):  # one node: no hierarchy, the flat push
+        one, flat = predict("ps", c, world, one_bucket()), predict("ps_flat", c, world, one_bucket())
+        assert (one.step_s, one.messages, one.busiest_sent_bytes) == (
+            flat.step_s,
+            flat.messages,
+            flat.busiest_sent_bytes,
+        )
+    # one process per node: nothing to reduce in the node, the flat push (as the strategy's 4 x 1)
+    c1 = c.with_(local_size=1)
+    assert predict("ps", c1, 4, one_bucket()).step_s == predict("ps_flat", c1, 4, one_bucket()).step_s
+
+
+# -- the hierarchical push (issue 28): reduce-scatter in the node, 1/L of it pushed across nodes --------
+
+
+@pytest.mark.parametrize(("nodes", "local"), [(2, 2), (4, 8), (32, 8), (128, 8)])
+def test_hierarchical_ps_puts_the_hierarchical_rings_bytes_on_the_nic(nodes: int, local: int) -> None:
+    world = nodes * local
+    got = predict("ps", costs(local_size=local), world, one_bucket())
+    ring = predict("ring_hier", costs(local_size=local), world, one_bucket())
+    # local rank j pushes D/P to the N-1 remote shards {n L + j} and its shard answers N-1 pushers
+    assert got.messages == 2 * (nodes - 1)
+    inter_per_worker = 2 * (nodes - 1) * D / world  # = 2(N-1)/N x D/L
+    assert got.inter_sent_bytes == pytest.approx(inter_per_worker, rel=REL)
+    assert got.inter_sent_bytes == pytest.approx(ring.inter_sent_bytes, rel=REL)
+    assert got.nic_bytes == pytest.approx(2 * (nodes - 1) / nodes * D, rel=REL)
+    assert got.nic_bytes == pytest.approx(ring.nic_bytes, rel=REL)
+    # in the node: the reduce-scatter and the all-gather, 2(L-1)/L x D, as ring_hier's
+    assert got.busiest_sent_bytes == pytest.approx(ring.busiest_sent_bytes, rel=REL)
+    assert got.link_bytes == pytest.approx(ring.link_bytes, rel=REL)
+    flat = predict("ps_flat", costs(local_size=local), world, one_bucket())
+    assert flat.nic_bytes / got.nic_bytes == pytest.approx(
+        local * (world - local) / world * nodes / (nodes - 1), rel=REL
+    )
+    assert flat.messages / got.messages == pytest.approx((world - 1) / (nodes - 1), rel=REL)
+
+
+def test_hierarchical_ps_bandwidth_and_messages_terms() -> None:
+    beta, o = 1e9, 1e-4
+    # 4 nodes of 8: the node's 8 workers push 3 x D/32 each at once through its NIC, then the replies
+    c = costs(local_size=8, rpc_inter=Link(0.0, beta), inter_shared=True)
+    assert predict("ps", c, 32, one_bucket()).step_s == pytest.approx(2 * 3 / 4 * D / beta, rel=REL)
+    assert predict("ring_hier", costs(local_size=8, inter=Link(0.0, beta), inter_shared=True), 32,
+                   one_bucket()).step_s == pytest.approx(2 * 3 / 4 * D / beta, rel=REL)  # fmt: skip
+    # host work per message: 2(N-1) against 2(P-1)
+    co = costs(local_size=8, rpc_overhead_s=o)
+    assert predict("ps", co, 64, one_bucket()).step_s == pytest.approx(2 * 7 * o, rel=REL)
+    assert predict("ps_flat", co, 64, one_bucket()).step_s == pytest.approx(2 * 63 * o, rel=REL)
+    # a push and its reply cross the inter-node link once each
+    cl = costs(local_size=8, rpc_inter=Link(1e-5, math.inf))
+    assert predict("ps", cl, 64, one_bucket()).step_s == pytest.approx(2 * 1e-5, rel=REL)
+
+
+def test_hierarchical_ps_reduces_in_the_node_with_the_backends_ring_and_its_barrier_waits_for_n() -> None:
+    alpha, beta, r = 1e-5, 1e10, 1e-12
+    # 2 nodes of 4: the backend's reduce-scatter and all-gather over 4 (2 x 3 steps of D/4; no comm.ring overhead)
+    c = costs(local_size=4, intra=Link(alpha, beta), gloo_segment_bytes=math.inf, ring_overhead_s=1.0,
+              reduce_s_per_byte=r)  # fmt: skip
+    got = predict("ps", c, 8, one_bucket())
+    assert got.phases["node"] == pytest.approx(2 * 3 * alpha + 2 * 3 * (D / 4) / beta + 3 * (D / 4) * r, rel=REL)
+    assert got.step_s == pytest.approx(got.phases["node"], rel=REL)
+    # a shard averages N pushes (one per node) of its D/P, not P
+    a = 1e-11
+    ca = costs(local_size=8, ps_average_s_per_byte=a)
+    assert predict("ps", ca, 64, one_bucket()).phases["host"] == pytest.approx(8 * D / 64 * a, rel=REL)
+    assert predict("ps_flat", ca, 64, one_bucket()).phases["host"] == pytest.approx(64 * D / 64 * a, rel=REL)
+
+
+def test_hierarchical_ps_needs_whole_nodes() -> None:
+    with pytest.raises(ValueError, match=r"whole nodes: found P=12 with 8 per node.*ps_flat"):
+        predict("ps", costs(local_size=8), 12, one_bucket())
+    assert predict("ps_flat", costs(local_size=8), 12, one_bucket()).messages == 2 * 11
+
+
+def test_push_traffic_by_hand() -> None:
+    t = push_traffic(16, 4, 1600.0)  # 4 nodes of 4: shard s holds 100 B
+    assert (t.hierarchical, t.nodes, t.pushers, t.peers_on_node, t.peers_off_node) == (True, 4, 4, 0, 3)
+    assert (t.message_bytes, t.messages, t.inter_sent_bytes, t.nic_bytes) == (100.0, 6, 600.0, 2400.0)
+    assert t.node_bytes == 2 * 3 / 4 * 1600 and t.sent_bytes == 600.0 + 2400.0
+    f = push_traffic(16, 4, 1600.0, hierarchical=False)
+    assert (f.pushers, f.peers_on_node, f.peers_off_node, f.messages, f.nic_bytes) == (16, 3, 12, 30, 4 * 2400.0)
+    one = push_traffic(1, 8, 1600.0)
+    assert (one.messages, one.sent_bytes, one.link_bytes, one.nic_bytes) == (0, 0.0, 0.0, 0.0)
 
 
 def test_async_refills_its_lease_every_half_lease_and_rank_0_serves_every_workers_refills() -> None:
