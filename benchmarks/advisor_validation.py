@@ -54,6 +54,7 @@ from benchmarks.emulated._fit import IN, MLP, OUT
 from lightning_strategies.advisor import load_cluster, measure
 from lightning_strategies.advisor.advise import _row
 from lightning_strategies.advisor.measure import Measurement
+from lightning_strategies.advisor.push import push_traffic
 
 RESULTS = Path(__file__).parent / "results"
 STEP_GOAL, TAU_GOAL, MEMORY_GOAL = 0.15, 0.8, 0.10
@@ -68,6 +69,17 @@ def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
     score = sum((1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1 if (a[i] - a[j]) * (b[i] - b[j]) < 0 else 0)
                 for i, j in pairs)  # fmt: skip
     return score / len(pairs) if pairs else 1.0
+
+
+def ps_push(runs: Sequence[dict], layout: str) -> str:
+    """The scale model's key for stored ``ps`` runs: which push they made, read from their bytes (the
+    runs stored before issue 28's hierarchical push pushed flat). A node's NIC carries 2L(P-L)/P x D
+    per step with the flat push (``ps_flat``), 2(N-1)/N x D with the hierarchical one (``ps``)."""
+    nodes, per_node = LAYOUTS[layout]
+    got = median([r["nic_bytes"] / r["D"] for r in runs])
+    flat = push_traffic(nodes * per_node, per_node, 1.0, hierarchical=False).nic_bytes
+    hier = push_traffic(nodes * per_node, per_node, 1.0).nic_bytes
+    return "ps_flat" if abs(got - flat) < abs(got - hier) else "ps"
 
 
 def predicted(m: Measurement, strategy: str, layout: str, rate: str) -> float:
@@ -136,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             got = median([r["step_s"] for r in runs])
             steps = runs[0]["steps_s"]
-            p = predicted(m, strategy, layout, rate)
+            p = predicted(m, ps_push(runs, layout) if strategy == "ps" else strategy, layout, rate)
             err = abs(p - got) / got
             tag = f"{strategy}_{layout}_{rate}"
             text.append(line(f"advisor_measured_step_s_{tag}", got, "s"))

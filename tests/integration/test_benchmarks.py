@@ -201,7 +201,12 @@ GOALS["scale.py"] = [
     *[_exact(f"projected_server_bytes_ps_1_P{p}", (p - 1) * _RESNET50_BYTES) for p in (8, 64, 1024)],
     _exact(r"projected_nic_bytes_ring_P16", 2 * 15 / 16 * _RESNET50_BYTES),
     _exact(r"projected_nic_bytes_ring_hier_P1024", 2 * 127 / 128 * _RESNET50_BYTES),
-    (r"projected_step_s_(ddp|ring|ring_hier|ps|ps_1|async|pipeline)_P(8|1024)", 0.05, 1e3),
+    # ps's hierarchical push puts the hierarchical ring's bytes on a node's NIC; the flat push L(P-L)/(P-1)
+    # times a flat ring's
+    _exact(r"projected_nic_bytes_ps_P1024", 2 * 127 / 128 * _RESNET50_BYTES),
+    _exact(r"projected_nic_bytes_ps_flat_P16", 2 * 8 * 8 / 16 * _RESNET50_BYTES),
+    (r"projected_step_s_(ddp|ring|ring_hier|ps|ps_flat|ps_1|async|pipeline)_P(8|1024)", 0.05, 1e3),
+    (r"projected_efficiency_(ps|ps_flat|async)_P256_over_ddp", 0.01, 2.0),
 ]
 PAIRS["scale.py"] = [(r"scale_predicted_step_s_(.*)", r"scale_measured_step_s_\1", 0.1, 10.0)]
 
