@@ -41,7 +41,8 @@ B bytes in ``latency + B / bandwidth``.
                the backend's reduce-scatter and all-gather of D in the node (ring_hier's in-node
                ring, without its Python overhead) around 2(N-1) RPC messages per rank of D/P (each
                barrier waits for N pushers): a node's NIC carries 2(N-1)/N x D, ring_hier's; the
-               client still packs and copies back D. Both ps: pushes per bucket during backward,
+               client still packs and copies back D; the links' formula (``rpc_exchange_s`` is a
+               flat exchange). Both ps: pushes per bucket during backward,
                hidden up to ``overlap_s`` as ddp's; the pull's overlap with the next forward is not
                modelled (nothing measured yet)
     ps_1       one server (rank 0): it receives (P-1) x D and sends (P-1) x D, the seed's bottleneck,
