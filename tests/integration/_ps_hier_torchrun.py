@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from _torchrun_fit import make_loader
 from lightning.pytorch.callbacks import Callback
-from lightning_utils import TinyRegressor, sgd_momentum
+from lightning_utils import TinyRegressor, quiet_trainer, sgd_momentum
 
 from lightning_strategies import ParameterServerStrategy
 from lightning_strategies.comm.ps import partition_loads
@@ -63,19 +63,8 @@ def one_fit(optimizer: str, hierarchical: bool | None) -> tuple[dict[str, torch.
     model = TinyRegressor(optimizer_factory=OPTIMIZERS[optimizer])
     keep = _Record()
     strategy = ParameterServerStrategy(hierarchical=hierarchical, timeout=timedelta(seconds=60))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        num_nodes=2,
-        strategy=strategy,
-        max_steps=MAX_STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=[keep],
-    )
+    trainer = quiet_trainer(strategy, 2, num_nodes=2, max_steps=MAX_STEPS, use_distributed_sampler=False,
+                            callbacks=[keep])  # fmt: skip
     trainer.fit(model, make_loader("ps", 4))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, keep.record
 

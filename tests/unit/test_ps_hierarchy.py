@@ -3,6 +3,7 @@ one process (no process group: ``test_ps_hierarchical_torchrun.py`` runs the pus
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 from datetime import timedelta
@@ -37,9 +38,7 @@ def test_chunks_hold_every_element_once_and_local_rank_j_pushes_local_rank_js_sh
     layout_name: str, whole: bool
 ) -> None:
     layout = LAYOUTS[layout_name]
-    plan = (
-        whole_tensor_slices(shard_parameters(SIZES, 6), SIZES) if whole else partition_parameters(SIZES, 6, align=8)
-    )
+    plan = whole_tensor_slices(shard_parameters(SIZES, 6), SIZES) if whole else partition_parameters(SIZES, 6, align=8)
     pl = PushLayout(plan, layout)
     seen: dict[int, list[tuple[int, int]]] = {}
     for j, rows in enumerate(pl.entries):
@@ -55,7 +54,7 @@ def test_chunks_hold_every_element_once_and_local_rank_j_pushes_local_rank_js_sh
     for i, n in enumerate(SIZES):
         covered = sorted(seen[i])
         assert covered[0][0] == 0 and covered[-1][1] == n
-        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:], strict=False))  # no gap, no overlap
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))  # no gap, no overlap
 
 
 def test_push_layout_needs_one_shard_per_process() -> None:
