@@ -11,6 +11,7 @@ rates 1gbit, 200mbit, 50mbit (both directions of every node's link). Strategies:
     ring_hier  RingAllReduceStrategy(hierarchical=True): reduce-scatter in the node, ring across nodes
     ring_bf16  the flat ring with bf16 on the wire
     ps         ParameterServerStrategy: one shard per process; hierarchical push on 2x2 (one per node on 4x1: flat)
+    ps_flat    ParameterServerStrategy(hierarchical=False): every process pushes to every shard (2x2 only)
     ps1        ParameterServerStrategy(num_servers=1): one server, on rank 0 (node 0)
     async      AsyncParameterServerStrategy (one shard per process, no staleness bound)
     pipeline   PipelineStrategy: one stage per process, 1F1B, the global batch in 4 x stages micro-batches
@@ -32,14 +33,15 @@ not step together). Lines (``name value unit``; medians over rounds, the spread 
     cluster_ring_hier_over_flat_2x2_<rate>     step ring_hier / ring            goal <= 0.75 at <= 200mbit
     cluster_ring_bf16_over_ring_2x2_<rate>     step ring_bf16 / ring            goal <= 0.6 at 50mbit
     cluster_ps1_over_ps_4x1_<rate>             step ps1 / ps                    goal >= 1.7 at 50mbit
-    cluster_ps_over_ddp_<layout>_<rate>        step ps / ddp
+    cluster_ps_over_ddp_<layout>_<rate>        step ps / ddp                    goal <= 1.05 (#28)
+    cluster_ps_hier_over_flat_2x2_<rate>       step ps / ps_flat
     cluster_async_over_sync_straggler_<rate>   rate async / rate ps at 2x2 with node 1 slowed (k = 2)
 
 Formulas, bytes through the busiest node's link per step, P processes, L per node, in D:
 flat ring and ddp (gloo's ring) 2(P-1)/P (bf16: half); hierarchical 2(N-1)/N with N = P/L nodes;
 ps 2(N-1)/N (hierarchical push: each node pushes B - B_n and answers N - 1 pushers per shard it hosts,
 ``lightning_strategies.comm.ps.node_nic_bytes``; with L = 1 that is the flat push's 2L(P-L)/P too);
-async 2L(P-L)/P (each process pushes and serves the shards on other nodes); ps1 (P-L) (the
+ps_flat and async 2L(P-L)/P (each process pushes and serves the shards on other nodes); ps1 (P-L) (the
 server's node sends every remote worker the parameters and receives its gradients).
 
 The straggler runs (``benchmarks/stragglers.py``'s method): every rank sleeps ``--base-ms`` before its
@@ -78,7 +80,7 @@ from benchmarks.emulated.launch import launch
 
 FIT = Path(__file__).parent / "emulated" / "_fit.py"
 RESULTS = Path(__file__).parent / "results"
-STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pipeline", "tensor")
+STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps1", "async", "pipeline", "tensor")
 LAYOUTS = {"2x2": (2, 2), "4x1": (4, 1)}
 RATES = ("50mbit", "200mbit", "1gbit")  # slowest first: the goals are there
 STRAGGLER = ("ps", "async")
@@ -95,6 +97,7 @@ def formula_over_d(strategy: str, nodes: int, per_node: int) -> float | None:
         "ring_bf16": ring / 2,
         "ring_hier": 2 * (n - 1) / n,
         "ps": 2 * (n - 1) / n,
+        "ps_flat": 2 * local * (p - local) / p,
         "async": 2 * local * (p - local) / p,
         "ps1": float(max(p - local, local)),
     }
@@ -147,7 +150,8 @@ def measure(
                 nodes, per_node = LAYOUTS[layout]
                 shift = (r + list(args.rates).index(rate)) % len(args.strategies)
                 order = [*args.strategies[shift:], *args.strategies[:shift]]
-                cases: list[tuple[str, str, list[str]]] = [(s, s, []) for s in order]
+                # one process per node: ps_flat is ps
+                cases: list[tuple[str, str, list[str]]] = [(s, s, []) for s in order if s != "ps_flat" or per_node > 1]
                 if args.straggler and layout == "2x2":
                     slow = ["--base-ms", str(args.base_ms), "--slow-node-factor", str(SLOW_FACTOR)]
                     pair = STRAGGLER if r % 2 == 0 else STRAGGLER[::-1]
@@ -206,6 +210,7 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, *, e
         ratio(f"cluster_ring_hier_over_flat_2x2_{rate}", f"ring_hier|2x2|{rate}", f"ring|2x2|{rate}")
         ratio(f"cluster_ring_bf16_over_ring_2x2_{rate}", f"ring_bf16|2x2|{rate}", f"ring|2x2|{rate}")
         ratio(f"cluster_ps1_over_ps_4x1_{rate}", f"ps1|4x1|{rate}", f"ps|4x1|{rate}")
+        ratio(f"cluster_ps_hier_over_flat_2x2_{rate}", f"ps|2x2|{rate}", f"ps_flat|2x2|{rate}")
         for layout in args.layouts:
             ratio(f"cluster_ps_over_ddp_{layout}_{rate}", f"ps|{layout}|{rate}", f"ddp|{layout}|{rate}")
         # samples/s async over ps = step ps / step async (the same samples per step)
