@@ -3,9 +3,9 @@
 Four tiny fits in a row on the same processes, each a fresh ``Trainer``: ``ParameterServerStrategy()``
 (``hierarchical=None``, so hierarchical on 2 nodes) and ``ParameterServerStrategy(hierarchical=False)``,
 with SGD-momentum (elementwise plan) and with Lamb (whole-tensor plan). Rank 0 saves each fit's weights
-to ``<out-dir>/<optimizer>_<push>.pt``; every rank writes ``<out-dir>/rank<r>.json``: per fit, whether the
-push was hierarchical, the node layout, the shard plan's elements per shard, and the ``comm/`` metrics it
-logged.
+and the optimizer state gathered from the shards to ``<out-dir>/<optimizer>_<push>.pt``; every rank
+writes ``<out-dir>/rank<r>.json``: per fit, whether the push was hierarchical, the node layout, the
+shard plan's elements per shard, and the ``comm/`` metrics it logged.
 """
 
 from __future__ import annotations
@@ -59,14 +59,17 @@ class _Record(Callback):
         self.record["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("comm/")}
 
 
-def one_fit(optimizer: str, hierarchical: bool | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def one_fit(optimizer: str, hierarchical: bool | None) -> tuple[dict[str, Any], dict[str, Any]]:
     model = TinyRegressor(optimizer_factory=OPTIMIZERS[optimizer])
     keep = _Record()
     strategy = ParameterServerStrategy(hierarchical=hierarchical, timeout=timedelta(seconds=60))
     trainer = quiet_trainer(strategy, 2, num_nodes=2, max_steps=MAX_STEPS, use_distributed_sampler=False,
                             callbacks=[keep])  # fmt: skip
     trainer.fit(model, make_loader("ps", 4))
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, keep.record
+    # the shards' optimizer state as gathered over RPC at the end of fit (what a checkpoint after fit holds)
+    state = trainer.strategy.optimizer_state(trainer.optimizers[0])
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"weights": weights, "optimizer": state}, keep.record
 
 
 def main() -> None:

@@ -6,17 +6,18 @@ Lightning's ``TorchElasticEnvironment`` on 2 nodes) and ``hierarchical=False``, 
 elementwise plan) and Lamb (the whole-tensor plan). Checked:
 
 - the choice and the layout: hierarchical with nodes ``[[0, 1], [2, 3]]``, flat when asked;
-- the hierarchical weights equal the flat push's: both divide every gradient by 4 first; the flat shard
-  sums the four quarters in rank order, the hierarchical one sums the two node sums, so the float32
-  sums differ by about an ulp of the gradient per step (measured: 3e-8 after 6 steps); ``atol=1e-6``
-  holds that and fails a wrong layout (a node's sum missing, or divided again by the 2 pushers), which
-  moves the weights by > 1e-3. The SGD run equals DDP on 4 fork-started processes to the same bound;
+- the hierarchical weights, and the optimizer state gathered from its shards, equal the flat push's:
+  both divide every gradient by 4 first; the flat shard sums the four quarters in rank order, the
+  hierarchical one sums the two node sums, so the float32 sums differ by about an ulp of the gradient
+  per step (measured: 3e-8 after 6 steps); ``atol=1e-6`` holds that and fails a wrong layout (a node's
+  sum missing, or divided again by the 2 pushers), which moves the weights by > 1e-3. The SGD run equals
+  DDP on 4 fork-started processes to the same bound;
 - the bytes a node's NIC carries, from the clients' counts (loopback has no NIC to read; the emulated
   cluster's counters are ``benchmarks/cluster_strategies.py``'s ``..._over_formula`` lines): each
   process's ``comm/inter_node_bytes_sent`` is the bytes of its chunk's shard on the other node, its
   node's processes together send ``B - B_n`` of pushes, and with the ``(N-1) B_n`` its shards answer
   the node's NIC carries :func:`~lightning_strategies.comm.ps.hierarchy.node_nic_bytes` (``B``: all
-  shards' payload bytes, ``B_n``: node ``n``'s), half the flat push's ``L = 2`` times as much.
+  shards' payload bytes, ``B_n``: node ``n``'s); the flat push's formula gives ``L = 2`` times as much.
 
 One launch serves the tests (a module fixture): two torchrun agents, four workers, four fits: 70-90 s
 on 2 loaded cores.
@@ -65,17 +66,22 @@ def test_push_is_hierarchical_on_the_launchers_nodes(run: tuple[Path, list[dict]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd_momentum", "lamb"])
-def test_hierarchical_weights_equal_the_flat_push(run: tuple[Path, list[dict]], optimizer: str) -> None:
-    hier = torch.load(run[0] / f"{optimizer}_hier.pt", weights_only=True)
-    flat = torch.load(run[0] / f"{optimizer}_flat.pt", weights_only=True)
-    for k in flat:
-        torch.testing.assert_close(hier[k], flat[k], rtol=0, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+def test_hierarchical_weights_and_state_equal_the_flat_push(run: tuple[Path, list[dict]], optimizer: str) -> None:
+    hier = torch.load(run[0] / f"{optimizer}_hier.pt", weights_only=False)
+    flat = torch.load(run[0] / f"{optimizer}_flat.pt", weights_only=False)
+    for k in flat["weights"]:
+        torch.testing.assert_close(hier["weights"][k], flat["weights"][k], rtol=0, atol=1e-6,
+                                   msg=lambda m, k=k: f"{k}: {m}")  # fmt: skip
     start = TinyRegressor().state_dict()
-    assert max(float((hier[k] - start[k]).abs().max()) for k in hier) > 1e-3  # it trained
+    assert max(float((hier["weights"][k] - start[k]).abs().max()) for k in start) > 1e-3  # it trained
+    # the optimizer state gathered from the shards (momentum buffers; Lamb's moments and step): the same
+    # state, to the same bound (moments of gradients that differ by an ulp)
+    assert hier["optimizer"]["state"].keys() == flat["optimizer"]["state"].keys() and flat["optimizer"]["state"]
+    torch.testing.assert_close(hier["optimizer"]["state"], flat["optimizer"]["state"], rtol=0, atol=1e-6)
 
 
 def test_hierarchical_weights_equal_ddp(run: tuple[Path, list[dict]]) -> None:
-    hier = torch.load(run[0] / "sgd_momentum_hier.pt", weights_only=True)
+    hier = torch.load(run[0] / "sgd_momentum_hier.pt", weights_only=False)["weights"]
     want = fit("ring", DDPStrategy(start_method="fork"), devices=WORLD, max_steps=6)
     for k in want:
         torch.testing.assert_close(hier[k], want[k], rtol=0, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
