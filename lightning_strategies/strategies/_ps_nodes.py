@@ -102,9 +102,19 @@ def plan_push_nodes(
     return PushNodes(layout, intra, inter)
 
 
-def close_push_nodes(nodes: PushNodes | None, *, failed: bool) -> None:
-    """Destroy the push's groups (not after a failure: a group's destruction may wait for a dead peer)."""
-    if nodes is None or failed or not dist.is_initialized():
+def close_push_nodes(nodes: PushNodes | None, client: object, *, failed: bool) -> None:
+    """Destroy the push's groups (and drop ``client``'s reference to its node group).
+
+    After a failure too: destroying a gloo group closes its connections, so a node peer blocked in the node's
+    collective with this rank fails at once instead of after ``timeout`` (NCCL groups are aborted instead:
+    destroying one with pending work may block).
+    """
+    if isinstance(client, HierarchicalParameterServerClient):
+        client.close()
+    if nodes is None or not dist.is_initialized():
         return
-    dist.destroy_process_group(nodes.intra)
-    dist.destroy_process_group(nodes.inter)
+    for group in (nodes.intra, nodes.inter):
+        if failed and "nccl" in str(dist.get_backend(group)):
+            group.abort()
+        else:
+            dist.destroy_process_group(group)

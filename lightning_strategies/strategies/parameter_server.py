@@ -146,7 +146,7 @@ class ParameterServerStrategy(StrategyBase):
 
     @property
     def is_hierarchical(self) -> bool:
-        """Whether this fit's push is hierarchical (``False`` before setup; the ``hierarchical`` option decides)."""
+        """Whether this fit's push is hierarchical (``False`` outside of fitting; ``hierarchical`` decides)."""
         return self._push_nodes is not None
 
     @property
@@ -265,7 +265,8 @@ class ParameterServerStrategy(StrategyBase):
     def _start_servers(self) -> None:
         _, spec, params, plan = self._plan_servers()
         self._share_overflow_decision()
-        close_push_nodes(self._push_nodes, failed=False)
+        close_push_nodes(self._push_nodes, self._client, failed=False)
+        self._push_nodes = None
         self._push_nodes = plan_push_nodes(
             self,
             self._hierarchical,
@@ -414,9 +415,12 @@ class ParameterServerStrategy(StrategyBase):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Close this rank's shard with the failure's reason: peers in its barrier fail at once, naming the lost one."""
+        """Close this rank's shard with the failure's reason: peers in its barrier fail at once, naming the lost one;
+        and its node's push groups, so that node peers waiting for it in the node's collective fail at once too."""
         if self._client is not None:
             unregister_shard(self.global_rank, reason=failure_reason(exception))
+        close_push_nodes(self._push_nodes, self._client, failed=True)
+        self._push_nodes = None
         super().on_exception(exception)
 
     @override
@@ -429,7 +433,7 @@ class ParameterServerStrategy(StrategyBase):
                 self._step_hook = None
             self._buffers = []
             unregister_shard(self.global_rank)
-        close_push_nodes(self._push_nodes, failed=self.failed)
+        close_push_nodes(self._push_nodes, self._client, failed=self.failed)
         self._push_nodes = None
         if self._rpc_started:
             self._rpc_started = False

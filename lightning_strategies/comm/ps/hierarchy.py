@@ -139,7 +139,7 @@ class HierarchicalParameterServerClient(ParameterServerClient):
         self.push_layout = PushLayout(self.plan, layout)
         self.node = layout.node_of(worker)
         self.local = layout.nodes[self.node].index(worker)
-        self.group = intra_group
+        self.group: dist.ProcessGroup | None = intra_group
         self.stats.inter_node_bytes_sent = 0
         self.stats.inter_node_bytes_received = 0
         like = self.params[0] if self.params else torch.empty(0)
@@ -158,6 +158,11 @@ class HierarchicalParameterServerClient(ParameterServerClient):
                 collective raises as the backend does when a node peer is gone.
         """
         start = time.perf_counter()
+        if self.group is None:
+            raise RuntimeError(
+                f"worker {self.worker}: hierarchical push after close(): its node's group is gone (the run "
+                "failed or was torn down). Fix: start a new fit."
+            )
         pl = self.push_layout
         n, world = pl.chunk_numel, len(self.plan)
         self._fill_buffer(world)
@@ -176,6 +181,10 @@ class HierarchicalParameterServerClient(ParameterServerClient):
                 for _, sl, off in rows:
                     write_slice(self.params[sl.tensor], sl, self._buffer[base + off : base + off + sl.numel])
         self._end_step(start)
+
+    def close(self) -> None:
+        """Drop the node's group, so that destroying it closes its connections (no push after this)."""
+        self.group = None
 
     def _fill_buffer(self, world: int) -> None:
         pl = self.push_layout
