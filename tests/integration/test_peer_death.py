@@ -96,16 +96,22 @@ class Outcome:
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple[str, str, int, int], Outcome]]:
+    yield from run_cases(tmp_path_factory, CASES)
+
+
+def run_cases(
+    tmp_path_factory: pytest.TempPathFactory, cases: list[tuple[str, str, int, int]]
+) -> Iterator[dict[tuple[str, str, int, int], Outcome]]:
     """Every case, ``PARALLEL`` at a time: a case mostly waits (heartbeats, timeouts), not computes."""
     zygote = Zygote(["_peer_death_fit"], tmp_path_factory.mktemp("zygote") / "zygote.log")
     try:
-        dirs = {case: tmp_path_factory.mktemp("-".join(map(str, case))) for case in CASES}
-        jobs = [_job(*case, dirs[case]) for case in CASES]
+        dirs = {case: tmp_path_factory.mktemp("-".join(map(str, case))) for case in cases}
+        jobs = [_job(*case, dirs[case]) for case in cases]
         start = time.monotonic()
         answers = zygote.run_many(jobs, parallel=PARALLEL)
-        print(f"\n{len(CASES)} peer-death cases, {PARALLEL} at a time: {time.monotonic() - start:.1f} s")
+        print(f"\n{len(cases)} peer-death cases, {PARALLEL} at a time: {time.monotonic() - start:.1f} s")
         assert zygote.leftovers() == [], "processes left in the zygote's session after every case ended"
-        yield {case: Outcome(answer, dirs[case]) for case, answer in zip(CASES, answers, strict=True)}
+        yield {case: Outcome(answer, dirs[case]) for case, answer in zip(cases, answers, strict=True)}
     finally:
         zygote.close()
         assert zygote.leftovers() == [], "processes left in the zygote's session after it closed"

@@ -9,12 +9,10 @@ fails and closes its shard with the reason. Every survivor must name rank 3, and
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
-from fault_utils import Zygote
-from test_peer_death import PARALLEL, Outcome, _job, assert_survivors_named_the_loss
+from test_peer_death import Outcome, assert_survivors_named_the_loss, run_cases
 
 pytestmark = pytest.mark.slow
 
@@ -23,17 +21,7 @@ CASES = [("ps_hier", fault, 4, 3) for fault in ("step", "comm")]
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple[str, str, int, int], Outcome]]:
-    zygote = Zygote(["_peer_death_fit"], tmp_path_factory.mktemp("zygote") / "zygote.log")
-    try:
-        dirs = {case: tmp_path_factory.mktemp("-".join(map(str, case))) for case in CASES}
-        start = time.monotonic()
-        answers = zygote.run_many([_job(*case, dirs[case]) for case in CASES], parallel=PARALLEL)
-        print(f"\n{len(CASES)} hierarchical peer-death cases: {time.monotonic() - start:.1f} s")
-        assert zygote.leftovers() == [], "processes left in the zygote's session after every case ended"
-        yield {case: Outcome(answer, dirs[case]) for case, answer in zip(CASES, answers, strict=True)}
-    finally:
-        zygote.close()
-        assert zygote.leftovers() == [], "processes left in the zygote's session after it closed"
+    yield from run_cases(tmp_path_factory, CASES)
 
 
 @pytest.mark.parametrize(
