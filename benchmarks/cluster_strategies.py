@@ -10,7 +10,8 @@ rates 1gbit, 200mbit, 50mbit (both directions of every node's link). Strategies:
     ring       RingAllReduceStrategy(hierarchical=False): the flat ring
     ring_hier  RingAllReduceStrategy(hierarchical=True): reduce-scatter in the node, ring across nodes
     ring_bf16  the flat ring with bf16 on the wire
-    ps         ParameterServerStrategy: one shard per process
+    ps         ParameterServerStrategy: one shard per process; hierarchical push on 2x2 (one per node on 4x1: flat)
+    ps_flat    ParameterServerStrategy(hierarchical=False): every process pushes to every shard (2x2 only)
     ps1        ParameterServerStrategy(num_servers=1): one server, on rank 0 (node 0)
     async      AsyncParameterServerStrategy (one shard per process, no staleness bound)
     pipeline   PipelineStrategy: one stage per process, 1F1B, the global batch in 4 x stages micro-batches
@@ -32,12 +33,15 @@ not step together). Lines (``name value unit``; medians over rounds, the spread 
     cluster_ring_hier_over_flat_2x2_<rate>     step ring_hier / ring            goal <= 0.75 at <= 200mbit
     cluster_ring_bf16_over_ring_2x2_<rate>     step ring_bf16 / ring            goal <= 0.6 at 50mbit
     cluster_ps1_over_ps_4x1_<rate>             step ps1 / ps                    goal >= 1.7 at 50mbit
-    cluster_ps_over_ddp_<layout>_<rate>        step ps / ddp
+    cluster_ps_over_ddp_<layout>_<rate>        step ps / ddp                    goal <= 1.05 (#28)
+    cluster_ps_hier_over_flat_2x2_<rate>       step ps / ps_flat
     cluster_async_over_sync_straggler_<rate>   rate async / rate ps at 2x2 with node 1 slowed (k = 2)
 
 Formulas, bytes through the busiest node's link per step, P processes, L per node, in D:
 flat ring and ddp (gloo's ring) 2(P-1)/P (bf16: half); hierarchical 2(N-1)/N with N = P/L nodes;
-ps and async 2L(P-L)/P (each process pushes and serves the shards on other nodes); ps1 (P-L) (the
+ps 2(N-1)/N (hierarchical push: each node pushes B - B_n and answers N - 1 pushers per shard it hosts,
+``lightning_strategies.comm.ps.node_nic_bytes``; with L = 1 that is the flat push's 2L(P-L)/P too);
+ps_flat and async 2L(P-L)/P (each process pushes and serves the shards on other nodes); ps1 (P-L) (the
 server's node sends every remote worker the parameters and receives its gradients).
 
 The straggler runs (``benchmarks/stragglers.py``'s method): every rank sleeps ``--base-ms`` before its
@@ -48,6 +52,7 @@ compute, i.e. are 2x slower; ps waits for them every step, async does not.
     python benchmarks/cluster_strategies.py --rounds 1 # what results/cluster_strategies.txt holds
     python benchmarks/cluster_strategies.py --quick    # 2x2 at 200mbit, ring and ps, 1 round (< 2 min)
     python benchmarks/cluster_strategies.py --from-raw benchmarks/results/cluster_strategies.json  # replot
+    python benchmarks/cluster_strategies.py --strategies ddp ps --no-straggler --name cluster_ps  # ps vs ddp
 
 The full run writes ``results/cluster_strategies.txt`` (this output), ``results/cluster_strategies.json``
 (every run's per-rank step durations and NIC counters) and ``results/cluster_strategies.png``.
@@ -75,7 +80,7 @@ from benchmarks.emulated.launch import launch
 
 FIT = Path(__file__).parent / "emulated" / "_fit.py"
 RESULTS = Path(__file__).parent / "results"
-STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pipeline", "tensor")
+STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps1", "async", "pipeline", "tensor")
 LAYOUTS = {"2x2": (2, 2), "4x1": (4, 1)}
 RATES = ("50mbit", "200mbit", "1gbit")  # slowest first: the goals are there
 STRAGGLER = ("ps", "async")
@@ -91,7 +96,8 @@ def formula_over_d(strategy: str, nodes: int, per_node: int) -> float | None:
         "ring": ring,
         "ring_bf16": ring / 2,
         "ring_hier": 2 * (n - 1) / n,
-        "ps": 2 * local * (p - local) / p,
+        "ps": 2 * (n - 1) / n,
+        "ps_flat": 2 * local * (p - local) / p,
         "async": 2 * local * (p - local) / p,
         "ps1": float(max(p - local, local)),
     }
@@ -144,7 +150,8 @@ def measure(
                 nodes, per_node = LAYOUTS[layout]
                 shift = (r + list(args.rates).index(rate)) % len(args.strategies)
                 order = [*args.strategies[shift:], *args.strategies[:shift]]
-                cases: list[tuple[str, str, list[str]]] = [(s, s, []) for s in order]
+                # one process per node: ps_flat is ps
+                cases: list[tuple[str, str, list[str]]] = [(s, s, []) for s in order if s != "ps_flat" or per_node > 1]
                 if args.straggler and layout == "2x2":
                     slow = ["--base-ms", str(args.base_ms), "--slow-node-factor", str(SLOW_FACTOR)]
                     pair = STRAGGLER if r % 2 == 0 else STRAGGLER[::-1]
@@ -203,6 +210,7 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, *, e
         ratio(f"cluster_ring_hier_over_flat_2x2_{rate}", f"ring_hier|2x2|{rate}", f"ring|2x2|{rate}")
         ratio(f"cluster_ring_bf16_over_ring_2x2_{rate}", f"ring_bf16|2x2|{rate}", f"ring|2x2|{rate}")
         ratio(f"cluster_ps1_over_ps_4x1_{rate}", f"ps1|4x1|{rate}", f"ps|4x1|{rate}")
+        ratio(f"cluster_ps_hier_over_flat_2x2_{rate}", f"ps|2x2|{rate}", f"ps_flat|2x2|{rate}")
         for layout in args.layouts:
             ratio(f"cluster_ps_over_ddp_{layout}_{rate}", f"ps|{layout}|{rate}", f"ddp|{layout}|{rate}")
         # samples/s async over ps = step ps / step async (the same samples per step)
@@ -241,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--rates", nargs="+", default=list(RATES))
     parser.add_argument("--no-straggler", dest="straggler", action="store_false")
+    parser.add_argument("--name", default="cluster_strategies", help="results/<name>.txt, .json and .png")
     parser.add_argument("--from-raw", type=Path, default=None,
                         help="measure nothing: the lines and the plot again from a stored results/*.json")  # fmt: skip
     args = parser.parse_args(argv)
@@ -251,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(raw["header"], flush=True)
         print(f"# replayed from {args.from_raw.name}: {sum(len(v) for v in raw['runs'].values())} runs", flush=True)
         report(raw["runs"], args)
-        plot(raw["runs"], args, RESULTS / "cluster_strategies.png")
+        plot(raw["runs"], args, RESULTS / f"{args.from_raw.stem}.png")
         return 0
     args.failed = []
     if args.quick:
@@ -275,15 +284,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                  f"({args.warmup} warm-up)" + ("" if final else "; PARTIAL: the run was still going")]  # fmt: skip
         if not args.quick:
             RESULTS.mkdir(exist_ok=True)
-            (RESULTS / "cluster_strategies.txt").write_text("\n".join([*text, *lines, *tail]) + "\n")
+            (RESULTS / f"{args.name}.txt").write_text("\n".join([*text, *lines, *tail]) + "\n")
             raw = {"args": vars(args), "header": text[0], "runs": runs}
-            (RESULTS / "cluster_strategies.json").write_text(json.dumps(raw))
+            (RESULTS / f"{args.name}.json").write_text(json.dumps(raw))
         return tail
 
     runs = measure(args, text, store)
     print("\n".join(store(runs, final=True)), flush=True)
     if not args.quick:
-        plot(runs, args, RESULTS / "cluster_strategies.png")
+        plot(runs, args, RESULTS / f"{args.name}.png")
     return 1 if args.failed else 0
 
 

@@ -46,7 +46,7 @@ from lightning_strategies import (
     TensorParallelStrategy,
 )
 
-STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pipeline", "tensor")
+STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps1", "async", "pipeline", "tensor")
 IN, OUT = 256, 16
 
 
@@ -90,6 +90,8 @@ def make_strategy(name: str) -> Any:
         )
     if name == "ps":
         return ParameterServerStrategy()
+    if name == "ps_flat":
+        return ParameterServerStrategy(hierarchical=False)
     if name == "ps1":
         return ParameterServerStrategy(num_servers=1)
     if name == "async":

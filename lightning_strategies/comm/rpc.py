@@ -82,12 +82,14 @@ def _broadcast_port(port: int) -> int:
 # this module's, by a key naming it in _STORES (kept until shutdown_rpc)
 _STORE_SCHEME = "lightning-strategies-store"
 _STORES: dict[str, dist.Store] = {}
+_MEMBERS: dict[str, tuple[int, int]] = {}  # key -> (this process's rank, world size), from the rendezvous
 _store_keys = itertools.count()
 
 
 def _store_rendezvous(url: str, **kwargs: Any) -> Iterator[tuple[dist.Store, int, int]]:
     parsed = urlparse(url)
     query = dict(pair.split("=") for pair in parsed.query.split("&") if pair)
+    _MEMBERS[parsed.netloc] = (int(query["rank"]), int(query["world_size"]))
     yield _STORES[parsed.netloc], int(query["rank"]), int(query["world_size"])
 
 
@@ -149,8 +151,23 @@ def shutdown_rpc(*, failed: bool, timeout: timedelta, grace_seconds: float = 1.0
             rpc.shutdown(graceful=False)
             return
         rpc.shutdown(graceful=True, timeout=timeout.total_seconds())
+        _leave_stores(timeout)
     finally:
         _STORES.clear()  # the rendezvous stores go with the agent (rank 0's closes its port)
+        _MEMBERS.clear()
+
+
+def _leave_stores(timeout: timedelta) -> None:
+    # The graceful shutdown ends in a barrier on the store: rank 0 may pass it while a peer still waits for
+    # the store's answer, and closing rank 0's store then fails that peer ("Failed to recv"). Each rank says
+    # it is done; rank 0 keeps its store until all have (bounded by the timeout).
+    deadline = time.monotonic() + timeout.total_seconds()
+    for key, store in _STORES.items():
+        rank, world = _MEMBERS.get(key, (0, 1))
+        done = store.add("lightning_strategies/rpc_shutdown_done", 1)
+        while rank == 0 and done < world and time.monotonic() < deadline:
+            time.sleep(0.01)
+            done = store.add("lightning_strategies/rpc_shutdown_done", 0)
 
 
 # -- calls and replies -------------------------------------------------------------------------

@@ -106,6 +106,9 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     broadcast_buffers_each_step: ClassVar[bool] = False
     agree_on_overflow: ClassVar[bool] = False
     client_class: ClassVar[type[ParameterServerClient]] = AsyncParameterServerClient
+    # flat on any number of nodes: a hierarchical push sums the node's gradients of one step, and async's
+    # workers push different steps at different times (no barrier to reduce in)
+    hierarchical_push: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -54,6 +54,7 @@ from lightning_strategies.comm.ps import (
 from lightning_strategies.comm.rpc import init_rpc, rendezvous_store, shutdown_rpc, worker_name
 from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.strategies._base import StrategyBase, unwrap_optimizer
+from lightning_strategies.strategies._ps_nodes import PushNodes, check_hierarchical, close_push_nodes, plan_push_nodes
 
 __all__ = ["ParameterServerStrategy"]
 
@@ -70,7 +71,11 @@ class ParameterServerStrategy(StrategyBase):
     (:class:`~lightning_strategies.comm.amp.AgreedGradScaler` replaces Lightning's scaler, same options).
     Logged per step (means since the last log): ``comm/bytes_sent``, ``comm/bytes_received``,
     ``ps/server_bytes_max`` (the busiest shard's bytes in a step; the maximum), ``ps/wait_seconds`` (first
-    push to last answer) and, under ``16-mixed``, ``amp/step_skipped``. On a fault the RPCs to a dead rank's
+    push to last answer) and, under ``16-mixed``, ``amp/step_skipped``. On more than one node of more than one
+    process each, the push is hierarchical (:mod:`~lightning_strategies.comm.ps.hierarchy`): reduced inside the
+    node, ``1/L`` of it pushed across nodes by each local rank, the values all-gathered inside the node (then
+    ``comm/inter_node_bytes_*`` are logged too, and the byte counts include the node's collectives); it pushes
+    after the whole backward, as the flat push does. On a fault the RPCs to a dead rank's
     shard fail at once, a shard waiting for a push fails after ``timeout``; the survivors' errors name the lost
     rank(s) (a :class:`~lightning_strategies.PeerLostError` when a step failed) and RPC shuts down without
     waiting for them.
@@ -80,11 +85,16 @@ class ParameterServerStrategy(StrategyBase):
             ``1/P`` of the parameters).
         rpc_threads: RPC server threads per process. Handlers never block, so a few suffice; each extra
             thread competes with training for the cores.
+        hierarchical: ``None``: the hierarchical push on more than one node with more than one process each
+            (nodes as Lightning's cluster environment reports them, as the ``"ring"``'s); ``True``: the same,
+            logging when nothing is left to split; ``False``: every worker pushes to every shard.
         **kwargs: as for ``DDPStrategy``; ``timeout`` bounds the wait of collectives and a shard's barrier for a
             hung peer (default 30 minutes; RPCs wait ``timeout`` + max(5 s, 10%), so the shard's error comes first).
 
     Raises:
-        ValueError: for a non-positive ``num_servers`` or ``rpc_threads``; at setup, for manual optimization,
+        ValueError: for a non-positive ``num_servers`` or ``rpc_threads``, ``hierarchical`` not a bool or
+            ``None`` (or ``True`` for a strategy that pushes without a barrier); at setup, for nodes of different
+            sizes or ``num_servers`` below the world size under ``hierarchical=True``, for manual optimization,
             more than one optimizer, gradient clipping (no shard holds the averaged gradient whole), an
             optimizer-side global norm (``Lamb(max_grad_norm=...)``) over several shards, or more servers than
             processes.
@@ -99,11 +109,16 @@ class ParameterServerStrategy(StrategyBase):
     agree_on_overflow: ClassVar[bool] = True
     #: Each worker's push/pull handle ("async" swaps in its asynchronous client).
     client_class: ClassVar[type[ParameterServerClient]] = ParameterServerClient
+    #: Whether the node's pushes may be reduced first ("async" pushes without a barrier: nothing to reduce in).
+    hierarchical_push: ClassVar[bool] = True
 
     wraps_ddp = False
 
-    def __init__(self, *, num_servers: int | None = None, rpc_threads: int = 4, **kwargs: Any) -> None:
+    def __init__(
+        self, *, num_servers: int | None = None, rpc_threads: int = 4, hierarchical: bool | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
+        check_hierarchical(type(self), hierarchical)
         if num_servers is not None and num_servers < 1:
             raise ValueError(
                 f"ParameterServerStrategy(num_servers={num_servers}): expected at least 1 server shard. "
@@ -116,6 +131,8 @@ class ParameterServerStrategy(StrategyBase):
             )
         self._num_servers = num_servers
         self._rpc_threads = rpc_threads
+        self._hierarchical = hierarchical if self.hierarchical_push else False
+        self._push_nodes: PushNodes | None = None
         self._rpc_started = False
         self._client: ParameterServerClient | None = None
         self._spec: OptimizerSpec | None = None
@@ -126,6 +143,11 @@ class ParameterServerStrategy(StrategyBase):
     def num_servers(self) -> int:
         """Shard count in effect: the ``num_servers`` option, or the world size."""
         return self._num_servers if self._num_servers is not None else self.world_size
+
+    @property
+    def is_hierarchical(self) -> bool:
+        """Whether this fit's push is hierarchical (``False`` outside of fitting; ``hierarchical`` decides)."""
+        return self._push_nodes is not None
 
     @property
     def ps_timeout(self) -> timedelta:
@@ -243,6 +265,15 @@ class ParameterServerStrategy(StrategyBase):
     def _start_servers(self) -> None:
         _, spec, params, plan = self._plan_servers()
         self._share_overflow_decision()
+        close_push_nodes(self._push_nodes, self._client, failed=False)
+        self._push_nodes = None
+        self._push_nodes = plan_push_nodes(
+            self,
+            self._hierarchical,
+            num_servers=self.num_servers,
+            backend=self._get_process_group_backend(),
+            timeout=self._timeout,
+        )
         rank = self.global_rank
         if rank < self.num_servers:
             mine = plan[rank]
@@ -253,7 +284,10 @@ class ParameterServerStrategy(StrategyBase):
         self._start_client(params, plan)
 
     def _start_client(self, params: list[Tensor], plan: list[list[Slice]]) -> None:
-        self._client = self.client_class(self.global_rank, params, plan, timeout=self.ps_timeout)
+        if self._push_nodes is not None:
+            self._client = self._push_nodes.client(self.global_rank, params, plan, timeout=self.ps_timeout)
+        else:
+            self._client = self.client_class(self.global_rank, params, plan, timeout=self.ps_timeout)
         if self._step_hook is not None:
             self._step_hook.remove()
         self._step_hook = self.optimizers[0].register_step_pre_hook(self._step_on_servers)
@@ -286,6 +320,18 @@ class ParameterServerStrategy(StrategyBase):
     def _make_shard(
         self, shard_id: int, slices: Sequence[Slice], params: Sequence[Tensor], spec: OptimizerSpec
     ) -> ParameterShard:
+        if self._push_nodes is not None:  # one pusher per node, pushing node sums already divided by P
+            pushers = self._push_nodes.pushers_of(shard_id)
+            return ParameterShard(
+                shard_id,
+                slices,
+                params,
+                spec,
+                len(pushers),
+                timeout=self.ps_timeout,
+                pusher_ranks=pushers,
+                average=False,
+            )
         return ParameterShard(shard_id, slices, params, spec, self.world_size, timeout=self.ps_timeout)
 
     def _push_pull(self, optimizer: Optimizer) -> None:
@@ -298,6 +344,9 @@ class ParameterServerStrategy(StrategyBase):
             return
         stats = self._client.stats.reset()
         self.metrics.add(**{"comm/bytes_sent": stats.bytes_sent, "comm/bytes_received": stats.bytes_received})
+        if stats.inter_node_bytes_sent is not None and stats.inter_node_bytes_received is not None:
+            self.metrics.add(**{"comm/inter_node_bytes_sent": stats.inter_node_bytes_sent,
+                                "comm/inter_node_bytes_received": stats.inter_node_bytes_received})  # fmt: skip
         self.metrics.peak(**{"ps/server_bytes_max": max(self._client.last_server_bytes, default=0)})
         scaler = getattr(self.precision_plugin, "scaler", None)
         if isinstance(scaler, AgreedGradScaler) and scaler.skipped is not None:
@@ -366,9 +415,12 @@ class ParameterServerStrategy(StrategyBase):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Close this rank's shard with the failure's reason: peers in its barrier fail at once, naming the lost one."""
+        """Close this rank's shard with the failure's reason: peers in its barrier fail at once, naming the lost one;
+        and its node's push groups, so that node peers waiting for it in the node's collective fail at once too."""
         if self._client is not None:
             unregister_shard(self.global_rank, reason=failure_reason(exception))
+        close_push_nodes(self._push_nodes, self._client, failed=True)
+        self._push_nodes = None
         super().on_exception(exception)
 
     @override
@@ -381,6 +433,8 @@ class ParameterServerStrategy(StrategyBase):
                 self._step_hook = None
             self._buffers = []
             unregister_shard(self.global_rank)
+        close_push_nodes(self._push_nodes, self._client, failed=self.failed)
+        self._push_nodes = None
         if self._rpc_started:
             self._rpc_started = False
             try:

@@ -30,6 +30,7 @@ from lightning_strategies.comm.ring import (
     ring_bucket_cap_mb,
 )
 from lightning_strategies.strategies._base import StrategyBase, exposed, log_due
+from lightning_strategies.strategies._nodes import gather_node_layout, wants_hierarchy
 
 __all__ = ["RingAllReduceStrategy"]
 
@@ -140,12 +141,9 @@ class RingAllReduceStrategy(StrategyBase):
         self._close_reducer()
         # Every rank gets here in the same order (fit setup), as the all-gather and new_group need. Groups of
         # its own: the reducer thread's messages must never interleave with the main thread's collectives.
-        layout = self._gather_layout()
+        layout = gather_node_layout(self, "ring")
         self._layout = layout
-        wanted = self._hierarchical is not False and layout.num_nodes > 1
-        if wanted:
-            layout.require_uniform()  # the same number of processes on every node, or a clear error
-        self._is_hierarchical = wanted and layout.local_size > 1
+        self._is_hierarchical = wants_hierarchy(self._hierarchical, layout)
         if self._hierarchical and not self._is_hierarchical:
             rank_zero_info(
                 f"ring: hierarchical=True on {layout.num_nodes} node(s) of {len(layout.nodes[0])} process(es): "
@@ -163,20 +161,6 @@ class RingAllReduceStrategy(StrategyBase):
             split = layout if layout.num_nodes > 1 else None  # on one node every byte stays inside it
             self._reducer = RingBucketReducer(group, op="avg", wire_dtype=self._wire_dtype, layout=split)
         self.model.register_comm_hook(state=None, hook=self._ring_hook)
-
-    def _gather_layout(self) -> NodeLayout:
-        mine = torch.tensor([self.node_rank, self.local_rank], dtype=torch.int64, device=self.root_device)
-        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(rows, mine)  # once per fit: the only host read of this setup
-        node_ranks, local_ranks = torch.stack(rows).T.tolist()
-        layout = NodeLayout.from_ranks(node_ranks, local_ranks)
-        if layout.num_nodes != self.num_nodes:
-            raise ValueError(
-                f"ring: found node ranks 0..{layout.num_nodes - 1} in the cluster environment "
-                f"({type(self.cluster_environment).__name__}): expected Trainer(num_nodes={self.num_nodes}). Fix: "
-                "make num_nodes the number of nodes the launcher started (torchrun --nnodes, SLURM --nodes)."
-            )
-        return layout
 
     def _ring_hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """DDP communication hook: queue the bucket for the ring, return its future. DDP calls it in bucket

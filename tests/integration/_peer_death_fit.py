@@ -1,7 +1,8 @@
 """What one rank of a peer-death case runs: the tiny fit of ``_torchrun_fit``, launched "by hand".
 
 Each rank is its own node to Lightning (``num_nodes=world``, ``devices=1``, ``NODE_RANK=rank``,
-``LOCAL_RANK=0``): the ``LightningEnvironment`` sees ``LOCAL_RANK`` and starts no processes, so
+``LOCAL_RANK=0``; ``ps_hier``: ``ps`` on nodes of 2, so that its push is hierarchical): the
+``LightningEnvironment`` sees ``LOCAL_RANK`` and starts no processes, so
 nothing but the strategy itself can stop a survivor.
 
 The victim kills itself with SIGKILL (no handler runs; the kernel closes its sockets), after
@@ -54,7 +55,7 @@ from lightning_strategies.comm.async_ps import AsyncParameterShard
 from lightning_strategies.comm.pipeline import _TimedStage
 from lightning_strategies.comm.ps import ParameterShard
 
-STRATEGIES = ("ring", "ps", "async", "pipeline", "ddp")
+STRATEGIES = ("ring", "ps", "async", "pipeline", "ddp", "ps_hier")
 MAX_EPOCHS = 3  # 4 steps per epoch: the survivors would finish (and exit 0) only if they missed the death
 DDP_HOOK_PAUSE_S = 1.0
 WAIT_FOR_VICTIM_S = 60.0  # half the test's job timeout: a victim later than that is a failure to report
@@ -63,7 +64,7 @@ WAIT_FOR_VICTIM_S = 60.0  # half the test's job timeout: a victim later than tha
 def make_strategy(name: str, timeout: timedelta) -> pl.strategies.Strategy:
     if name == "ring":
         return RingAllReduceStrategy(timeout=timeout)
-    if name == "ps":
+    if name in ("ps", "ps_hier"):
         return ParameterServerStrategy(timeout=timeout)
     if name == "async":
         return AsyncParameterServerStrategy(timeout=timeout)
@@ -195,6 +196,8 @@ class _KillInComm(Callback):
 
         ParameterShard.push = push_or_die  # type: ignore[method-assign]
 
+    _arm_ps_hier = _arm_ps  # the victim's shard serves a push of the other node's pusher
+
     def _arm_async(self, trainer: pl.Trainer) -> None:
         push_pull = AsyncParameterShard.push_pull
         rank = trainer.global_rank
@@ -243,13 +246,17 @@ def run_rank(rank: int, world: int, *, strategy: str, fault: str, victim: int, s
     elif fault != "comm":
         callbacks.append(_WaitForVictim(step, out))
     model = PipeTinyRegressor() if strategy == "pipeline" else TinyRegressor()
+    per_node = 1
+    if strategy == "ps_hier":  # nodes of 2 processes, so that the push goes hierarchical
+        per_node = 2
+        os.environ.update(NODE_RANK=str(rank // per_node), LOCAL_RANK=str(rank % per_node))
     chosen = make_strategy(strategy, timedelta(seconds=timeout_s))
     if isinstance(chosen, faults.PeerFailureMixin):
         chosen.peer_watch_grace = watch_grace_s
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=1,
-        num_nodes=world,
+        devices=per_node,
+        num_nodes=world // per_node,
         strategy=chosen,
         max_epochs=MAX_EPOCHS,
         logger=False,

@@ -3,11 +3,13 @@
 Rank ``r`` hosts shard ``r`` (``r < num_servers``): its slices of the flattened trainable tensors
 (:mod:`.plan`) and the user's optimizer rebuilt over them (:mod:`.spec`), so the optimizer runs on the
 servers. Workers (:mod:`.client`) push gradients and pull values, one payload per shard each way
-(:mod:`.wire`). The synchronous shard (:mod:`.shard`) is a barrier; the asynchronous one
-(:mod:`lightning_strategies.comm.async_ps`) builds on the same pieces.
+(:mod:`.wire`); on several nodes they push through their node (:mod:`.hierarchy`). The synchronous
+shard (:mod:`.shard`) is a barrier; the asynchronous one (:mod:`lightning_strategies.comm.async_ps`)
+builds on the same pieces.
 """
 
 from lightning_strategies.comm.ps.client import ParameterServerClient, broadcast_from_rank0
+from lightning_strategies.comm.ps.hierarchy import HierarchicalParameterServerClient, PushLayout, node_nic_bytes
 from lightning_strategies.comm.ps.plan import (
     PARTITION_ALIGN,
     Slice,
@@ -30,15 +32,18 @@ from lightning_strategies.comm.ps.wire import Packed, pack, payload_bytes, slice
 
 __all__ = [
     "PARTITION_ALIGN",
+    "HierarchicalParameterServerClient",
     "OptimizerSpec",
     "Packed",
     "ParameterServerClient",
     "ParameterShard",
+    "PushLayout",
     "ShardReply",
     "Slice",
     "broadcast_from_rank0",
     "hosted_shard",
     "local_shard",
+    "node_nic_bytes",
     "pack",
     "partition_loads",
     "partition_parameters",

@@ -82,6 +82,10 @@ class ParameterShard:
             worker with an error that names the missing ones.
         streams: the stream operations of :class:`~lightning_strategies.comm.streams.StreamOrder`
             (default: CUDA streams for tensors on a GPU, none on CPU; tests pass a fake).
+        pusher_ranks: the global rank of each pusher, for errors (default: pusher ``w`` is rank ``w``).
+            Under a hierarchical push (:mod:`.hierarchy`) the pushers are nodes, each pushing a sum of
+            gradients its workers already divided by the world size: then ``average=False``.
+        average: divide each push by the number of pushers before summing (DDP's mean of the workers).
     """
 
     def __init__(
@@ -94,6 +98,8 @@ class ParameterShard:
         *,
         timeout: timedelta = timedelta(minutes=30),
         streams: StreamBackend | None = None,
+        pusher_ranks: Sequence[int] | None = None,
+        average: bool = True,
     ) -> None:
         if len(slices) != len(params):
             raise ValueError(f"{len(slices)} slices for {len(params)} tensors")
@@ -112,6 +118,10 @@ class ParameterShard:
         self._order.take(self.params)
         self.spec = spec
         self.num_workers = num_workers
+        self.pusher_ranks = list(pusher_ranks) if pusher_ranks is not None else list(range(num_workers))
+        if len(self.pusher_ranks) != num_workers:
+            raise ValueError(f"{len(self.pusher_ranks)} pusher ranks for {num_workers} pushers")
+        self.average = average
         self.timeout = timeout
         self.optimizer = spec.build(list(zip(self.flat_indices, self.params, strict=True)))
         self._groups = [spec.group_of(i) for i in self.flat_indices]
@@ -229,17 +239,18 @@ class ParameterShard:
             # the remote workers' errors first: once the co-located worker (index == shard_id)
             # wakes up it fails and shuts RPC down, which would drop replies not yet on the wire
             assert self._failure is not None
-            for w in sorted(pending.futures, key=lambda w: (w == self.shard_id, w)):
+            for w in sorted(pending.futures, key=lambda w: (self.pusher_ranks[w] == self.shard_id, w)):
                 pending.futures[w].set_result(ShardError(self._failure, timed_out=True))
 
     def _expire(self) -> _PendingStep:
         """Fail the open step (under the lock); the caller completes its futures outside the lock."""
         pending = self._pending
-        missing = [w for w in range(self.num_workers) if w not in pending.grads]
+        missing = [self.pusher_ranks[w] for w in range(self.num_workers) if w not in pending.grads]
         self._failure = (
             f"parameter server shard {self.shard_id} waited {self.timeout.total_seconds():.0f}s for "
             f"the gradients of step {self.version} from worker(s) {missing} (received from "
-            f"{sorted(pending.grads)}). Worker(s) {missing} died or are stuck; check their logs. "
+            f"{sorted(self.pusher_ranks[w] for w in pending.grads)}). Worker(s) {missing} died or are stuck; "
+            "check their logs. "
             "To wait longer for slow workers, raise the strategy's `timeout`."
         )
         self._pending = _PendingStep()
@@ -275,7 +286,7 @@ class ParameterShard:
         if self.optimizer is None:
             self.version += 1
             return
-        n = len(grads_by_worker)
+        n = len(grads_by_worker) if self.average else 1
         for i, p in enumerate(self.params):
             avg: Tensor | None = None
             for grads in grads_by_worker:

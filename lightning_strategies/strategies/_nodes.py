@@ -1,0 +1,48 @@
+"""Which ranks share a node, read from Lightning's cluster environment: shared by the hierarchical ring and
+the hierarchical parameter-server push, so both split a job into nodes the same way."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_strategies.comm.ring.layout import NodeLayout
+
+__all__ = ["gather_node_layout", "wants_hierarchy"]
+
+
+def gather_node_layout(strategy: DDPStrategy, name: str) -> NodeLayout:
+    """Every rank's (node rank, local rank), all-gathered once: a collective of the default group.
+
+    Args:
+        name: the strategy's name, for the error.
+
+    Raises:
+        ValueError: the node ranks disagree with ``Trainer(num_nodes=...)``.
+    """
+    mine = torch.tensor([strategy.node_rank, strategy.local_rank], dtype=torch.int64, device=strategy.root_device)
+    rows = [torch.empty_like(mine) for _ in range(strategy.world_size)]
+    dist.all_gather(rows, mine)  # once per fit: the only host read of this setup
+    node_ranks, local_ranks = torch.stack(rows).T.tolist()
+    layout = NodeLayout.from_ranks(node_ranks, local_ranks)
+    if layout.num_nodes != strategy.num_nodes:
+        raise ValueError(
+            f"{name}: found node ranks 0..{layout.num_nodes - 1} in the cluster environment "
+            f"({type(strategy.cluster_environment).__name__}): expected Trainer(num_nodes={strategy.num_nodes}). "
+            "Fix: make num_nodes the number of nodes the launcher started (torchrun --nnodes, SLURM --nodes)."
+        )
+    return layout
+
+
+def wants_hierarchy(hierarchical: bool | None, layout: NodeLayout) -> bool:
+    """Whether to go hierarchical: ``hierarchical`` is not ``False`` and there is more than one node of more
+    than one process (else nothing is left to split).
+
+    Raises:
+        ValueError: more than one node of different sizes under ``hierarchical`` not ``False``.
+    """
+    wanted = hierarchical is not False and layout.num_nodes > 1
+    if wanted:
+        layout.require_uniform()  # the same number of processes on every node, or a clear error
+    return wanted and layout.local_size > 1

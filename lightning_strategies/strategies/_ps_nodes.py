@@ -1,0 +1,120 @@
+"""The parameter servers' side of the node layout: whether their push goes hierarchical, and its groups.
+
+Kept out of ``parameter_server.py`` so that the strategy file stays a list of the hooks it changes; the
+algorithm itself is :mod:`lightning_strategies.comm.ps.hierarchy`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+
+from lightning_strategies.comm.ps.hierarchy import HierarchicalParameterServerClient
+from lightning_strategies.comm.ps.plan import Slice
+from lightning_strategies.comm.ring.layout import NodeLayout, new_hierarchical_groups
+from lightning_strategies.strategies._nodes import gather_node_layout, wants_hierarchy
+
+__all__ = ["PushNodes", "check_hierarchical", "close_push_nodes", "plan_push_nodes"]
+
+
+@dataclass
+class PushNodes:
+    """A hierarchical push's nodes and this process's groups (the intra-node one carries its collectives)."""
+
+    layout: NodeLayout
+    intra: dist.ProcessGroup
+    inter: dist.ProcessGroup
+
+    def pushers_of(self, shard: int) -> list[int]:
+        """The ranks pushing to ``shard``: its host's local rank on every node, in node order."""
+        local = self.layout.nodes[self.layout.node_of(shard)].index(shard)
+        return [ranks[local] for ranks in self.layout.nodes]
+
+    def client(
+        self, rank: int, params: Sequence[Tensor], plan: Sequence[Sequence[Slice]], *, timeout: timedelta
+    ) -> HierarchicalParameterServerClient:
+        """This rank's client, pushing through its node."""
+        return HierarchicalParameterServerClient(
+            rank, params, plan, layout=self.layout, intra_group=self.intra, timeout=timeout
+        )
+
+
+def check_hierarchical(strategy_class: type, hierarchical: object) -> None:
+    """Raise for a ``hierarchical`` option the strategy cannot take (checked in the constructor)."""
+    name = strategy_class.__name__
+    if hierarchical is not None and type(hierarchical) is not bool:
+        raise ValueError(
+            f"{name}(hierarchical={hierarchical!r}): expected None (hierarchical on more than one node), True or False."
+        )
+    if hierarchical and not getattr(strategy_class, "hierarchical_push", True):
+        raise ValueError(
+            f"{name}(hierarchical=True): expected None or False, because its workers push without a barrier, so "
+            "there is no step at which a node's gradients could be summed first. Fix: drop hierarchical, or use "
+            "strategy='ps' for the synchronous, hierarchical push."
+        )
+
+
+def plan_push_nodes(
+    strategy: DDPStrategy,
+    hierarchical: bool | None,
+    *,
+    num_servers: int,
+    backend: str | None,
+    timeout: timedelta | None,
+) -> PushNodes | None:
+    """The nodes of a hierarchical push and its groups, or ``None`` for the flat push. A collective of the
+    default group (the layout's all-gather, the groups' creation) unless it decides flat from options alone.
+
+    Raises:
+        ValueError: under ``hierarchical`` not ``False``, nodes of different sizes; under ``True``,
+            ``num_servers`` below the world size (local rank j pushes the shard of local rank j on every node).
+    """
+    name = "parameter_server"
+    if hierarchical is False or strategy.num_nodes < 2:
+        if hierarchical:
+            rank_zero_info(f"{name}: hierarchical=True on one node: nothing to split, the push is flat")
+        return None
+    layout = gather_node_layout(strategy, name)
+    if not wants_hierarchy(hierarchical, layout):
+        if hierarchical:
+            rank_zero_info(
+                f"{name}: hierarchical=True on {layout.num_nodes} node(s) of {len(layout.nodes[0])} process(es): "
+                "nothing to split, the push is flat"
+            )
+        return None
+    if num_servers != layout.world:
+        if hierarchical:
+            raise ValueError(
+                f"ParameterServerStrategy(num_servers={num_servers}, hierarchical=True) on {layout.world} "
+                f"processes: expected num_servers={layout.world}, because local rank j of each node pushes to "
+                "the shards hosted by local rank j of every node. Fix: pass num_servers=None, or "
+                "hierarchical=False."
+            )
+        rank_zero_info(f"{name}: num_servers={num_servers} < {layout.world} processes: the push is flat")
+        return None
+    intra, inter = new_hierarchical_groups(layout, backend=backend, timeout=timeout)
+    return PushNodes(layout, intra, inter)
+
+
+def close_push_nodes(nodes: PushNodes | None, client: object, *, failed: bool) -> None:
+    """Destroy the push's groups (and drop ``client``'s reference to its node group).
+
+    After a failure too: destroying a gloo group closes its connections, so a node peer blocked in the node's
+    collective with this rank fails at once instead of after ``timeout`` (NCCL groups are aborted instead:
+    destroying one with pending work may block).
+    """
+    if isinstance(client, HierarchicalParameterServerClient):
+        client.close()
+    if nodes is None or not dist.is_initialized():
+        return
+    for group in (nodes.intra, nodes.inter):
+        if failed and "nccl" in str(dist.get_backend(group)):
+            group.abort()
+        else:
+            dist.destroy_process_group(group)

@@ -1,0 +1,97 @@
+"""What each torchrun worker of ``test_ps_hierarchical_torchrun.py`` runs (2 "nodes" x 2 processes).
+
+Four tiny fits in a row on the same processes, each a fresh ``Trainer``: ``ParameterServerStrategy()``
+(``hierarchical=None``, so hierarchical on 2 nodes) and ``ParameterServerStrategy(hierarchical=False)``,
+with SGD-momentum (elementwise plan) and with Lamb (whole-tensor plan). Rank 0 saves each fit's weights
+and the optimizer state gathered from the shards to ``<out-dir>/<optimizer>_<push>.pt``; every rank
+writes ``<out-dir>/rank<r>.json``: per fit, whether the push was hierarchical, the node layout, the
+shard plan's elements per shard, and the ``comm/`` metrics it logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from _torchrun_fit import make_loader
+from lightning.pytorch.callbacks import Callback
+from lightning_utils import TinyRegressor, quiet_trainer, sgd_momentum
+
+from lightning_strategies import ParameterServerStrategy
+from lightning_strategies.comm.ps import partition_loads
+from lightning_strategies.optim import Lamb
+
+MAX_STEPS = 6
+
+
+def lamb(params: Any) -> torch.optim.Optimizer:
+    return Lamb(params, lr=0.02, weight_decay=0.01)
+
+
+OPTIMIZERS = {"sgd_momentum": sgd_momentum, "lamb": lamb}
+
+
+class _Record(Callback):
+    """The push's layout, the shard plan and the ``comm/`` values this rank logged last."""
+
+    def __init__(self) -> None:
+        self.record: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, ParameterServerStrategy) and strategy.client is not None
+        layout = getattr(strategy.client, "push_layout", None)
+        self.record.update(
+            hierarchical=strategy.is_hierarchical,
+            client=type(strategy.client).__name__,
+            nodes=[list(n) for n in layout.layout.nodes] if layout is not None else None,
+            shard_numel=partition_loads(strategy.client.plan),
+        )
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.record["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("comm/")}
+
+
+def one_fit(optimizer: str, hierarchical: bool | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    model = TinyRegressor(optimizer_factory=OPTIMIZERS[optimizer])
+    keep = _Record()
+    strategy = ParameterServerStrategy(hierarchical=hierarchical, timeout=timedelta(seconds=60))
+    trainer = quiet_trainer(strategy, 2, num_nodes=2, max_steps=MAX_STEPS, use_distributed_sampler=False,
+                            callbacks=[keep])  # fmt: skip
+    trainer.fit(model, make_loader("ps", 4))
+    # the shards' optimizer state as gathered over RPC at the end of fit (what a checkpoint after fit holds)
+    state = trainer.strategy.optimizer_state(trainer.optimizers[0])
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"weights": weights, "optimizer": state}, keep.record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    records = {}
+    for optimizer in OPTIMIZERS:
+        for push, hierarchical in (("hier", None), ("flat", False)):
+            weights, record = one_fit(optimizer, hierarchical)
+            # rank 0 hosts each fit's RPC rendezvous store: the next fit must not replace it while a peer's
+            # graceful RPC shutdown still reads it
+            dist.barrier()
+            records[f"{optimizer}_{push}"] = record
+            if rank == 0:
+                torch.save(weights, args.out_dir / f"{optimizer}_{push}.pt")
+    (args.out_dir / f"rank{rank}.json").write_text(json.dumps(records))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The hierarchical parameter-server push under two torchrun "nodes" of 2 processes each, on 127.0.0.1.
+
+``torchrun --nnodes 2 --nproc-per-node 2`` twice (static rendezvous; ``_torchrun_utils``), each worker
+running ``_ps_hier_torchrun.py``: four fits, ``ParameterServerStrategy()`` (hierarchical, chosen from
+Lightning's ``TorchElasticEnvironment`` on 2 nodes) and ``hierarchical=False``, with SGD-momentum (the
+elementwise plan) and Lamb (the whole-tensor plan). Checked:
+
+- the choice and the layout: hierarchical with nodes ``[[0, 1], [2, 3]]``, flat when asked;
+- the hierarchical weights, and the optimizer state gathered from its shards, equal the flat push's:
+  both divide every gradient by 4 first; the flat shard sums the four quarters in rank order, the
+  hierarchical one sums the two node sums, so the float32 sums differ by about an ulp of the gradient
+  per step (measured: 3e-8 after 6 steps); ``atol=1e-6`` holds that and fails a wrong layout (a node's
+  sum missing, or divided again by the 2 pushers), which moves the weights by > 1e-3. The SGD run equals
+  DDP on 4 fork-started processes to the same bound;
+- the bytes a node's NIC carries, from the clients' counts (loopback has no NIC to read; the emulated
+  cluster's counters are ``benchmarks/cluster_strategies.py``'s ``..._over_formula`` lines): each
+  process's ``comm/inter_node_bytes_sent`` is the bytes of its chunk's shard on the other node, its
+  node's processes together send ``B - B_n`` of pushes, and with the ``(N-1) B_n`` its shards answer
+  the node's NIC carries :func:`~lightning_strategies.comm.ps.hierarchy.node_nic_bytes` (``B``: all
+  shards' payload bytes, ``B_n``: node ``n``'s); the flat push's formula gives ``L = 2`` times as much.
+
+One launch serves the tests (a module fixture): two torchrun agents, four workers, four fits: 70-90 s
+on 2 loaded cores.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _torchrun_fit import fit
+from _torchrun_utils import run_torchrun_nodes
+from lightning.pytorch.strategies import DDPStrategy
+from lightning_utils import TinyRegressor
+
+from lightning_strategies.comm.ps.hierarchy import node_nic_bytes
+from lightning_strategies.comm.ring import NodeLayout
+
+pytestmark = pytest.mark.slow
+
+NODES, LOCAL = 2, 2
+WORLD = NODES * LOCAL
+SCRIPT = Path(__file__).with_name("_ps_hier_torchrun.py")
+FITS = ("sgd_momentum_hier", "sgd_momentum_flat", "lamb_hier", "lamb_flat")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("ps_hier")
+    run_torchrun_nodes(["--out-dir", str(out)], nnodes=NODES, nproc_per_node=LOCAL, log_dir=out, script=SCRIPT,
+                       timeout=400)  # fmt: skip
+    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def test_push_is_hierarchical_on_the_launchers_nodes(run: tuple[Path, list[dict]]) -> None:
+    for record in run[1]:
+        for name in FITS:
+            fit_record = record[name]
+            hier = name.endswith("_hier")
+            assert fit_record["hierarchical"] is hier, (name, fit_record)
+            assert fit_record["client"] == ("HierarchicalParameterServerClient" if hier else "ParameterServerClient")
+            if hier:
+                assert fit_record["nodes"] == [[0, 1], [2, 3]], fit_record
+
+
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "lamb"])
+def test_hierarchical_weights_and_state_equal_the_flat_push(run: tuple[Path, list[dict]], optimizer: str) -> None:
+    hier = torch.load(run[0] / f"{optimizer}_hier.pt", weights_only=False)
+    flat = torch.load(run[0] / f"{optimizer}_flat.pt", weights_only=False)
+    for k in flat["weights"]:
+        torch.testing.assert_close(hier["weights"][k], flat["weights"][k], rtol=0, atol=1e-6,
+                                   msg=lambda m, k=k: f"{k}: {m}")  # fmt: skip
+    start = TinyRegressor().state_dict()
+    assert max(float((hier["weights"][k] - start[k]).abs().max()) for k in start) > 1e-3  # it trained
+    # the optimizer state gathered from the shards (momentum buffers; Lamb's moments and step): the same
+    # state, to the same bound (moments of gradients that differ by an ulp)
+    assert hier["optimizer"]["state"].keys() == flat["optimizer"]["state"].keys() and flat["optimizer"]["state"]
+    torch.testing.assert_close(hier["optimizer"]["state"], flat["optimizer"]["state"], rtol=0, atol=1e-6)
+
+
+def test_hierarchical_weights_equal_ddp(run: tuple[Path, list[dict]]) -> None:
+    hier = torch.load(run[0] / "sgd_momentum_hier.pt", weights_only=False)["weights"]
+    want = fit("ring", DDPStrategy(start_method="fork"), devices=WORLD, max_steps=6)
+    for k in want:
+        torch.testing.assert_close(hier[k], want[k], rtol=0, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "lamb"])
+def test_node_bytes_equal_the_formula(run: tuple[Path, list[dict]], optimizer: str) -> None:
+    layout = NodeLayout.contiguous(NODES, LOCAL)
+    records = [r[f"{optimizer}_hier"] for r in run[1]]
+    shard_bytes = [n * 4 for n in records[0]["shard_numel"]]  # float32 gradients and values
+    total = sum(shard_bytes)
+    for n, ranks in enumerate(layout.nodes):
+        here = sum(shard_bytes[r] for r in ranks)
+        pushed = 0.0
+        for j, r in enumerate(ranks):
+            metrics = records[r]["metrics"]
+            # local rank j pushes to the shard of local rank j on the other node, and hears back from it
+            other = layout.nodes[1 - n][j]
+            assert metrics["comm/inter_node_bytes_sent"] == shard_bytes[other], (r, metrics)
+            assert metrics["comm/inter_node_bytes_received"] == shard_bytes[other], (r, metrics)
+            pushed += metrics["comm/inter_node_bytes_sent"]
+        assert pushed == total - here
+        # the node's NIC: its pushes out, and its shards' answers to the other node's pusher
+        nic = pushed + (NODES - 1) * here
+        assert nic == node_nic_bytes(shard_bytes, layout, hierarchical=True)[n]
+        assert 2 * nic == node_nic_bytes(shard_bytes, layout, hierarchical=False)[n]  # flat: L = 2 times as much
