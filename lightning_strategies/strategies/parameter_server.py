@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -51,9 +52,11 @@ from lightning_strategies.comm.ps import (
     unregister_shard,
     whole_tensor_slices,
 )
+from lightning_strategies.comm.ps.clip import ClipSpec, ShardClipping
 from lightning_strategies.comm.rpc import init_rpc, rendezvous_store, shutdown_rpc, worker_name
 from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.strategies._base import StrategyBase, unwrap_optimizer
+from lightning_strategies.strategies._ps_clipping import WorkerClippingOff, global_norm_max, server_clip_spec
 
 __all__ = ["ParameterServerStrategy"]
 
@@ -85,9 +88,17 @@ class ParameterServerStrategy(StrategyBase):
 
     Raises:
         ValueError: for a non-positive ``num_servers`` or ``rpc_threads``; at setup, for manual optimization,
-            more than one optimizer, gradient clipping (no shard holds the averaged gradient whole), an
-            optimizer-side global norm (``Lamb(max_grad_norm=...)``) over several shards, or more servers than
-            processes.
+            more than one optimizer, an overridden ``configure_gradient_clipping`` (it cannot run on the shards), an
+            optimizer other than :class:`~lightning_strategies.optim.Lamb` with ``max_grad_norm`` over several
+            shards, or more servers than processes.
+
+    Gradient clipping (``Trainer(gradient_clip_val=..., gradient_clip_algorithm="norm" | "value")``) happens on the
+    shards, on the averaged gradient, as DDP's Lightning clips after the all-reduce; the worker's own clipping is
+    switched off. By value each shard clamps its slice; by norm the shards first agree on the global norm (each
+    sends the squared norm of its slice to the others, one float per shard and step), then scale as
+    ``torch.nn.utils.clip_grad_norm_`` (``clip / (norm + 1e-6)``). ``Lamb(max_grad_norm=...)`` gets the same agreed
+    norm (of the clipped gradient) through its step's ``global_grad_norm``. A shard that does not send its part
+    fails the step within ``timeout``, naming it.
         TypeError: for DDP-wrapper options (``find_unused_parameters``, ...): there is no wrapper.
     """
 
@@ -97,6 +108,9 @@ class ParameterServerStrategy(StrategyBase):
     # Under 16-mixed every rank skips an overflowing step together: a rank that skipped alone would never
     # push, and the shards' barrier would wait for it. Async, with no barrier, lets each rank skip alone.
     agree_on_overflow: ClassVar[bool] = True
+    #: The shards clip the averaged gradient as DDP's Lightning does, the worker not at all ("async": each worker
+    #: clips its own gradient, which is one step's alone).
+    clips_on_servers: ClassVar[bool] = True
     #: Each worker's push/pull handle ("async" swaps in its asynchronous client).
     client_class: ClassVar[type[ParameterServerClient]] = ParameterServerClient
 
@@ -121,6 +135,10 @@ class ParameterServerStrategy(StrategyBase):
         self._spec: OptimizerSpec | None = None
         self._step_hook: RemovableHandle | None = None
         self._buffers: list[Tensor] = []  # rank 0's are broadcast (each step, or at sync points)
+        self._global_norm_max: float | None = None  # Lamb(max_grad_norm) over several shards
+        self._server_clip: ClipSpec | None = None  # what the shards clip ("ps")
+        self._norm_shards: list[int] = []
+        self._worker_clipping: WorkerClippingOff | None = None
 
     @property
     def num_servers(self) -> int:
@@ -196,14 +214,8 @@ class ParameterServerStrategy(StrategyBase):
                 "optimization, because the optimizer step runs on the servers inside Lightning's "
                 "optimizer_step. Fix: use automatic optimization, or strategy='ddp' for manual optimization."
             )
-        if trainer.gradient_clip_val:
-            raise ValueError(
-                f"ParameterServerStrategy found Trainer(gradient_clip_val={trainer.gradient_clip_val}): "
-                "gradient clipping is unsupported, because DDP clips the *averaged* gradient and under a "
-                "parameter server only the shards see it (each one a slice). Expected "
-                "gradient_clip_val=None. Fix: drop gradient clipping (LAMB's trust ratio bounds each "
-                "layer's step), or use strategy='ddp'."
-            )
+        if self.clips_on_servers:  # refuses a custom configure_gradient_clipping (it cannot run on the shards)
+            self._server_clip = server_clip_spec(type(self).__name__, trainer, module, optimizer_norm=False)
 
     def _plan_servers(self) -> tuple[Optimizer, OptimizerSpec, list[Tensor], list[list[Slice]]]:
         """The optimizer, its rebuild spec, its parameters and the shard plan: equal ranges of the flattened
@@ -216,14 +228,8 @@ class ParameterServerStrategy(StrategyBase):
             )
         optimizer = self.optimizers[0]
         self._spec = OptimizerSpec.from_optimizer(optimizer)
-        if self._spec.defaults.get("max_grad_norm") is not None and self.num_servers > 1:
-            # LAMB (timm-style) clips by the norm over *all* its tensors; each shard sees a slice
-            raise ValueError(
-                f"{type(self).__name__} found {type(optimizer).__qualname__}(max_grad_norm="
-                f"{self._spec.defaults['max_grad_norm']}) with num_servers={self.num_servers}: the global "
-                "gradient norm spans every shard, but each shard's optimizer sees only its slice. Expected "
-                "max_grad_norm=None, or num_servers=1. Fix: drop max_grad_norm, or pass num_servers=1."
-            )
+        # LAMB (timm-style) clips by the norm over *all* its tensors, and each shard sees a slice
+        self._global_norm_max = global_norm_max(type(self).__name__, optimizer, self._spec, self.num_servers)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         sizes = [p.numel() for p in params]
         if self._spec.elementwise:
@@ -242,6 +248,13 @@ class ParameterServerStrategy(StrategyBase):
 
     def _start_servers(self) -> None:
         _, spec, params, plan = self._plan_servers()
+        if self.clips_on_servers:
+            if self._global_norm_max is not None or self._server_clip is not None:
+                self._server_clip = replace(
+                    self._server_clip or ClipSpec(), optimizer_norm=self._global_norm_max is not None
+                )
+                self._norm_shards = [s for s, slices in enumerate(plan) if slices]  # the shards that get pushes
+            self._worker_clipping = WorkerClippingOff(self.precision_plugin)
         self._share_overflow_decision()
         rank = self.global_rank
         if rank < self.num_servers:
@@ -286,7 +299,9 @@ class ParameterServerStrategy(StrategyBase):
     def _make_shard(
         self, shard_id: int, slices: Sequence[Slice], params: Sequence[Tensor], spec: OptimizerSpec
     ) -> ParameterShard:
-        return ParameterShard(shard_id, slices, params, spec, self.world_size, timeout=self.ps_timeout)
+        clip, timeout = self._server_clip, self.ps_timeout
+        clipping = ShardClipping(clip, shard_id, self._norm_shards, timeout=timeout) if clip is not None else None
+        return ParameterShard(shard_id, slices, params, spec, self.world_size, timeout=timeout, clipping=clipping)
 
     def _push_pull(self, optimizer: Optimizer) -> None:
         assert self._client is not None
@@ -381,6 +396,9 @@ class ParameterServerStrategy(StrategyBase):
                 self._step_hook = None
             self._buffers = []
             unregister_shard(self.global_rank)
+        if self._worker_clipping is not None:
+            self._worker_clipping.restore()
+            self._worker_clipping = None
         if self._rpc_started:
             self._rpc_started = False
             try:
