@@ -9,11 +9,14 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.futures import Future
 
 from lightning_strategies.comm.ps import (
@@ -28,7 +31,12 @@ from lightning_strategies.comm.ps import (
 from lightning_strategies.comm.ps.clip import ClipSpec, NormAgreement, ShardClipping
 from lightning_strategies.comm.rpc import ShardError
 from lightning_strategies.optim import Lamb
-from lightning_strategies.strategies._ps_clipping import WorkerClippingOff, prenormalise_like_lamb
+from lightning_strategies.strategies._ps_clipping import (
+    WorkerClippingOff,
+    global_norm_max,
+    prenormalise_like_lamb,
+    server_clip_spec,
+)
 
 WORKERS = 2
 STEPS = 3
@@ -302,3 +310,37 @@ def test_async_prenormalisation_is_lambs_own_rule() -> None:
         results.append([x.detach() for x in xs])
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
+class _SGDWithMaxNorm(torch.optim.SGD):
+    def __init__(self, params: Any, lr: float = 0.1, max_grad_norm: float | None = None) -> None:
+        super().__init__(params, lr=lr)
+        self.defaults["max_grad_norm"] = max_grad_norm
+
+
+def test_only_lamb_takes_the_global_norm_over_several_shards() -> None:
+    params = [p.clone().requires_grad_(True) for p in _model()]
+    lamb = _lamb(params)
+    assert global_norm_max("ps", lamb, OptimizerSpec.from_optimizer(lamb), 2) == 0.5
+    assert global_norm_max("ps", lamb, OptimizerSpec.from_optimizer(lamb), 1) is None  # one shard: Lamb's own
+    other = _SGDWithMaxNorm(params, max_grad_norm=1.0)
+    message = r"found _SGDWithMaxNorm\(max_grad_norm=1.0\) with num_servers=2: .* Fix: use Lamb"
+    with pytest.raises(ValueError, match=message):
+        global_norm_max("ParameterServerStrategy", other, OptimizerSpec.from_optimizer(other), 2)
+
+
+class _OwnClipping(pl.LightningModule):
+    def configure_gradient_clipping(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def test_server_clip_spec_follows_the_trainer_and_refuses_a_custom_hook() -> None:
+    trainer = SimpleNamespace(gradient_clip_val=0.5, gradient_clip_algorithm=GradClipAlgorithmType.VALUE)
+    spec = server_clip_spec("ps", trainer, pl.LightningModule(), optimizer_norm=False)  # type: ignore[arg-type]
+    assert spec == ClipSpec(0.5, "value")
+    off = SimpleNamespace(gradient_clip_val=None, gradient_clip_algorithm=None)
+    assert server_clip_spec("ps", off, pl.LightningModule(), optimizer_norm=False) is None  # type: ignore[arg-type]
+    lamb_only = server_clip_spec("ps", off, pl.LightningModule(), optimizer_norm=True)  # type: ignore[arg-type]
+    assert lamb_only == ClipSpec(optimizer_norm=True)
+    with pytest.raises(ValueError, match=r"found _OwnClipping.configure_gradient_clipping overridden: .* Fix: remove"):
+        server_clip_spec("ParameterServerStrategy", off, _OwnClipping(), optimizer_norm=False)  # type: ignore[arg-type]
