@@ -68,12 +68,17 @@ class _LayerwiseOptimizer(Optimizer):
         Raises:
             RuntimeError: a parameter has a sparse gradient.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         self._update()
         return loss
+
+
+def _closure_loss(closure: Callable[[], float] | None) -> float | None:
+    """The loss of an optimizer step's ``closure`` (called with grad enabled), ``None`` without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing_extensions import Self
 
 from lightning_strategies.optim._foreach import (
     _cache_block_elements,
+    _closure_loss,
     _global_clip_factor,
     _GroupOptions,
     _is_real_number,
@@ -169,10 +170,7 @@ class Lamb(_LayerwiseOptimizer):
         Raises:
             RuntimeError: a parameter has a sparse gradient.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         self._update(global_grad_norm)
         return loss
 

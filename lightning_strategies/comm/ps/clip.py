@@ -133,7 +133,10 @@ class NormAgreement:
         self._cond = threading.Condition()
         self._failure: str | None = None
         self._closed = False
-        self._watchdog: threading.Thread | None = None
+        # one thread for the agreement's life (as the shard's barrier), sleeping until the earliest open deadline
+        self._watchdog = threading.Thread(target=self._watch, name=f"ps-shard-{shard_id}-norm-watchdog", daemon=True)
+        if self.peers:
+            self._watchdog.start()
         _AGREEMENTS[shard_id] = self
 
     @property
@@ -154,7 +157,6 @@ class NormAgreement:
             done = self._take_if_complete(step)
             if done is None and self.peers:
                 rnd.deadline = time.monotonic() + self.timeout.total_seconds()
-                self._start_watchdog()
                 self._cond.notify_all()
         for peer in self.peers:
             self._deliver(peer, step, part)
@@ -226,36 +228,31 @@ class NormAgreement:
             self._rounds.clear()
             return failed
 
-    def _start_watchdog(self) -> None:
-        # one thread for the agreement's life, sleeping until the earliest open deadline (as the shard's)
-        if self._watchdog is None:
-            self._watchdog = threading.Thread(
-                target=self._watch, name=f"ps-shard-{self.shard_id}-norm-watchdog", daemon=True
-            )
-            self._watchdog.start()
-
     def _watch(self) -> None:
-        while True:
-            with self._cond:
-                while True:
-                    if self._closed:
-                        return
-                    now = time.monotonic()
-                    due = [(r.deadline, s) for s, r in self._rounds.items() if r.deadline is not None]
-                    if due and min(due)[0] <= now:
-                        break
-                    self._cond.wait(min(due)[0] - now if due else None)
-                step = min(due)[1]
-                rnd = self._rounds[step]
-                missing = [s for s in self.shards if s not in rnd.parts]
-                message = (
-                    f"parameter server shard {self.shard_id} waited {self.timeout.total_seconds():.0f}s for the "
-                    f"gradient-norm parts of step {step} from shard(s) {missing} (hosted by rank(s) {missing}; "
-                    f"received from {sorted(rnd.parts)}), needed to clip by the global norm. Shard(s) {missing} "
-                    "died or are stuck (or wait for a worker themselves); check their logs. To wait longer, "
-                    "raise the strategy's `timeout`."
-                )
-            _complete(self._fail(message), message, timed_out=True)
+        with self._cond:
+            while not self._closed:
+                due = min(((r.deadline, s) for s, r in self._rounds.items() if r.deadline is not None), default=None)
+                if due is None or due[0] > time.monotonic():
+                    self._cond.wait(None if due is None else due[0] - time.monotonic())
+                    continue
+                message = self._missing_parts(due[1])
+                self._cond.release()  # _fail takes the lock; the futures are completed outside it
+                try:
+                    _complete(self._fail(message), message, timed_out=True)
+                finally:
+                    self._cond.acquire()
+
+    def _missing_parts(self, step: int) -> str:
+        """The timeout's error for ``step``'s round (under the lock)."""
+        rnd = self._rounds[step]
+        missing = [s for s in self.shards if s not in rnd.parts]
+        return (
+            f"parameter server shard {self.shard_id} waited {self.timeout.total_seconds():.0f}s for the "
+            f"gradient-norm parts of step {step} from shard(s) {missing} (hosted by rank(s) {missing}; "
+            f"received from {sorted(rnd.parts)}), needed to clip by the global norm. Shard(s) {missing} "
+            "died or are stuck (or wait for a worker themselves); check their logs. To wait longer, "
+            "raise the strategy's `timeout`."
+        )
 
 
 def _complete(futures: Sequence[Future[float | ShardError]], message: str, *, timed_out: bool) -> None:
