@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -28,7 +28,7 @@ from lightning_strategies.comm.ps import (
     slice_of,
     whole_tensor_slices,
 )
-from lightning_strategies.comm.ps.clip import ClipSpec, NormAgreement, ShardClipping
+from lightning_strategies.comm.ps.clip import ClipSpec, NormAgreement, ShardClipping, send_in_process
 from lightning_strategies.comm.rpc import ShardError
 from lightning_strategies.optim import Lamb
 from lightning_strategies.strategies._ps_clipping import (
@@ -91,7 +91,7 @@ def _run_shards(
             [slice_of(params[sl.tensor], sl) for sl in plan[s]],
             opt_spec,
             WORKERS,
-            clipping=ShardClipping(spec, s, ids, **kwargs),
+            clipping=ShardClipping(spec, s, ids, send=send_in_process, **kwargs),
         )
         for s in ids
     }
@@ -192,7 +192,26 @@ def test_lamb_max_grad_norm_across_shards_equals_one_lamb(spec: ClipSpec) -> Non
     assert any(not torch.allclose(g, a) for g, a in zip(got, alone, strict=True))
 
 
+TwoShards = Callable[..., tuple[list[list[Slice]], list[ParameterShard]]]
+
+
+@pytest.fixture
+def two_shards() -> Iterator[TwoShards]:
+    """Makes two shards of one worker that clip by norm (closed after the test: their agreements unregistered)."""
+    made: list[ParameterShard] = []
+
+    def make(**kwargs: Any) -> tuple[list[list[Slice]], list[ParameterShard]]:
+        plan, shards = _two_shards(**kwargs)
+        made.extend(shards)
+        return plan, shards
+
+    yield make
+    for shard in made:
+        shard.close()
+
+
 def _two_shards(**kwargs: Any) -> tuple[list[list[Slice]], list[ParameterShard]]:
+    kwargs.setdefault("send", send_in_process)
     plan = _partition(2)
     params = _model()
     spec = OptimizerSpec.from_optimizer(_sgd([p.clone().requires_grad_(True) for p in params]))
@@ -215,8 +234,8 @@ def _ones(plan: list[list[Slice]], s: int) -> list[torch.Tensor | None]:
     return [slice_of(torch.ones_like(params[sl.tensor]), sl) for sl in plan[s]]
 
 
-def test_a_missing_shard_part_fails_the_step_naming_the_shard_within_the_timeout() -> None:
-    plan, shards = _two_shards(timeout=timedelta(seconds=0.3))
+def test_a_missing_shard_part_fails_the_step_naming_the_shard_within_the_timeout(two_shards: TwoShards) -> None:
+    plan, shards = two_shards(timeout=timedelta(seconds=0.3))
     start = time.monotonic()
     fut = shards[0].push(0, 0, _ones(plan, 0), [0.1])  # shard 1 never gets its push, so never sends its part
     error = _wait(fut)
@@ -226,29 +245,26 @@ def test_a_missing_shard_part_fails_the_step_naming_the_shard_within_the_timeout
     # the shard failed: a later push is refused, not hung
     late = shards[0].push(0, 0, _ones(plan, 0), [0.1]).wait()
     assert isinstance(late, ShardError) and "has failed earlier" in late.message
-    for shard in shards:
-        shard.close()
 
 
-def test_an_undeliverable_part_fails_the_step_at_once() -> None:
+def test_an_undeliverable_part_fails_the_step_at_once(two_shards: TwoShards) -> None:
     def send(to: int, sender: int, step: int, part: float) -> Future[Any]:
         raise RuntimeError(f"connection to rank {to} refused")
 
-    plan, shards = _two_shards(send=send)  # timeout 30 minutes: only the failed send can end the wait
+    plan, shards = two_shards(send=send)  # timeout 30 minutes: only the failed send can end the wait
     error = _wait(shards[0].push(0, 0, _ones(plan, 0), [0.1]), seconds=5)
     assert isinstance(error, ShardError) and not error.timed_out
     assert "could not send its gradient-norm part of step 0 to shard 1" in error.message
     assert "connection to rank 1 refused" in error.message
 
 
-def test_closing_a_shard_fails_its_open_agreement_with_the_reason() -> None:
-    plan, shards = _two_shards()
+def test_closing_a_shard_fails_its_open_agreement_with_the_reason(two_shards: TwoShards) -> None:
+    plan, shards = two_shards()
     fut = shards[0].push(0, 0, _ones(plan, 0), [0.1])
     assert not fut.done()
     shards[0].close("PeerLostError: lost peer rank 1 of 2")
     error = _wait(fut, seconds=5)
     assert isinstance(error, ShardError) and "lost peer rank 1 of 2" in error.message
-    shards[1].close()
 
 
 def test_parts_that_arrive_before_the_shard_opens_its_round_count() -> None:

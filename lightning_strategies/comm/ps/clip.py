@@ -26,7 +26,15 @@ from torch.futures import Future
 
 from lightning_strategies.comm.rpc import ShardError, call_host, completed
 
-__all__ = ["CLIP_ALGORITHMS", "ClipSpec", "NormAgreement", "NormSender", "ShardClipping", "squared_norm"]
+__all__ = [
+    "CLIP_ALGORITHMS",
+    "ClipSpec",
+    "NormAgreement",
+    "NormSender",
+    "ShardClipping",
+    "send_in_process",
+    "squared_norm",
+]
 
 CLIP_ALGORITHMS: tuple[str, ...] = ("norm", "value")
 
@@ -108,8 +116,8 @@ class NormAgreement:
         shard_id: this shard.
         shards: every shard taking part (the ones that receive pushes), this one included.
         timeout: how long an open round waits for the last part.
-        send: delivers a part to another shard (default: over RPC to the hosting rank, which
-            hosts the shard of its own index, or through a thread to a shard in this process).
+        send: delivers a part to another shard (default: over RPC to the rank of the shard's index,
+            which hosts it; :func:`send_in_process` for shards of one process).
     """
 
     def __init__(
@@ -337,22 +345,26 @@ def _rpc_norm_part(shard_id: int, sender: int, step: int, part: float) -> None:
 
 
 def _send_over_rpc(timeout: timedelta) -> NormSender:
+    # rank r hosts shard r, so a peer shard is always another process
     rpc_timeout = timeout.total_seconds() + max(5.0, 0.1 * timeout.total_seconds())
 
     def send(to: int, sender: int, step: int, part: float) -> Future[Any]:
-        if to in _AGREEMENTS:
-            # a shard of this process: on another thread, as RPC delivers, since the sender may hold locks
-            fut: Future[Any] = Future()
-
-            def deliver() -> None:
-                try:
-                    _rpc_norm_part(to, sender, step, part)
-                    fut.set_result(None)
-                except Exception as err:
-                    fut.set_exception(err)
-
-            threading.Thread(target=deliver, name=f"ps-norm-part-{sender}-to-{to}", daemon=True).start()
-            return fut
         return call_host(to, _rpc_norm_part, to, sender, step, part, local=False, timeout=rpc_timeout)
 
     return send
+
+
+def send_in_process(to: int, sender: int, step: int, part: float) -> Future[Any]:
+    """A :data:`NormSender` for shards of one process (tests): delivered on a thread of its own, as RPC
+    delivers, since the sender may hold its shard's lock."""
+    fut: Future[Any] = Future()
+
+    def deliver() -> None:
+        try:
+            _rpc_norm_part(to, sender, step, part)
+            fut.set_result(None)
+        except Exception as err:
+            fut.set_exception(err)
+
+    threading.Thread(target=deliver, name=f"ps-norm-part-{sender}-to-{to}", daemon=True).start()
+    return fut
