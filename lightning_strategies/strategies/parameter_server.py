@@ -78,6 +78,14 @@ class ParameterServerStrategy(StrategyBase):
     rank(s) (a :class:`~lightning_strategies.PeerLostError` when a step failed) and RPC shuts down without
     waiting for them.
 
+    Gradient clipping (``Trainer(gradient_clip_val=..., gradient_clip_algorithm="norm" | "value")``) happens on the
+    shards, on the averaged gradient, as DDP's Lightning clips after the all-reduce; the worker's own clipping is
+    switched off. By value each shard clamps its slice; by norm the shards first agree on the global norm (each
+    sends the squared norm of its slice to the others, one float per shard and step), then scale as
+    ``torch.nn.utils.clip_grad_norm_`` (``clip / (norm + 1e-6)``). ``Lamb(max_grad_norm=...)`` gets the same agreed
+    norm (of the clipped gradient) through its step's ``global_grad_norm``. A shard that does not send its part
+    fails the step within ``timeout``, naming it.
+
     Args:
         num_servers: shards, hosted by ranks ``0 .. num_servers-1``; default the world size (every rank serves
             ``1/P`` of the parameters).
@@ -91,14 +99,6 @@ class ParameterServerStrategy(StrategyBase):
             more than one optimizer, an overridden ``configure_gradient_clipping`` (it cannot run on the shards), an
             optimizer other than :class:`~lightning_strategies.optim.Lamb` with ``max_grad_norm`` over several
             shards, or more servers than processes.
-
-    Gradient clipping (``Trainer(gradient_clip_val=..., gradient_clip_algorithm="norm" | "value")``) happens on the
-    shards, on the averaged gradient, as DDP's Lightning clips after the all-reduce; the worker's own clipping is
-    switched off. By value each shard clamps its slice; by norm the shards first agree on the global norm (each
-    sends the squared norm of its slice to the others, one float per shard and step), then scale as
-    ``torch.nn.utils.clip_grad_norm_`` (``clip / (norm + 1e-6)``). ``Lamb(max_grad_norm=...)`` gets the same agreed
-    norm (of the clipped gradient) through its step's ``global_grad_norm``. A shard that does not send its part
-    fails the step within ``timeout``, naming it.
         TypeError: for DDP-wrapper options (``find_unused_parameters``, ...): there is no wrapper.
     """
 

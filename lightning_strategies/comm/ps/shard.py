@@ -298,8 +298,9 @@ class ParameterShard:
     def _step(
         self, grads_by_worker: list[list[Tensor | None]], lrs: Sequence[float] | None
     ) -> Future[float | ShardError | None]:
-        """Average the workers' gradients and step, or, when clipping needs the global gradient norm that the
-        other shards' parts complete, return its future (the step ends in :meth:`_apply`); ``None``: stepped."""
+        """Average the workers' gradients and step; a future of ``None`` once stepped. When clipping needs the
+        global gradient norm, which the other shards' parts complete, the future of that norm (or of the
+        agreement's :class:`ShardError`) instead: :meth:`_reply` then ends the step with :meth:`_apply`."""
         if self.optimizer is None:
             self.version += 1
             return completed(None)
@@ -318,15 +319,15 @@ class ParameterShard:
         if lrs is not None:  # the workers' lr of each group (LR schedulers run on the workers)
             for group, worker_group in zip(self.optimizer.param_groups, self._group_ids, strict=True):
                 group["lr"] = lrs[worker_group]
-        stepped: Future[float | ShardError | None] = completed(None)
+        agreed: float | None = None
         if self.clipping is not None:
             norm = self.clipping.start(self.version, self.params)
-            if not norm.done() or isinstance(agreed := norm.value(), ShardError):
-                return norm
-            self._apply(agreed)
-            return stepped
-        self._apply(None)
-        return stepped
+            value = norm.value() if norm.done() else None
+            if not norm.done() or isinstance(value, ShardError):
+                return norm  # the push's callback ends the step (or fails it) once the shards agree
+            agreed = value
+        self._apply(agreed)
+        return completed(None)
 
     def _apply(self, norm: float | None) -> None:
         """The optimizer's step on the averaged gradient (clipped by the agreed global ``norm``, if any)."""
