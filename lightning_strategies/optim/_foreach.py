@@ -68,12 +68,17 @@ class _LayerwiseOptimizer(Optimizer):
         Raises:
             RuntimeError: a parameter has a sparse gradient.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         self._update()
         return loss
+
+
+def _closure_loss(closure: Callable[[], float] | None) -> float | None:
+    """The loss of an optimizer step's ``closure`` (called with grad enabled), ``None`` without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 @dataclass(frozen=True)
@@ -102,8 +107,14 @@ def _norm_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _global_clip_factor(grads: list[Tensor], max_norm: float, *, foreach: bool) -> Tensor:
-    """``min(1, max_norm / ||grads||)`` over all tensors, a 0-dim float32 tensor (no host sync)."""
+def _global_clip_factor(grads: list[Tensor], max_norm: float, *, foreach: bool, total: Tensor | None = None) -> Tensor:
+    """``min(1, max_norm / ||grads||)`` over all tensors, a 0-dim float32 tensor (no host sync).
+
+    ``total``: the norm when the caller knows it (a parameter-server shard holds a part of the gradients).
+    """
+    if total is not None:
+        total = total.to(device=grads[0].device, dtype=_norm_dtype(grads[0]))
+        return torch.where(total > max_norm, max_norm / total, torch.ones_like(total))
     if foreach:
         # grouped by device and dtype, then put back in parameter order (the same sum as below)
         norms: list[Tensor] = [torch.empty(0)] * len(grads)

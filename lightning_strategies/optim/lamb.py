@@ -7,7 +7,7 @@ Learning: Training BERT in 76 minutes", ICLR 2020 (arXiv:1904.00962), Algorithm 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -18,6 +18,7 @@ from typing_extensions import Self
 
 from lightning_strategies.optim._foreach import (
     _cache_block_elements,
+    _closure_loss,
     _global_clip_factor,
     _GroupOptions,
     _is_real_number,
@@ -64,7 +65,9 @@ class Lamb(_LayerwiseOptimizer):
         trust_clip: clip the trust ratio to at most 1 (timm's LAMBC).
         max_grad_norm: when set and the global gradient norm over all groups exceeds it, gradients are scaled by
             ``max_grad_norm / global_norm`` before the moments (NVIDIA's pre-normalisation, apex ``FusedLAMB``);
-            ``p.grad`` itself is left untouched. Global, so read from the constructor, not from the groups.
+            ``p.grad`` itself is left untouched. Global, so read from the constructor, not from the groups. When
+            this optimizer holds only part of the model (a parameter-server shard), pass the whole model's norm to
+            :meth:`step` as ``global_grad_norm``.
         foreach: use the multi-tensor ``torch._foreach_*`` path (``None``: whenever every parameter is a plain tensor
             on CPU, CUDA or XPU; cache blocked on CPU). Both paths run the same operations in the same order and
             agree to the last bit up to the summation order of norms.
@@ -152,7 +155,26 @@ class Lamb(_LayerwiseOptimizer):
             out.steps.append(state["step"])
         return out
 
-    def _update(self) -> None:
+    @torch.no_grad()
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], float] | None = None, *, global_grad_norm: Tensor | float | None = None
+    ) -> float | None:
+        """Perform one optimisation step; returns the loss of ``closure`` (called with grad enabled), if given.
+
+        Args:
+            global_grad_norm: the norm of the *whole model's* gradient for ``max_grad_norm``, when this optimizer
+                holds only part of the model's tensors: the parameter servers agree on it across shards and
+                pass it here, so every shard pre-normalises as one optimizer over the whole model would.
+                ``None``: the norm over this optimizer's own gradients. Ignored without ``max_grad_norm``.
+
+        Raises:
+            RuntimeError: a parameter has a sparse gradient.
+        """
+        loss = _closure_loss(closure)
+        self._update(global_grad_norm)
+        return loss
+
+    def _update(self, global_grad_norm: Tensor | float | None = None) -> None:
         params_with_grad = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         _refuse_sparse_grads("Lamb", params_with_grad)
         max_grad_norm = self.defaults["max_grad_norm"]
@@ -162,7 +184,8 @@ class Lamb(_LayerwiseOptimizer):
             # as the moments are updated, so p.grad stays as the user (and logging) left it.
             foreach = all(_use_foreach(g["foreach"], g["params"]) for g in self.param_groups)
             grads = [cast(Tensor, p.grad) for p in params_with_grad]
-            grad_scale = _global_clip_factor(grads, float(max_grad_norm), foreach=foreach)
+            total = None if global_grad_norm is None else torch.as_tensor(global_grad_norm, dtype=torch.float64)
+            grad_scale = _global_clip_factor(grads, float(max_grad_norm), foreach=foreach, total=total)
 
         for group in self.param_groups:
             tensors = self._init_group(group)

@@ -60,6 +60,7 @@ from lightning_strategies.strategies._dynamic_batches import (
     with_batch_sampler,
 )
 from lightning_strategies.strategies._lightning_internals import per_rank_sigterm
+from lightning_strategies.strategies._ps_clipping import prenormalise_like_lamb
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 
 __all__ = ["AsyncParameterServerStrategy", "DynamicBatchSampler"]
@@ -83,6 +84,11 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     at setup: ``max_steps=-1``, validation and checkpoints at epoch ends, a map-style dataset with a batch
     per process. On a fault: as ``"ps"``; a hung rank fails the others when the gate (after ``timeout``) or
     an RPC to it gives up (to survive lost workers: :class:`~lightning_strategies.AsyncElasticStrategy`).
+    Gradient clipping (``Trainer(gradient_clip_val=...)``, a custom ``configure_gradient_clipping`` too) runs on
+    the worker, as Lightning's: each push is one worker's gradient applied alone, as one step on one device, so
+    clipping that whole gradient is the single-device semantics. For the same reason ``Lamb(max_grad_norm=...)``
+    over several shards pre-normalises each pushed gradient on the worker by its own norm (the shards' Lamb then
+    finds every slice within the bound).
 
     Args:
         max_staleness: no worker starts step ``c+1`` before every worker has pushed step
@@ -105,6 +111,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     # buffers come from rank 0 at consistent points only and an overflow skips one worker's push
     broadcast_buffers_each_step: ClassVar[bool] = False
     agree_on_overflow: ClassVar[bool] = False
+    # a push is one worker's step applied alone: the worker clips its own gradient, as on one device
+    clips_on_servers: ClassVar[bool] = False
     client_class: ClassVar[type[ParameterServerClient]] = AsyncParameterServerClient
     # flat on any number of nodes: a hierarchical push sums the node's gradients of one step, and async's
     # workers push different steps at different times (no barrier to reduce in)
@@ -336,6 +344,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
             grads = self._accumulated.add(grads, take=push_due)
         if push_due:
             if grads is not None:
+                if self._global_norm_max is not None:  # Lamb(max_grad_norm) over several shards
+                    prenormalise_like_lamb(grads, self._global_norm_max)
                 client.push(grads, self._push_lrs(optimizer), pull=pull_due)
                 self._step_staleness = client.last_staleness
             else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -51,9 +52,11 @@ from lightning_strategies.comm.ps import (
     unregister_shard,
     whole_tensor_slices,
 )
+from lightning_strategies.comm.ps.clip import ClipSpec, ShardClipping
 from lightning_strategies.comm.rpc import init_rpc, rendezvous_store, shutdown_rpc, worker_name
 from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.strategies._base import StrategyBase, unwrap_optimizer
+from lightning_strategies.strategies._ps_clipping import WorkerClippingOff, global_norm_max, server_clip_spec
 from lightning_strategies.strategies._ps_nodes import PushNodes, check_hierarchical, close_push_nodes, plan_push_nodes
 
 __all__ = ["ParameterServerStrategy"]
@@ -80,6 +83,14 @@ class ParameterServerStrategy(StrategyBase):
     rank(s) (a :class:`~lightning_strategies.PeerLostError` when a step failed) and RPC shuts down without
     waiting for them.
 
+    Gradient clipping (``Trainer(gradient_clip_val=..., gradient_clip_algorithm="norm" | "value")``) happens on the
+    shards, on the averaged gradient, as DDP's Lightning clips after the all-reduce; the worker's own clipping is
+    switched off. By value each shard clamps its slice; by norm the shards first agree on the global norm (each
+    sends the squared norm of its slice to the others, one float per shard and step), then scale as
+    ``torch.nn.utils.clip_grad_norm_`` (``clip / (norm + 1e-6)``). ``Lamb(max_grad_norm=...)`` gets the same agreed
+    norm (of the clipped gradient) through its step's ``global_grad_norm``. A shard that does not send its part
+    fails the step within ``timeout``, naming it.
+
     Args:
         num_servers: shards, hosted by ranks ``0 .. num_servers-1``; default the world size (every rank serves
             ``1/P`` of the parameters).
@@ -95,9 +106,9 @@ class ParameterServerStrategy(StrategyBase):
         ValueError: for a non-positive ``num_servers`` or ``rpc_threads``, ``hierarchical`` not a bool or
             ``None`` (or ``True`` for a strategy that pushes without a barrier); at setup, for nodes of different
             sizes or ``num_servers`` below the world size under ``hierarchical=True``, for manual optimization,
-            more than one optimizer, gradient clipping (no shard holds the averaged gradient whole), an
-            optimizer-side global norm (``Lamb(max_grad_norm=...)``) over several shards, or more servers than
-            processes.
+            more than one optimizer, an overridden ``configure_gradient_clipping`` (it cannot run on the shards), an
+            optimizer other than :class:`~lightning_strategies.optim.Lamb` with ``max_grad_norm`` over several
+            shards, or more servers than processes.
         TypeError: for DDP-wrapper options (``find_unused_parameters``, ...): there is no wrapper.
     """
 
@@ -107,6 +118,9 @@ class ParameterServerStrategy(StrategyBase):
     # Under 16-mixed every rank skips an overflowing step together: a rank that skipped alone would never
     # push, and the shards' barrier would wait for it. Async, with no barrier, lets each rank skip alone.
     agree_on_overflow: ClassVar[bool] = True
+    #: The shards clip the averaged gradient as DDP's Lightning does, the worker not at all ("async": each worker
+    #: clips its own gradient, which is one step's alone).
+    clips_on_servers: ClassVar[bool] = True
     #: Each worker's push/pull handle ("async" swaps in its asynchronous client).
     client_class: ClassVar[type[ParameterServerClient]] = ParameterServerClient
     #: Whether the node's pushes may be reduced first ("async" pushes without a barrier: nothing to reduce in).
@@ -138,6 +152,10 @@ class ParameterServerStrategy(StrategyBase):
         self._spec: OptimizerSpec | None = None
         self._step_hook: RemovableHandle | None = None
         self._buffers: list[Tensor] = []  # rank 0's are broadcast (each step, or at sync points)
+        self._global_norm_max: float | None = None  # Lamb(max_grad_norm) over several shards
+        self._server_clip: ClipSpec | None = None  # what the shards clip ("ps")
+        self._norm_shards: list[int] = []
+        self._worker_clipping: WorkerClippingOff | None = None
 
     @property
     def num_servers(self) -> int:
@@ -218,14 +236,8 @@ class ParameterServerStrategy(StrategyBase):
                 "optimization, because the optimizer step runs on the servers inside Lightning's "
                 "optimizer_step. Fix: use automatic optimization, or strategy='ddp' for manual optimization."
             )
-        if trainer.gradient_clip_val:
-            raise ValueError(
-                f"ParameterServerStrategy found Trainer(gradient_clip_val={trainer.gradient_clip_val}): "
-                "gradient clipping is unsupported, because DDP clips the *averaged* gradient and under a "
-                "parameter server only the shards see it (each one a slice). Expected "
-                "gradient_clip_val=None. Fix: drop gradient clipping (LAMB's trust ratio bounds each "
-                "layer's step), or use strategy='ddp'."
-            )
+        if self.clips_on_servers:  # refuses a custom configure_gradient_clipping (it cannot run on the shards)
+            self._server_clip = server_clip_spec(type(self).__name__, trainer, module, optimizer_norm=False)
 
     def _plan_servers(self) -> tuple[Optimizer, OptimizerSpec, list[Tensor], list[list[Slice]]]:
         """The optimizer, its rebuild spec, its parameters and the shard plan: equal ranges of the flattened
@@ -238,14 +250,8 @@ class ParameterServerStrategy(StrategyBase):
             )
         optimizer = self.optimizers[0]
         self._spec = OptimizerSpec.from_optimizer(optimizer)
-        if self._spec.defaults.get("max_grad_norm") is not None and self.num_servers > 1:
-            # LAMB (timm-style) clips by the norm over *all* its tensors; each shard sees a slice
-            raise ValueError(
-                f"{type(self).__name__} found {type(optimizer).__qualname__}(max_grad_norm="
-                f"{self._spec.defaults['max_grad_norm']}) with num_servers={self.num_servers}: the global "
-                "gradient norm spans every shard, but each shard's optimizer sees only its slice. Expected "
-                "max_grad_norm=None, or num_servers=1. Fix: drop max_grad_norm, or pass num_servers=1."
-            )
+        # LAMB (timm-style) clips by the norm over *all* its tensors, and each shard sees a slice
+        self._global_norm_max = global_norm_max(type(self).__name__, optimizer, self._spec, self.num_servers)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         sizes = [p.numel() for p in params]
         if self._spec.elementwise:
@@ -264,6 +270,13 @@ class ParameterServerStrategy(StrategyBase):
 
     def _start_servers(self) -> None:
         _, spec, params, plan = self._plan_servers()
+        if self.clips_on_servers:
+            if self._global_norm_max is not None or self._server_clip is not None:
+                self._server_clip = replace(
+                    self._server_clip or ClipSpec(), optimizer_norm=self._global_norm_max is not None
+                )
+                self._norm_shards = [s for s, slices in enumerate(plan) if slices]  # the shards that get pushes
+            self._worker_clipping = WorkerClippingOff(self.precision_plugin)
         self._share_overflow_decision()
         close_push_nodes(self._push_nodes, self._client, failed=False)
         self._push_nodes = None
@@ -320,6 +333,8 @@ class ParameterServerStrategy(StrategyBase):
     def _make_shard(
         self, shard_id: int, slices: Sequence[Slice], params: Sequence[Tensor], spec: OptimizerSpec
     ) -> ParameterShard:
+        clip, timeout = self._server_clip, self.ps_timeout
+        clipping = ShardClipping(clip, shard_id, self._norm_shards, timeout=timeout) if clip is not None else None
         if self._push_nodes is not None:  # one pusher per node, pushing node sums already divided by P
             pushers = self._push_nodes.pushers_of(shard_id)
             return ParameterShard(
@@ -328,11 +343,12 @@ class ParameterServerStrategy(StrategyBase):
                 params,
                 spec,
                 len(pushers),
-                timeout=self.ps_timeout,
+                timeout=timeout,
                 pusher_ranks=pushers,
                 average=False,
+                clipping=clipping,
             )
-        return ParameterShard(shard_id, slices, params, spec, self.world_size, timeout=self.ps_timeout)
+        return ParameterShard(shard_id, slices, params, spec, self.world_size, timeout=timeout, clipping=clipping)
 
     def _push_pull(self, optimizer: Optimizer) -> None:
         assert self._client is not None
@@ -435,6 +451,9 @@ class ParameterServerStrategy(StrategyBase):
             unregister_shard(self.global_rank)
         close_push_nodes(self._push_nodes, self._client, failed=self.failed)
         self._push_nodes = None
+        if self._worker_clipping is not None:
+            self._worker_clipping.restore()
+            self._worker_clipping = None
         if self._rpc_started:
             self._rpc_started = False
             try:

@@ -45,18 +45,20 @@ def _trainer(strategy: Any, devices: int, epochs: int, **kwargs: Any) -> pl.Trai
 # --------------------------------------------------------------------------------------------
 
 
-def _digits_fit(strategy: Any, devices: int, epochs: int = 4) -> dict[str, float]:
+def _digits_fit(
+    strategy: Any, devices: int, epochs: int = 4, module_class: type[ClassificationModule] | None = None, **kwargs: Any
+) -> dict[str, float]:
     """small_cnn (width 16) on 16x16 digits, per-worker batch 32, SGD at the per-worker lr with
     the digits recipe's schedule (one warmup epoch, cosine decay)."""
     torch.manual_seed(0)
     data = DigitsDataModule(batch_size=32, image_size=16, seed=0)
-    module = ClassificationModule(
+    module = (module_class or ClassificationModule)(
         build_model("small_cnn", num_classes=10, in_channels=1, width=16),
         num_classes=10,
         optimizer=functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=5e-4),
         scaling=ScalingConfig(rule="none", base_batch_size=32, warmup_epochs=1, decay="cosine"),
     )
-    trainer = _trainer(strategy, devices, epochs, log_every_n_steps=5, callbacks=[_Records()])
+    trainer = _trainer(strategy, devices, epochs, log_every_n_steps=5, callbacks=[_Records()], **kwargs)
     trainer.fit(module, datamodule=data)
     fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     records = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("rec/")}
@@ -101,6 +103,54 @@ def test_bulk_synchronous_schedule_stays_within_one_step_and_trains_like_ps() ->
     assert int(metrics["rec/step_gaps"].max()) <= 0  # checked at every step of both workers
     # the "ps" accuracy band of this setup (ps: 0.97-0.99 on these 270 test digits)
     assert metrics["test_acc"] >= 0.93, metrics
+
+
+class _ClippedDigits(ClassificationModule):
+    """Records the gradient norm before and after Lightning's clipping on the worker (a custom hook: "async"
+    honours it, since each worker clips its own gradient)."""
+
+    norms: list[tuple[float, float]]
+
+    def configure_gradient_clipping(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        before = float(torch.nn.utils.get_total_norm(grads))
+        super().configure_gradient_clipping(optimizer, *args, **kwargs)
+        self.__dict__.setdefault("norms", []).append((before, float(torch.nn.utils.get_total_norm(grads))))
+
+    def on_train_end(self) -> None:
+        self.trainer.callback_metrics["rec/clip_norms"] = torch.tensor(self.norms)
+
+
+def test_clipping_on_the_workers_keeps_the_bound_and_the_band() -> None:
+    metrics = _digits_fit(strategy(max_staleness=1), 2, module_class=_ClippedDigits, gradient_clip_val=1.0)
+    norms = metrics["rec/clip_norms"]
+    assert bool((norms[:, 0] > 1.0).any()), "no step needed clipping: the test would show nothing"
+    assert bool((norms[:, 1] <= 1.0 + 1e-5).all())  # what rank 0 pushed: clipped by its own norm
+    # the bound, as test_clock_gap_never_exceeds_the_bound_with_a_straggler checks it
+    admissions = metrics["rec/admissions"]
+    assert int((admissions[:, 1] - admissions[:, 2]).max()) <= 1
+    assert int(metrics["rec/step_gaps"].max()) <= 1
+    assert _spread(metrics["rec/clock_log"]) <= 2
+    assert metrics["test_acc"] >= 0.93, metrics  # the band of test_digits_reach_93_percent
+
+
+class _LambMaxGradNorm(TinyRegressor):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        from lightning_strategies.optim import Lamb
+
+        return Lamb(self.parameters(), lr=0.01, max_grad_norm=0.05)
+
+
+def test_lamb_max_grad_norm_over_two_shards_trains() -> None:
+    # refused before: each shard's Lamb saw a slice; now each worker pre-normalises its push by its own norm
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    train = DataLoader(TensorDataset(x, torch.tanh(x @ torch.randn(8, 4, generator=g))), batch_size=8)
+    model = _LambMaxGradNorm()
+    trainer = _trainer(strategy(num_servers=2), 2, 2)
+    trainer.fit(model, train)
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())  # rank 0's weights after the fit
+    assert not torch.equal(model.net[0].weight, _LambMaxGradNorm().net[0].weight)
 
 
 def _spread(clock_log: torch.Tensor) -> int:

@@ -102,9 +102,9 @@ def _shard(streams: FakeStreams, num_workers: int, *, cls: type[ParameterShard] 
     shard = cls(0, list(range(len(params))), params, spec, num_workers, streams=streams)
     step = shard._step
 
-    def logged_step(*args: Any, **kwargs: Any) -> None:
+    def logged_step(*args: Any, **kwargs: Any) -> Any:
         streams.mark("step")  # the stream current while the optimizer step is enqueued
-        step(*args, **kwargs)
+        return step(*args, **kwargs)
 
     shard._step = logged_step  # type: ignore[method-assign]
     return shard

@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_strategies.comm.heartbeat import PeerDiagnosis, add_abort_hook
+from lightning_strategies.comm.ps.clip import ShardClipping
 from lightning_strategies.comm.ps.plan import Slice, as_slice
 from lightning_strategies.comm.ps.spec import OptimizerSpec, hyperparameters
 from lightning_strategies.comm.ps.wire import Packed, pack, payload_bytes, unpack
@@ -86,6 +87,8 @@ class ParameterShard:
             Under a hierarchical push (:mod:`.hierarchy`) the pushers are nodes, each pushing a sum of
             gradients its workers already divided by the world size: then ``average=False``.
         average: divide each push by the number of pushers before summing (DDP's mean of the workers).
+        clipping: what to clip of the averaged gradient before the step (:mod:`~lightning_strategies.comm.ps.clip`:
+            by value, or by the global norm the shards agree on); ``None``: nothing.
     """
 
     def __init__(
@@ -100,6 +103,7 @@ class ParameterShard:
         streams: StreamBackend | None = None,
         pusher_ranks: Sequence[int] | None = None,
         average: bool = True,
+        clipping: ShardClipping | None = None,
     ) -> None:
         if len(slices) != len(params):
             raise ValueError(f"{len(slices)} slices for {len(params)} tensors")
@@ -136,6 +140,7 @@ class ParameterShard:
         self._closed = False
         self._pending = _PendingStep()
         self._failure: str | None = None
+        self.clipping = clipping
 
     # -- pushes -------------------------------------------------------------------------------
 
@@ -177,12 +182,29 @@ class ParameterShard:
             sent = self.num_workers * self._values_bytes
             self.stats.bytes_sent += sent
             with self._order.running():
-                self._step([pending.grads[w] for w in range(self.num_workers)], pending.lrs)
-                # a snapshot, one for every worker: packing copies once per step, not once per worker,
-                # and no later step can change a reply still being read or sent
-                reply = ShardReply(pack(self.params), self.version, pending.bytes_in + sent)
-        self._order.complete([pending.futures[w] for w in sorted(pending.futures)], reply)
+                stepped = self._step([pending.grads[w] for w in range(self.num_workers)], pending.lrs)
+        # the step ends now, or once the shards agree on the gradient norm (outside the lock: see clip.py)
+        stepped.add_done_callback(lambda done: self._reply(pending, sent, done))
         return fut
+
+    def _reply(self, pending: _PendingStep, sent: int, stepped: Future[float | ShardError | None]) -> None:
+        """Finish a step :meth:`_step` left waiting for the agreed norm, then answer every worker."""
+        try:
+            with self._lock:
+                norm = stepped.value()
+                if isinstance(norm, ShardError):
+                    self._failure = self._failure or norm.message
+                    reply: ShardReply | ShardError = norm
+                else:
+                    with self._order.running():
+                        if norm is not None:
+                            self._apply(norm)
+                        # a snapshot, one for every worker: packing copies once per step, not once per worker,
+                        # and no later step can change a reply still being read or sent
+                        reply = ShardReply(pack(self.params), self.version, pending.bytes_in + sent)
+        except Exception as err:  # a callback's exception would be lost, and the workers left waiting
+            reply = ShardError(f"parameter server shard {self.shard_id} failed in step {self.version}: {err!r}")
+        self._order.complete([pending.futures[w] for w in sorted(pending.futures)], reply)
 
     def _check_push(self, worker: int, grads: list[Tensor | None], lrs: list[float]) -> str | None:
         """What is wrong with a push, whatever its step (``None``: nothing)."""
@@ -267,6 +289,8 @@ class ParameterShard:
         Returns:
             The error later pushes to this shard's id should get (``None`` without a reason).
         """
+        if self.clipping is not None:
+            self.clipping.close(reason)  # an open norm agreement fails its step at once
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -282,10 +306,15 @@ class ParameterShard:
 
     # -- optimizer ----------------------------------------------------------------------------
 
-    def _step(self, grads_by_worker: list[list[Tensor | None]], lrs: Sequence[float] | None) -> None:
+    def _step(
+        self, grads_by_worker: list[list[Tensor | None]], lrs: Sequence[float] | None
+    ) -> Future[float | ShardError | None]:
+        """Average the workers' gradients and step; a future of ``None`` once stepped. When clipping needs the
+        global gradient norm, which the other shards' parts complete, the future of that norm (or of the
+        agreement's :class:`ShardError`) instead: :meth:`_reply` then ends the step with :meth:`_apply`."""
         if self.optimizer is None:
             self.version += 1
-            return
+            return completed(None)
         n = len(grads_by_worker) if self.average else 1
         for i, p in enumerate(self.params):
             avg: Tensor | None = None
@@ -301,7 +330,21 @@ class ParameterShard:
         if lrs is not None:  # the workers' lr of each group (LR schedulers run on the workers)
             for group, worker_group in zip(self.optimizer.param_groups, self._group_ids, strict=True):
                 group["lr"] = lrs[worker_group]
-        self.optimizer.step()
+        agreed: float | None = None
+        if self.clipping is not None:
+            norm = self.clipping.start(self.version, self.params)
+            value = norm.value() if norm.done() else None
+            if not norm.done() or isinstance(value, ShardError):
+                return norm  # the push's callback ends the step (or fails it) once the shards agree
+            agreed = value
+        self._apply(agreed)
+        return completed(None)
+
+    def _apply(self, norm: float | None) -> None:
+        """The optimizer's step on the averaged gradient (clipped by the agreed global ``norm``, if any)."""
+        assert self.optimizer is not None
+        kwargs = self.clipping.finish(self.params, norm) if self.clipping is not None else {}
+        self.optimizer.step(**kwargs)
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
 
