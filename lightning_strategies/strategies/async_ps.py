@@ -105,6 +105,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     # buffers come from rank 0 at consistent points only and an overflow skips one worker's push
     broadcast_buffers_each_step: ClassVar[bool] = False
     agree_on_overflow: ClassVar[bool] = False
+    overlap_supported: ClassVar[bool] = False  # no per-step barrier: pushes and pulls keep their own schedule
     client_class: ClassVar[type[ParameterServerClient]] = AsyncParameterServerClient
 
     def __init__(

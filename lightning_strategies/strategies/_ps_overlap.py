@@ -1,0 +1,148 @@
+"""The hooks that connect :class:`~lightning_strategies.comm.ps.buckets.OverlappedPush` to a model (one
+post-accumulate-grad hook per trainable tensor, one forward pre-hook per module holding any), and the
+strategy hooks that wait for every value in flight before anything else reads the weights."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
+
+from lightning_strategies.comm.ps import ParameterServerClient
+from lightning_strategies.comm.ps.buckets import OverlappedPush
+
+__all__ = ["OverlapHooks", "PushOverlapMixin"]
+
+log = logging.getLogger(__name__)
+
+
+class OverlapHooks:
+    """Pushes during backward and pulls before each module's forward, for one client and model.
+
+    A tensor held directly by ``root`` (the LightningModule, whose ``forward`` a ``training_step`` need not
+    call) or by no module is waited for in :meth:`before_training_step` instead of a pre-hook.
+
+    Args:
+        client: the worker's client (its ``params`` in the optimizer's flat order).
+        optimizer: the worker's optimizer, whose current learning rates travel with each push.
+        root: the model.
+        bucket_cap_mb: as ``DDPStrategy``'s.
+    """
+
+    def __init__(
+        self, client: ParameterServerClient, optimizer: Optimizer, root: Module, *, bucket_cap_mb: float
+    ) -> None:
+        self.push = OverlappedPush(
+            client, lambda: [float(g["lr"]) for g in optimizer.param_groups], bucket_cap_mb=bucket_cap_mb
+        )
+        index = {id(p): i for i, p in enumerate(client.params)}
+        self._handles: list[RemovableHandle] = [
+            p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
+            for i, p in enumerate(client.params)
+        ]
+        held: set[int] = set()
+        for module in root.modules():
+            if module is root:
+                continue
+            # every module holding a tensor waits for it (a tied weight: each of its holders)
+            mine = sorted({index[id(p)] for p in module.parameters(recurse=False) if id(p) in index})
+            if mine:
+                self._handles.append(module.register_forward_pre_hook(functools.partial(self._before_forward, mine)))
+                held.update(mine)
+        self.eager = [i for i in range(len(client.params)) if i not in held]
+
+    def _grad_ready(self, index: int, _param: Tensor) -> None:
+        self.push.grad_ready(index)
+
+    def _before_forward(self, tensors: Sequence[int], _module: Module, _args: Any) -> None:
+        self.push.wait_for(tensors)
+
+    def before_training_step(self) -> None:
+        """Land the values of the tensors no pre-hook waits for (the root's own)."""
+        self.push.wait_for(self.eager)
+
+    def remove(self) -> None:
+        """Remove every hook (teardown)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+class PushOverlapMixin(DDPStrategy):
+    """The strategy side of ``overlap``: every value in flight lands before evaluation, a state dict and on
+    request; accumulating micro-batches push nothing. Set ``_overlap`` when fitting with ``overlap``."""
+
+    _overlap: OverlapHooks | None = None
+
+    @property
+    def overlap(self) -> OverlapHooks | None:
+        """The overlapped push and pull in effect (its ``push.timeline`` holds each step's timestamps)."""
+        return self._overlap
+
+    def wait_for_pulls(self) -> None:
+        """Write every shard's values in flight into the parameters (a no-op without ``overlap``)."""
+        if self._overlap is not None:
+            self._overlap.push.settle()
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulating micro-batches push nothing, as DDP's ``no_sync``: the stepping one pushes the sum."""
+        overlap = self._overlap
+        if overlap is None:
+            yield
+            return
+        overlap.push.enabled = False
+        try:
+            yield
+        finally:
+            overlap.push.enabled = True
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.wait_for_pulls()
+        return super().lightning_module_state_dict()
+
+    @override
+    def on_validation_start(self) -> None:
+        self.wait_for_pulls()
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self.wait_for_pulls()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self.wait_for_pulls()
+        super().on_predict_start()
+
+    def _settle_quietly(self) -> None:
+        """Land a complete step's values (an on-exception checkpoint saves them); a step whose pushes were
+        cut short never gets its answers, nor does one a lost peer holds up: dropped."""
+        if self._overlap is None:
+            return
+        push = self._overlap.push
+        if push.pushing or getattr(self, "failed", False):
+            push.drop()
+            return
+        try:
+            push.settle()
+        except Exception as err:
+            log.warning(f"{type(self).__name__}: the last step's values did not land: {err}")
+
+    def _remove_overlap(self) -> None:
+        if self._overlap is not None:
+            self._settle_quietly()
+            self._overlap.remove()
+            self._overlap = None
