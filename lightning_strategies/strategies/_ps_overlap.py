@@ -18,7 +18,8 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_strategies.comm.ps import ParameterServerClient
-from lightning_strategies.comm.ps.buckets import OverlappedPush
+from lightning_strategies.comm.ps.buckets import DEFAULT_FIRST_BUCKET_MB, OverlappedPush
+from lightning_strategies.strategies._base import is_last_batch
 
 __all__ = ["OverlapHooks", "PushOverlapMixin"]
 
@@ -42,7 +43,10 @@ class OverlapHooks:
         self, client: ParameterServerClient, optimizer: Optimizer, root: Module, *, bucket_cap_mb: float
     ) -> None:
         self.push = OverlappedPush(
-            client, lambda: [float(g["lr"]) for g in optimizer.param_groups], bucket_cap_mb=bucket_cap_mb
+            client,
+            lambda: [float(g["lr"]) for g in optimizer.param_groups],
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_mb=min(DEFAULT_FIRST_BUCKET_MB, bucket_cap_mb),  # a smaller cap: every bucket that size
         )
         index = {id(p): i for i, p in enumerate(client.params)}
         self._handles: list[RemovableHandle] = [
@@ -126,6 +130,18 @@ class PushOverlapMixin(DDPStrategy):
     def on_predict_start(self) -> None:
         self.wait_for_pulls()
         super().on_predict_start()
+
+    def _settle_at_fit_end(self) -> None:
+        """After the optimizer step that ends the fit, land its values now: the callbacks' ``on_train_end``
+        runs before the strategy's, and may read the weights."""
+        trainer = self.lightning_module.trainer if self._overlap is not None and self.lightning_module else None
+        if trainer is None:
+            return
+        last_step = trainer.max_steps != -1 and trainer.global_step + 1 >= trainer.max_steps  # not counted yet
+        max_epochs = trainer.max_epochs
+        last_epoch = max_epochs is not None and max_epochs != -1 and trainer.current_epoch + 1 >= max_epochs
+        if last_step or (last_epoch and is_last_batch(trainer)):
+            self.wait_for_pulls()
 
     def _settle_quietly(self) -> None:
         """Land a complete step's values (an on-exception checkpoint saves them); a step whose pushes were

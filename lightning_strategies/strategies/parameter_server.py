@@ -337,6 +337,7 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
     def _after_optimizer_step(self) -> None:
         if self._client is None:
             return
+        self._settle_at_fit_end()
         stats = self._client.stats.reset()
         self.metrics.add(**{"comm/bytes_sent": stats.bytes_sent, "comm/bytes_received": stats.bytes_received})
         self.metrics.peak(**{"ps/server_bytes_max": max(self._client.last_server_bytes, default=0)})

@@ -139,7 +139,6 @@ class ParameterShard:
         step: int,
         grads: list[Tensor | None],
         lrs: list[float],
-        *,
         part: Sequence[int] | None = None,
     ) -> Future[ShardReply | ShardError]:
         """Take worker ``worker``'s gradients for step ``step``, all at once or in parts (as its backward
@@ -493,7 +492,7 @@ def _rpc_push(
         unpacked = shard.unpack(grads, part)
     except (ValueError, IndexError) as err:
         return completed(ShardError(f"parameter server shard {shard_id}: worker {worker} pushed {err}"))
-    return shard.push(worker, step, unpacked, lrs, part=part)
+    return shard.push(worker, step, unpacked, lrs, part)
 
 
 def _rpc_state_dict(shard_id: int) -> dict[str, Any]:
