@@ -143,22 +143,23 @@ class PushOverlapMixin(DDPStrategy):
         if last_step or (last_epoch and is_last_batch(trainer)):
             self.wait_for_pulls()
 
-    def _settle_quietly(self) -> None:
-        """Land a complete step's values (an on-exception checkpoint saves them); a step whose pushes were
-        cut short never gets its answers, nor does one a lost peer holds up: dropped."""
+    def _settle_quietly(self, *, failed: bool) -> None:
+        """After a failure: land the last step's values if all have arrived (an on-exception checkpoint
+        saves them), without waiting, since a lost peer may hold some up for the whole timeout; else keep
+        the previous step's everywhere. On a clean teardown: wait for them."""
         if self._overlap is None:
             return
         push = self._overlap.push
-        if push.pushing or getattr(self, "failed", False):
-            push.drop()
+        if failed or push.pushing:
+            if not push.settle_if_arrived():
+                log.warning(
+                    f"{type(self).__name__}: the last step's values had not all arrived: kept the step's before"
+                )
             return
-        try:
-            push.settle()
-        except Exception as err:
-            log.warning(f"{type(self).__name__}: the last step's values did not land: {err}")
+        push.settle()
 
     def _remove_overlap(self) -> None:
         if self._overlap is not None:
-            self._settle_quietly()
+            self._settle_quietly(failed=getattr(self, "failed", False))
             self._overlap.remove()
             self._overlap = None

@@ -414,7 +414,7 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Close this rank's shard with the failure's reason: peers in its barrier fail at once, naming the lost one."""
-        self._settle_quietly()
+        self._settle_quietly(failed=True)  # no wait: a lost peer may hold a reply up for the whole timeout
         if self._client is not None:
             unregister_shard(self.global_rank, reason=failure_reason(exception))
         super().on_exception(exception)

@@ -272,9 +272,21 @@ class OverlappedPush:
         if self._in_flight:
             self._land(set(self._in_flight))
 
+    def settle_if_arrived(self) -> bool:
+        """Land the last step's values if every shard's have arrived, without waiting; else forget them,
+        leaving the previous step's values everywhere (a failed run: some may never come). Returns
+        whether they landed."""
+        arrived = not self._pushing and all(f.done() and not is_failure(f) for f in self._in_flight.values())
+        if arrived:
+            self.settle()
+        self.drop()
+        return arrived
+
     def drop(self) -> None:
         """Forget the replies and pushes in flight (the run failed: they may never come)."""
         self._in_flight, self._parts, self._stale, self._pushing = {}, {}, set(), None
+        self._ready = [set() for _ in self.buckets]
+        self._pushed = [False] * len(self.buckets)
 
     def _land(self, shards: set[int]) -> None:
         start = time.perf_counter()
