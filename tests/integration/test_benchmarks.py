@@ -102,6 +102,9 @@ GOALS: dict[str, list[tuple[str, float, float]]] = {
         (r"server_bytes_over_formula_P2_S[12]", 1 - EXACT, 1 + EXACT),
         (r"server_over_ring_theory_P2_S1", 2 - EXACT, 2 + EXACT),  # P^2/(2(P-1)) at P=2
         (r"ps_over_ddp_step", 0.2, 8.0),
+        (r"ps_no_overlap_over_ddp_step", 0.2, 8.0),
+        # every tensor of the MLP has a gradient: every bucket leaves during backward (the client's count)
+        (r"ps_overlap_share", 1 - EXACT, 1 + EXACT),
     ],
     # 3 epochs each: RSS grows < 0.3% (goal < 5%) after warm-up in quick runs; a per-step leak of a
     # batch-sized tensor would add more. Step drift compares thirds of 1 epoch: 0.6-1.9 at load 10.
@@ -307,6 +310,8 @@ server_bytes_over_formula_P2_S2 1 x
 server_over_ring_bytes_P2_S2 1 x
 server_over_ring_theory_P2_S2 1 x
 ps_over_ddp_step 2.41 x
+ps_no_overlap_over_ddp_step 2.52 x
+ps_overlap_share 1 x
 """
 
 

@@ -4,6 +4,7 @@ plan, a shard taking a worker's step in several parts, and the overlapped push a
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -21,7 +22,7 @@ from lightning_strategies.comm.ps import (
     slice_of,
     unregister_shard,
 )
-from lightning_strategies.comm.ps.buckets import OverlappedPush, plan_buckets
+from lightning_strategies.comm.ps.buckets import OverlappedPush, StepTimeline, plan_buckets
 from lightning_strategies.comm.rpc import ShardError
 
 
@@ -154,3 +155,23 @@ def test_a_tensor_read_before_its_values_landed_is_an_error(
     push.flush()  # step 0 out; no module waited for its values before the next backward
     with pytest.raises(RuntimeError, match=r"trainable tensor 2 .* got a gradient in step 1, but no module"):
         push.grad_ready(2)
+
+
+def test_the_peer_watch_aborts_a_wait_for_values(two_shards: tuple[list[torch.Tensor], list[list[Slice]]]) -> None:
+    # a frozen host's reply never comes, and TensorPipe does not fail the call when its connection is shut
+    # down: the heartbeat's abort hook ends the wait instead of the RPC timeout
+    from torch.futures import Future
+
+    from lightning_strategies.comm.ps.buckets import _abort_waits
+
+    params, plan = two_shards
+    push = OverlappedPush(_worker(params, plan), lambda: [0.1])
+    push.timeline.append(StepTimeline(0))
+    push._in_flight = {1: Future()}  # shard 1's reply: never
+    timer = threading.Timer(0.2, _abort_waits, args=(None,))
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"shard\(s\) \[1\] at step 0 was aborted: a peer is gone"):
+        push.wait_for([2])
+    assert time.monotonic() - start < 10
+    timer.join()

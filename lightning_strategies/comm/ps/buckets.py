@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from typing import Any
 
 from torch.futures import Future
 
+from lightning_strategies.comm.heartbeat import PeerDiagnosis, add_abort_hook
 from lightning_strategies.comm.ps.client import ParameterServerClient
 from lightning_strategies.comm.ps.plan import Slice
 from lightning_strategies.comm.rpc import is_failure
@@ -168,6 +170,10 @@ class OverlappedPush:
         self._read_stale: set[int] = set()  # those stale when this step's backward began
         self._pushing: StepTimeline | None = None
         self._waited_since_flush = True
+        # set (to the reason) when the peer watch aborts this process's communication: a wait for a frozen
+        # host's reply is on a connection TensorPipe does not fail when it is shut down
+        self._aborted: Future[str] = Future()
+        _LIVE.add(self)
 
     @property
     def pushing(self) -> bool:
@@ -291,7 +297,7 @@ class OverlappedPush:
     def _land(self, shards: set[int]) -> None:
         start = time.perf_counter()
         try:
-            replies = self.client._wait_all(self._in_flight, shards)
+            replies = self.client._wait_all(self._in_flight, shards, abort=self._aborted)
         except BaseException:
             self.drop()
             raise
@@ -304,6 +310,21 @@ class OverlappedPush:
         waited = time.perf_counter() - start
         self.client.last_wait_seconds = waited
         self.client.stats.seconds += waited
+
+
+_LIVE: weakref.WeakSet[OverlappedPush] = weakref.WeakSet()
+
+
+def _abort_waits(diagnosis: PeerDiagnosis | None) -> None:
+    """The heartbeat's abort hook: every wait for values fails at once, now and later."""
+    text = diagnosis.describe("parameter_server") if diagnosis is not None else None
+    reason = text.splitlines()[0] if text else "a peer is gone"
+    for push in list(_LIVE):
+        if not push._aborted.done():
+            push._aborted.set_result(reason)
+
+
+add_abort_hook(_abort_waits)
 
 
 def _last_of(futures: list[Future[Any]], arrived: dict[int, float], s: int) -> Future[Any]:

@@ -128,9 +128,15 @@ class ParameterServerClient:
         self.last_wait_seconds = time.perf_counter() - start
         self.stats.seconds += self.last_wait_seconds
 
-    def _wait_all(self, futures: Mapping[int, Future[Any]], wanted: Collection[int] | None = None) -> dict[int, Any]:
+    def _wait_all(
+        self,
+        futures: Mapping[int, Future[Any]],
+        wanted: Collection[int] | None = None,
+        *,
+        abort: Future[str] | None = None,
+    ) -> dict[int, Any]:
         """The replies of the shards ``wanted`` (default: all of ``futures``), raising as soon as any of
-        ``futures`` fails, wanted or not."""
+        ``futures`` fails, wanted or not, or ``abort`` is set (to the reason)."""
         # not in shard order: that would report a dead host only after an earlier shard's barrier timed
         # out; a gate opened by the first failure (or the last wanted success) raises at once, naming it
         wanted = list(futures) if wanted is None else [s for s in futures if s in wanted]
@@ -152,9 +158,22 @@ class ParameterServerClient:
                 elif pending[0] == 0:
                     gate.set_result(-1)
 
+        def on_abort(_: Future[str]) -> None:
+            with lock:
+                if not gate.done():
+                    gate.set_result(-2)
+
         for s, fut in futures.items():
             fut.add_done_callback(functools.partial(on_done, s))
+        if abort is not None:
+            abort.add_done_callback(on_abort)
         first_failed = gate.wait()
+        if first_failed == -2:
+            assert abort is not None
+            raise RuntimeError(
+                f"worker {self.worker}: the wait for parameter server shard(s) {sorted(wanted)} at step {self.step} "
+                f"was aborted: {abort.value()}"
+            )
         if first_failed >= 0:
             self._wait(first_failed, futures[first_failed])  # raises, naming the shard
         return {s: self._wait(s, futures[s]) for s in wanted}
