@@ -337,7 +337,6 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
     def _after_optimizer_step(self) -> None:
         if self._client is None:
             return
-        self._settle_at_fit_end()
         stats = self._client.stats.reset()
         self.metrics.add(**{"comm/bytes_sent": stats.bytes_sent, "comm/bytes_received": stats.bytes_received})
         self.metrics.peak(**{"ps/server_bytes_max": max(self._client.last_server_bytes, default=0)})
@@ -348,6 +347,7 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
             scaler.skipped = None
         self._collect_own_metrics(stats)
         self.metrics.flush_if_due(self.lightning_module)
+        self._settle_at_fit_end()  # after the metrics: a step's window counts the values that landed in it
 
     def _collect_own_metrics(self, stats: CommStats) -> None:
         """This step's metrics beyond the bytes and the busiest shard (``stats``: the client's)."""
