@@ -52,6 +52,7 @@ class OverlapHooks:
         self._handles: list[RemovableHandle] = [
             p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
             for i, p in enumerate(client.params)
+            if p.requires_grad  # a frozen tensor in the optimizer: its bucket goes at the step, with None
         ]
         held: set[int] = set()
         for module in root.modules():
