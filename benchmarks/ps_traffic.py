@@ -31,10 +31,13 @@ for ResNet-50's 161 tensors at S = 8, 64, 256 servers. A shard's bytes per step 
                                                     LAMB / LARS), for comparison
     ps_empty_servers_resnet50_whole_S{S}            servers holding no tensor in that plan
 
-Part 2, time: ``ps_over_ddp_step`` = median step time of ``strategy="ps"`` / ``strategy="ddp"``
-for a small MLP fitted by Lightning on 2 fork-started CPU processes, the two strategies in
-interleaved rounds (goal <= 1.5), with the raw medians. A shared machine is noisy: read the
-ratio of interleaved runs, not the milliseconds.
+Part 2, time: ``ps_over_ddp_step`` = median step time of ``strategy="ps"`` (pushes overlapped with
+backward, pulls with the next forward: the default) / ``strategy="ddp"`` for a small MLP fitted by
+Lightning on 2 fork-started CPU processes (goal <= 1.0), ``ps_no_overlap_over_ddp_step`` the same for
+``overlap=False`` (push after the whole backward, wait for every shard), the three in interleaved
+rounds, with the raw medians; ``ps_overlap_share`` is the share of ps's push bytes sent before
+backward ended (the client's own count, rank 0, median over rounds). A shared machine is noisy: read
+the ratio of interleaved runs, not the milliseconds.
 
     python benchmarks/ps_traffic.py           # N = 25.6M, P = 2, 3, 4 (~1-2 min on 2 cores)
     python benchmarks/ps_traffic.py --quick   # N ~ 0.2M, P = 2, 3 rounds (seconds, for CI)
@@ -46,6 +49,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -214,8 +218,9 @@ def plot_traffic(series: dict[str, list[float]], n: int, path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _timed_fit(strategy_name: str, steps: int, width: int, rpc_threads: int) -> float:
-    """Median step seconds of one Lightning fit on 2 fork-started CPU processes (rank 0's)."""
+def _timed_fit(strategy_name: str, steps: int, width: int, rpc_threads: int) -> tuple[float, float]:
+    """Median step seconds of one Lightning fit on 2 fork-started CPU processes (rank 0's), and for ps
+    with overlap the mean share of push bytes sent before backward ended (else nan)."""
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
     from torch import nn
@@ -249,13 +254,16 @@ def _timed_fit(strategy_name: str, steps: int, width: int, rpc_threads: int) -> 
             gaps = [b - a for a, b in zip(self.stamps[5:], self.stamps[6:], strict=False)]  # 5 warm-up steps
             # callback_metrics travel back to the parent process with the fork launcher
             trainer.callback_metrics["bench/step_s"] = torch.tensor(median(gaps))
+            overlap = getattr(trainer.strategy, "overlap", None)
+            shares = [t.overlap_share for t in overlap.push.timeline] if overlap is not None else []
+            trainer.callback_metrics["bench/share"] = torch.tensor(sum(shares) / len(shares) if shares else math.nan)
 
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64 * 32, 256, generator=g), torch.randint(0, 10, (64 * 32,), generator=g))
     strategy: Any = (
-        ParameterServerStrategy(start_method="fork", rpc_threads=rpc_threads)
-        if strategy_name == "ps"
-        else DDPStrategy(start_method="fork")
+        DDPStrategy(start_method="fork")
+        if strategy_name == "ddp"
+        else ParameterServerStrategy(start_method="fork", rpc_threads=rpc_threads, overlap=strategy_name == "ps")
     )
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -269,7 +277,7 @@ def _timed_fit(strategy_name: str, steps: int, width: int, rpc_threads: int) -> 
         callbacks=[StepTimer()],
     )
     trainer.fit(Mlp(), DataLoader(data, batch_size=32))
-    return float(trainer.callback_metrics["bench/step_s"])
+    return float(trainer.callback_metrics["bench/step_s"]), float(trainer.callback_metrics["bench/share"])
 
 
 def step_time(rounds: int, steps: int, width: int, rpc_threads: int = 4) -> None:
@@ -278,16 +286,22 @@ def step_time(rounds: int, steps: int, width: int, rpc_threads: int = 4) -> None
         logging.getLogger(name).setLevel(logging.WARNING)
     params = 256 * width + width + width * width + width + width * 10 + 10
     line("mlp_params", params, "floats")
-    times: dict[str, list[float]] = {"ps": [], "ddp": []}
+    names = ("ps", "ps_no_overlap", "ddp")
+    times: dict[str, list[float]] = {name: [] for name in names}
+    shares: list[float] = []
     for r in range(rounds):
-        order = ("ps", "ddp") if r % 2 == 0 else ("ddp", "ps")  # neither always runs first
+        order = names[r % 3 :] + names[: r % 3]  # none always runs first
         for name in order:
-            times[name].append(_timed_fit(name, steps, width, rpc_threads))
-    ps_ms, ddp_ms = median(times["ps"]) * 1e3, median(times["ddp"]) * 1e3
-    line("ps_step_ms", ps_ms, "ms")
-    line("ddp_step_ms", ddp_ms, "ms")
-    ratios = [p / d for p, d in zip(times["ps"], times["ddp"], strict=True)]
-    line("ps_over_ddp_step", median(ratios), "x")
+            seconds, share = _timed_fit(name, steps, width, rpc_threads)
+            times[name].append(seconds)
+            if name == "ps":
+                shares.append(share)
+    for name in names:
+        line(f"{name}_step_ms", median(times[name]) * 1e3, "ms")
+    for name in names[:2]:
+        ratios = [p / d for p, d in zip(times[name], times["ddp"], strict=True)]
+        line(f"{name}_over_ddp_step", median(ratios), "x")
+    line("ps_overlap_share", median(shares), "x")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -113,6 +113,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     agree_on_overflow: ClassVar[bool] = False
     # a push is one worker's step applied alone: the worker clips its own gradient, as on one device
     clips_on_servers: ClassVar[bool] = False
+    overlap_supported: ClassVar[bool] = False  # no per-step barrier: pushes and pulls keep their own schedule
     client_class: ClassVar[type[ParameterServerClient]] = AsyncParameterServerClient
     # flat on any number of nodes: a hierarchical push sums the node's gradients of one step, and async's
     # workers push different steps at different times (no barrier to reduce in)

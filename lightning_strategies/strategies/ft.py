@@ -67,6 +67,7 @@ _WIRE_DTYPES = {None: None, "bf16": torch.bfloat16}
 
 _EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.PREDICTING, RunningStage.SANITY_CHECKING)
 
+
 class ReplicaBehindError(RuntimeError):
     """A running replica found itself behind its peers (a step they committed and it did not)."""
 

@@ -8,7 +8,11 @@ and a worker's optimizer step becomes "push gradients, pull new values". The hoo
 - ``setup_optimizers``: then this rank's shard and its client (``_make_shard`` / ``client_class``: ``"async"``'s).
 - ``training_step``: broadcast rank 0's buffers first, as DDP does (BatchNorm statistics).
 - ``optimizer_step``: the optimizer's step runs Lightning's closure, then push/pull instead of a local
-  update (a step pre-hook); its metrics are collected after the step (``_after_optimizer_step``).
+  update (a step pre-hook); its metrics are collected after the step (``_after_optimizer_step``). With
+  ``overlap`` the buckets are pushed during the closure's backward and the values land before each
+  module's forward (:mod:`._ps_overlap`); ``block_backward_sync`` holds the pushes while accumulating.
+- ``lightning_module_state_dict`` / ``on_validation_start`` / ``on_test_start`` / ``on_predict_start``:
+  first every value in flight lands (:class:`._ps_overlap.PushOverlapMixin`).
 - ``optimizer_state`` / ``load_optimizer_state_dict``: gather / scatter the shards' state; ``on_train_end``
   keeps the gathered state for a ``Trainer.save_checkpoint`` after fit.
 - ``teardown``: shut RPC down (gracefully unless the run failed).
@@ -58,13 +62,14 @@ from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.strategies._base import StrategyBase, unwrap_optimizer
 from lightning_strategies.strategies._ps_clipping import WorkerClippingOff, global_norm_max, server_clip_spec
 from lightning_strategies.strategies._ps_nodes import PushNodes, check_hierarchical, close_push_nodes, plan_push_nodes
+from lightning_strategies.strategies._ps_overlap import OverlapHooks, PushOverlapMixin
 
 __all__ = ["ParameterServerStrategy"]
 
 log = logging.getLogger(__name__)
 
 
-class ParameterServerStrategy(StrategyBase):
+class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
     """Synchronous data parallelism through sharded, co-located parameter servers.
 
     Each step every worker pushes its gradients to the shards, each shard averages them over all workers,
@@ -74,11 +79,19 @@ class ParameterServerStrategy(StrategyBase):
     (:class:`~lightning_strategies.comm.amp.AgreedGradScaler` replaces Lightning's scaler, same options).
     Logged per step (means since the last log): ``comm/bytes_sent``, ``comm/bytes_received``,
     ``ps/server_bytes_max`` (the busiest shard's bytes in a step; the maximum), ``ps/wait_seconds`` (first
-    push to last answer) and, under ``16-mixed``, ``amp/step_skipped``. On more than one node of more than one
-    process each, the push is hierarchical (:mod:`~lightning_strategies.comm.ps.hierarchy`): reduced inside the
-    node, ``1/L`` of it pushed across nodes by each local rank, the values all-gathered inside the node (then
-    ``comm/inter_node_bytes_*`` are logged too, and the byte counts include the node's collectives); it pushes
-    after the whole backward, as the flat push does. On a fault the RPCs to a dead rank's
+    push to last answer; with ``overlap``, the time blocked waiting for values) and, under ``16-mixed``,
+    ``amp/step_skipped``. With ``overlap`` (the default), as DDP's reducer, the gradients go in buckets
+    (reverse layer order) as backward produces them, and the optimizer step returns once they are out: each
+    module waits before its forward only for the shards holding its parameters (first layers first), and
+    anything else that reads the weights (the next push, evaluation, checkpoints, the fit's end) waits for
+    all. A trainable tensor must then be read inside the forward of a module that holds it, or directly in
+    the LightningModule (found otherwise: an error at its backward); a callback reading the weights between
+    steps calls :meth:`wait_for_pulls` first. Under ``16-mixed`` the pushes still wait for the whole backward:
+    the scaler unscales and checks for overflow (agreed by every rank) only after it. On more than one node of
+    more than one process each, the push is hierarchical (:mod:`~lightning_strategies.comm.ps.hierarchy`):
+    reduced inside the node, ``1/L`` of it pushed across nodes by each local rank, the values all-gathered
+    inside the node (then ``comm/inter_node_bytes_*`` are logged too, and the byte counts include the node's
+    collectives); it pushes after the whole backward (no overlap yet). On a fault the RPCs to a dead rank's
     shard fail at once, a shard waiting for a push fails after ``timeout``; the survivors' errors name the lost
     rank(s) (a :class:`~lightning_strategies.PeerLostError` when a step failed) and RPC shuts down without
     waiting for them.
@@ -99,16 +112,19 @@ class ParameterServerStrategy(StrategyBase):
         hierarchical: ``None``: the hierarchical push on more than one node with more than one process each
             (nodes as Lightning's cluster environment reports them, as the ``"ring"``'s); ``True``: the same,
             logging when nothing is left to split; ``False``: every worker pushes to every shard.
+        overlap: push during backward and pull during the next forward; ``False``: push after the whole
+            backward and wait for every shard in the optimizer step.
+        bucket_cap_mb: the size of a push bucket under ``overlap`` (DDP's; the first bucket is 1 MiB).
         **kwargs: as for ``DDPStrategy``; ``timeout`` bounds the wait of collectives and a shard's barrier for a
             hung peer (default 30 minutes; RPCs wait ``timeout`` + max(5 s, 10%), so the shard's error comes first).
 
     Raises:
-        ValueError: for a non-positive ``num_servers`` or ``rpc_threads``, ``hierarchical`` not a bool or
-            ``None`` (or ``True`` for a strategy that pushes without a barrier); at setup, for nodes of different
-            sizes or ``num_servers`` below the world size under ``hierarchical=True``, for manual optimization,
-            more than one optimizer, an overridden ``configure_gradient_clipping`` (it cannot run on the shards), an
-            optimizer other than :class:`~lightning_strategies.optim.Lamb` with ``max_grad_norm`` over several
-            shards, or more servers than processes.
+        ValueError: for a non-positive ``num_servers``, ``rpc_threads`` or ``bucket_cap_mb``, ``hierarchical`` not
+            a bool or ``None`` (or ``True`` for a strategy that pushes without a barrier); at setup, for nodes of
+            different sizes or ``num_servers`` below the world size under ``hierarchical=True``, for manual
+            optimization, more than one optimizer, an overridden ``configure_gradient_clipping`` (it cannot run on the
+            shards), an optimizer other than :class:`~lightning_strategies.optim.Lamb` with ``max_grad_norm`` over
+            several shards, or more servers than processes.
         TypeError: for DDP-wrapper options (``find_unused_parameters``, ...): there is no wrapper.
     """
 
@@ -125,14 +141,28 @@ class ParameterServerStrategy(StrategyBase):
     client_class: ClassVar[type[ParameterServerClient]] = ParameterServerClient
     #: Whether the node's pushes may be reduced first ("async" pushes without a barrier: nothing to reduce in).
     hierarchical_push: ClassVar[bool] = True
+    #: Whether ``overlap`` applies (a barrier per step: "async" pushes and pulls on its own schedule).
+    overlap_supported: ClassVar[bool] = True
 
     wraps_ddp = False
 
     def __init__(
-        self, *, num_servers: int | None = None, rpc_threads: int = 4, hierarchical: bool | None = None, **kwargs: Any
+        self,
+        *,
+        num_servers: int | None = None,
+        rpc_threads: int = 4,
+        hierarchical: bool | None = None,
+        overlap: bool = True,
+        bucket_cap_mb: float = 25.0,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         check_hierarchical(type(self), hierarchical)
+        if not bucket_cap_mb > 0:
+            raise ValueError(
+                f"ParameterServerStrategy(bucket_cap_mb={bucket_cap_mb}): expected a positive bucket size in MiB. "
+                "Fix: pass e.g. 25 (DDP's default), or overlap=False for one push after the whole backward."
+            )
         if num_servers is not None and num_servers < 1:
             raise ValueError(
                 f"ParameterServerStrategy(num_servers={num_servers}): expected at least 1 server shard. "
@@ -156,6 +186,8 @@ class ParameterServerStrategy(StrategyBase):
         self._server_clip: ClipSpec | None = None  # what the shards clip ("ps")
         self._norm_shards: list[int] = []
         self._worker_clipping: WorkerClippingOff | None = None
+        self._overlap_option = overlap
+        self._bucket_cap_mb = bucket_cap_mb
 
     @property
     def num_servers(self) -> int:
@@ -306,6 +338,12 @@ class ParameterServerStrategy(StrategyBase):
         self._step_hook = self.optimizers[0].register_step_pre_hook(self._step_on_servers)
         assert self.model is not None
         self._buffers = [b for b in self.model.buffers() if self.world_size > 1]
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        # the hierarchical push reduces in the node after the whole backward: no overlap there yet
+        overlap = self._overlap_option and self.overlap_supported and self._push_nodes is None
+        if overlap and not isinstance(scaler, torch.amp.GradScaler):
+            cap = self._bucket_cap_mb
+            self._overlap = OverlapHooks(self._client, self.optimizers[0], self.model, bucket_cap_mb=cap)
 
     def _step_on_servers(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Step pre-hook: Lightning's closure, then push/pull; the local update that follows finds no gradient
@@ -352,6 +390,10 @@ class ParameterServerStrategy(StrategyBase):
 
     def _push_pull(self, optimizer: Optimizer) -> None:
         assert self._client is not None
+        if self._overlap is not None:
+            self._overlap.push.end_backward()
+            self._overlap.push.flush()  # the values land before each module's next forward
+            return
         self._client.push_pull([float(group["lr"]) for group in optimizer.param_groups])
 
     @override
@@ -371,6 +413,7 @@ class ParameterServerStrategy(StrategyBase):
             scaler.skipped = None
         self._collect_own_metrics(stats)
         self.metrics.flush_if_due(self.lightning_module)
+        self._settle_at_fit_end()  # after the metrics: a step's window counts the values that landed in it
 
     def _collect_own_metrics(self, stats: CommStats) -> None:
         """This step's metrics beyond the bytes and the busiest shard (``stats``: the client's)."""
@@ -381,6 +424,8 @@ class ParameterServerStrategy(StrategyBase):
         """Broadcast rank 0's buffers (BatchNorm statistics) before the forward, as DDP does, then step."""
         if self.broadcast_buffers_each_step and self._buffers:
             broadcast_from_rank0(self._buffers)
+        if self._overlap is not None:
+            self._overlap.before_training_step()
         return super().training_step(*args, **kwargs)
 
     @override
@@ -392,6 +437,7 @@ class ParameterServerStrategy(StrategyBase):
             kept = self._state_after_fit(optimizer)  # after fit: the servers are gone
             return kept if kept is not None else super().optimizer_state(optimizer)
         optimizer = unwrap_optimizer(optimizer)
+        self.wait_for_pulls()
         if not self.is_global_zero:
             return {}
         state = self._client.gather_state_dict(self._spec, optimizer.param_groups)
@@ -404,6 +450,7 @@ class ParameterServerStrategy(StrategyBase):
         # The shards and their state go with RPC at teardown, and the worker optimizer never steps: without
         # this, a Trainer.save_checkpoint after fit would silently save no momentum / Adam moments.
         if self._client is not None and self.optimizers:
+            self.wait_for_pulls()
             self._keep_state_at_fit_end()
             self.barrier("ps_state_at_fit_end")  # no shard leaves (teardown) before rank 0 has read it
         super().on_train_end()
@@ -433,6 +480,7 @@ class ParameterServerStrategy(StrategyBase):
     def on_exception(self, exception: BaseException) -> None:
         """Close this rank's shard with the failure's reason: peers in its barrier fail at once, naming the lost one;
         and its node's push groups, so that node peers waiting for it in the node's collective fail at once too."""
+        self._settle_quietly(failed=True)  # no wait: a lost peer may hold a reply up for the whole timeout
         if self._client is not None:
             unregister_shard(self.global_rank, reason=failure_reason(exception))
         close_push_nodes(self._push_nodes, self._client, failed=True)
@@ -442,6 +490,7 @@ class ParameterServerStrategy(StrategyBase):
     @override
     def teardown(self) -> None:
         """Drop the shard, stop RPC: gracefully (no rank leaves while a peer needs it), or locally if the run failed."""
+        self._remove_overlap()
         if self._client is not None:
             self._client = None
             if self._step_hook is not None:

@@ -29,9 +29,11 @@ def snapshot(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, Mapping):
-        return type(value)((k, snapshot(v)) for k, v in value.items()) if isinstance(value, dict) else {
-            k: snapshot(v) for k, v in value.items()
-        }
+        return (
+            type(value)((k, snapshot(v)) for k, v in value.items())
+            if isinstance(value, dict)
+            else {k: snapshot(v) for k, v in value.items()}
+        )
     if isinstance(value, list):
         return [snapshot(v) for v in value]
     if isinstance(value, tuple):
@@ -101,8 +103,10 @@ class ReplicaGroup:
         self._store = dist.TCPStore(
             host_name=hostname, port=0, is_master=True, wait_for_workers=False, timeout=_seconds(config.timeout_s)
         )
-        pg = ProcessGroupNCCL(timeout=_seconds(config.timeout_s)) if device.type == "cuda" else ProcessGroupGloo(
-            timeout=_seconds(config.timeout_s)
+        pg = (
+            ProcessGroupNCCL(timeout=_seconds(config.timeout_s))
+            if device.type == "cuda"
+            else ProcessGroupGloo(timeout=_seconds(config.timeout_s))
         )
         self.manager = Manager(
             pg=pg,

@@ -4,10 +4,12 @@ Rank ``r`` hosts shard ``r`` (``r < num_servers``): its slices of the flattened 
 (:mod:`.plan`) and the user's optimizer rebuilt over them (:mod:`.spec`), so the optimizer runs on the
 servers. Workers (:mod:`.client`) push gradients and pull values, one payload per shard each way
 (:mod:`.wire`); on several nodes they push through their node (:mod:`.hierarchy`). The synchronous
-shard (:mod:`.shard`) is a barrier; the asynchronous one (:mod:`lightning_strategies.comm.async_ps`)
-builds on the same pieces.
+shard (:mod:`.shard`) is a barrier, which takes a worker's step in parts when its pushes overlap
+backward (:mod:`.buckets`); the asynchronous one (:mod:`lightning_strategies.comm.async_ps`) builds on
+the same pieces.
 """
 
+from lightning_strategies.comm.ps.buckets import Bucket, OverlappedPush, StepTimeline, plan_buckets
 from lightning_strategies.comm.ps.client import ParameterServerClient, broadcast_from_rank0
 from lightning_strategies.comm.ps.hierarchy import HierarchicalParameterServerClient, PushLayout, node_nic_bytes
 from lightning_strategies.comm.ps.plan import (
@@ -32,14 +34,17 @@ from lightning_strategies.comm.ps.wire import Packed, pack, payload_bytes, slice
 
 __all__ = [
     "PARTITION_ALIGN",
+    "Bucket",
     "HierarchicalParameterServerClient",
     "OptimizerSpec",
+    "OverlappedPush",
     "Packed",
     "ParameterServerClient",
     "ParameterShard",
     "PushLayout",
     "ShardReply",
     "Slice",
+    "StepTimeline",
     "broadcast_from_rank0",
     "hosted_shard",
     "local_shard",
@@ -48,6 +53,7 @@ __all__ = [
     "partition_loads",
     "partition_parameters",
     "payload_bytes",
+    "plan_buckets",
     "register_shard",
     "shard_loads",
     "shard_parameters",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -94,6 +94,23 @@ class ParameterServerClient:
         self.stats.bytes_sent += packed.nbytes
         return packed
 
+    def push_part(
+        self, s: int, slices: Sequence[int], grads: Sequence[Tensor | None], lrs: Sequence[float]
+    ) -> Future[Any]:
+        """Push the gradients of slices ``slices`` (indices into shard ``s``'s plan) of this step to shard
+        ``s`` without waiting: a part of the step's push (:mod:`.buckets`). The future holds an ack, or
+        the shard's new values when this is the last part the shard needs from this worker.
+
+        Args:
+            grads: every tensor's gradient (or ``None``) in flat order.
+        """
+        packed = self._outgoing(grads, [self.plan[s][k] for k in slices])
+        self.stats.calls += 1
+        return call_host(
+            s, _rpc_push, s, self.worker, self.step, packed, list(lrs), list(slices),
+            local=local_shard(s) is not None, timeout=self.rpc_timeout,
+        )  # fmt: skip
+
     def _apply_reply(self, s: int, reply: Any) -> None:
         self.last_server_bytes[s] = reply.step_bytes
         if reply.values is None:
@@ -111,19 +128,29 @@ class ParameterServerClient:
         self.last_wait_seconds = time.perf_counter() - start
         self.stats.seconds += self.last_wait_seconds
 
-    def _wait_all(self, futures: Mapping[int, Future[Any]]) -> dict[int, Any]:
+    def _wait_all(
+        self,
+        futures: Mapping[int, Future[Any]],
+        wanted: Collection[int] | None = None,
+        *,
+        abort: Future[str] | None = None,
+    ) -> dict[int, Any]:
+        """The replies of the shards ``wanted`` (default: all of ``futures``), raising as soon as any of
+        ``futures`` fails, wanted or not, or ``abort`` is set (to the reason)."""
         # not in shard order: that would report a dead host only after an earlier shard's barrier timed
-        # out; a gate opened by the first failure (or the last success) raises at once, naming it
-        if not futures:
+        # out; a gate opened by the first failure (or the last wanted success) raises at once, naming it
+        wanted = list(futures) if wanted is None else [s for s in futures if s in wanted]
+        if not wanted:
             return {}
         gate: Future[int] = Future()
         lock = threading.Lock()
-        pending = [len(futures)]
+        pending = [len(wanted)]
 
         def on_done(s: int, fut: Future[Any]) -> None:
             failed = fut.done() and is_failure(fut)
             with lock:
-                pending[0] -= 1
+                if s in wanted:
+                    pending[0] -= 1
                 if gate.done():
                     return
                 if failed:
@@ -131,12 +158,25 @@ class ParameterServerClient:
                 elif pending[0] == 0:
                     gate.set_result(-1)
 
+        def on_abort(_: Future[str]) -> None:
+            with lock:
+                if not gate.done():
+                    gate.set_result(-2)
+
         for s, fut in futures.items():
             fut.add_done_callback(functools.partial(on_done, s))
+        if abort is not None:
+            abort.add_done_callback(on_abort)
         first_failed = gate.wait()
+        if first_failed == -2:
+            assert abort is not None
+            raise RuntimeError(
+                f"worker {self.worker}: the wait for parameter server shard(s) {sorted(wanted)} at step {self.step} "
+                f"was aborted: {abort.value()}"
+            )
         if first_failed >= 0:
             self._wait(first_failed, futures[first_failed])  # raises, naming the shard
-        return {s: self._wait(s, fut) for s, fut in futures.items()}
+        return {s: self._wait(s, futures[s]) for s in wanted}
 
     def _wait(self, s: int, fut: Future[Any]) -> Any:
         where = (

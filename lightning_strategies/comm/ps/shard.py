@@ -46,13 +46,15 @@ class ShardReply:
     """A shard's answer to one push.
 
     Attributes:
-        values: the shard's tensors after the step, packed (the same payload for every worker).
+        values: the shard's tensors after the step, packed (the same payload for every worker);
+            ``None`` in the ack of a worker's part that is not its last (no values: bytes must not
+            multiply with the number of parts).
         version: optimizer steps the shard has taken (the workers' step count).
         step_bytes: payload bytes the shard received plus sent for this step (all workers), so every
             worker can log the busiest shard without an extra collective.
     """
 
-    values: Packed
+    values: Packed | None
     version: int
     step_bytes: int
 
@@ -60,6 +62,8 @@ class ShardReply:
 @dataclass
 class _PendingStep:
     grads: dict[int, list[Tensor | None]] = field(default_factory=dict)
+    # per worker, the slices received this step (a worker may push its slices in several parts)
+    received: dict[int, set[int]] = field(default_factory=dict)
     futures: dict[int, Future[ShardReply | ShardError]] = field(default_factory=dict)
     lrs: list[float] | None = None
     bytes_in: int = 0
@@ -145,15 +149,23 @@ class ParameterShard:
     # -- pushes -------------------------------------------------------------------------------
 
     def push(
-        self, worker: int, step: int, grads: list[Tensor | None], lrs: list[float]
+        self,
+        worker: int,
+        step: int,
+        grads: list[Tensor | None],
+        lrs: list[float],
+        part: Sequence[int] | None = None,
     ) -> Future[ShardReply | ShardError]:
-        """Take worker ``worker``'s gradients for step ``step``; the future holds the new values (or a
-        :class:`ShardError`).
+        """Take worker ``worker``'s gradients for step ``step``, all at once or in parts (as its backward
+        produces them); the future of the worker's last part holds the new values, an earlier part's an
+        ack without values (or a :class:`ShardError`).
 
         Args:
-            step: the worker's step count: every worker pushes the shard's current step exactly once.
-            grads: one gradient (or ``None`` for an unused tensor) per slice of this shard.
-            lrs: the worker's current learning rate of every param group.
+            step: the worker's step count: every worker pushes every slice of the shard's current step
+                exactly once.
+            grads: one gradient (or ``None`` for an unused tensor) per slice of ``part``.
+            lrs: the worker's current learning rate of every param group (the last part's are used).
+            part: the indices of the slices ``grads`` are for (``None``: every slice, in order).
         """
         # completed later, maybe on another thread: a stream-aware future set on the shard stream
         fut: Future[ShardReply | ShardError] = self._order.future()
@@ -161,22 +173,25 @@ class ParameterShard:
         with self._lock:
             self.stats.bytes_received += nbytes
             self.stats.calls += 1
-            error = self._check_push(worker, grads, lrs) or self._check_step(worker, step)
+            error = self._check_push(worker, grads, lrs, part) or self._check_step(worker, step, part)
             if error is not None:
                 fut.set_result(ShardError(error))
                 return fut
             # the gradients were made (or received) on this thread's stream: the step waits for them
             self._order.take(grads)
             pending = self._pending
-            pending.grads[worker] = grads
-            pending.futures[worker] = fut
+            self._take_part(pending, worker, grads, part)
             pending.lrs = lrs
             pending.bytes_in += nbytes
-            if len(pending.grads) == 1 and self.num_workers > 1:
+            if pending.deadline is None and self.num_workers > 1:
                 pending.deadline = time.monotonic() + self.timeout.total_seconds()
                 self._start_watchdog()
                 self._cond.notify()
-            if len(pending.grads) < self.num_workers:
+            if len(pending.received[worker]) < len(self.params):
+                fut.set_result(ShardReply(None, self.version, 0))  # an earlier part: an ack at once
+                return fut
+            pending.futures[worker] = fut
+            if len(pending.futures) < self.num_workers:
                 return fut
             self._pending = _PendingStep()  # the watchdog finds no deadline: nothing to fail
             sent = self.num_workers * self._values_bytes
@@ -206,15 +221,34 @@ class ParameterShard:
             reply = ShardError(f"parameter server shard {self.shard_id} failed in step {self.version}: {err!r}")
         self._order.complete([pending.futures[w] for w in sorted(pending.futures)], reply)
 
-    def _check_push(self, worker: int, grads: list[Tensor | None], lrs: list[float]) -> str | None:
+    def _take_part(
+        self, pending: _PendingStep, worker: int, grads: list[Tensor | None], part: Sequence[int] | None
+    ) -> None:
+        if part is None:
+            pending.grads[worker], pending.received[worker] = grads, set(range(len(self.params)))
+            return
+        mine = pending.grads.setdefault(worker, [None] * len(self.params))
+        for k, g in zip(part, grads, strict=True):
+            mine[k] = g
+        pending.received.setdefault(worker, set()).update(part)
+
+    def _check_push(
+        self, worker: int, grads: list[Tensor | None], lrs: list[float], part: Sequence[int] | None = None
+    ) -> str | None:
         """What is wrong with a push, whatever its step (``None``: nothing)."""
         where = f"parameter server shard {self.shard_id}"
         if self._failure is not None:
             return f"{where} has failed earlier and takes no more pushes: {self._failure}"
         if not 0 <= worker < self.num_workers:
             return f"{where}: push from worker {worker}, expected a worker in [0, {self.num_workers})"
-        if len(grads) != len(self.params):
-            return f"{where}: worker {worker} pushed {len(grads)} gradients, expected {len(self.params)}"
+        expected = len(self.params) if part is None else len(part)
+        if len(grads) != expected:
+            return f"{where}: worker {worker} pushed {len(grads)} gradients, expected {expected}"
+        if part is not None and (len(set(part)) != len(part) or not all(0 <= k < len(self.params) for k in part)):
+            return (
+                f"{where}: worker {worker} pushed a part for slices {list(part)}, expected distinct slices "
+                f"in [0, {len(self.params)})"
+            )
         if len(lrs) != len(self.spec.group_sizes):
             return (
                 f"{where}: worker {worker} sent {len(lrs)} learning rates, expected one per param group "
@@ -222,7 +256,7 @@ class ParameterShard:
             )
         return None
 
-    def _check_step(self, worker: int, step: int) -> str | None:
+    def _check_step(self, worker: int, step: int, part: Sequence[int] | None = None) -> str | None:
         """What is wrong with the step of a push to the barrier (``None``: nothing)."""
         where = f"parameter server shard {self.shard_id}"
         if step != self.version:
@@ -231,7 +265,8 @@ class ParameterShard:
                 "every worker must push every step once (did a worker skip an "
                 "optimizer step, e.g. a training_step returning None on one rank only?)"
             )
-        if worker in self._pending.grads:
+        received = self._pending.received.get(worker)
+        if received and (part is None or not received.isdisjoint(part)):
             return f"{where}: worker {worker} pushed step {step} twice"
         return None
 
@@ -267,11 +302,11 @@ class ParameterShard:
     def _expire(self) -> _PendingStep:
         """Fail the open step (under the lock); the caller completes its futures outside the lock."""
         pending = self._pending
-        missing = [self.pusher_ranks[w] for w in range(self.num_workers) if w not in pending.grads]
+        missing = [self.pusher_ranks[w] for w in range(self.num_workers) if w not in pending.futures]
         self._failure = (
             f"parameter server shard {self.shard_id} waited {self.timeout.total_seconds():.0f}s for "
             f"the gradients of step {self.version} from worker(s) {missing} (received from "
-            f"{sorted(self.pusher_ranks[w] for w in pending.grads)}). Worker(s) {missing} died or are stuck; "
+            f"{sorted(self.pusher_ranks[w] for w in pending.futures)}). Worker(s) {missing} died or are stuck; "
             "check their logs. "
             "To wait longer for slow workers, raise the strategy's `timeout`."
         )
@@ -358,9 +393,9 @@ class ParameterShard:
             self._order.give(copies)
         return copies
 
-    def unpack(self, packed: Packed) -> list[Tensor | None]:
-        """A pushed payload as one gradient (or ``None``) per slice."""
-        return unpack(packed, self.params)
+    def unpack(self, packed: Packed, part: Sequence[int] | None = None) -> list[Tensor | None]:
+        """A pushed payload as one gradient (or ``None``) per slice (of ``part``, when given)."""
+        return unpack(packed, self.params if part is None else [self.params[k] for k in part])
 
     def state_dict(self) -> dict[str, Any]:
         """This shard's optimizer state: ``{"state": {slice: its state}, "param_groups": {group: options},
@@ -503,15 +538,15 @@ def hosted_shard(shard_id: int) -> ParameterShard:
 
 @async_execution
 def _rpc_push(
-    shard_id: int, worker: int, step: int, grads: Packed, lrs: list[float]
+    shard_id: int, worker: int, step: int, grads: Packed, lrs: list[float], part: list[int] | None = None
 ) -> Future[ShardReply | ShardError]:
     # returns the barrier's future at once: the RPC thread is free while the step waits
     shard = hosted_shard(shard_id)
     try:
-        unpacked = shard.unpack(grads)
-    except ValueError as err:
+        unpacked = shard.unpack(grads, part)
+    except (ValueError, IndexError) as err:
         return completed(ShardError(f"parameter server shard {shard_id}: worker {worker} pushed {err}"))
-    return shard.push(worker, step, unpacked, lrs)
+    return shard.push(worker, step, unpacked, lrs, part)
 
 
 def _rpc_state_dict(shard_id: int) -> dict[str, Any]:

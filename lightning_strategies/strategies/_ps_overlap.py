@@ -1,0 +1,166 @@
+"""The hooks that connect :class:`~lightning_strategies.comm.ps.buckets.OverlappedPush` to a model (one
+post-accumulate-grad hook per trainable tensor, one forward pre-hook per module holding any), and the
+strategy hooks that wait for every value in flight before anything else reads the weights."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
+
+from lightning_strategies.comm.ps import ParameterServerClient
+from lightning_strategies.comm.ps.buckets import DEFAULT_FIRST_BUCKET_MB, OverlappedPush
+from lightning_strategies.strategies._base import is_last_batch
+
+__all__ = ["OverlapHooks", "PushOverlapMixin"]
+
+log = logging.getLogger(__name__)
+
+
+class OverlapHooks:
+    """Pushes during backward and pulls before each module's forward, for one client and model.
+
+    A tensor held directly by ``root`` (the LightningModule, whose ``forward`` a ``training_step`` need not
+    call) or by no module is waited for in :meth:`before_training_step` instead of a pre-hook.
+
+    Args:
+        client: the worker's client (its ``params`` in the optimizer's flat order).
+        optimizer: the worker's optimizer, whose current learning rates travel with each push.
+        root: the model.
+        bucket_cap_mb: as ``DDPStrategy``'s.
+    """
+
+    def __init__(
+        self, client: ParameterServerClient, optimizer: Optimizer, root: Module, *, bucket_cap_mb: float
+    ) -> None:
+        self.push = OverlappedPush(
+            client,
+            lambda: [float(g["lr"]) for g in optimizer.param_groups],
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_mb=min(DEFAULT_FIRST_BUCKET_MB, bucket_cap_mb),  # a smaller cap: every bucket that size
+        )
+        index = {id(p): i for i, p in enumerate(client.params)}
+        self._handles: list[RemovableHandle] = [
+            p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
+            for i, p in enumerate(client.params)
+            if p.requires_grad  # a frozen tensor in the optimizer: its bucket goes at the step, with None
+        ]
+        held: set[int] = set()
+        for module in root.modules():
+            if module is root:
+                continue
+            # every module holding a tensor waits for it (a tied weight: each of its holders)
+            mine = sorted({index[id(p)] for p in module.parameters(recurse=False) if id(p) in index})
+            if mine:
+                self._handles.append(module.register_forward_pre_hook(functools.partial(self._before_forward, mine)))
+                held.update(mine)
+        self.eager = [i for i in range(len(client.params)) if i not in held]
+
+    def _grad_ready(self, index: int, _param: Tensor) -> None:
+        self.push.grad_ready(index)
+
+    def _before_forward(self, tensors: Sequence[int], _module: Module, _args: Any) -> None:
+        self.push.wait_for(tensors)
+
+    def before_training_step(self) -> None:
+        """Land the values of the tensors no pre-hook waits for (the root's own)."""
+        self.push.wait_for(self.eager)
+
+    def remove(self) -> None:
+        """Remove every hook (teardown)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+class PushOverlapMixin(DDPStrategy):
+    """The strategy side of ``overlap``: every value in flight lands before evaluation, a state dict and on
+    request; accumulating micro-batches push nothing. Set ``_overlap`` when fitting with ``overlap``."""
+
+    _overlap: OverlapHooks | None = None
+
+    @property
+    def overlap(self) -> OverlapHooks | None:
+        """The overlapped push and pull in effect (its ``push.timeline`` holds each step's timestamps)."""
+        return self._overlap
+
+    def wait_for_pulls(self) -> None:
+        """Write every shard's values in flight into the parameters (a no-op without ``overlap``)."""
+        if self._overlap is not None:
+            self._overlap.push.settle()
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulating micro-batches push nothing, as DDP's ``no_sync``: the stepping one pushes the sum."""
+        overlap = self._overlap
+        if overlap is None:
+            yield
+            return
+        overlap.push.enabled = False
+        try:
+            yield
+        finally:
+            overlap.push.enabled = True
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.wait_for_pulls()
+        return super().lightning_module_state_dict()
+
+    @override
+    def on_validation_start(self) -> None:
+        self.wait_for_pulls()
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self.wait_for_pulls()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self.wait_for_pulls()
+        super().on_predict_start()
+
+    def _settle_at_fit_end(self) -> None:
+        """After the optimizer step that ends the fit, land its values now: the callbacks' ``on_train_end``
+        runs before the strategy's, and may read the weights."""
+        trainer = self.lightning_module.trainer if self._overlap is not None and self.lightning_module else None
+        if trainer is None:
+            return
+        last_step = trainer.max_steps != -1 and trainer.global_step + 1 >= trainer.max_steps  # not counted yet
+        max_epochs = trainer.max_epochs
+        last_epoch = max_epochs is not None and max_epochs != -1 and trainer.current_epoch + 1 >= max_epochs
+        if last_step or (last_epoch and is_last_batch(trainer)):
+            self.wait_for_pulls()
+
+    def _settle_quietly(self, *, failed: bool) -> None:
+        """After a failure: land the last step's values if all have arrived (an on-exception checkpoint
+        saves them), without waiting, since a lost peer may hold some up for the whole timeout; else keep
+        the previous step's everywhere. On a clean teardown: wait for them."""
+        if self._overlap is None:
+            return
+        push = self._overlap.push
+        if failed or push.pushing:
+            if not push.settle_if_arrived():
+                log.warning(
+                    f"{type(self).__name__}: the last step's values had not all arrived: kept the step's before"
+                )
+            return
+        push.settle()
+
+    def _remove_overlap(self) -> None:
+        if self._overlap is not None:
+            self._settle_quietly(failed=getattr(self, "failed", False))
+            self._overlap.remove()
+            self._overlap = None
