@@ -74,35 +74,20 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
 
     Each step every worker pushes its gradients to the shards, each shard averages them over all workers,
     runs the user's optimizer on its slice and answers with the new values: DDP's arithmetic, with the
-    optimizer on the servers. The worker's learning rate travels with each push (LR schedulers and warmup
-    work). Under ``16-mixed`` an overflow on any rank skips the step everywhere, as under DDP
-    (:class:`~lightning_strategies.comm.amp.AgreedGradScaler` replaces Lightning's scaler, same options).
-    Logged per step (means since the last log): ``comm/bytes_sent``, ``comm/bytes_received``,
-    ``ps/server_bytes_max`` (the busiest shard's bytes in a step; the maximum), ``ps/wait_seconds`` (first
-    push to last answer; with ``overlap``, the time blocked waiting for values) and, under ``16-mixed``,
-    ``amp/step_skipped``. With ``overlap`` (the default), as DDP's reducer, the gradients go in buckets
-    (reverse layer order) as backward produces them, and the optimizer step returns once they are out: each
-    module waits before its forward only for the shards holding its parameters (first layers first), and
-    anything else that reads the weights (the next push, evaluation, checkpoints, the fit's end) waits for
-    all. A trainable tensor must then be read inside the forward of a module that holds it, or directly in
-    the LightningModule (found otherwise: an error at its backward); a callback reading the weights between
-    steps calls :meth:`wait_for_pulls` first. Under ``16-mixed`` the pushes still wait for the whole backward:
-    the scaler unscales and checks for overflow (agreed by every rank) only after it. On more than one node of
-    more than one process each, the push is hierarchical (:mod:`~lightning_strategies.comm.ps.hierarchy`):
-    reduced inside the node, ``1/L`` of it pushed across nodes by each local rank, the values all-gathered
-    inside the node (then ``comm/inter_node_bytes_*`` are logged too, and the byte counts include the node's
-    collectives); it pushes after the whole backward (no overlap yet). On a fault the RPCs to a dead rank's
-    shard fail at once, a shard waiting for a push fails after ``timeout``; the survivors' errors name the lost
-    rank(s) (a :class:`~lightning_strategies.PeerLostError` when a step failed) and RPC shuts down without
-    waiting for them.
+    optimizer on the servers; the worker's learning rates travel with the pushes. Under ``16-mixed`` an
+    overflow on any rank skips the step everywhere (:class:`~lightning_strategies.comm.amp.AgreedGradScaler`).
+    Logged per step: ``comm/bytes_sent``, ``comm/bytes_received``, ``ps/server_bytes_max``, ``ps/wait_seconds``
+    (with ``overlap``: the time blocked waiting for values) and, under ``16-mixed``, ``amp/step_skipped``.
 
-    Gradient clipping (``Trainer(gradient_clip_val=..., gradient_clip_algorithm="norm" | "value")``) happens on the
-    shards, on the averaged gradient, as DDP's Lightning clips after the all-reduce; the worker's own clipping is
-    switched off. By value each shard clamps its slice; by norm the shards first agree on the global norm (each
-    sends the squared norm of its slice to the others, one float per shard and step), then scale as
-    ``torch.nn.utils.clip_grad_norm_`` (``clip / (norm + 1e-6)``). ``Lamb(max_grad_norm=...)`` gets the same agreed
-    norm (of the clipped gradient) through its step's ``global_grad_norm``. A shard that does not send its part
-    fails the step within ``timeout``, naming it.
+    - ``overlap`` (:mod:`._ps_overlap`): gradient buckets go out as backward fills them and each module waits
+      before its next forward only for its own shards; everything else that reads the weights waits for all
+      (a callback between steps calls :meth:`wait_for_pulls`). Not under ``16-mixed`` (the overflow check
+      needs the whole backward) nor the hierarchical push.
+    - ``hierarchical`` (:mod:`~lightning_strategies.comm.ps.hierarchy`): on several nodes, reduced in the node,
+      ``1/L`` pushed across by each local rank, the values all-gathered in the node.
+    - Clipping (:mod:`._ps_clipping`): the shards clip the averaged gradient as DDP does (by norm, agreeing on
+      the global norm first); ``Lamb(max_grad_norm=...)`` gets that norm too.
+    - Faults: the survivors' errors name the lost rank(s); RPC shuts down without them. More: docs/strategies/ps.md.
 
     Args:
         num_servers: shards, hosted by ranks ``0 .. num_servers-1``; default the world size (every rank serves
@@ -119,12 +104,10 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
             hung peer (default 30 minutes; RPCs wait ``timeout`` + max(5 s, 10%), so the shard's error comes first).
 
     Raises:
-        ValueError: for a non-positive ``num_servers``, ``rpc_threads`` or ``bucket_cap_mb``, ``hierarchical`` not
-            a bool or ``None`` (or ``True`` for a strategy that pushes without a barrier); at setup, for nodes of
-            different sizes or ``num_servers`` below the world size under ``hierarchical=True``, for manual
-            optimization, more than one optimizer, an overridden ``configure_gradient_clipping`` (it cannot run on the
-            shards), an optimizer other than :class:`~lightning_strategies.optim.Lamb` with ``max_grad_norm`` over
-            several shards, or more servers than processes.
+        ValueError: for invalid options; at setup, for what the servers cannot run (manual optimization, several
+            optimizers, an overridden ``configure_gradient_clipping``, a ``max_grad_norm`` optimizer other than
+            :class:`~lightning_strategies.optim.Lamb` over several shards, more servers than processes, uneven
+            nodes under ``hierarchical=True``).
         TypeError: for DDP-wrapper options (``find_unused_parameters``, ...): there is no wrapper.
     """
 
@@ -272,8 +255,7 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
             self._server_clip = server_clip_spec(type(self).__name__, trainer, module, optimizer_norm=False)
 
     def _plan_servers(self) -> tuple[Optimizer, OptimizerSpec, list[Tensor], list[list[Slice]]]:
-        """The optimizer, its rebuild spec, its parameters and the shard plan: equal ranges of the flattened
-        parameters for an elementwise optimizer, whole tensors per server for a layer-wise one (LAMB, LARS)."""
+        """The optimizer, its rebuild spec, its parameters and the shard plan (:func:`_shard_plan`)."""
         if len(self.optimizers) != 1:
             raise ValueError(
                 f"{type(self).__name__} found {len(self.optimizers)} optimizers from configure_optimizers: "
@@ -285,39 +267,22 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
         # LAMB (timm-style) clips by the norm over *all* its tensors, and each shard sees a slice
         self._global_norm_max = global_norm_max(type(self).__name__, optimizer, self._spec, self.num_servers)
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        sizes = [p.numel() for p in params]
-        if self._spec.elementwise:
-            plan = partition_parameters(sizes, self.num_servers)
-        else:
-            plan = whole_tensor_slices(shard_parameters(sizes, self.num_servers), sizes)
-            if self.num_servers > 1:
-                loads = partition_loads(plan)
-                rank_zero_info(
-                    f"{type(self).__name__}: {type(optimizer).__qualname__} is not an elementwise optimizer "
-                    "(a layer-wise trust ratio needs whole tensors), so each server holds whole tensors: the "
-                    f"busiest of {self.num_servers} holds {max(loads) * self.num_servers / max(1, sum(loads)):.2f}x "
-                    "the mean. SGD, Adam, AdamW and the other elementwise torch.optim classes are split evenly."
-                )
+        plan = _shard_plan(type(self).__name__, optimizer, self._spec, [p.numel() for p in params], self.num_servers)
         return optimizer, self._spec, params, plan
 
     def _start_servers(self) -> None:
         _, spec, params, plan = self._plan_servers()
         if self.clips_on_servers:
             if self._global_norm_max is not None or self._server_clip is not None:
-                self._server_clip = replace(
-                    self._server_clip or ClipSpec(), optimizer_norm=self._global_norm_max is not None
-                )
+                optimizer_norm = self._global_norm_max is not None
+                self._server_clip = replace(self._server_clip or ClipSpec(), optimizer_norm=optimizer_norm)
                 self._norm_shards = [s for s, slices in enumerate(plan) if slices]  # the shards that get pushes
             self._worker_clipping = WorkerClippingOff(self.precision_plugin)
         self._share_overflow_decision()
         close_push_nodes(self._push_nodes, self._client, failed=False)
-        self._push_nodes = None
+        backend, timeout = self._get_process_group_backend(), self._timeout
         self._push_nodes = plan_push_nodes(
-            self,
-            self._hierarchical,
-            num_servers=self.num_servers,
-            backend=self._get_process_group_backend(),
-            timeout=self._timeout,
+            self, self._hierarchical, num_servers=self.num_servers, backend=backend, timeout=timeout
         )
         rank = self.global_rank
         if rank < self.num_servers:
@@ -373,20 +338,13 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
     ) -> ParameterShard:
         clip, timeout = self._server_clip, self.ps_timeout
         clipping = ShardClipping(clip, shard_id, self._norm_shards, timeout=timeout) if clip is not None else None
-        if self._push_nodes is not None:  # one pusher per node, pushing node sums already divided by P
-            pushers = self._push_nodes.pushers_of(shard_id)
-            return ParameterShard(
-                shard_id,
-                slices,
-                params,
-                spec,
-                len(pushers),
-                timeout=timeout,
-                pusher_ranks=pushers,
-                average=False,
-                clipping=clipping,
-            )
-        return ParameterShard(shard_id, slices, params, spec, self.world_size, timeout=timeout, clipping=clipping)
+        # under the hierarchical push one pusher per node, pushing node sums already divided by P
+        pushers = self._push_nodes.pushers_of(shard_id) if self._push_nodes is not None else None
+        width = self.world_size if pushers is None else len(pushers)
+        return ParameterShard(
+            shard_id, slices, params, spec, width, timeout=timeout, pusher_ranks=pushers, average=pushers is None,
+            clipping=clipping,
+        )  # fmt: skip
 
     def _push_pull(self, optimizer: Optimizer) -> None:
         assert self._client is not None
@@ -511,3 +469,22 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
                 log.warning(f"{type(self).__name__}: RPC shutdown failed: {err}")
                 shutdown_rpc(failed=True, timeout=self.ps_timeout, grace_seconds=0.0)
         super().teardown()
+
+
+def _shard_plan(
+    name: str, optimizer: Optimizer, spec: OptimizerSpec, sizes: list[int], num_servers: int
+) -> list[list[Slice]]:
+    """Equal ranges of the flattened parameters for an elementwise optimizer, whole tensors per server for a
+    layer-wise one (LAMB, LARS), said once on rank 0 with how uneven that leaves the servers."""
+    if spec.elementwise:
+        return partition_parameters(sizes, num_servers)
+    plan = whole_tensor_slices(shard_parameters(sizes, num_servers), sizes)
+    if num_servers > 1:
+        loads = partition_loads(plan)
+        rank_zero_info(
+            f"{name}: {type(optimizer).__qualname__} is not an elementwise optimizer "
+            "(a layer-wise trust ratio needs whole tensors), so each server holds whole tensors: the "
+            f"busiest of {num_servers} holds {max(loads) * num_servers / max(1, sum(loads)):.2f}x "
+            "the mean. SGD, Adam, AdamW and the other elementwise torch.optim classes are split evenly."
+        )
+    return plan
