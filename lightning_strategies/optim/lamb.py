@@ -17,16 +17,11 @@ from torch.optim.optimizer import Optimizer, ParamsT
 from typing_extensions import Self
 
 from lightning_strategies.optim._foreach import (
-    _cache_block_elements,
     _global_clip_factor,
     _GroupOptions,
     _is_real_number,
     _LayerwiseOptimizer,
     _norm_dtype,
-    _refuse_sparse_grads,
-    _require_flags,
-    _require_foreach_option,
-    _require_nonnegative,
     _require_valid,
     _split_into_cache_units,
     _use_foreach,
@@ -106,10 +101,9 @@ class Lamb(_LayerwiseOptimizer):
         }
         super().__init__(params, defaults)
 
-    def _validate_group(self, group: dict[str, Any], *, where: str) -> None:
-        _require_nonnegative(group, "lr", "learning rate", where)
-        _require_nonnegative(group, "eps", "epsilon value", where)
-        _require_nonnegative(group, "weight_decay", "weight_decay value", where)
+    _flags = ("bias_correction",)
+
+    def _validate_options(self, group: dict[str, Any], *, where: str) -> None:
         betas = group["betas"]
         _require_valid(
             isinstance(betas, Sequence) and not isinstance(betas, str) and len(betas) == 2,
@@ -129,8 +123,6 @@ class Lamb(_LayerwiseOptimizer):
             "None (no pre-normalisation) or a float > 0",
             where,
         )
-        _require_flags(group, ("bias_correction", "trust_clip", "layer_adaptation"), where)
-        _require_foreach_option(group, where)
 
     def _init_group(self, group: dict[str, Any]) -> _LambGroup:
         out = _LambGroup()
@@ -154,7 +146,6 @@ class Lamb(_LayerwiseOptimizer):
 
     def _update(self) -> None:
         params_with_grad = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        _refuse_sparse_grads("Lamb", params_with_grad)
         max_grad_norm = self.defaults["max_grad_norm"]
         grad_scale: Tensor | None = None
         if max_grad_norm is not None and params_with_grad:
@@ -254,7 +245,7 @@ def _multi_tensor_lamb(g: _LambGroup, o: _LambOptions, grad_scale: Tensor | None
         torch._foreach_add_(steps, 1.0)
         c, eps_t = _bias_terms(steps, o)
         norm_dtype = _norm_dtype(xs[0])
-        for unit in _split_into_cache_units([xs, grads, ms, vs], _cache_block_elements(xs[0].device)):
+        for unit in _split_into_cache_units([xs, grads, ms, vs]):
             # Each op below runs on one run / chunk, which stays in cache from the first op to the last;
             # a chunked tensor's step waits for its whole norm, so its chunks of r are kept until then.
             x_views, g_views, m_views, v_views = unit.tensor_lists

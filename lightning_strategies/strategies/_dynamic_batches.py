@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
@@ -120,20 +119,7 @@ def check_loop(name: str, trainer: pl.Trainer) -> None:
 
 def with_batch_sampler(dataloader: DataLoader, sampler: Sampler[list[int]]) -> DataLoader:
     """``dataloader`` with ``sampler`` for its batches (and its own loader processes, if any)."""
-    kwargs: dict[str, Any] = {}
-    if dataloader.num_workers > 0:
-        kwargs.update(
-            prefetch_factor=dataloader.prefetch_factor,
-            persistent_workers=dataloader.persistent_workers,
-            worker_init_fn=dataloader.worker_init_fn,
-            multiprocessing_context=dataloader.multiprocessing_context,
-        )
-    return DataLoader(
-        dataloader.dataset,
-        batch_sampler=sampler,
-        num_workers=dataloader.num_workers,
-        collate_fn=dataloader.collate_fn,
-        pin_memory=dataloader.pin_memory,
-        timeout=dataloader.timeout,
-        **kwargs,
-    )
+    kept = ["num_workers", "collate_fn", "pin_memory", "timeout"]
+    if dataloader.num_workers > 0:  # loader-process options: DataLoader refuses some without them
+        kept += ["prefetch_factor", "persistent_workers", "worker_init_fn", "multiprocessing_context"]
+    return DataLoader(dataloader.dataset, batch_sampler=sampler, **{k: getattr(dataloader, k) for k in kept})
