@@ -2,8 +2,8 @@
 
 The heartbeats and the diagnosis live in :mod:`lightning_strategies.comm.heartbeat` (Lightning-free); this
 package's strategies use them through :class:`PeerFailureMixin`, any other strategy through the callback
-:class:`PeerFailureReport`. The heartbeat's names a fit's code needs are re-exported here (``from lightning_strategies.faults
-import PeerLostError`` keeps working).
+:class:`PeerFailureReport`. The heartbeat's names a fit's code needs are re-exported here
+(``from lightning_strategies.faults import PeerLostError`` keeps working).
 """
 
 from __future__ import annotations

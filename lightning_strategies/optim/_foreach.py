@@ -26,6 +26,7 @@ class _LayerwiseOptimizer(Optimizer):
     constructor and ``layer_adaptation``, are filled in at their defaults, so old optimizer states load."""
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
+        defaults = {**defaults, "layer_adaptation": True}  # a param group may turn it off
         # the constructor's values are checked first, so their errors name no param group
         self._validate_group(defaults, where="")
         super().__init__(params, defaults)

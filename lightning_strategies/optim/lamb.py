@@ -73,6 +73,8 @@ class Lamb(_LayerwiseOptimizer):
         >>> opt = Lamb(param_groups(model, weight_decay=0.01), lr=2e-3)
     """
 
+    _flags = ("bias_correction",)
+
     def __init__(
         self,
         params: ParamsT,
@@ -95,13 +97,10 @@ class Lamb(_LayerwiseOptimizer):
             "weight_decay": weight_decay,
             "bias_correction": bias_correction,
             "trust_clip": trust_clip,
-            "layer_adaptation": True,
             "max_grad_norm": max_grad_norm,
             "foreach": foreach,
         }
         super().__init__(params, defaults)
-
-    _flags = ("bias_correction",)
 
     def _validate_options(self, group: dict[str, Any], *, where: str) -> None:
         betas = group["betas"]

@@ -63,6 +63,8 @@ class Lars(_LayerwiseOptimizer):
         ValueError: a hyperparameter out of range, or a complex parameter.
     """
 
+    _flags = ("nesterov",)
+
     def __init__(
         self,
         params: ParamsT,
@@ -84,12 +86,9 @@ class Lars(_LayerwiseOptimizer):
             "eps": eps,
             "nesterov": nesterov,
             "trust_clip": trust_clip,
-            "layer_adaptation": True,
             "foreach": foreach,
         }
         super().__init__(params, defaults)
-
-    _flags = ("nesterov",)
 
     def _validate_options(self, group: dict[str, Any], *, where: str) -> None:
         momentum, tc = group["momentum"], group["trust_coefficient"]
