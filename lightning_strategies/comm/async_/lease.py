@@ -124,6 +124,10 @@ class BatchLease:
     def _call(self, entry: Callable[..., Any], *args: Any) -> Future[Any]:
         return _call(self.coordinator_rank, self.worker, entry, *args, timeout=self.rpc_timeout)
 
+    def _reply(self, fut: Future[Any], what: str) -> Any:
+        where = f"the async coordinator (rank {self.coordinator_rank})"
+        return wait_reply(fut, f"worker {self.worker}: {what} {where} failed")
+
     # -- drawing --------------------------------------------------------------------------------
 
     @property
@@ -222,11 +226,7 @@ class BatchLease:
                 return
             self._refill = None
             try:
-                reply: LeaseReply = wait_reply(
-                    fut,
-                    f"worker {self.worker}: a lease of epoch {epoch} from the async coordinator (rank "
-                    f"{self.coordinator_rank}) failed",
-                )
+                reply: LeaseReply = self._reply(fut, f"a lease of epoch {epoch} from")
             except (RuntimeError, TimeoutError) as err:
                 self._error = err
                 self._cond.notify_all()
@@ -280,11 +280,7 @@ class BatchLease:
                 raise RuntimeError(
                     f"worker {self.worker}: told to stop while the staleness gate held step {mine + 1 - self.offset}"
                 )
-        reply: GateReply = wait_reply(
-            fut,
-            f"worker {self.worker}: the staleness gate at clock {mine} (async coordinator, rank "
-            f"{self.coordinator_rank}) failed",
-        )
+        reply: GateReply = self._reply(fut, f"the staleness gate at clock {mine} of")
         waited = time.perf_counter() - start
         with self._cond:
             self._known_min = reply.min_other
@@ -313,7 +309,7 @@ class BatchLease:
         """Return leased batches this worker will not train to the coordinator's queue; waits for the answer."""
         with self._cond:
             fut = self._send_report(returned=[(b.epoch, b.index) for b in batches])
-        wait_reply(fut, f"worker {self.worker}: giving batches back to the async coordinator failed")
+        self._reply(fut, "giving batches back to")
 
     def _send_report(
         self, *, finished: bool = False, publish: dict[str, Any] | None = None, returned: Sequence[tuple[int, int]] = ()
@@ -336,11 +332,7 @@ class BatchLease:
             self._report = None
             self._unconfirmed = []
             try:
-                wait_reply(
-                    fut,
-                    f"worker {self.worker}: reporting its clock to the async coordinator (rank "
-                    f"{self.coordinator_rank}) failed",
-                )
+                self._reply(fut, "reporting its clock to")
             except (RuntimeError, TimeoutError) as err:
                 self._error = err
                 return
