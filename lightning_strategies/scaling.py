@@ -150,15 +150,7 @@ def plan_scaling(
     if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int | float) or warmup_epochs < 0:
         raise ValueError(f"warmup_epochs must be a number >= 0, found {warmup_epochs!r}; set scaling.warmup_epochs")
     return ScalingPlan(
-        per_device=per_device,
-        replicas=replicas,
-        accumulate=accumulate,
-        global_batch=glob,
-        base_lr=float(base_lr),
-        base_batch_size=base_batch_size,
-        rule=rule,
-        lr=lr,
-        warmup_epochs=float(warmup_epochs),
+        per_device, replicas, accumulate, glob, float(base_lr), base_batch_size, rule, lr, float(warmup_epochs)
     )
 
 

@@ -210,6 +210,12 @@ def join_restarted_process_group(backend: str, timeout: timedelta | None) -> boo
     return True
 
 
+def exposed(attribute: str, doc: str) -> Any:
+    """A read-only property returning ``self.<attribute>``, documented by ``doc``; annotate the class
+    attribute with the value's type (``wire_dtype: str | None = exposed("_wire_dtype", "...")``)."""
+    return property(operator.attrgetter(attribute), doc=doc)
+
+
 #: The options every strategy here takes besides its own (the Trainer sets the plugins).
 _LAUNCH_OPTIONS = frozenset(
     {
@@ -249,10 +255,7 @@ class StrategyBase(PeerFailureMixin, DDPStrategy):
         self.metrics = MetricsWindow()
         self._state_at_fit_end: dict[int, dict[str, Any]] = {}  # id(optimizer) -> gathered state
 
-    @property
-    def failed(self) -> bool:
-        """Whether this run failed (``on_exception`` was called) and teardown has not finished yet."""
-        return self._failed
+    failed: bool = exposed("_failed", "Whether ``on_exception`` was called and teardown has not ended yet.")
 
     @property
     def trainer(self) -> pl.Trainer | None:
@@ -322,12 +325,6 @@ class StrategyBase(PeerFailureMixin, DDPStrategy):
 def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
     """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (or ``optimizer`` itself)."""
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-def exposed(attribute: str, doc: str) -> Any:
-    """A read-only property returning ``self.<attribute>``, documented by ``doc``; annotate the class
-    attribute with the value's type (``wire_dtype: str | None = exposed("_wire_dtype", "...")``)."""
-    return property(operator.attrgetter(attribute), doc=doc)
 
 
 def optimizer_state_unsplit(strategy: StrategyBase, optimizer: Optimizer) -> dict[str, Any]:

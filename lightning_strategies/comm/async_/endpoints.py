@@ -74,8 +74,7 @@ def _rpc_report(
     returned: list[tuple[int, int]],
 ) -> ReportReply:
     # a last report may arrive after the coordinator's teardown: the clocks no longer matter then
-    coordinator = local_coordinator()
-    if coordinator is None:
+    if (coordinator := local_coordinator()) is None:
         return ReportReply(None)
     return coordinator.report(
         worker, clock, acks, incarnation=incarnation, finished=finished, publish=publish, returned=returned
@@ -83,8 +82,7 @@ def _rpc_report(
 
 
 def _rpc_fail(worker: int, reason: str) -> None:
-    coordinator = local_coordinator()
-    if coordinator is not None:
+    if (coordinator := local_coordinator()) is not None:
         coordinator.fail(worker, reason)
 
 
@@ -93,8 +91,7 @@ def _rpc_join(worker: int, incarnation: int, name: str) -> JoinReply:
 
 
 def _rpc_leave(worker: int, incarnation: int) -> None:
-    coordinator = local_coordinator()
-    if coordinator is not None:
+    if (coordinator := local_coordinator()) is not None:
         coordinator.leave(worker, incarnation)
 
 
