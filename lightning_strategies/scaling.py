@@ -49,14 +49,8 @@ def _positive_float(name: str, value: Any, fix: str) -> float:
 
 
 def global_batch_size(per_device: int, *, replicas: int, accumulate: int = 1) -> int:
-    """Samples per optimizer step: ``per_device x replicas x accumulate``.
-
-    Args:
-        replicas: data-parallel replicas (processes that see *different* samples).
-
-    Raises:
-        ValueError: when any factor is not a positive integer.
-    """
+    """Samples per optimizer step: ``per_device x replicas x accumulate``, each a positive integer (else
+    ``ValueError``); ``replicas`` are data-parallel (processes that see *different* samples)."""
     _positive_int("per-device batch size", per_device, "set data.batch_size to 1 or more")
     _positive_int("replicas", replicas, "a strategy has at least one data-parallel replica")
     _positive_int("accumulate", accumulate, "set trainer.accumulate_grad_batches to 1 or more")

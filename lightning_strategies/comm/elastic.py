@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from lightning_strategies.comm.heartbeat import _FAILED, DEFAULT_INTERVAL, GRACE_INTERVALS, Heartbeat
+from lightning_strategies.comm.heartbeat import _FAILED, DEFAULT_INTERVAL, GRACE_INTERVALS, Heartbeat, _create_keys
 from lightning_strategies.comm.ps import Packed, hosted_shard
-from lightning_strategies.comm.rpc import store_url, worker_name
+from lightning_strategies.comm.rpc import init_rpc, worker_name
 
 __all__ = [
     "MembershipMonitor",
@@ -125,14 +125,9 @@ def init_member_rpc(
         earlier = [f"rpc_joined/{k}/0" for k in range(rank)]
         if earlier:
             store.wait(earlier, max(timeout, timedelta(minutes=5)))
-    rpc_store = dist.PrefixStore("rpc", connect())
-    options = rpc.TensorPipeRpcBackendOptions(
-        num_worker_threads=num_threads, rpc_timeout=join_timeout, init_method=store_url(rpc_store)
-    )
-    for peer, mapping in (device_maps or {}).items():
-        options.set_device_map(peer, dict(mapping))  # type: ignore[arg-type]
     try:
-        rpc.init_rpc(name, rank=rpc_id, world_size=None, rpc_backend_options=options)
+        init_rpc(rpc_id, None, dist.PrefixStore("rpc", connect()), timeout=timedelta(seconds=join_timeout),
+                 num_threads=num_threads, device_maps=device_maps, name=name)  # fmt: skip
     except Exception as err:
         remove_from_torch_rpc_group(dist.PrefixStore("rpc", connect()), name, rpc_id, me=None)
         cause = err.__context__ or err  # torch's clean-up error hides the join's own
@@ -320,8 +315,7 @@ class MembershipMonitor:
         store = self.heartbeat.store
         for rank in ranks:
             if rank not in self._created:  # multi_get waits for a missing key: create both first
-                store.add(f"beat/{rank}", 0)
-                store.add(f"mark/{rank}", 0)
+                _create_keys(store, rank)
                 self._created.add(rank)
         values = store.multi_get([f"beat/{r}" for r in ranks] + [f"mark/{r}" for r in ranks])
         now = time.monotonic()

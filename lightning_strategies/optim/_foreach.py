@@ -63,11 +63,8 @@ class _LayerwiseOptimizer(Optimizer):
                 group.setdefault(key, value)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add ``param_group`` as torch does (keys it lacks take the constructor's values), then validate it.
-
-        Raises:
-            ValueError: an invalid hyperparameter or a complex parameter (the group is not added).
-        """
+        """Add ``param_group`` as torch does (keys it lacks take the constructor's values), then validate it:
+        ``ValueError`` for an invalid hyperparameter or a complex parameter (the group is not added)."""
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         try:
@@ -79,11 +76,8 @@ class _LayerwiseOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Perform one optimisation step; returns the loss of ``closure`` (called with grad enabled), if given.
-
-        Raises:
-            RuntimeError: a parameter has a sparse gradient.
-        """
+        """Perform one optimisation step; returns the loss of ``closure`` (called with grad enabled), if given
+        (``RuntimeError`` for a sparse gradient)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

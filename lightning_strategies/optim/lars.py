@@ -55,9 +55,8 @@ class Lars(_LayerwiseOptimizer):
         trust_clip: LARC's clipping: scale each tensor's step by ``min(local / lr, 1)``, so its effective rate is
             ``min(local, lr)``: the layer-wise rate may lower the global one, never raise it (NVIDIA apex
             ``LARC(clip=True)``, timm ``trust_clip``).
-        foreach: use the multi-tensor ``torch._foreach_*`` path (``None``: whenever every parameter is a plain tensor
-            on CPU, CUDA or XPU; cache blocked on CPU as in :class:`~lightning_strategies.optim.Lamb`). Both paths
-            run the same operations in the same order.
+        foreach: the multi-tensor path, as for :class:`~lightning_strategies.optim.Lamb` (the same operations in
+            the same order as the per-tensor one).
 
     Raises:
         ValueError: a hyperparameter out of range, or a complex parameter.

@@ -24,7 +24,7 @@ from typing_extensions import override
 from lightning_strategies._errors import ddp_options_set
 from lightning_strategies.checkpoint import ATOMIC_CHECKPOINT_IO_DEFAULT
 from lightning_strategies.faults import PeerFailureMixin
-from lightning_strategies.strategies._lightning_internals import logged_step, predict_nothing, should_update_logs
+from lightning_strategies.strategies._lightning_internals import logged_step, should_update_logs
 
 __all__ = [
     "MetricsWindow",
@@ -36,8 +36,6 @@ __all__ = [
     "log_due",
     "log_values",
     "optimizer_state_unsplit",
-    "predict_nothing",
-    "should_update_logs",
     "unwrap_optimizer",
 ]
 
@@ -262,6 +260,13 @@ class StrategyBase(PeerFailureMixin, DDPStrategy):
         """The trainer running this strategy (``None`` before a module is attached to one)."""
         module = self.lightning_module
         return module._trainer if module is not None else None
+
+    @property
+    def _module(self) -> pl.LightningModule:
+        """The attached LightningModule, in hooks that only run with one."""
+        module = self.lightning_module
+        assert module is not None
+        return module
 
     @override
     def setup_distributed(self) -> None:

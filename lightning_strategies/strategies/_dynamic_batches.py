@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
@@ -14,6 +15,7 @@ from lightning_strategies.strategies._lightning_internals import every_n_train_s
 __all__ = ["DynamicBatchSampler", "check_loop", "plan_of", "training_plan", "with_batch_sampler"]
 
 
+@dataclass(eq=False)
 class DynamicBatchSampler(Sampler[list[int]]):
     """A batch sampler that takes each next batch from a shared queue and stops when it is empty; no ``__len__``
     on purpose, since each rank takes as many batches as it can (Lightning then fetches one ahead).
@@ -26,23 +28,16 @@ class DynamicBatchSampler(Sampler[list[int]]):
         restart: called when an iteration starts (Lightning drops an iterator it prefetched from).
     """
 
-    def __init__(
-        self,
-        plan: DataPlan,
-        draw: Callable[[int, DataPlan], list[int] | None],
-        epoch: Callable[[], int],
-        restart: Callable[[], None] | None = None,
-    ) -> None:
-        self.plan = plan
-        self._draw = draw
-        self._epoch = epoch
-        self._restart = restart
+    plan: DataPlan
+    draw: Callable[[int, DataPlan], list[int] | None]
+    epoch: Callable[[], int]
+    restart: Callable[[], None] | None = None
 
     def __iter__(self) -> Iterator[list[int]]:
-        if self._restart is not None:
-            self._restart()  # a new iteration: what the last one drew and no step trained is given back
-        epoch = self._epoch()  # read lazily: Lightning creates the iterator before the epoch starts
-        while (batch := self._draw(epoch, self.plan)) is not None:
+        if self.restart is not None:
+            self.restart()  # a new iteration: what the last one drew and no step trained is given back
+        epoch = self.epoch()  # read lazily: Lightning creates the iterator before the epoch starts
+        while (batch := self.draw(epoch, self.plan)) is not None:
             yield batch
 
 

@@ -215,8 +215,7 @@ class PipelineSplit(ModelParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The whole model on global rank 0 (``{}`` elsewhere), streamed from replica 0's stages."""
-        module = self.lightning_module
-        assert module is not None
+        module = self._module
         if self._mesh is None and self._model_at_fit_end is not None:
             return self._model_at_fit_end
         pp_group = self._gathers()
@@ -252,8 +251,7 @@ class PipelineSplit(ModelParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Copy this rank's stages' tensors (and those outside the blocks), checking the rest's keys and shapes."""
-        module = self.lightning_module
-        assert module is not None
+        module = self._module
         state = checkpoint["state_dict"]
         own = module.state_dict(keep_vars=True)
         placeholders = {k for k, v in own.items() if isinstance(v, Tensor) and v.is_meta}

@@ -189,11 +189,8 @@ class AsyncCoordinator:
             if self._chief.failure is not None:
                 return completed(ShardError(f"the async coordinator has failed earlier: {self._chief.failure}"))
             if w is None:
-                return completed(
-                    ShardError(
-                        f"async coordinator: refill from worker {worker}, expected one of the workers {self.ranks}"
-                    )
-                )
+                unknown = f"async coordinator: refill from worker {worker}, expected one of the workers {self.ranks}"
+                return completed(ShardError(unknown))
             error = self._members.check_refill(w, epoch, plan, incarnation)
             if error is not None:
                 return completed(ShardError(error))

@@ -32,11 +32,7 @@ def local_coordinator() -> AsyncCoordinator | None:
 
 
 def hosted_coordinator() -> AsyncCoordinator:
-    """The coordinator, which this process must host (RPC entry points call this).
-
-    Raises:
-        RuntimeError: when this process does not host it.
-    """
+    """The coordinator, which this process must host (``RuntimeError`` if not); RPC entry points call this."""
     if not _COORDINATORS:
         raise RuntimeError(f"{current_name()} hosts no async coordinator; rank 0 should")
     return _COORDINATORS[0]

@@ -156,34 +156,34 @@ class BatchLease:
                     self._end_loop_epoch()
                 self._loop_epoch = epoch
             start = None
-            while True:
-                if self._error is not None:
-                    raise self._error
-                if limit is not None and self._taken >= limit:
-                    self._end_loop_epoch()
-                    return None
-                if self._batches:
-                    batch = self._batches.popleft()
-                    self._taken += 1
-                    self._maybe_refill(epoch, plan, limit)
-                    if start is not None:
-                        self.wait_seconds += time.perf_counter() - start
-                    return batch
-                if self._stop or self._over:
-                    self._end_loop_epoch()
-                    if start is not None:
-                        self.wait_seconds += time.perf_counter() - start
-                    return None
-                if self._refill is None:
-                    self._start_refill(epoch, plan, self._want(limit))
-                    continue  # a local coordinator may have answered already
-                start = time.perf_counter() if start is None else start
-                self._cond.wait(_POLL_S)
-                if should_stop is not None and should_stop():
-                    raise RuntimeError(
-                        f"worker {self.worker}: told to stop while waiting for a lease of epoch {epoch} from the "
-                        f"async coordinator (rank {self.coordinator_rank})"
-                    )
+            try:
+                while True:
+                    if self._error is not None:
+                        raise self._error
+                    if limit is not None and self._taken >= limit:
+                        self._end_loop_epoch()
+                        return None
+                    if self._batches:
+                        batch = self._batches.popleft()
+                        self._taken += 1
+                        self._maybe_refill(epoch, plan, limit)
+                        return batch
+                    if self._stop or self._over:
+                        self._end_loop_epoch()
+                        return None
+                    if self._refill is None:
+                        self._start_refill(epoch, plan, self._want(limit))
+                        continue  # a local coordinator may have answered already
+                    start = time.perf_counter() if start is None else start
+                    self._cond.wait(_POLL_S)
+                    if should_stop is not None and should_stop():
+                        raise RuntimeError(
+                            f"worker {self.worker}: told to stop while waiting for a lease of epoch {epoch} from "
+                            f"the async coordinator (rank {self.coordinator_rank})"
+                        )
+            finally:
+                if start is not None:  # the time this call waited for a refill
+                    self.wait_seconds += time.perf_counter() - start
 
     def _end_loop_epoch(self) -> None:
         self._over = False
