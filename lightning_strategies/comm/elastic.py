@@ -102,8 +102,8 @@ def init_member_rpc(
 
     A relaunched worker first waits until its rank's last incarnation has been evicted; the run's first
     members join in rank order. One attempt per process (torch names the group's store after a
-    per-process count of inits, which every member must share): a failed join cleans up and raises, and
-    the process is started again as a fresh incarnation.
+    per-process count of inits, which every member must share): a failed join cleans up and raises
+    ``RuntimeError`` (naming the cause and the fix), and the process is started again as a fresh incarnation.
 
     Args:
         store: the run's namespace in the job's store (this process's connection).
@@ -111,9 +111,6 @@ def init_member_rpc(
             the RPC timeout, and a store wait that timed out leaves its connection unusable).
         join_timeout: the agent's default RPC timeout, bounding the join's calls (a frozen member
             still listed fails it after that long; a loaded machine needs more than a few seconds).
-
-    Raises:
-        RuntimeError: the join failed (the message names the cause and the fix).
     """
     name = member_name(rank, incarnation)
     rpc_id = member_id(rank, incarnation, world_size)

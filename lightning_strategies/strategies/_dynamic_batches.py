@@ -42,12 +42,8 @@ class DynamicBatchSampler(Sampler[list[int]]):
 
 
 def training_plan(name: str, dataloader: object, workers: int) -> DataPlan:
-    """The :class:`DataPlan` of a training loader that ``workers`` share batch by batch.
-
-    Raises:
-        TypeError: not a ``DataLoader`` over a map-style dataset, or no batch size.
-        ValueError: fewer batches than workers.
-    """
+    """The :class:`DataPlan` of a training loader that ``workers`` share batch by batch: ``TypeError`` unless a
+    ``DataLoader`` over a map-style dataset with a batch size, ``ValueError`` for fewer batches than workers."""
     if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
         raise TypeError(
             f"{name} found a training loader of type {type(dataloader).__qualname__}"

@@ -143,10 +143,8 @@ class BatchLease:
         Args:
             plan: how the epoch is batched (the same on every rank).
             limit: at most this many batches in the epoch (``Trainer(limit_train_batches=n)``).
-            should_stop: polled while waiting; when it returns True the wait raises.
-
-        Raises:
-            RuntimeError / TimeoutError: naming what the coordinator waited for, or the failure.
+            should_stop: polled while waiting; when it returns True the wait raises. A failed refill raises
+                ``RuntimeError`` / ``TimeoutError``, naming what the coordinator waited for, or the failure.
         """
         with self._cond:
             if epoch != self._loop_epoch:
