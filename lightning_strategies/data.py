@@ -40,17 +40,13 @@ class PrefetchConfig:
     device_prefetch: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0:
+        if type(self.num_workers) is not int or self.num_workers < 0:  # a bool is no count
             raise ValueError(
                 f"num_workers must be an integer >= 0, found {self.num_workers!r}; "
                 "set data.num_workers=0 to load in the training process"
             )
         if self.prefetch_factor is not None:
-            if (
-                isinstance(self.prefetch_factor, bool)
-                or not isinstance(self.prefetch_factor, int)
-                or self.prefetch_factor < 1
-            ):
+            if type(self.prefetch_factor) is not int or self.prefetch_factor < 1:
                 raise ValueError(f"prefetch_factor must be a positive integer or None, found {self.prefetch_factor!r}")
             if self.num_workers == 0:
                 raise ValueError(
@@ -115,17 +111,9 @@ class DevicePrefetcher:
             log.info("device_prefetch: batches stay on %s, nothing to copy ahead (a no-op)", self.device)
             _cpu_notice_given = True
 
-    @property
-    def sampler(self) -> Any:
-        return getattr(self.loader, "sampler", None)
-
-    @property
-    def batch_sampler(self) -> Any:
-        return getattr(self.loader, "batch_sampler", None)
-
-    @property
-    def dataset(self) -> Any:
-        return getattr(self.loader, "dataset", None)
+    sampler: Any = property(lambda self: getattr(self.loader, "sampler", None))
+    batch_sampler: Any = property(lambda self: getattr(self.loader, "batch_sampler", None))
+    dataset: Any = property(lambda self: getattr(self.loader, "dataset", None))
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]

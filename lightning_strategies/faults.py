@@ -2,8 +2,8 @@
 
 The heartbeats and the diagnosis live in :mod:`lightning_strategies.comm.heartbeat` (Lightning-free); this
 package's strategies use them through :class:`PeerFailureMixin`, any other strategy through the callback
-:class:`PeerFailureReport`. The heartbeat's public names are re-exported here (``from lightning_strategies.faults
-import PeerLostError`` keeps working).
+:class:`PeerFailureReport`. The heartbeat's names a fit's code needs are re-exported here
+(``from lightning_strategies.faults import PeerLostError`` keeps working).
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from typing_extensions import override
 
 from lightning_strategies.comm.heartbeat import (
     DEFAULT_INTERVAL,
-    DEFAULT_STORE_TIMEOUT,
-    DEFAULT_WATCH_GRACE,
     GRACE_INTERVALS,
     Heartbeat,
     PeerDiagnosis,
@@ -34,8 +32,6 @@ from lightning_strategies.comm.heartbeat import (
 
 __all__ = [
     "DEFAULT_INTERVAL",
-    "DEFAULT_STORE_TIMEOUT",
-    "DEFAULT_WATCH_GRACE",
     "GRACE_INTERVALS",
     "Heartbeat",
     "PeerDiagnosis",

@@ -29,11 +29,8 @@ class PipelineModule(Protocol):
 
 
 def check_pipeline_module(module: Any) -> None:
-    """Raise when ``module`` does not implement :class:`PipelineModule`.
-
-    Raises:
-        TypeError: naming the missing methods and what each must return.
-    """
+    """Raise ``TypeError``, naming the missing methods and what each must return, when ``module`` does not
+    implement :class:`PipelineModule`."""
     missing = [name for name in ("pipeline_layers", "pipeline_loss") if not callable(getattr(module, name, None))]
     if missing:
         raise TypeError(

@@ -49,14 +49,8 @@ def _positive_float(name: str, value: Any, fix: str) -> float:
 
 
 def global_batch_size(per_device: int, *, replicas: int, accumulate: int = 1) -> int:
-    """Samples per optimizer step: ``per_device x replicas x accumulate``.
-
-    Args:
-        replicas: data-parallel replicas (processes that see *different* samples).
-
-    Raises:
-        ValueError: when any factor is not a positive integer.
-    """
+    """Samples per optimizer step: ``per_device x replicas x accumulate``, each a positive integer (else
+    ``ValueError``); ``replicas`` are data-parallel (processes that see *different* samples)."""
     _positive_int("per-device batch size", per_device, "set data.batch_size to 1 or more")
     _positive_int("replicas", replicas, "a strategy has at least one data-parallel replica")
     _positive_int("accumulate", accumulate, "set trainer.accumulate_grad_batches to 1 or more")
@@ -150,15 +144,7 @@ def plan_scaling(
     if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int | float) or warmup_epochs < 0:
         raise ValueError(f"warmup_epochs must be a number >= 0, found {warmup_epochs!r}; set scaling.warmup_epochs")
     return ScalingPlan(
-        per_device=per_device,
-        replicas=replicas,
-        accumulate=accumulate,
-        global_batch=glob,
-        base_lr=float(base_lr),
-        base_batch_size=base_batch_size,
-        rule=rule,
-        lr=lr,
-        warmup_epochs=float(warmup_epochs),
+        per_device, replicas, accumulate, glob, float(base_lr), base_batch_size, rule, lr, float(warmup_epochs)
     )
 
 

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from lightning_strategies.comm.heartbeat import _FAILED, DEFAULT_INTERVAL, GRACE_INTERVALS, Heartbeat
+from lightning_strategies.comm.heartbeat import _FAILED, DEFAULT_INTERVAL, GRACE_INTERVALS, Heartbeat, _create_keys
 from lightning_strategies.comm.ps import Packed, hosted_shard
-from lightning_strategies.comm.rpc import store_url, worker_name
+from lightning_strategies.comm.rpc import init_rpc, worker_name
 
 __all__ = [
     "MembershipMonitor",
@@ -102,8 +102,8 @@ def init_member_rpc(
 
     A relaunched worker first waits until its rank's last incarnation has been evicted; the run's first
     members join in rank order. One attempt per process (torch names the group's store after a
-    per-process count of inits, which every member must share): a failed join cleans up and raises, and
-    the process is started again as a fresh incarnation.
+    per-process count of inits, which every member must share): a failed join cleans up and raises
+    ``RuntimeError`` (naming the cause and the fix), and the process is started again as a fresh incarnation.
 
     Args:
         store: the run's namespace in the job's store (this process's connection).
@@ -111,9 +111,6 @@ def init_member_rpc(
             the RPC timeout, and a store wait that timed out leaves its connection unusable).
         join_timeout: the agent's default RPC timeout, bounding the join's calls (a frozen member
             still listed fails it after that long; a loaded machine needs more than a few seconds).
-
-    Raises:
-        RuntimeError: the join failed (the message names the cause and the fix).
     """
     name = member_name(rank, incarnation)
     rpc_id = member_id(rank, incarnation, world_size)
@@ -125,14 +122,9 @@ def init_member_rpc(
         earlier = [f"rpc_joined/{k}/0" for k in range(rank)]
         if earlier:
             store.wait(earlier, max(timeout, timedelta(minutes=5)))
-    rpc_store = dist.PrefixStore("rpc", connect())
-    options = rpc.TensorPipeRpcBackendOptions(
-        num_worker_threads=num_threads, rpc_timeout=join_timeout, init_method=store_url(rpc_store)
-    )
-    for peer, mapping in (device_maps or {}).items():
-        options.set_device_map(peer, dict(mapping))  # type: ignore[arg-type]
     try:
-        rpc.init_rpc(name, rank=rpc_id, world_size=None, rpc_backend_options=options)
+        init_rpc(rpc_id, None, dist.PrefixStore("rpc", connect()), timeout=timedelta(seconds=join_timeout),
+                 num_threads=num_threads, device_maps=device_maps, name=name)  # fmt: skip
     except Exception as err:
         remove_from_torch_rpc_group(dist.PrefixStore("rpc", connect()), name, rpc_id, me=None)
         cause = err.__context__ or err  # torch's clean-up error hides the join's own
@@ -320,8 +312,7 @@ class MembershipMonitor:
         store = self.heartbeat.store
         for rank in ranks:
             if rank not in self._created:  # multi_get waits for a missing key: create both first
-                store.add(f"beat/{rank}", 0)
-                store.add(f"mark/{rank}", 0)
+                _create_keys(store, rank)
                 self._created.add(rank)
         values = store.multi_get([f"beat/{r}" for r in ranks] + [f"mark/{r}" for r in ranks])
         now = time.monotonic()

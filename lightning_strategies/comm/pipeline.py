@@ -144,7 +144,6 @@ class _Timer:
 
     def __init__(self, device: torch.device) -> None:
         self._device = torch.device(device)
-        self._cuda = self._device.type == "cuda"
         self._seconds = 0.0
         self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 

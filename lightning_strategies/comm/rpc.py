@@ -105,16 +105,18 @@ def store_url(store: dist.Store) -> str:
 
 def init_rpc(
     rank: int,
-    world_size: int,
+    world_size: int | None,
     init_method: str | dist.Store,
     *,
     timeout: timedelta,
     num_threads: int = 4,
     device_maps: Mapping[str, Mapping[torch.device, torch.device]] | None = None,
+    name: str | None = None,
 ) -> None:
-    """Start this process's TensorPipe RPC agent as :func:`worker_name` ``(rank)``.
+    """Start this process's TensorPipe RPC agent as ``name`` (default :func:`worker_name` ``(rank)``).
 
     Args:
+        world_size: ``None`` for torch's dynamic membership (processes join a running group).
         init_method: the store to meet in (:func:`rendezvous_store`), or a URL torch's RPC takes
             (``tcp://host:port``: a port picked beforehand may be taken before it is bound).
         timeout: default timeout of every RPC (and of the rendezvous).
@@ -133,7 +135,7 @@ def init_rpc(
         # torch's own TensorPipe init exchanges device maps through a gloo Backend object and warns
         # that using a Backend as a ProcessGroup is deprecated: nothing a caller can change (torch 2.14)
         warnings.filterwarnings("ignore", message=r".*ProcessGroupGloo.* as a ProcessGroup", category=UserWarning)
-        rpc.init_rpc(worker_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
+        rpc.init_rpc(name or worker_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
 
 
 def shutdown_rpc(*, failed: bool, timeout: timedelta, grace_seconds: float = 1.0) -> None:

@@ -11,7 +11,7 @@ gives the module back whole.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -312,12 +312,6 @@ class TensorParallelModule:
     @property
     def tp_size(self) -> int:
         return self.mesh.size()
-
-    def sharded_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """The parameters split over the group (``Shard`` placement)."""
-        for name, p in self.module.named_parameters():
-            if is_sharded(p):
-                yield name, p
 
     def unparallelize(self) -> nn.Module:
         """Every ``DTensor`` parameter back to a plain full one, hooks removed (a collective over the group)."""

@@ -26,12 +26,28 @@ class _LayerwiseOptimizer(Optimizer):
     constructor and ``layer_adaptation``, are filled in at their defaults, so old optimizer states load."""
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
+        defaults = {**defaults, "layer_adaptation": True}  # a param group may turn it off
         # the constructor's values are checked first, so their errors name no param group
         self._validate_group(defaults, where="")
         super().__init__(params, defaults)
 
     def _validate_group(self, group: dict[str, Any], *, where: str) -> None:
-        """Raise ``ValueError`` for an invalid hyperparameter of ``group`` (message prefixed by ``where``)."""
+        """Raise ``ValueError`` for an invalid hyperparameter of ``group`` (message prefixed by ``where``): the
+        options both optimizers have here, the others in :meth:`_validate_options`."""
+        for key, what in (("lr", "learning rate"), ("eps", "epsilon value"), ("weight_decay", "weight_decay value")):
+            value = group[key]
+            _require_valid(_is_real_number(value) and value >= 0.0, what, value, f"a float >= 0 ({key}=...)", where)
+        for key in ("trust_clip", "layer_adaptation", *self._flags):
+            _require_valid(isinstance(group[key], bool), f"{key} value", group[key], "True or False", where)
+        foreach = group["foreach"]
+        _require_valid(foreach in (None, True, False), "foreach value", foreach, "None, True or False", where)
+        self._validate_options(group, where=where)
+
+    #: The subclass's own ``bool`` options.
+    _flags: tuple[str, ...] = ()
+
+    def _validate_options(self, group: dict[str, Any], *, where: str) -> None:
+        """Raise ``ValueError`` for an invalid value of an option only this optimizer has."""
         raise NotImplementedError
 
     def _update(self) -> None:
@@ -47,11 +63,8 @@ class _LayerwiseOptimizer(Optimizer):
                 group.setdefault(key, value)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add ``param_group`` as torch does (keys it lacks take the constructor's values), then validate it.
-
-        Raises:
-            ValueError: an invalid hyperparameter or a complex parameter (the group is not added).
-        """
+        """Add ``param_group`` as torch does (keys it lacks take the constructor's values), then validate it:
+        ``ValueError`` for an invalid hyperparameter or a complex parameter (the group is not added)."""
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         try:
@@ -63,22 +76,21 @@ class _LayerwiseOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Perform one optimisation step; returns the loss of ``closure`` (called with grad enabled), if given.
-
-        Raises:
-            RuntimeError: a parameter has a sparse gradient.
-        """
-        loss = _closure_loss(closure)
+        """Perform one optimisation step; returns the loss of ``closure`` (called with grad enabled), if given
+        (``RuntimeError`` for a sparse gradient)."""
+        loss = self._begin_step(closure)
         self._update()
         return loss
 
-
-def _closure_loss(closure: Callable[[], float] | None) -> float | None:
-    """The loss of an optimizer step's ``closure`` (called with grad enabled), ``None`` without one."""
-    if closure is None:
-        return None
-    with torch.enable_grad():
-        return closure()
+    def _begin_step(self, closure: Callable[[], float] | None) -> float | None:
+        """The loss of the step's ``closure`` (called with grad enabled; ``None`` without one), then every group
+        checked for sparse gradients before any is updated: an error leaves no half-applied step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        _refuse_sparse_grads(type(self).__name__, [p for g in self.param_groups for p in g["params"]])
+        return loss
 
 
 @dataclass(frozen=True)
@@ -174,13 +186,15 @@ class _CacheUnit:
         return stacked.square().sum().sqrt().reshape(1) if self.chunked else stacked
 
 
-def _split_into_cache_units(tensor_lists: list[list[Tensor]], block: int | None) -> list[_CacheUnit]:
-    """Split parallel tensor lists into units of at most ``block`` elements (``None``: one unit of everything).
+def _split_into_cache_units(tensor_lists: list[list[Tensor]]) -> list[_CacheUnit]:
+    """Split parallel tensor lists (on one device) into units of at most ``CPU_BLOCK_ELEMENTS`` elements on CPU,
+    one unit of everything elsewhere.
 
     A larger contiguous tensor is a unit alone, in chunks; a non-contiguous one (channels_last) cannot be viewed flat
     and joins a run whole.
     """
     n = len(tensor_lists[0])
+    block = _cache_block_elements(tensor_lists[0][0].device)
     if block is None:
         return [_CacheUnit(list(range(n)), [list(t) for t in tensor_lists], False)]
     units: list[_CacheUnit] = []
@@ -242,19 +256,3 @@ def _require_valid(ok: bool, what: str, value: object, expected: str, where: str
 def _is_real_number(value: object) -> bool:
     """Whether ``value`` is an int or float (a bool is not, though Python counts it as an int)."""
     return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _require_nonnegative(group: dict[str, Any], key: str, what: str, where: str) -> None:
-    """Require ``group[key]`` to be a real number >= 0 (``what`` names it in torch's words)."""
-    value = group[key]
-    _require_valid(_is_real_number(value) and value >= 0.0, what, value, f"a float >= 0 ({key}=...)", where)
-
-
-def _require_flags(group: dict[str, Any], keys: Iterable[str], where: str) -> None:
-    for key in keys:
-        _require_valid(isinstance(group[key], bool), f"{key} value", group[key], "True or False", where)
-
-
-def _require_foreach_option(group: dict[str, Any], where: str) -> None:
-    foreach = group["foreach"]
-    _require_valid(foreach in (None, True, False), "foreach value", foreach, "None, True or False", where)

@@ -17,17 +17,11 @@ from torch.optim.optimizer import Optimizer, ParamsT
 from typing_extensions import Self
 
 from lightning_strategies.optim._foreach import (
-    _cache_block_elements,
-    _closure_loss,
     _global_clip_factor,
     _GroupOptions,
     _is_real_number,
     _LayerwiseOptimizer,
     _norm_dtype,
-    _refuse_sparse_grads,
-    _require_flags,
-    _require_foreach_option,
-    _require_nonnegative,
     _require_valid,
     _split_into_cache_units,
     _use_foreach,
@@ -81,6 +75,8 @@ class Lamb(_LayerwiseOptimizer):
         >>> opt = Lamb(param_groups(model, weight_decay=0.01), lr=2e-3)
     """
 
+    _flags = ("bias_correction",)
+
     def __init__(
         self,
         params: ParamsT,
@@ -103,16 +99,12 @@ class Lamb(_LayerwiseOptimizer):
             "weight_decay": weight_decay,
             "bias_correction": bias_correction,
             "trust_clip": trust_clip,
-            "layer_adaptation": True,
             "max_grad_norm": max_grad_norm,
             "foreach": foreach,
         }
         super().__init__(params, defaults)
 
-    def _validate_group(self, group: dict[str, Any], *, where: str) -> None:
-        _require_nonnegative(group, "lr", "learning rate", where)
-        _require_nonnegative(group, "eps", "epsilon value", where)
-        _require_nonnegative(group, "weight_decay", "weight_decay value", where)
+    def _validate_options(self, group: dict[str, Any], *, where: str) -> None:
         betas = group["betas"]
         _require_valid(
             isinstance(betas, Sequence) and not isinstance(betas, str) and len(betas) == 2,
@@ -132,8 +124,6 @@ class Lamb(_LayerwiseOptimizer):
             "None (no pre-normalisation) or a float > 0",
             where,
         )
-        _require_flags(group, ("bias_correction", "trust_clip", "layer_adaptation"), where)
-        _require_foreach_option(group, where)
 
     def _init_group(self, group: dict[str, Any]) -> _LambGroup:
         out = _LambGroup()
@@ -159,24 +149,21 @@ class Lamb(_LayerwiseOptimizer):
     def step(  # type: ignore[override]
         self, closure: Callable[[], float] | None = None, *, global_grad_norm: Tensor | float | None = None
     ) -> float | None:
-        """Perform one optimisation step; returns the loss of ``closure`` (called with grad enabled), if given.
+        """Perform one optimisation step; returns the loss of ``closure`` (called with grad enabled), if given
+        (``RuntimeError`` for a sparse gradient).
 
         Args:
             global_grad_norm: the norm of the *whole model's* gradient for ``max_grad_norm``, when this optimizer
                 holds only part of the model's tensors: the parameter servers agree on it across shards and
                 pass it here, so every shard pre-normalises as one optimizer over the whole model would.
                 ``None``: the norm over this optimizer's own gradients. Ignored without ``max_grad_norm``.
-
-        Raises:
-            RuntimeError: a parameter has a sparse gradient.
         """
-        loss = _closure_loss(closure)
+        loss = self._begin_step(closure)
         self._update(global_grad_norm)
         return loss
 
     def _update(self, global_grad_norm: Tensor | float | None = None) -> None:
         params_with_grad = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        _refuse_sparse_grads("Lamb", params_with_grad)
         max_grad_norm = self.defaults["max_grad_norm"]
         grad_scale: Tensor | None = None
         if max_grad_norm is not None and params_with_grad:
@@ -277,7 +264,7 @@ def _multi_tensor_lamb(g: _LambGroup, o: _LambOptions, grad_scale: Tensor | None
         torch._foreach_add_(steps, 1.0)
         c, eps_t = _bias_terms(steps, o)
         norm_dtype = _norm_dtype(xs[0])
-        for unit in _split_into_cache_units([xs, grads, ms, vs], _cache_block_elements(xs[0].device)):
+        for unit in _split_into_cache_units([xs, grads, ms, vs]):
             # Each op below runs on one run / chunk, which stays in cache from the first op to the last;
             # a chunked tensor's step waits for its whole norm, so its chunks of r are kept until then.
             x_views, g_views, m_views, v_views = unit.tensor_lists

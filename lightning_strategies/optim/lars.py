@@ -14,15 +14,10 @@ from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from lightning_strategies.optim._foreach import (
-    _cache_block_elements,
     _GroupOptions,
     _is_real_number,
     _LayerwiseOptimizer,
     _norm_dtype,
-    _refuse_sparse_grads,
-    _require_flags,
-    _require_foreach_option,
-    _require_nonnegative,
     _require_valid,
     _split_into_cache_units,
     _use_foreach,
@@ -60,13 +55,14 @@ class Lars(_LayerwiseOptimizer):
         trust_clip: LARC's clipping: scale each tensor's step by ``min(local / lr, 1)``, so its effective rate is
             ``min(local, lr)``: the layer-wise rate may lower the global one, never raise it (NVIDIA apex
             ``LARC(clip=True)``, timm ``trust_clip``).
-        foreach: use the multi-tensor ``torch._foreach_*`` path (``None``: whenever every parameter is a plain tensor
-            on CPU, CUDA or XPU; cache blocked on CPU as in :class:`~lightning_strategies.optim.Lamb`). Both paths
-            run the same operations in the same order.
+        foreach: the multi-tensor path, as for :class:`~lightning_strategies.optim.Lamb` (the same operations in
+            the same order as the per-tensor one).
 
     Raises:
         ValueError: a hyperparameter out of range, or a complex parameter.
     """
+
+    _flags = ("nesterov",)
 
     def __init__(
         self,
@@ -89,32 +85,24 @@ class Lars(_LayerwiseOptimizer):
             "eps": eps,
             "nesterov": nesterov,
             "trust_clip": trust_clip,
-            "layer_adaptation": True,
             "foreach": foreach,
         }
         super().__init__(params, defaults)
 
-    def _validate_group(self, group: dict[str, Any], *, where: str) -> None:
+    def _validate_options(self, group: dict[str, Any], *, where: str) -> None:
         momentum, tc = group["momentum"], group["trust_coefficient"]
-        _require_nonnegative(group, "lr", "learning rate", where)
         ok = _is_real_number(momentum) and 0.0 <= momentum < 1.0
         _require_valid(ok, "momentum value", momentum, "0 <= momentum < 1", where)
-        _require_nonnegative(group, "weight_decay", "weight_decay value", where)
         _require_valid(
             _is_real_number(tc) and tc > 0.0, "trust_coefficient value", tc, "a float > 0 (the paper uses 0.001)", where
         )
-        _require_nonnegative(group, "eps", "epsilon value", where)
-        _require_flags(group, ("nesterov", "trust_clip", "layer_adaptation"), where)
         if group["nesterov"] and momentum <= 0.0:
             raise ValueError(
                 f"{where}Invalid nesterov value: True with momentum={momentum!r}; Nesterov momentum needs "
                 "momentum > 0. Set momentum (e.g. 0.9) or nesterov=False."
             )
-        _require_foreach_option(group, where)
 
     def _update(self) -> None:
-        # every group checked before any is updated: an error leaves no half-applied step
-        _refuse_sparse_grads("Lars", [p for g in self.param_groups for p in g["params"] if p.grad is not None])
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -200,7 +188,7 @@ def _multi_tensor_lars(params: list[Tensor], grads: list[Tensor], bufs: list[Ten
                 bufs[j] = sub_buf
             continue
         lists = [xs, gs] if o.momentum == 0 else [xs, gs, cast(list[Tensor], dev_bufs)]
-        for unit in _split_into_cache_units(lists, _cache_block_elements(xs[0].device)):
+        for unit in _split_into_cache_units(lists):
             # each op below runs on one run / chunk, which stays in cache from the first op to the last
             x_views, g_views = unit.tensor_lists[0], unit.tensor_lists[1]
             local_views: list[Tensor] | None = None

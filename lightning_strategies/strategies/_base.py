@@ -24,7 +24,7 @@ from typing_extensions import override
 from lightning_strategies._errors import ddp_options_set
 from lightning_strategies.checkpoint import ATOMIC_CHECKPOINT_IO_DEFAULT
 from lightning_strategies.faults import PeerFailureMixin
-from lightning_strategies.strategies._lightning_internals import logged_step, predict_nothing, should_update_logs
+from lightning_strategies.strategies._lightning_internals import logged_step, should_update_logs
 
 __all__ = [
     "MetricsWindow",
@@ -36,8 +36,6 @@ __all__ = [
     "log_due",
     "log_values",
     "optimizer_state_unsplit",
-    "predict_nothing",
-    "should_update_logs",
     "unwrap_optimizer",
 ]
 
@@ -210,6 +208,12 @@ def join_restarted_process_group(backend: str, timeout: timedelta | None) -> boo
     return True
 
 
+def exposed(attribute: str, doc: str) -> Any:
+    """A read-only property returning ``self.<attribute>``, documented by ``doc``; annotate the class
+    attribute with the value's type (``wire_dtype: str | None = exposed("_wire_dtype", "...")``)."""
+    return property(operator.attrgetter(attribute), doc=doc)
+
+
 #: The options every strategy here takes besides its own (the Trainer sets the plugins).
 _LAUNCH_OPTIONS = frozenset(
     {
@@ -249,16 +253,20 @@ class StrategyBase(PeerFailureMixin, DDPStrategy):
         self.metrics = MetricsWindow()
         self._state_at_fit_end: dict[int, dict[str, Any]] = {}  # id(optimizer) -> gathered state
 
-    @property
-    def failed(self) -> bool:
-        """Whether this run failed (``on_exception`` was called) and teardown has not finished yet."""
-        return self._failed
+    failed: bool = exposed("_failed", "Whether ``on_exception`` was called and teardown has not ended yet.")
 
     @property
     def trainer(self) -> pl.Trainer | None:
         """The trainer running this strategy (``None`` before a module is attached to one)."""
         module = self.lightning_module
         return module._trainer if module is not None else None
+
+    @property
+    def _module(self) -> pl.LightningModule:
+        """The attached LightningModule, in hooks that only run with one."""
+        module = self.lightning_module
+        assert module is not None
+        return module
 
     @override
     def setup_distributed(self) -> None:
@@ -322,12 +330,6 @@ class StrategyBase(PeerFailureMixin, DDPStrategy):
 def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
     """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (or ``optimizer`` itself)."""
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-def exposed(attribute: str, doc: str) -> Any:
-    """A read-only property returning ``self.<attribute>``, documented by ``doc``; annotate the class
-    attribute with the value's type (``wire_dtype: str | None = exposed("_wire_dtype", "...")``)."""
-    return property(operator.attrgetter(attribute), doc=doc)
 
 
 def optimizer_state_unsplit(strategy: StrategyBase, optimizer: Optimizer) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
 
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
@@ -15,6 +15,7 @@ from lightning_strategies.strategies._lightning_internals import every_n_train_s
 __all__ = ["DynamicBatchSampler", "check_loop", "plan_of", "training_plan", "with_batch_sampler"]
 
 
+@dataclass(eq=False)
 class DynamicBatchSampler(Sampler[list[int]]):
     """A batch sampler that takes each next batch from a shared queue and stops when it is empty; no ``__len__``
     on purpose, since each rank takes as many batches as it can (Lightning then fetches one ahead).
@@ -27,33 +28,22 @@ class DynamicBatchSampler(Sampler[list[int]]):
         restart: called when an iteration starts (Lightning drops an iterator it prefetched from).
     """
 
-    def __init__(
-        self,
-        plan: DataPlan,
-        draw: Callable[[int, DataPlan], list[int] | None],
-        epoch: Callable[[], int],
-        restart: Callable[[], None] | None = None,
-    ) -> None:
-        self.plan = plan
-        self._draw = draw
-        self._epoch = epoch
-        self._restart = restart
+    plan: DataPlan
+    draw: Callable[[int, DataPlan], list[int] | None]
+    epoch: Callable[[], int]
+    restart: Callable[[], None] | None = None
 
     def __iter__(self) -> Iterator[list[int]]:
-        if self._restart is not None:
-            self._restart()  # a new iteration: what the last one drew and no step trained is given back
-        epoch = self._epoch()  # read lazily: Lightning creates the iterator before the epoch starts
-        while (batch := self._draw(epoch, self.plan)) is not None:
+        if self.restart is not None:
+            self.restart()  # a new iteration: what the last one drew and no step trained is given back
+        epoch = self.epoch()  # read lazily: Lightning creates the iterator before the epoch starts
+        while (batch := self.draw(epoch, self.plan)) is not None:
             yield batch
 
 
 def training_plan(name: str, dataloader: object, workers: int) -> DataPlan:
-    """The :class:`DataPlan` of a training loader that ``workers`` share batch by batch.
-
-    Raises:
-        TypeError: not a ``DataLoader`` over a map-style dataset, or no batch size.
-        ValueError: fewer batches than workers.
-    """
+    """The :class:`DataPlan` of a training loader that ``workers`` share batch by batch: ``TypeError`` unless a
+    ``DataLoader`` over a map-style dataset with a batch size, ``ValueError`` for fewer batches than workers."""
     if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
         raise TypeError(
             f"{name} found a training loader of type {type(dataloader).__qualname__}"
@@ -120,20 +110,7 @@ def check_loop(name: str, trainer: pl.Trainer) -> None:
 
 def with_batch_sampler(dataloader: DataLoader, sampler: Sampler[list[int]]) -> DataLoader:
     """``dataloader`` with ``sampler`` for its batches (and its own loader processes, if any)."""
-    kwargs: dict[str, Any] = {}
-    if dataloader.num_workers > 0:
-        kwargs.update(
-            prefetch_factor=dataloader.prefetch_factor,
-            persistent_workers=dataloader.persistent_workers,
-            worker_init_fn=dataloader.worker_init_fn,
-            multiprocessing_context=dataloader.multiprocessing_context,
-        )
-    return DataLoader(
-        dataloader.dataset,
-        batch_sampler=sampler,
-        num_workers=dataloader.num_workers,
-        collate_fn=dataloader.collate_fn,
-        pin_memory=dataloader.pin_memory,
-        timeout=dataloader.timeout,
-        **kwargs,
-    )
+    kept = ["num_workers", "collate_fn", "pin_memory", "timeout"]
+    if dataloader.num_workers > 0:  # loader-process options: DataLoader refuses some without them
+        kept += ["prefetch_factor", "persistent_workers", "worker_init_fn", "multiprocessing_context"]
+    return DataLoader(dataloader.dataset, batch_sampler=sampler, **{k: getattr(dataloader, k) for k in kept})

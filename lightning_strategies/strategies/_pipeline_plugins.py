@@ -109,11 +109,8 @@ class StageSyncBatchNorm(TorchSyncBatchNorm):
 def pipeline_precision(
     plugin: Precision, group: Callable[[], dist.ProcessGroup | None], device: Callable[[], torch.device]
 ) -> Precision:
-    """The Trainer's precision as a plugin that knows the pipeline (group-norm clipping, one loss scale).
-
-    Raises:
-        ValueError: for a plugin other than ``32-true``, ``bf16-mixed`` or ``16-mixed``.
-    """
+    """The Trainer's precision as a plugin that knows the pipeline (group-norm clipping, one loss scale);
+    ``ValueError`` for a plugin other than ``32-true``, ``bf16-mixed`` or ``16-mixed``."""
     if isinstance(plugin, PipelineMixedPrecision) or type(plugin) is GroupNormPrecision:
         return plugin
     if type(plugin) is MixedPrecision:
@@ -130,11 +127,8 @@ def pipeline_precision(
 def stage_layer_sync(
     layer_sync: LayerSync | None, device: torch.device, replicas: int, dp_group: Callable[[], dist.ProcessGroup | None]
 ) -> LayerSync | None:
-    """``Trainer(sync_batchnorm=True)``'s plugin as one syncing over a stage's replicas (none with one).
-
-    Raises:
-        ValueError: off CUDA, where torch's ``SyncBatchNorm`` does not run.
-    """
+    """``Trainer(sync_batchnorm=True)``'s plugin as one syncing over a stage's replicas (none with one);
+    ``ValueError`` off CUDA, where torch's ``SyncBatchNorm`` does not run."""
     if layer_sync is None or isinstance(layer_sync, StageSyncBatchNorm):
         return layer_sync
     if device.type != "cuda":

@@ -215,8 +215,7 @@ class PipelineSplit(ModelParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The whole model on global rank 0 (``{}`` elsewhere), streamed from replica 0's stages."""
-        module = self.lightning_module
-        assert module is not None
+        module = self._module
         if self._mesh is None and self._model_at_fit_end is not None:
             return self._model_at_fit_end
         pp_group = self._gathers()
@@ -252,8 +251,7 @@ class PipelineSplit(ModelParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Copy this rank's stages' tensors (and those outside the blocks), checking the rest's keys and shapes."""
-        module = self.lightning_module
-        assert module is not None
+        module = self._module
         state = checkpoint["state_dict"]
         own = module.state_dict(keep_vars=True)
         placeholders = {k for k, v in own.items() if isinstance(v, Tensor) and v.is_meta}
@@ -406,19 +404,16 @@ def placeholders_stay(module: nn.Module | None) -> AbstractContextManager[None]:
 def check_schedule(
     schedule: str, microbatches: int | None, num_stages: int | None, stages_per_rank: int | None
 ) -> tuple[str, int]:
-    """The schedule's lower-case name and the stages per rank (default 2 interleaved, else 1).
-
-    Raises:
-        ValueError: for an unknown schedule, a count that is not a positive integer, or several
-            stages per rank under a schedule that runs one.
-    """
+    """The schedule's lower-case name and the stages per rank (default 2 interleaved, else 1); ``ValueError`` for
+    an unknown schedule, a count that is not a positive integer, or several stages per rank not interleaved."""
     name = str(schedule).lower()
     if name not in SCHEDULES:
         raise ValueError(
             f"PipelineStrategy(schedule={schedule!r}): unknown schedule; expected one of "
             f"{', '.join(repr(s) for s in SCHEDULES)} (any case). Fix: pass one of them."
         )
-    for option, value in (("microbatches", microbatches), ("num_stages", num_stages)):
+    counts = {"microbatches": microbatches, "num_stages": num_stages, "stages_per_rank": stages_per_rank}
+    for option, value in counts.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(
                 f"PipelineStrategy({option}={value!r}): expected a positive integer or None (the default)."
@@ -426,8 +421,6 @@ def check_schedule(
     interleaved = name == "interleaved_1f1b"
     if stages_per_rank is None:
         stages_per_rank = 2 if interleaved else 1
-    if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1:
-        raise ValueError(f"PipelineStrategy(stages_per_rank={stages_per_rank!r}): expected a positive integer.")
     if stages_per_rank > 1 and not interleaved:
         raise ValueError(
             f"PipelineStrategy(schedule={schedule!r}, stages_per_rank={stages_per_rank}): only "

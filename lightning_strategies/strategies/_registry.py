@@ -126,13 +126,10 @@ STRATEGY_ROWS: tuple[StrategyRow, ...] = (
 
 def register_strategies(registry: Any = StrategyRegistry) -> list[str]:
     """Register every row of :data:`STRATEGY_ROWS` that the registry does not hold yet; returns their names."""
-    added = []
-    for row in STRATEGY_ROWS:
-        if row.name in registry:
-            continue
+    added = [row for row in STRATEGY_ROWS if row.name not in registry]
+    for row in added:
         registry.register(row.name, row.strategy_class(), description=row.description, **row.init_params)
-        added.append(row.name)
-    return added
+    return [row.name for row in added]
 
 
 class TrainerOnlyStrategyError(ValueError):
@@ -156,10 +153,7 @@ def register_fabric_refusals(registry: Any = None) -> list[str]:
     """Register each name of :data:`STRATEGY_ROWS` Fabric does not know as a clear refusal; returns those names."""
     if registry is None:
         from lightning.fabric.strategies import STRATEGY_REGISTRY as registry
-    added = []
-    for row in STRATEGY_ROWS:
-        if row.name in registry:
-            continue
+    added = [row for row in STRATEGY_ROWS if row.name not in registry]
+    for row in added:
         registry.register(row.name, _trainer_only(row.name), description=f"Trainer only: {row.description}")
-        added.append(row.name)
-    return added
+    return [row.name for row in added]

@@ -26,6 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -94,35 +95,27 @@ class ElasticScriptLauncher(_SubprocessScriptLauncher):
         return function(*args, **kwargs)
 
 
+@dataclass(eq=False)
 class ServersSampler(Sampler[list[int]]):
     """A dedicated server's training loop: ``steps`` markers an epoch (the mean batches per worker), each once the
     workers have pushed that share of the epoch's batches, so the server's step and LR schedule follow the mean
     worker's. ``wait(epoch, batches_done)`` blocks (False: the run is over); the first marker, drawn during
     setup, is not waited for."""
 
-    def __init__(
-        self,
-        plan: DataPlan,
-        steps: int,
-        epoch: Callable[[], int],
-        open_epoch: Callable[[int], None],
-        wait: Callable[[int, int], bool],
-    ) -> None:
-        self.plan = plan
-        self.steps = max(1, steps)
-        self._epoch = epoch
-        self._open = open_epoch
-        self._wait = wait
+    plan: DataPlan
+    steps: int
+    epoch: Callable[[], int]
+    open_epoch: Callable[[int], None]
+    wait: Callable[[int, int], bool]
 
     def __iter__(self) -> Iterator[list[int]]:
-        epoch = self._epoch()
-        self._open(epoch)
-        total = self.plan.num_batches
-        for j in range(self.steps):
-            if j and not self._wait(epoch, math.ceil(j * total / self.steps)):
+        epoch, total, steps = self.epoch(), self.plan.num_batches, max(1, self.steps)
+        self.open_epoch(epoch)
+        for j in range(steps):
+            if j and not self.wait(epoch, math.ceil(j * total / steps)):
                 return
             yield [j % max(1, self.plan.num_samples)]  # a real sample: the step never reads it
-        self._wait(epoch, total)
+        self.wait(epoch, total)
 
 
 class DedicatedServers:

@@ -49,7 +49,8 @@ from typing_extensions import override
 
 from lightning_strategies.comm.pipeline import LossFn, PipelineRuntime, average_gradients
 from lightning_strategies.pipeline_protocol import check_pipeline_module
-from lightning_strategies.strategies._base import exposed, log_due, log_values, predict_nothing, unwrap_optimizer
+from lightning_strategies.strategies._base import exposed, log_due, log_values, unwrap_optimizer
+from lightning_strategies.strategies._lightning_internals import predict_nothing
 from lightning_strategies.strategies._pipeline_plugins import (
     PipelineMixedPrecision,
     pipeline_precision,
@@ -147,8 +148,7 @@ class PipelineStrategy(PipelineSplit):
             self._model_at_fit_end = None  # a new fit: the last one's model is stale
         with no_state_broadcast(self.lightning_module):
             super().setup(trainer)  # DDP's: model_to_device (the split), configure_ddp, the optimizers
-        module = self.lightning_module
-        assert module is not None
+        module = self._module
         # every trainer function runs the stages; taken after sync batch norm's conversion (it replaces modules)
         self._blocks = self._layers(module)
         self._metrics_over_replicas(module)
@@ -222,8 +222,7 @@ class PipelineStrategy(PipelineSplit):
         # Lightning's closure zeroes gradients *after* training_step (on a window's first micro-step): this step's
         # gradients are set aside for backward, the earlier micro-steps' put back. Gradients the zeroing would
         # discard are dropped before the step, so the step's never share memory with the last step's.
-        module = self.lightning_module
-        assert module is not None
+        module = self._module
         batch = args[0] if args else kwargs["batch"]
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         inputs, targets = self._split_batch(batch)
@@ -284,13 +283,11 @@ class PipelineStrategy(PipelineSplit):
         stage_seconds, bubble_fraction = runtime.gather_timings(wall / steps, [b / steps for b in busy])
         metrics = {f"pipeline/stage_seconds/{stage}": seconds for stage, seconds in stage_seconds.items()}
         metrics["pipeline/bubble_fraction"] = bubble_fraction
-        module = self.lightning_module
-        assert module is not None
+        module = self._module
         log_values(module, metrics, at_epoch_end=due == "epoch_end")
 
     def _eval_step(self, hook: str, context: AbstractContextManager[Any], *args: Any, **kwargs: Any) -> Any:
-        module = self.lightning_module
-        assert module is not None
+        module = self._module
         batch = args[0] if args else kwargs["batch"]
         predicting = hook == "predict_step"  # a prediction batch may be the inputs alone
         inputs = batch if predicting and not isinstance(batch, list | tuple) else self._split_batch(batch)[0]

@@ -95,8 +95,7 @@ class RingAllReduceStrategy(StrategyBase):
         if wire_dtype is not None and not isinstance(wire_dtype, str):
             raise ValueError(f"Invalid wire_dtype {wire_dtype!r}: expected None or one of {sorted(WIRE_DTYPES)}.")
         resolve_wire_dtype(wire_dtype)  # raises with the valid names listed
-        clash = sorted(k for k in _DDP_HOOK_OPTIONS if kwargs.get(k) is not None)
-        if clash:
+        if clash := sorted(k for k in _DDP_HOOK_OPTIONS if kwargs.get(k) is not None):
             raise ValueError(
                 f"RingAllReduceStrategy got {clash}, but the ring is itself the DDP communication hook. "
                 "Use DDPStrategy for a custom hook or post-local SGD, or drop these arguments."

@@ -177,8 +177,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         # Strategy.backward, averaging before post_backward: on_after_backward sees averaged gradients, as under DDP
-        module = self.lightning_module
-        assert module is not None
+        module = self._module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
@@ -226,8 +225,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full model on global rank 0 (``{}`` elsewhere), each shard gathered to group rank 0 alone."""
-        module = self.lightning_module
-        assert module is not None
+        module = self._module
         state = module.state_dict()
         if self._tp is None:
             return state
@@ -253,8 +251,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         # Full tensors from the file: each rank cuts its shard from them (no communication).
-        module = self.lightning_module
-        assert module is not None
+        module = self._module
         state = dict(checkpoint["state_dict"])
         for key, current in module.state_dict().items():
             value = state.get(key)

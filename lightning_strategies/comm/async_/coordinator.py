@@ -28,6 +28,11 @@ def _part(path: str, doc: str) -> Any:
     return property(operator.attrgetter(path), doc=doc)
 
 
+def _per_worker_part(field: str, doc: str) -> Any:
+    """A read-only property: every worker's ``field``, in rank order (read under the lock)."""
+    return property(lambda self: self._per_worker(field), doc=doc)
+
+
 class AsyncCoordinator:
     """The epoch's batch queue, leases, the staleness bound and worker membership, thread-safe:
     answers that must wait are futures, completed outside the lock.
@@ -106,24 +111,17 @@ class AsyncCoordinator:
         """Every worker rank the coordinator knows, in order."""
         return sorted(self._workers)
 
-    def _per_worker(self, value: Callable[[WorkerState], Any]) -> list[Any]:
+    def _per_worker(self, field: str) -> list[Any]:
         with self._lock:
-            return [value(self._workers[r]) for r in self.ranks]
+            return [getattr(self._workers[r], field) for r in self.ranks]
 
-    @property
-    def clocks(self) -> list[int]:
-        """Every worker's clock (pushes reported), in rank order."""
-        return self._per_worker(lambda w: w.clock)
-
-    @property
-    def wait_seconds(self) -> list[float]:
-        """Seconds each worker's refills were held by the staleness bound, in rank order."""
-        return self._per_worker(lambda w: w.wait_seconds)
-
-    @property
-    def held_refills(self) -> list[int]:
-        """Refills held by the staleness bound, per worker in rank order."""
-        return self._per_worker(lambda w: w.held_refills)
+    clocks: list[int] = _per_worker_part("clock", "Every worker's clock (pushes reported), in rank order.")
+    wait_seconds: list[float] = _per_worker_part(
+        "wait_seconds", "Seconds each worker's refills were held by the staleness bound, in rank order."
+    )
+    held_refills: list[int] = _per_worker_part(
+        "held_refills", "Refills held by the staleness bound, per worker in rank order."
+    )
 
     @property
     def alive(self) -> list[int]:
@@ -191,11 +189,8 @@ class AsyncCoordinator:
             if self._chief.failure is not None:
                 return completed(ShardError(f"the async coordinator has failed earlier: {self._chief.failure}"))
             if w is None:
-                return completed(
-                    ShardError(
-                        f"async coordinator: refill from worker {worker}, expected one of the workers {self.ranks}"
-                    )
-                )
+                unknown = f"async coordinator: refill from worker {worker}, expected one of the workers {self.ranks}"
+                return completed(ShardError(unknown))
             error = self._members.check_refill(w, epoch, plan, incarnation)
             if error is not None:
                 return completed(ShardError(error))

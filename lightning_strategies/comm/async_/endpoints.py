@@ -32,11 +32,7 @@ def local_coordinator() -> AsyncCoordinator | None:
 
 
 def hosted_coordinator() -> AsyncCoordinator:
-    """The coordinator, which this process must host (RPC entry points call this).
-
-    Raises:
-        RuntimeError: when this process does not host it.
-    """
+    """The coordinator, which this process must host (``RuntimeError`` if not); RPC entry points call this."""
     if not _COORDINATORS:
         raise RuntimeError(f"{current_name()} hosts no async coordinator; rank 0 should")
     return _COORDINATORS[0]
@@ -74,8 +70,7 @@ def _rpc_report(
     returned: list[tuple[int, int]],
 ) -> ReportReply:
     # a last report may arrive after the coordinator's teardown: the clocks no longer matter then
-    coordinator = local_coordinator()
-    if coordinator is None:
+    if (coordinator := local_coordinator()) is None:
         return ReportReply(None)
     return coordinator.report(
         worker, clock, acks, incarnation=incarnation, finished=finished, publish=publish, returned=returned
@@ -83,8 +78,7 @@ def _rpc_report(
 
 
 def _rpc_fail(worker: int, reason: str) -> None:
-    coordinator = local_coordinator()
-    if coordinator is not None:
+    if (coordinator := local_coordinator()) is not None:
         coordinator.fail(worker, reason)
 
 
@@ -93,8 +87,7 @@ def _rpc_join(worker: int, incarnation: int, name: str) -> JoinReply:
 
 
 def _rpc_leave(worker: int, incarnation: int) -> None:
-    coordinator = local_coordinator()
-    if coordinator is not None:
+    if (coordinator := local_coordinator()) is not None:
         coordinator.leave(worker, incarnation)
 
 

@@ -7,6 +7,8 @@ import heapq
 import itertools
 import math
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -35,59 +37,50 @@ class Sources(Protocol):
     def sources(self, w: WorkerState, held: Held) -> list[tuple[Epoch, int]] | None: ...
 
 
+@dataclass(eq=False)
 class HeldRequests:
     """Answers refills and gates now or holds them (not thread-safe: the coordinator's lock guards it)."""
 
-    def __init__(
-        self,
-        workers: dict[int, WorkerState],
-        clocks: SSPClocks,
-        queue: BatchQueue,
-        members: Sources,
-        watchdog: DeadlineWatchdog,
-        board: Chief,
-        timeout: timedelta,
-    ) -> None:
-        self._workers = workers
-        self._clocks = clocks
-        self._queue = queue
-        self._members = members
-        self._watchdog = watchdog
-        self.board = board
-        self.timeout = timeout
-        self._waiting: list[tuple[int, int, Held]] = []  # heap of (need, seq, request held on credit)
-        self._seq = itertools.count()
+    workers: dict[int, WorkerState]
+    clocks: SSPClocks
+    queue: BatchQueue
+    members: Sources
+    watchdog: DeadlineWatchdog
+    board: Chief
+    timeout: timedelta
+    _waiting: list[tuple[int, int, Held]] = field(default_factory=list)  # heap of (need, seq, request held on credit)
+    _seq: Iterator[int] = field(default_factory=itertools.count)
 
     def new(self, worker: int, fut: Future[Any], **fields: Any) -> Held:
         now = time.monotonic()
-        deadline = now + self.timeout.total_seconds() * self._members.patience
+        deadline = now + self.timeout.total_seconds() * self.members.patience
         return Held(worker, fields.pop("epoch", -1), fields.pop("want", 0), now, fut, deadline, **fields)
 
     def answer(self, w: WorkerState, held: Held) -> LeaseReply | None:
         """The answer to ``held`` if it can be given now (holding the lock), else ``None``."""
         if self.board.stopped:
             return LeaseReply([], over=True, stop=True, offset=w.offset, lrs=self.board.lrs)
-        sources = self._members.sources(w, held)
+        sources = self.members.sources(w, held)
         if sources is None:
             return None  # membership: no work yet
         if not sources:
             return LeaseReply([], over=True, waited=self._waited(held), offset=w.offset, lrs=self.board.lrs)
-        credit, low = self._clocks.credit(w)
+        credit, low = self.clocks.credit(w)
         available = sum(n for _, n in sources)
-        alive = self._members.alive_count
-        n = min(held.want, available, max(1, math.ceil(available * self._queue.share(w, alive) / 2)))
+        alive = self.members.alive_count
+        n = min(held.want, available, max(1, math.ceil(available * self.queue.share(w, alive) / 2)))
         if credit is not None:
             credit += held.prefetch
             if credit <= 0:
                 held.credit_held = True
-                assert self._clocks.max_staleness is not None
+                assert self.clocks.max_staleness is not None
                 # credit reappears once the lowest other clock reaches this
                 beyond = len(w.outstanding) - held.prefetch
-                held.need = w.gate_clock - self._clocks.max_staleness + beyond // self._clocks.push_every
+                held.need = w.gate_clock - self.clocks.max_staleness + beyond // self.clocks.push_every
                 return None
             n = min(n, credit)
-        leased = self._queue.lease(w, sources, n, low)
-        pace = self._queue.share(w, alive) * max(1, alive)
+        leased = self.queue.lease(w, sources, n, low)
+        pace = self.queue.share(w, alive) * max(1, alive)
         return LeaseReply(leased, waited=self._waited(held), offset=w.offset, lrs=self.board.lrs, pace=pace)
 
     @staticmethod
@@ -108,21 +101,21 @@ class HeldRequests:
         if held.credit_held:
             w.held_refills += 1
             heapq.heappush(self._waiting, (held.need, next(self._seq), held))
-        self._watchdog.watch(held)
+        self.watchdog.watch(held)
 
     def release_credit(self) -> list[Ready]:
         """Answer the requests held on credit that the current lowest clock opens (holding the lock)."""
         ready: list[Ready] = []
-        low = self._clocks.min_all()
+        low = self.clocks.min_all()
         while self._waiting and (low is None or self._waiting[0][0] <= low):
             _, _, held = heapq.heappop(self._waiting)
             ready += self.retry(held)
-            low = self._clocks.min_all()
+            low = self.clocks.min_all()
         return ready
 
     def retry(self, held: Held) -> list[Ready]:
         """Try a held refill or gate again (holding the lock): its answer, or it is held again."""
-        w = self._workers[held.worker]
+        w = self.workers[held.worker]
         if held.gate:
             return self._retry_gate(w, held)
         if held.done or w.pending is not held:
@@ -134,7 +127,7 @@ class HeldRequests:
                 heapq.heappush(self._waiting, (held.need, next(self._seq), held))
             return []
         answer.waited = time.monotonic() - held.start
-        w.wait_seconds += answer.waited if self._clocks.max_staleness is not None else 0.0
+        w.wait_seconds += answer.waited if self.clocks.max_staleness is not None else 0.0
         held.done = True
         w.pending = None
         return [(held.future, answer)]
@@ -142,7 +135,7 @@ class HeldRequests:
     def _retry_gate(self, w: WorkerState, held: Held) -> list[Ready]:
         if held.done or w.gate is not held:
             return []
-        low = self._clocks.min_other(w.rank)
+        low = self.clocks.min_other(w.rank)
         if low is not None and low < held.need:
             heapq.heappush(self._waiting, (held.need, next(self._seq), held))
             return []
@@ -151,13 +144,13 @@ class HeldRequests:
         held.done = True
         w.gate = None
         if low is not None:
-            self._clocks.admissions.append((w.rank, held.need + (self._clocks.max_staleness or 0), low))
+            self.clocks.admissions.append((w.rank, held.need + (self.clocks.max_staleness or 0), low))
         return [(held.future, GateReply(low, waited))]
 
     def retry_all(self) -> list[Ready]:
         """Try every held request again (an epoch opened, work was put back, the run stopped)."""
         ready: list[Ready] = []
-        for w in self._workers.values():
+        for w in self.workers.values():
             for held in w.held():
                 ready += self.retry(held)
         return ready
@@ -174,7 +167,7 @@ class HeldRequests:
     def take_all(self) -> list[Held]:
         """Every request still held, each marked answered (holding the lock)."""
         self._waiting.clear()
-        return [h for w in self._workers.values() for h in self.take(w)]
+        return [h for w in self.workers.values() for h in self.take(w)]
 
     def timeout_error(self, held: Held) -> ShardError:
         seconds = self.timeout.total_seconds()
@@ -185,10 +178,10 @@ class HeldRequests:
                 "the strategy's `timeout`."
             )
         else:
-            mine, s = self._workers[held.worker].gate_clock, self._clocks.max_staleness
+            mine, s = self.workers[held.worker].gate_clock, self.clocks.max_staleness
             behind = {
                 r: x.gate_clock
-                for r, x in self._workers.items()
+                for r, x in self.workers.items()
                 if r != held.worker and x.alive and x.gate_clock < held.need
             }
             message = (

@@ -124,6 +124,10 @@ class BatchLease:
     def _call(self, entry: Callable[..., Any], *args: Any) -> Future[Any]:
         return _call(self.coordinator_rank, self.worker, entry, *args, timeout=self.rpc_timeout)
 
+    def _reply(self, fut: Future[Any], what: str) -> Any:
+        where = f"the async coordinator (rank {self.coordinator_rank})"
+        return wait_reply(fut, f"worker {self.worker}: {what} {where} failed")
+
     # -- drawing --------------------------------------------------------------------------------
 
     @property
@@ -139,10 +143,8 @@ class BatchLease:
         Args:
             plan: how the epoch is batched (the same on every rank).
             limit: at most this many batches in the epoch (``Trainer(limit_train_batches=n)``).
-            should_stop: polled while waiting; when it returns True the wait raises.
-
-        Raises:
-            RuntimeError / TimeoutError: naming what the coordinator waited for, or the failure.
+            should_stop: polled while waiting; when it returns True the wait raises. A failed refill raises
+                ``RuntimeError`` / ``TimeoutError``, naming what the coordinator waited for, or the failure.
         """
         with self._cond:
             if epoch != self._loop_epoch:
@@ -152,34 +154,34 @@ class BatchLease:
                     self._end_loop_epoch()
                 self._loop_epoch = epoch
             start = None
-            while True:
-                if self._error is not None:
-                    raise self._error
-                if limit is not None and self._taken >= limit:
-                    self._end_loop_epoch()
-                    return None
-                if self._batches:
-                    batch = self._batches.popleft()
-                    self._taken += 1
-                    self._maybe_refill(epoch, plan, limit)
-                    if start is not None:
-                        self.wait_seconds += time.perf_counter() - start
-                    return batch
-                if self._stop or self._over:
-                    self._end_loop_epoch()
-                    if start is not None:
-                        self.wait_seconds += time.perf_counter() - start
-                    return None
-                if self._refill is None:
-                    self._start_refill(epoch, plan, self._want(limit))
-                    continue  # a local coordinator may have answered already
-                start = time.perf_counter() if start is None else start
-                self._cond.wait(_POLL_S)
-                if should_stop is not None and should_stop():
-                    raise RuntimeError(
-                        f"worker {self.worker}: told to stop while waiting for a lease of epoch {epoch} from the "
-                        f"async coordinator (rank {self.coordinator_rank})"
-                    )
+            try:
+                while True:
+                    if self._error is not None:
+                        raise self._error
+                    if limit is not None and self._taken >= limit:
+                        self._end_loop_epoch()
+                        return None
+                    if self._batches:
+                        batch = self._batches.popleft()
+                        self._taken += 1
+                        self._maybe_refill(epoch, plan, limit)
+                        return batch
+                    if self._stop or self._over:
+                        self._end_loop_epoch()
+                        return None
+                    if self._refill is None:
+                        self._start_refill(epoch, plan, self._want(limit))
+                        continue  # a local coordinator may have answered already
+                    start = time.perf_counter() if start is None else start
+                    self._cond.wait(_POLL_S)
+                    if should_stop is not None and should_stop():
+                        raise RuntimeError(
+                            f"worker {self.worker}: told to stop while waiting for a lease of epoch {epoch} from "
+                            f"the async coordinator (rank {self.coordinator_rank})"
+                        )
+            finally:
+                if start is not None:  # the time this call waited for a refill
+                    self.wait_seconds += time.perf_counter() - start
 
     def _end_loop_epoch(self) -> None:
         self._over = False
@@ -222,11 +224,7 @@ class BatchLease:
                 return
             self._refill = None
             try:
-                reply: LeaseReply = wait_reply(
-                    fut,
-                    f"worker {self.worker}: a lease of epoch {epoch} from the async coordinator (rank "
-                    f"{self.coordinator_rank}) failed",
-                )
+                reply: LeaseReply = self._reply(fut, f"a lease of epoch {epoch} from")
             except (RuntimeError, TimeoutError) as err:
                 self._error = err
                 self._cond.notify_all()
@@ -280,11 +278,7 @@ class BatchLease:
                 raise RuntimeError(
                     f"worker {self.worker}: told to stop while the staleness gate held step {mine + 1 - self.offset}"
                 )
-        reply: GateReply = wait_reply(
-            fut,
-            f"worker {self.worker}: the staleness gate at clock {mine} (async coordinator, rank "
-            f"{self.coordinator_rank}) failed",
-        )
+        reply: GateReply = self._reply(fut, f"the staleness gate at clock {mine} of")
         waited = time.perf_counter() - start
         with self._cond:
             self._known_min = reply.min_other
@@ -313,7 +307,7 @@ class BatchLease:
         """Return leased batches this worker will not train to the coordinator's queue; waits for the answer."""
         with self._cond:
             fut = self._send_report(returned=[(b.epoch, b.index) for b in batches])
-        wait_reply(fut, f"worker {self.worker}: giving batches back to the async coordinator failed")
+        self._reply(fut, "giving batches back to")
 
     def _send_report(
         self, *, finished: bool = False, publish: dict[str, Any] | None = None, returned: Sequence[tuple[int, int]] = ()
@@ -336,11 +330,7 @@ class BatchLease:
             self._report = None
             self._unconfirmed = []
             try:
-                wait_reply(
-                    fut,
-                    f"worker {self.worker}: reporting its clock to the async coordinator (rank "
-                    f"{self.coordinator_rank}) failed",
-                )
+                self._reply(fut, "reporting its clock to")
             except (RuntimeError, TimeoutError) as err:
                 self._error = err
                 return

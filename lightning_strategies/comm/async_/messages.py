@@ -20,9 +20,6 @@ class DataPlan:
     Attributes:
         drop_last: drop the last batch when it is short (as ``DataLoader(drop_last=True)``).
         shuffle: a fresh permutation every epoch (seeded by ``seed + epoch``), else in order.
-
-    Raises:
-        ValueError: when ``num_samples < 0`` or ``batch_size < 1``.
     """
 
     num_samples: int

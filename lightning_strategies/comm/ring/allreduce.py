@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from lightning_strategies.comm.ring.check import _validated
 from lightning_strategies.comm.ring.layout import NodeLayout
-from lightning_strategies.comm.ring.transport import _make_ring, _run
+from lightning_strategies.comm.ring.transport import _Ring, _run
 from lightning_strategies.comm.stats import CommStats
 
 __all__ = ["hierarchical_all_reduce", "ring_all_reduce"]
@@ -85,7 +85,7 @@ def ring_all_reduce(
             cross = (nxt != me, prev != me)
         wire = None if wire == tensor.dtype else wire
         flat = tensor.view(-1)
-        ring = _make_ring(flat, pg, stats, divisor=world if op == "avg" else 1, wire=wire, cross=cross)
+        ring = _Ring(flat, pg, stats, divisor=world if op == "avg" else 1, wire=wire, cross=cross)
         _run(ring, segment_bytes)
     stats.seconds = time.perf_counter() - start
     return stats
@@ -128,14 +128,14 @@ def hierarchical_all_reduce(
         if nodes == 1 or local == 1:
             across = nodes > 1
             pg = inter_group if across else intra_group
-            _run(_make_ring(flat, pg, stats, divisor=divisor, wire=wire, cross=(across, across)), segment_bytes)
+            _run(_Ring(flat, pg, stats, divisor=divisor, wire=wire, cross=(across, across)), segment_bytes)
         else:
-            inside = _make_ring(flat, intra_group, stats, divisor=1, wire=wire, stop=local - 1, round_owner=False)
+            inside = _Ring(flat, intra_group, stats, divisor=1, wire=wire, stop=local - 1, round_owner=False)
             _run(inside, segment_bytes)
             a, b = inside.chunks[(inside.rank + 1) % local]  # the chunk this process now owns for its node
             if b > a:  # the same chunk index on every node: all empty (numel < L) or none
-                _run(_make_ring(flat[a:b], inter_group, stats, divisor=divisor, wire=wire, cross=(True, True)),
+                _run(_Ring(flat[a:b], inter_group, stats, divisor=divisor, wire=wire, cross=(True, True)),
                      segment_bytes)  # fmt: skip
-            _run(_make_ring(flat, intra_group, stats, divisor=1, wire=wire, first=local - 1), segment_bytes)
+            _run(_Ring(flat, intra_group, stats, divisor=1, wire=wire, first=local - 1), segment_bytes)
     stats.seconds = time.perf_counter() - start
     return stats

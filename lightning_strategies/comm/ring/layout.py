@@ -99,11 +99,7 @@ class NodeLayout:
 
     @property
     def local_size(self) -> int:
-        """The processes per node L.
-
-        Raises:
-            ValueError: the nodes run different numbers of processes.
-        """
+        """The processes per node L (``ValueError`` when the nodes run different numbers)."""
         self.require_uniform()
         return len(self.nodes[0])
 

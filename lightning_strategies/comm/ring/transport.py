@@ -90,21 +90,19 @@ class _Ring:
 
     flat: torch.Tensor
     pg: dist.ProcessGroup
-    rank: int
-    world: int
+    stats: CommStats
     divisor: int  # 1 for a sum; the number of summed tensors for an average (a hierarchical one: N x L)
     wire: torch.dtype | None
-    chunks: list[tuple[int, int]]
-    stats: CommStats
     first: int = 0
     stop: int = -1  # -1: 2 (P-1)
     # Round the owned chunk to the wire dtype at the end of the reduce-scatter, so that every rank ends
     # bit-identical; off when the chunk goes on into another ring rather than to the all-gather.
     round_owner: bool = True
-    cross_next: bool = False  # the successor / predecessor runs on another node (CommStats' node split)
-    cross_prev: bool = False
+    cross: tuple[bool, bool] = (False, False)  # the successor / predecessor on another node (CommStats' split)
 
     def __post_init__(self) -> None:
+        self.rank, self.world = dist.get_rank(self.pg), dist.get_world_size(self.pg)
+        self.chunks = _chunk_bounds(self.flat.numel(), self.world)
         if self.stop < 0:
             self.stop = self.steps
 
@@ -124,9 +122,9 @@ class _Ring:
         stats = self.stats
         stats.bytes_sent += sent
         stats.bytes_received += received
-        if stats.inter_node_bytes_sent is not None and self.cross_next:
+        if stats.inter_node_bytes_sent is not None and self.cross[0]:
             stats.inter_node_bytes_sent += sent
-        if stats.inter_node_bytes_received is not None and self.cross_prev:
+        if stats.inter_node_bytes_received is not None and self.cross[1]:
             stats.inter_node_bytes_received += received
 
     def send_chunk(self, t: int) -> int:
@@ -332,29 +330,3 @@ def _run(ring: _Ring, segment_bytes: int | None) -> None:
         _ring_pipelined(ring, max(1, segment_bytes // (ring.wire or ring.flat.dtype).itemsize))
     else:
         _ring_batched(ring)
-
-
-def _make_ring(
-    flat: torch.Tensor,
-    pg: dist.ProcessGroup,
-    stats: CommStats,
-    *,
-    divisor: int,
-    wire: torch.dtype | None,
-    cross: tuple[bool, bool] = (False, False),
-    **phase: Any,
-) -> _Ring:
-    world = dist.get_world_size(pg)
-    return _Ring(
-        flat=flat,
-        pg=pg,
-        rank=dist.get_rank(pg),
-        world=world,
-        divisor=divisor,
-        wire=wire,
-        chunks=_chunk_bounds(flat.numel(), world),
-        stats=stats,
-        cross_next=cross[0],
-        cross_prev=cross[1],
-        **phase,
-    )
