@@ -39,38 +39,30 @@ def test_optuna_search_runs_three_trials_and_picks_the_best(tmp_path: Path) -> N
     assert (tmp_path / "sweep" / "summary.md").read_text().count("| ok |") == 3
 
 
-@pytest.fixture(scope="module")
-def submitit_sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """One submitit_local sweep of 2-process ring jobs, two ok and one with a bad learning rate: the two
-    tests below hold each its part of it (the ranks of the jobs, the failed row), from one launch."""
-    cwd = tmp_path_factory.mktemp("submitit")
+def test_submitit_local_sweep_starts_each_jobs_ranks(tmp_path: Path) -> None:
     proc = run_train(
-        ["-m", "hydra/launcher=submitit_local", "trainer=ddp_sim", "strategy=ring", "optimizer.lr=0.05,0.1,-1",
+        ["-m", "hydra/launcher=submitit_local", "trainer=ddp_sim", "strategy=ring", "optimizer.lr=0.05,0.1",
          "hydra.sweep.dir=sweep", *SMALL],
-        cwd=cwd,
+        cwd=tmp_path,
         timeout=420,
     )
-    return proc, cwd / "sweep"
-
-
-def test_submitit_local_sweep_starts_each_jobs_ranks(
-    submitit_sweep: tuple[subprocess.CompletedProcess[str], Path],
-) -> None:
-    proc, sweep = submitit_sweep
-    jobs = [j for j in _metrics(sweep) if j["status"] == "ok"]
-    assert [(j["world_size"], j["strategy"]) for j in jobs] == [(2, "ring")] * 2, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = _metrics(tmp_path / "sweep")
+    assert [(j["status"], j["world_size"], j["strategy"]) for j in jobs] == [("ok", 2, "ring")] * 2
     assert sorted(j["lr"] for j in jobs) == pytest.approx([0.1, 0.2])  # scaled for 2 ranks
-    summary = (sweep / "summary.md").read_text()
-    assert "3 jobs, 2 ok" in summary and "| optimizer.lr |" in summary.replace("job | ", "")
+    summary = (tmp_path / "sweep" / "summary.md").read_text()
+    assert "2 jobs, 2 ok" in summary and "| optimizer.lr |" in summary.replace("job | ", "")
 
 
-def test_submitit_local_failing_job_fails_the_sweep(
-    submitit_sweep: tuple[subprocess.CompletedProcess[str], Path],
-) -> None:
-    proc, sweep = submitit_sweep
+def test_submitit_local_failing_job_fails_the_sweep(tmp_path: Path) -> None:
+    proc = run_train(
+        ["-m", "hydra/launcher=submitit_local", "optimizer.lr=0.05,-1", "hydra.sweep.dir=sweep", *SMALL],
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
-    summary = (sweep / "summary.md").read_text()
-    assert "3 jobs, 2 ok" in summary and summary.count("| failed |") == 1
+    summary = (tmp_path / "sweep" / "summary.md").read_text()
+    assert "2 jobs, 1 ok" in summary and summary.count("| failed |") == 1
     assert "optimizer.lr must be a positive number, found -1" in summary
 
 
