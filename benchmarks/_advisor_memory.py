@@ -7,12 +7,19 @@ wide MLP (1 x 8 x 8 -> 1024 -> 1024 -> 1024 -> 10), in the recipes' ``Classifica
 SGD + momentum (one state tensor per parameter). Each fit: 2 steps on random data, every rank a
 fork-started CPU process (gloo, one torch thread). Per device ``BATCH`` samples: a pipeline replica
 of K stages takes K x ``BATCH`` in 2K micro-batches, a tensor-parallel group T x ``BATCH``.
+
+Each fit meets on a port of its own, below the kernel's ephemeral range (``_workers.reserved_port``).
+Lightning would reuse the first fit's ``MASTER_PORT`` (a ``bind(0)`` port it leaves in ``os.environ``)
+for every later fit, a minute on, when the kernel may have handed that port out again as the local
+end of another connection. (A process per fit, forked from this one, is refused by Lightning: this
+process's device query marks its forks as "bad CUDA forks", and a spawned one imports for seconds.)
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +30,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks._rank_memory import RankMemory
+from benchmarks._workers import reserved_port
 from lightning_strategies import ParameterServerStrategy, PipelineStrategy, TensorParallelStrategy
 from lightning_strategies.advisor import measure
 from lightning_strategies.advisor.memory import Memory, memory, pipeline_memory
@@ -104,6 +112,7 @@ def _strategy(strategy: str, world: int) -> tuple[Any, int, dict[str, Any]]:
 def _fit(spec: Spec, strategy: str, world: int, out: Path) -> None:
     built, loader_batch, _ = _strategy(strategy, world)
     x, y = _batch(spec, loader_batch * STEPS * (1 if strategy in ("pipeline", "tensor") else world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(reserved_port()))  # the Trainer's port (module doc)
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=built, max_steps=STEPS, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, callbacks=[RankMemory(out)],

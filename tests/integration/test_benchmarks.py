@@ -293,15 +293,27 @@ def test_benchmark_quick_mode(script: str) -> None:
         ok, reason = EmulatedCluster.available()
         if not ok:
             pytest.skip(reason)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # PYTHONFAULTHANDLER: a rank that dies of a signal (SIGABRT, SIGSEGV) prints every thread's Python stack
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     # stragglers.py --quick took 166 s at load 12 (~60 s quiet) before its failure case (~80 s
     # quiet: 3 runs of 3-4 processes, each importing torch): 600 s leaves room for a loaded CI
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--quick"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + crash_report(proc.stderr) + proc.stderr[-3000:]
     check_quick_output(script, proc.stdout)
+
+
+CRASH = re.compile(r"^(Fatal Python error|terminate called|Thread 0x|Current thread 0x)")
+
+
+def crash_report(stderr: str, limit: int = 6000) -> str:
+    """Where a process died of a signal, the lines that say why (C++'s terminate message, the fault
+    handler's stacks), which the tail of a long stderr would cut off; else nothing."""
+    lines = stderr.splitlines()
+    start = next((i for i, text in enumerate(lines) if CRASH.match(text)), None)
+    return "" if start is None else "\n".join(["", "-- crash --", *lines[start:]])[:limit] + "\n-- stderr tail --\n"
 
 
 HEADER = "# ps_traffic | x86_64, 2 cores, no GPU | torch, lightning, python | date\n"
@@ -347,3 +359,13 @@ def test_quick_output_check_fails_on_a_bad_line(old: str, new: str, message: str
     check_quick_output("ps_traffic.py", HEADER + PS_QUICK)
     with pytest.raises(AssertionError, match=re.escape(message)):
         check_quick_output("ps_traffic.py", HEADER + PS_QUICK.replace(old, new))
+
+
+def test_crash_report_keeps_why_a_process_died() -> None:
+    """A rank's abort message comes before thousands of lines of the other ranks' noise: kept."""
+    noise = "".join(f"[W] rank1 warning {i}\n" for i in range(2000))
+    stderr = noise + "terminate called without an active exception\nFatal Python error: Aborted\n" + noise
+    report = crash_report(stderr)
+    assert report.startswith("\n-- crash --\nterminate called without an active exception\nFatal Python error")
+    assert len(report) < 6100
+    assert crash_report(noise + "RuntimeError: a plain failure\n") == ""

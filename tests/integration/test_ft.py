@@ -149,13 +149,31 @@ def test_ft_replica_killed_goes_on_and_the_restart_heals(tmp_path: Path) -> None
     assert_weights_equal(survivor["weights"], restarted["weights"])
 
 
+OUTER_STEPS, OUTER_H = 12, 4
+# diloco's uninterrupted run: held to the one-process reference and to a stopped-and-resumed run
+DILOCO = {"algorithm": "diloco", "optimizer": "adamw", "resumable": True,
+          "strategy": {"min_replicas": 2, "sync_every": OUTER_H}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def diloco_whole(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], dict[str, Any]]:
+    """The uninterrupted diloco run two tests compare with (one launch instead of two). Its loader is the
+    ResumableDataLoader the resume needs, which gives the batches of the plain one."""
+    return run_case(tmp_path_factory.mktemp("diloco"), "whole", max_steps=OUTER_STEPS, **DILOCO)
+
+
 @pytest.mark.parametrize("algorithm", ["local_sgd", "diloco"])
-def test_outer_loop_equals_the_one_process_reference(tmp_path: Path, algorithm: str) -> None:
-    steps, h = 12, 4
-    records = run_case(
-        tmp_path, algorithm, algorithm=algorithm, max_steps=steps, optimizer="adamw",
-        strategy={"min_replicas": 2, "sync_every": h},
-    )  # fmt: skip
+def test_outer_loop_equals_the_one_process_reference(
+    tmp_path: Path, algorithm: str, request: pytest.FixtureRequest
+) -> None:
+    steps, h = OUTER_STEPS, OUTER_H
+    if algorithm == "diloco":
+        records = request.getfixturevalue("diloco_whole")
+    else:
+        records = run_case(
+            tmp_path, algorithm, algorithm=algorithm, max_steps=steps, optimizer="adamw",
+            strategy={"min_replicas": 2, "sync_every": h},
+        )  # fmt: skip
     reference = outer_reference(algorithm, steps, h)
     for r in range(REPLICAS):
         rec = records[(r, 0)]
@@ -178,15 +196,15 @@ def test_diloco_replica_killed_at_a_sync_heals(tmp_path: Path) -> None:
     torch.testing.assert_close(survivor["outer"], restarted["outer"], rtol=0.0, atol=0.0)
 
 
-def test_diloco_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
-    steps, h, stop = 12, 4, 6
-    common = {"algorithm": "diloco", "optimizer": "adamw", "resumable": True,
-              "strategy": {"min_replicas": 2, "sync_every": h}}  # fmt: skip
-    whole = run_case(tmp_path, "whole", max_steps=steps, **common)
+def test_diloco_resume_equals_an_uninterrupted_run(
+    tmp_path: Path, diloco_whole: dict[tuple[int, int], dict[str, Any]]
+) -> None:
+    steps, h, stop = OUTER_STEPS, OUTER_H, 6
+    whole = diloco_whole
     ckpt = tmp_path / "stop.ckpt"
-    run_case(tmp_path, "first", max_steps=steps, ckpt_save=[stop, str(ckpt)], **common)
+    run_case(tmp_path, "first", max_steps=steps, ckpt_save=[stop, str(ckpt)], **DILOCO)
     assert ckpt.exists() and Path(f"{ckpt}.replica1").exists()
-    resumed = run_case(tmp_path, "resumed", max_steps=steps, ckpt_path=str(ckpt), **common)
+    resumed = run_case(tmp_path, "resumed", max_steps=steps, ckpt_path=str(ckpt), **DILOCO)
     for r in range(REPLICAS):
         a, b = whole[(r, 0)], resumed[(r, 0)]
         assert b["first_step"] == stop and b["global_step"] == steps and b["manager_step"] == steps // h + 1
