@@ -58,14 +58,13 @@ class ClipSpec:
     optimizer_norm: bool = False
 
     def __post_init__(self) -> None:
-        if self.algorithm not in CLIP_ALGORITHMS:
-            raise ValueError(
+        bad_algorithm = self.algorithm not in CLIP_ALGORITHMS
+        if bad_algorithm or (self.clip_val is not None and not self.clip_val >= 0):
+            raise ValueError(  # the Trainer's names: its options are where the user fixes them
                 f"ClipSpec(algorithm={self.algorithm!r}): expected one of {list(CLIP_ALGORITHMS)}, as "
                 "Trainer(gradient_clip_algorithm=...) takes. Fix: pass 'norm' or 'value'."
-            )
-        if self.clip_val is not None and not self.clip_val >= 0:
-            raise ValueError(
-                f"ClipSpec(clip_val={self.clip_val}): expected None or a value >= 0 (0: no clipping). "
+                if bad_algorithm
+                else f"ClipSpec(clip_val={self.clip_val}): expected None or a value >= 0 (0: no clipping). "
                 "Fix: pass Trainer(gradient_clip_val=...) a non-negative number."
             )
 
