@@ -103,6 +103,7 @@ class ClassificationModule(pl.LightningModule):
         self._last_loss: torch.Tensor | None = None
         # (non-finite flag on the device, global step, epoch, batch, loss) of each step not yet read
         self._unread_steps: list[tuple[torch.Tensor, int, int, int, torch.Tensor | None]] = []
+        self._landing: tuple[int, int, int, torch.Tensor | None] | None = None  # a step whose values land later
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
@@ -117,6 +118,7 @@ class ClassificationModule(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         logits = self(x)
+        self._note_landed_weights()  # the forward has landed the last step's values (ps with overlap)
         loss = self.criterion(logits, y)
         self.train_acc(logits.detach(), y)
         self._last_loss = loss.detach()  # for the non-finite report; read only when it fires
@@ -133,11 +135,22 @@ class ClassificationModule(pl.LightningModule):
     ) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         if self.check_finite:
-            self._note_finite_weights(batch_idx)
+            step = self.trainer.global_step + 1  # 1-based; Lightning counts the step once this hook returns
+            if getattr(self.trainer.strategy, "overlap", None) is not None:
+                # ps with overlap: this step's values land during the next forward (or at a checkpoint, the
+                # fit's end), so they are judged then, under this step's name
+                self._landing = (step, self.current_epoch, batch_idx, self._last_loss)
+            else:
+                self._note_finite_weights(step, self.current_epoch, batch_idx, self._last_loss)
             if log_due(self._trainer) is not None:  # the same steps on every rank
                 self._raise_if_weights_broke()
 
-    def _note_finite_weights(self, batch_idx: int) -> None:
+    def _note_landed_weights(self) -> None:
+        if self._landing is not None:
+            landing, self._landing = self._landing, None
+            self._note_finite_weights(*landing)
+
+    def _note_finite_weights(self, step: int, epoch: int, batch_idx: int, last_loss: torch.Tensor | None) -> None:
         # this rank's weights: a pipeline rank holds only its stages (the others are meta placeholders)
         params = [p.detach() for p in self.parameters() if not p.is_meta]
         if not params:
@@ -151,8 +164,7 @@ class ClassificationModule(pl.LightningModule):
                 # tensor-parallel shards: every rank judges the whole weights
                 peaks.append(peak.full_tensor() if isinstance(peak, DTensor) else peak)
         peak = peaks[0] if len(peaks) == 1 else torch.stack(peaks).max()
-        step = self.trainer.global_step + 1  # 1-based; Lightning counts the step once this hook returns
-        self._unread_steps.append((~torch.isfinite(peak), step, self.current_epoch, batch_idx, self._last_loss))
+        self._unread_steps.append((~torch.isfinite(peak), step, epoch, batch_idx, last_loss))
 
     def _raise_if_weights_broke(self) -> None:
         """Read the flags noted since the last read (one transfer) and raise at the first broken step."""
@@ -181,14 +193,17 @@ class ClassificationModule(pl.LightningModule):
         # Called on every rank by Trainer.save_checkpoint, after the strategy's gathers and before
         # anything is written: a checkpoint never holds weights a noted step broke.
         if self.check_finite:
+            self._note_landed_weights()  # the strategy's state dict has landed every value
             self._raise_if_weights_broke()
 
     def on_train_end(self) -> None:
         if self.check_finite:
+            self._note_landed_weights()  # the fit's last values land before on_train_end
             self._raise_if_weights_broke()  # the steps after the last read (a fit stopped mid-epoch)
 
     def on_train_start(self) -> None:
         self._unread_steps = []  # a new fit
+        self._landing = None
 
     def on_train_epoch_end(self) -> None:
         # Images the data skipped as unreadable (ImageFolderDataModule), summed over ranks; only
