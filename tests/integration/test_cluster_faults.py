@@ -187,8 +187,12 @@ def cut_and_resume(strategy: str, tmp_path: Path) -> None:
         last = cut / "ckpt" / "last.ckpt"
         saved = load(last)
         assert saved["epoch"] == CUT_EPOCH - 1
-        # the cut fell in the step right after that checkpoint: only that step is lost, and redone
-        assert record["step"] == saved["global_step"]
+        # the cut fell in the step right after that checkpoint: only that step is lost, and redone. Under ps's
+        # overlap (its default) that step's optimizer step returns once its pushes are out, so the loss shows in
+        # the next forward, waiting for the step's values (Lightning has counted the step by then), unless the
+        # peer watch names the peer before that step ends
+        first = saved["global_step"]
+        assert record["step"] in ((first, first + 1) if strategy == "ps" else (first,)), (record, first)
         if strategy != "async":  # async's ranks share the epoch's batches: fewer steps each
             assert saved["global_step"] == 2 * CUT_EPOCH
         resumed = tmp_path / "resumed"
