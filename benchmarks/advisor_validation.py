@@ -122,13 +122,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="write nothing (CI)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # as every process of the stored runs
     map_large_allocations()  # freed tensors leave the RSS (see _rank_memory)
     text = [header("advisor_validation: the advisor against results/cluster_strategies.json and real fits' memory")]
     print(text[0], flush=True)
     text.append(load_line("start"))
     # the fits fork their ranks from this process: before it runs autograd itself
     text.extend(memory_lines(_advisor_memory.run(args.quick)))
+    # One thread, as every process of the stored runs, only now. A rank of these fits once aborted in autograd's
+    # thread start with "pool INTERNAL ASSERT FAILED ... Invalid thread pool!" (in set_num_threads); the likely
+    # cause: set here before the forks, set_num_threads creates torch's thread pool in this process, a forked
+    # rank re-creates it lazily, and two of the rank's threads can race on that. The ranks set their own.
+    torch.set_num_threads(1)
     raw = json.loads((RESULTS / "cluster_strategies.json").read_text())
     text.append(f"# measured: {raw['header']}")
     model = MLP(1024, 2)
