@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
@@ -21,6 +20,7 @@ from torch.optim import Optimizer
 
 from lightning_strategies.comm.ps.clip import ClipSpec
 from lightning_strategies.comm.ps.spec import OptimizerSpec
+from lightning_strategies.optim._foreach import _global_clip_factor
 from lightning_strategies.optim.lamb import Lamb
 
 __all__ = ["WorkerClippingOff", "global_norm_max", "prenormalise_like_lamb", "server_clip_spec"]
@@ -104,7 +104,6 @@ def prenormalise_like_lamb(grads: Sequence[Tensor | None], max_grad_norm: float)
     present = [g for g in grads if g is not None]
     if not present:
         return
-    total = torch.nn.utils.get_total_norm(present)
-    factor = torch.where(total > max_grad_norm, max_grad_norm / total, torch.ones_like(total))
+    factor = _global_clip_factor(present, max_grad_norm, foreach=False)  # Lamb's own factor, not a copy of it
     for g in present:
         g.mul_(factor.to(g.device))
