@@ -14,7 +14,11 @@ chose, and ``loaded_over_quiet`` (goal: <= 1.5). Beside each run, a fixed one-th
 (``PROBE``) is timed under the same conditions: ``floor_probe_loaded_over_quiet`` is what the machine
 itself allows a one-thread job beside the busy processes (2/3 of a core on 2 fair cores: 1.5 x, more
 where the 2 vCPUs are hyperthreads of one core), and ``loaded_over_quiet_over_floor`` the app's
-ratio over that floor.
+ratio over that floor. The app runs quiet with more threads than loaded (one per free core), so the
+same probe is also timed with the thread count the app chose in each run:
+``floor_app_threads_loaded_over_quiet`` is what the machine allows a job that parallelises as well as
+the probe, run with the app's choices (quiet: every core; loaded: its fair share), and
+``loaded_over_quiet_over_app_threads_floor`` the app's ratio over it.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ SPIN = "while True:\n    pass\n"
 # backward, as the app's), timed inside the process so start-up does not count.
 PROBE = """
 import time, torch
-torch.set_num_threads(1)
+torch.set_num_threads(THREADS)
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, 32, 3, padding=1),
                           torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 10))
@@ -72,11 +76,17 @@ def _train(args: list[str], out: Path, threads: int | None) -> tuple[float, str]
     return float(json.loads((out / "metrics.json").read_text())["wall_s"]), chosen.group(0) if chosen else "n/a"
 
 
-def _probe(iters: int) -> float:
-    """Seconds of the one-thread probe workload (the floor a one-thread run can reach)."""
-    out = subprocess.run([sys.executable, "-c", PROBE.replace("ITERS", str(iters))], capture_output=True,
-                         text=True, timeout=1800, check=True)
+def _probe(iters: int, threads: int = 1) -> float:
+    """Seconds of the probe workload with ``threads`` torch threads (1: the floor a one-thread run can reach)."""
+    code = PROBE.replace("ITERS", str(iters)).replace("THREADS", str(threads))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800, check=True)
     return float(out.stdout.strip().splitlines()[-1])
+
+
+def _app_threads(chosen: str) -> int | None:
+    """The torch threads per process the app reported (``torch threads: N per process ...``)."""
+    found = re.search(r"torch threads: (\d+) per process", chosen)
+    return int(found.group(1)) if found else None
 
 
 def main() -> None:
@@ -101,7 +111,7 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text("\n".join(lines) + "\n")
     times: dict[str, list[float]] = {"quiet": [], "loaded": [], "loaded_fixed": [], "probe_quiet": [],
-                                     "probe_loaded": []}
+                                     "probe_loaded": [], "probe_app_threads_quiet": [], "probe_app_threads_loaded": []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for kind in ("quiet", "loaded", *(["loaded_fixed"] if args.fixed_threads else [])):
@@ -113,6 +123,10 @@ def main() -> None:
                     if args.probe_iters and kind != "loaded_fixed":  # beside the same spinners
                         times[f"probe_{kind}"].append(_probe(args.probe_iters))
                         chosen += f"; one-thread probe {times[f'probe_{kind}'][-1]:.2f} s"
+                        threads = _app_threads(chosen)
+                        if threads is not None:  # the probe as the app ran: its thread count, same spinners
+                            times[f"probe_app_threads_{kind}"].append(_probe(args.probe_iters, threads))
+                            chosen += f"; {threads}-thread probe {times[f'probe_app_threads_{kind}'][-1]:.2f} s"
                 finally:
                     for p in spinners:
                         p.kill()
@@ -133,6 +147,11 @@ def main() -> None:
         lines.append(line("floor_probe_loaded_over_quiet", floor, "x"))
         ratio = median(times["loaded"]) / median(times["quiet"])
         lines.append(line("loaded_over_quiet_over_floor", ratio / floor, "x"))
+    if times["probe_app_threads_quiet"] and times["probe_app_threads_loaded"]:
+        floor = median(times["probe_app_threads_loaded"]) / median(times["probe_app_threads_quiet"])
+        lines.append(line("floor_app_threads_loaded_over_quiet", floor, "x"))
+        ratio = median(times["loaded"]) / median(times["quiet"])
+        lines.append(line("loaded_over_quiet_over_app_threads_floor", ratio / floor, "x"))
     if times["loaded_fixed"]:
         lines.append(line(f"loaded_{args.fixed_threads}_threads_over_quiet",
                           median(times["loaded_fixed"]) / median(times["quiet"]), "x"))
