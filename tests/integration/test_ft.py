@@ -55,6 +55,7 @@ def run_case(tmp_path: Path, name: str, **cfg: Any) -> dict[tuple[int, int], dic
     cfg["strategy"] = {**FAST, **cfg.get("strategy", {})}
     (out / "case.json").write_text(json.dumps(cfg))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1")
+    env["PYTHONFAULTHANDLER"] = "1"  # a replica that crashes (a signal) prints every thread's stack to its stderr
     env.pop("LOCAL_RANK", None)
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), str(out / "case.json")],
