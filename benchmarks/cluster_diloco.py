@@ -34,6 +34,8 @@ Lines (``name value unit``):
 
     python benchmarks/cluster_diloco.py          # 2 nodes x 1 at 50mbit, 80 steps (~10 min loaded)
     python benchmarks/cluster_diloco.py --quick  # diloco alone, 2 steps, H = 1, prints only (CI: it runs)
+    python benchmarks/cluster_diloco.py --strategies diloco --inner-lr 2e-3 --name cluster_diloco_inner_lr
+                                                 # one setting again (results/<name>.txt)
 
 The full run writes ``results/cluster_diloco.txt`` (this output) and ``results/cluster_diloco.json``
 (every validation of every run). Skips with the reason (exit 0, one comment line) where the cluster
@@ -78,7 +80,7 @@ def overrides(strategy: str, args: argparse.Namespace, tmp: Path, lighthouse: st
     if strategy == "ddp":
         return ["strategy=ddp", *common]
     # the adamw group's own lr and weight decay: the recipe's (0.05, 5e-4) are SGD's
-    return ["strategy=diloco", "optimizer=adamw", "optimizer.lr=1e-3", "optimizer.weight_decay=0.05",
+    return ["strategy=diloco", "optimizer=adamw", f"optimizer.lr={args.inner_lr}", "optimizer.weight_decay=0.05",
             f"strategy.sync_every={args.sync_every}",
             f"strategy.lighthouse={lighthouse}", "strategy.hostname=${oc.env:EMULATED_NODE_ADDR}",
             f"strategy.min_replicas={args.nodes}", *common]  # fmt: skip
@@ -159,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per fit")
     parser.add_argument("--echo", action="store_true", help="print every node's output")
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument("--inner-lr", type=float, default=1e-3, help="diloco's AdamW lr per 64 samples (scaled)")
+    parser.add_argument("--name", default="cluster_diloco", help="results/<name>.txt and .json")
     args = parser.parse_args(argv)
     if args.quick:  # the new path (replicas in two nodes, the Lighthouse in node 0, a heal across the link)
         args.steps, args.sync_every, args.val_every, args.strategies = 2, 1, 1, ["diloco"]
@@ -167,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     text = started
     text.append(f"# layout {args.nodes} nodes x 1 process at {args.rate}; {args.steps} steps of 64 x {args.nodes} "
-                f"samples; H = {args.sync_every}; ddp validated every {args.val_every} steps, "
-                "diloco every H")  # fmt: skip
+                f"samples; H = {args.sync_every}, inner lr {args.inner_lr:g} per 64; ddp validated every "
+                f"{args.val_every} steps, diloco every H")  # fmt: skip
     print(text[-1], flush=True)
     start = time.monotonic()
     runs: dict[str, dict[str, Any]] = {}
@@ -192,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(text[-2:]), flush=True)
     if not args.quick:
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "cluster_diloco.txt").write_text("\n".join(text) + "\n")
-        (RESULTS / "cluster_diloco.json").write_text(json.dumps({"args": vars(args), "header": text[0], "runs": runs}))
+        (RESULTS / f"{args.name}.txt").write_text("\n".join(text) + "\n")
+        (RESULTS / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "header": text[0], "runs": runs}))
     return 1 if failed else 0
 
 
