@@ -73,10 +73,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import header, load_average, load_line, median, pyplot, save_figure
 from benchmarks._common import line as emit
+from benchmarks._common import load_average, load_line, median, pyplot, save_figure
 from benchmarks.emulated import EmulatedCluster
-from benchmarks.emulated.launch import launch
+from benchmarks.emulated.launch import launch, report_start
 
 FIT = Path(__file__).parent / "emulated" / "_fit.py"
 RESULTS = Path(__file__).parent / "results"
@@ -266,14 +266,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.layouts, args.rates, args.strategies, args.straggler = 1, ["2x2"], ["200mbit"], [
             "ring", "ps"], False  # fmt: skip
-    text = [header("cluster_strategies: every strategy on an emulated cluster (namespaces, HTB-shaped links)")]
-    print(text[0], flush=True)
-    ok, reason = EmulatedCluster.available()
-    if not ok:
-        print(f"# skipped: {reason}", flush=True)
+    started = report_start("cluster_strategies: every strategy on an emulated cluster (namespaces, HTB-shaped links)")
+    if started is None:
         return 0
-    text.append(load_line("start"))
-    print(text[-1], flush=True)
+    text = started
     start = time.monotonic()
 
     def store(runs: dict[str, list[dict[str, Any]]], final: bool = False) -> list[str]:

@@ -117,9 +117,11 @@ class EmulatedNode:
         return ["ip", "netns", "exec", self.netns, *_NODE_WRAP, *argv]
 
     def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
-        """``base`` (default ``os.environ``) with gloo's and TensorPipe's interface set to the link."""
+        """``base`` (default ``os.environ``) with gloo's and TensorPipe's interface set to the link, and
+        the node's address in ``EMULATED_NODE_ADDR`` (what a job advertises to its peers, e.g.
+        ``FTStrategy(hostname=...)``: the host name resolves outside the node)."""
         env = dict(os.environ if base is None else base)
-        env.update(GLOO_SOCKET_IFNAME=self.link, TP_SOCKET_IFNAME=self.link)
+        env.update(GLOO_SOCKET_IFNAME=self.link, TP_SOCKET_IFNAME=self.link, EMULATED_NODE_ADDR=self.address)
         return env
 
     def nic(self) -> NicCounters:

@@ -24,7 +24,7 @@ from typing import IO, Any
 
 from benchmarks.emulated.cluster import EmulatedCluster, NicCounters
 
-__all__ = ["STEPS_FILE_ENV", "LaunchResult", "launch", "torchrun_command"]
+__all__ = ["STEPS_FILE_ENV", "LaunchResult", "launch", "report_start", "torchrun_command"]
 
 STEPS_FILE_ENV = "EMULATED_CLUSTER_STEPS_FILE"
 MASTER_PORT = 29500  # every cluster is a fresh set of namespaces: nothing else listens there
@@ -71,6 +71,22 @@ def torchrun_command(argv: Sequence[str], *, nodes: int, per_node: int, node_ran
     if Path(argv[0]).name.startswith("python"):
         return [*head, *argv[1:]]  # torchrun runs a script or `-m module` with its own interpreter
     return [*head, "--no-python", *argv]
+
+
+def report_start(title: str) -> list[str] | None:
+    """A cluster benchmark's first lines, printed: the header (machine, versions, date) and the load
+    now; None, after a ``# skipped:`` line with the reason, where no cluster can be made here."""
+    from benchmarks._common import header, load_line
+
+    text = [header(title)]
+    print(text[0], flush=True)
+    ok, reason = EmulatedCluster.available()
+    if not ok:
+        print(f"# skipped: {reason}", flush=True)
+        return None
+    text.append(load_line("start"))
+    print(text[-1], flush=True)
+    return text
 
 
 def _pump(stream: IO[bytes], prefix: str, sink: list[str], echo: bool) -> None:

@@ -230,6 +230,14 @@ GOALS["cluster_strategies.py"] = [
     (r"cluster_nic_bytes_per_step_ps_2x2_200mbit_over_formula", 1.0, 1.03),
     (r"cluster_step_s_(ring|ps)_2x2_200mbit", 0.01, 60.0),
 ]
+# cluster_diloco.py --quick: diloco alone for 2 steps (H = 1) on 2 nodes at 50mbit, the Lighthouse in
+# node 0 and replica 1 healing from replica 0 across the link: that it trains and validates (an
+# accuracy in (0, 1], a step time); its time and accuracy goals need the full run's 80 steps.
+GOALS["cluster_diloco.py"] = [
+    (r"diloco_sync_every", 1, 1),
+    (r"cluster_val_acc_diloco_2x1_50mbit", 0.0, 1.0),
+    (r"cluster_train_s_per_step_diloco_2x1_50mbit", 0.01, 60.0),
+]
 
 
 # advisor_validation.py: the advisor's memory per rank (parameters, gradients, optimizer state) against
@@ -287,7 +295,7 @@ def check_quick_output(script: str, stdout: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmark_quick_mode(script: str) -> None:
-    if script == "cluster_strategies.py":
+    if script in ("cluster_strategies.py", "cluster_diloco.py"):
         from benchmarks.emulated import EmulatedCluster
 
         ok, reason = EmulatedCluster.available()

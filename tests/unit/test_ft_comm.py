@@ -238,3 +238,32 @@ def test_registry_rows_build_the_variants() -> None:
     assert StrategyRegistry.get("diloco").algorithm == "diloco"
     assert StrategyRegistry.get("local_sgd").algorithm == "local_sgd"
     assert StrategyRegistry.get("ft").algorithm == "ft"
+
+
+# -- the checkpoint transport -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hostname", ["127.0.0.1", "10.9.8.7", "::1"])
+def test_checkpoint_transport_advertises_the_replica_address_not_the_host_name(hostname: str) -> None:
+    """A healing peer fetches from the address the replica was given (torchft's own transport names
+    ``socket.gethostname()``, which on the emulated cluster's nodes does not reach the replica)."""
+    pytest.importorskip("torchft")
+    from datetime import timedelta
+
+    from torchft.checkpointing import HTTPTransport
+
+    from lightning_strategies.comm.ft.transport import AdvertisedHTTPTransport
+
+    transport = AdvertisedHTTPTransport(hostname=hostname, timeout=timedelta(seconds=10))
+    try:
+        plain = HTTPTransport.address(transport)  # torchft's URL for the same server
+        host = f"[{hostname}]" if ":" in hostname else hostname
+        assert plain.startswith(f"http://{socket.gethostname()}:")
+        assert transport.metadata() == plain.replace(socket.gethostname(), host, 1)
+        if hostname == "127.0.0.1":  # served there: a peer's fetch from the advertised URL returns the state
+            state = {"w": torch.arange(6.0).reshape(2, 3), "step": 3}
+            transport.send_checkpoint([1], step=3, state_dict=state, timeout=timedelta(seconds=10))
+            got = transport.recv_checkpoint(0, transport.metadata(), step=3, timeout=timedelta(seconds=10))
+            assert got["step"] == 3 and torch.equal(got["w"], state["w"])
+    finally:
+        transport.shutdown(wait=False)

@@ -4,6 +4,7 @@
 - :mod:`~lightning_strategies.comm.ft.replica`: one process = one replica group (torchft Manager).
 - :mod:`~lightning_strategies.comm.ft.step`: all-reduce, then commit only if every replica may.
 - :mod:`~lightning_strategies.comm.ft.outer`: LocalSGD / (Streaming) DiLoCo's outer loop.
+- :mod:`~lightning_strategies.comm.ft.transport`: the checkpoint transport, at the replica's own address.
 
 torchft is imported only where a Manager or a Lighthouse is built (``pip install
 lightning-strategies[ft]``); everything else here imports without it.

@@ -95,6 +95,8 @@ class ReplicaGroup:
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
+        from lightning_strategies.comm.ft.transport import AdvertisedHTTPTransport
+
         self.config = config
         self._loaders: dict[str, Callable[[Any], None]] = {}
         self._savers: dict[str, Callable[[], Any]] = {}
@@ -127,6 +129,8 @@ class ReplicaGroup:
             hostname=hostname,
             heartbeat_interval=_seconds(config.heartbeat_interval_s),
             init_sync=config.init_sync,
+            # a healing peer fetches from `hostname` (torchft's own transport names the host name)
+            checkpoint_transport=AdvertisedHTTPTransport(hostname=hostname, timeout=_seconds(config.timeout_s)),
         )
 
     def register(self, key: str, load: Callable[[Any], None], save: Callable[[], Any]) -> None:
