@@ -12,14 +12,16 @@ so that compute, not the 2 shared cores, sets the pace), each with 3 training wo
                          restarts all three, which resume from the last epoch's checkpoint
 
 The async ranks are started as independent processes (the way a cluster starts them: nothing
-ends the others when one dies). Each run's rank 0 appends a JSON line per validation (wall time,
-``val_acc``) to a file, and one when ``fit`` starts, so "time to 95%" is wall time from the
-first ``fit`` start to the first validation at 95% or better: for ``ps_restart`` it includes
-torchrun noticing the loss, starting 3 fresh interpreters (imports included) and replaying the
-interrupted epoch. Samples per second: the samples the epochs cover over the wall time from the
-first ``fit`` start to the last validation.
+ends the others when one dies), forked from a zygote that imported torch and Lightning once
+(``tests/fault_utils.py``, as the fault tests start theirs): 1 import per run instead of 4.
+Each run's rank 0 appends a JSON line per validation (wall time, ``val_acc``) to a file, and one
+when ``fit`` starts, so "time to 95%" is wall time from the first ``fit`` start to the first
+validation at 95% or better: for ``ps_restart`` it includes torchrun noticing the loss, starting
+3 fresh interpreters (imports included) and replaying the interrupted epoch. Samples per second:
+the samples the epochs cover over the wall time from the first ``fit`` start to the last validation.
 
-Run by ``stragglers.py``; each rank runs ``python benchmarks/_failure.py <json args>``.
+Run by ``stragglers.py``; each ps rank runs ``python benchmarks/_failure.py <json args>`` under torchrun,
+each async rank :func:`_zygote_rank`.
 """
 
 from __future__ import annotations
@@ -36,12 +38,15 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from benchmarks._workers import free_port  # noqa: E402  (the repo root is importable now)
 
 WORKERS = 3
 RUN_TIMEOUT_S = 600.0
+# what the async runs' zygote imports once, for every rank it forks
+PRELOAD = ["lightning.pytorch", "lightning_strategies.strategies.async_elastic", "recipes.classification",
+           "recipes.data", "recipes.models", "benchmarks._failure"]  # fmt: skip
 
 
 def _events(path: Path) -> list[dict[str, Any]]:
@@ -133,6 +138,11 @@ def _rank_main(args: dict[str, Any]) -> None:
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
 
 
+def _zygote_rank(rank: int, world: int, settings: dict[str, Any]) -> None:
+    """An async rank forked by the zygote; its environment (``NODE_RANK``...) says which."""
+    _rank_main(settings)
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     for key in [k for k in env if k.startswith(("TORCHELASTIC_", "SLURM_")) or k in ("RANK", "LOCAL_RANK")]:
@@ -155,6 +165,23 @@ def _wait(procs: list[subprocess.Popen[bytes]], timeout: float) -> list[int]:
     return [int(p.returncode) for p in procs]
 
 
+def _run_async(settings: dict[str, Any], work: Path) -> list[int]:
+    """The async run's 4 ranks, forked by a zygote of their own; their exit statuses."""
+    from fault_utils import Job, Zygote
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(WORKERS + 1),
+           "NODE_RANK": "{rank}", "LOCAL_RANK": "0"}  # fmt: skip
+    job = Job(target="benchmarks._failure:_zygote_rank", world=WORKERS + 1, env=env, kwargs={"settings": settings},
+              log_dir=work, timeout=RUN_TIMEOUT_S)  # fmt: skip
+    zygote = Zygote(PRELOAD, work / "zygote.log")
+    try:
+        zygote.wait_ready(RUN_TIMEOUT_S)  # its imports: seconds, minutes on a machine as loaded as CI's can be
+        answer = zygote.run(job)
+    finally:
+        zygote.close()
+    return [int(answer["ranks"][r]["returncode"]) for r in range(WORKERS + 1)]
+
+
 def run_case(kind: str, *, kill: bool, epochs: int, base_ms: float, work: Path) -> dict[str, Any]:
     """One run; returns ``{"seconds_to": {target: s}, "curve": [(s, acc)], "samples_per_s", "exits"}``."""
     if work.exists():
@@ -173,27 +200,17 @@ def run_case(kind: str, *, kill: bool, epochs: int, base_ms: float, work: Path) 
         "momentum": 0.9 if kind == "ps" else 0.3,  # asynchrony adds about 1 - 1/3 (see stragglers.py)
         "ckpt_dir": str(work / "ckpt"),
     }
-    command = [sys.executable, str(Path(__file__).resolve()), json.dumps(settings)]
-    logs = [(work / f"rank{r}.log").open("wb") for r in range(WORKERS + 1)]
-    try:
-        if kind == "ps":
-            port = free_port()
-            torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={WORKERS}",
-                        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=1"]  # fmt: skip
-            procs = [subprocess.Popen([*torchrun, *command[1:]], env=_env(), stdout=logs[0], stderr=subprocess.STDOUT,
-                                      start_new_session=True, cwd=REPO)]  # fmt: skip
-        else:
-            port = free_port()
-            procs = []
-            for r in range(WORKERS + 1):
-                env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "WORLD_SIZE": str(WORKERS + 1), "NODE_RANK": str(r), "LOCAL_RANK": "0"}  # fmt: skip
-                procs.append(subprocess.Popen(command, env=env, stdout=logs[r], stderr=subprocess.STDOUT,
-                                              start_new_session=True, cwd=REPO))  # fmt: skip
-        exits = _wait(procs, RUN_TIMEOUT_S)
-    finally:
-        for f in logs:
-            f.close()
+    if kind == "ps":
+        port = free_port()
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={WORKERS}",
+                    "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=1"]  # fmt: skip
+        with (work / "rank0.log").open("wb") as log:
+            command = [*torchrun, str(Path(__file__).resolve()), json.dumps(settings)]
+            procs = [subprocess.Popen(command, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                      cwd=REPO)]  # fmt: skip
+            exits = _wait(procs, RUN_TIMEOUT_S)
+    else:
+        exits = _run_async(settings, work)  # each rank writes its own rank<r>.log
     records = _events(events)
     start = next((e["time"] for e in records if e["event"] == "fit_start"), None)
     vals = [e for e in records if e["event"] == "val"]
