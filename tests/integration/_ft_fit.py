@@ -8,14 +8,17 @@ each replica on its shard (Lightning's ``DistributedSampler``), one torch thread
 The case file's keys: ``out``, ``replicas``, ``algorithm``, ``max_steps``, ``batch_size``, ``n``,
 ``strategy`` (FTStrategy keyword arguments), ``kill`` (``[replica, step]``: that replica
 SIGKILLs itself at the start of its training step of that index in its first start, counted from its
-first step in this process), ``sleep_alone_s`` (after
+first step in this process), ``kill_in_allreduce`` (``[replica, n]``: that replica SIGKILLs
+itself inside its ``n``-th outer sync of its first start, right after it issued the all-reduce and before
+anything waited for it, through :attr:`~lightning_strategies.comm.ft.OuterSync.after_issue`), ``sleep_alone_s`` (after
 every step committed alone), ``seed_by_replica`` (each replica initialises its weights with its own seed),
 ``optimizer`` (``"sgd"`` or ``"adamw"``), ``ckpt_save`` (``[step, path]``: replica 0 saves a
 checkpoint there after that step and the fit stops), ``ckpt_path`` (resume from it), ``resumable``
 (a :class:`~lightning_strategies.ResumableDataLoader`, so that a mid-epoch resume takes the next batch).
 
 Each replica writes ``replica<r>_<start>.pt`` when its fit ends: its final weights, Lightning's
-``global_step``, the Manager's step, its heals, and per committed step the participants.
+``global_step``, the Manager's step, its heals, per committed step the participants, and its outer syncs
+(:class:`~lightning_strategies.comm.ft.SyncRecord`: steps and times of each all-reduce's issue and wait).
 """
 
 # ruff: noqa: E402 - T0 is taken before the imports it times
@@ -25,6 +28,7 @@ import time
 
 T0 = time.time()  # this process's start (before the heavy imports): a restart's rejoin is timed from it
 
+import dataclasses
 import json
 import os
 import signal
@@ -51,6 +55,20 @@ class _Case(pl.Callback):
         self.commit_times: list[float] = []
         self.t_start = time.time()
         self.t_first: float | None = None
+        self.issued = 0
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        kill, strategy = self.cfg.get("kill_in_allreduce"), trainer.strategy
+        assert isinstance(strategy, FTStrategy)
+        if kill and self.start == 0 and self.replica == kill[0] and strategy.syncer is not None:
+            strategy.syncer.after_issue = lambda fragment, step: self._kill_in_allreduce(kill[1], step)
+
+    def _kill_in_allreduce(self, n: int, step: int) -> None:
+        self.issued += 1
+        if self.issued == n:
+            record = {"time": time.time(), "step": step, "in_allreduce": True}
+            (Path(self.cfg["out"]) / "killed.json").write_text(json.dumps(record))
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if self.first_step is None:
@@ -84,6 +102,7 @@ class _Case(pl.Callback):
             "manager_steps": self.manager_steps,
             "first_step": self.first_step,
             "outer": strategy.outer.state_dict() if strategy.outer is not None else None,
+            "syncs": [dataclasses.asdict(r) for r in strategy.syncer.history] if strategy.syncer is not None else [],
             "optimizer": trainer.optimizers[0].state_dict(),
             "t_start": self.t_start,
             "t0": T0,
