@@ -8,10 +8,13 @@ each replica on its shard (Lightning's ``DistributedSampler``), one torch thread
 The case file's keys: ``out``, ``replicas``, ``algorithm``, ``max_steps``, ``batch_size``, ``n``,
 ``strategy`` (FTStrategy keyword arguments), ``kill`` (``[replica, step]``: that replica
 SIGKILLs itself at the start of its training step of that index in its first start, counted from its
-first step in this process), ``kill_in_allreduce`` (``[replica, n]``: that replica SIGKILLs
-itself inside its ``n``-th outer sync of its first start, right after it issued the all-reduce and before
-anything waited for it, through :attr:`~lightning_strategies.comm.ft.OuterSync.after_issue`), ``sleep_alone_s`` (after
-every step committed alone), ``seed_by_replica`` (each replica initialises its weights with its own seed),
+first step in this process), ``kill_in_allreduce`` (``[replica, n]``: that replica SIGKILLs itself
+inside its ``n``-th outer sync of its first start, right after it issued the all-reduce and before
+anything waited for it, through :attr:`~lightning_strategies.comm.ft.OuterSync.after_issue`),
+``sleep_alone_s`` (after every step committed alone), ``hold_alone_s`` (after a kill, a replica
+training alone waits up to this long, once, for the restarted replica to reach its join: the
+restart's fresh interpreter is slow on a loaded machine, and the heal must happen before the
+survivor's last step), ``seed_by_replica`` (each replica initialises its weights with its own seed),
 ``optimizer`` (``"sgd"`` or ``"adamw"``), ``ckpt_save`` (``[step, path]``: replica 0 saves a
 checkpoint there after that step and the fit stops), ``ckpt_path`` (resume from it), ``resumable``
 (a :class:`~lightning_strategies.ResumableDataLoader`, so that a mid-epoch resume takes the next batch).
@@ -58,6 +61,8 @@ class _Case(pl.Callback):
         self.issued = 0
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.start > 0:  # a restart about to join (its first quorum follows): a survivor holding may go on
+            (Path(self.cfg["out"]) / f"ready{self.replica}_{self.start}").touch()
         kill, strategy = self.cfg.get("kill_in_allreduce"), trainer.strategy
         assert isinstance(strategy, FTStrategy)
         if kill and self.start == 0 and self.replica == kill[0] and strategy.syncer is not None:
@@ -89,6 +94,11 @@ class _Case(pl.Callback):
         self.manager_steps.append(strategy.replica.step)
         if self.cfg.get("sleep_alone_s") and self.participants[-1] == 1:
             time.sleep(self.cfg["sleep_alone_s"])
+        out = Path(self.cfg["out"])
+        if self.cfg.get("hold_alone_s") and self.participants[-1] == 1 and (out / "killed.json").exists():
+            deadline = time.monotonic() + self.cfg.pop("hold_alone_s")  # once
+            while not any(out.glob("ready*_*")) and time.monotonic() < deadline:
+                time.sleep(0.2)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy

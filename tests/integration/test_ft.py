@@ -229,10 +229,10 @@ def test_diloco_replica_killed_inside_the_allreduce_heals(tmp_path: Path) -> Non
     steps, h = 80, 4
     records = run_case(
         tmp_path, "diloco_kill_in_allreduce", algorithm="diloco", max_steps=steps, optimizer="adamw",
-        kill_in_allreduce=[1, 2], sleep_alone_s=0.6, strategy={"sync_every": h},
+        kill_in_allreduce=[1, 2], sleep_alone_s=0.6, hold_alone_s=120.0, strategy={"sync_every": h},
     )  # fmt: skip
     killed = json.loads((tmp_path / "diloco_kill_in_allreduce" / "killed.json").read_text())
-    assert killed["in_allreduce"] and killed["step"] == 2 * h  # its second sync
+    assert killed["in_allreduce"] and killed["step"] % h == 0  # its second sync (step 2h unless it joined late)
     survivor, restarted = records[(0, 0)], records[(1, 1)]
     assert (1, 0) not in records
     hit = next(s for s in survivor["syncs"] if s["finished"] == killed["step"])
@@ -246,11 +246,13 @@ def test_diloco_replica_killed_inside_the_allreduce_heals(tmp_path: Path) -> Non
     torch.testing.assert_close(survivor["outer"], restarted["outer"], rtol=0.0, atol=0.0)
 
 
-def streaming_reference(steps: int, sync_every: int, fragments: int, delay: int, alpha: float) -> dict[str, Any]:
+def streaming_reference(
+    steps: int, sync_every: int, fragments: int, delay: int, alpha: float
+) -> list[dict[str, torch.Tensor]]:
     """Streaming DiLoCo with the overlap, two replicas in one process, on torchft's schedule: fragment
     ``f``'s pseudo-gradients are averaged after inner step ``k H/F - tau`` and its outer step lands after
     inner step ``k H/F``, the fragment then ``lerp(θ_global, θ_local, alpha)``; one in flight at the end
-    lands then."""
+    lands then. Each replica's final weights (with alpha > 0 they differ: each keeps part of its own)."""
     data = regression_data(N)
     replicas = [TinyRegressor() for _ in range(REPLICAS)]
     inner = [torch.optim.AdamW(r.parameters(), lr=0.01) for r in replicas]
@@ -282,7 +284,7 @@ def streaming_reference(steps: int, sync_every: int, fragments: int, delay: int,
         if step == steps:
             break
         inner_steps(data, replicas, inner, step)
-    return {k: v.detach().clone() for k, v in replicas[0].state_dict().items()}
+    return [{k: v.detach().clone() for k, v in model.state_dict().items()} for model in replicas]
 
 
 def test_streaming_diloco_overlap_equals_the_one_process_reference(tmp_path: Path) -> None:
@@ -297,7 +299,7 @@ def test_streaming_diloco_overlap_equals_the_one_process_reference(tmp_path: Pat
     for r in range(REPLICAS):
         rec = records[(r, 0)]
         assert rec["global_step"] == steps and rec["manager_step"] == steps // interval + 1
-        assert_weights_equal(rec["weights"], reference)
+        assert_weights_equal(rec["weights"], reference[r])
         syncs = rec["syncs"]
         assert [(s["fragment"], s["started"], s["finished"]) for s in syncs] == [
             (k % fragments, (k + 1) * interval - delay, (k + 1) * interval) for k in range(steps // interval)

@@ -159,13 +159,15 @@ class OuterSync:
         pending = self.pending
         assert pending is not None and pending.flat is not None
         self.pending = None  # no quorum below ever sees it in flight (the state a peer heals from)
+        wait_t = time.time()
         pending.work.wait()
         waited_t = time.time()
         size = pending.flat.numel() * pending.flat.element_size()
         if manager.should_commit():
             self.outer.apply(pending.fragment, pending.flat, mix=True)
+            # seconds: what the replica waited for (the overlapped inner steps are not communication time)
             stats = CommitStats(attempts=1, participants=int(manager.num_participants()), bytes=size,
-                                seconds=waited_t - pending.issued_t)  # fmt: skip
+                                seconds=time.time() - wait_t)  # fmt: skip
             self._log(pending.fragment, pending.started, step, pending.issued_t, waited_t, stats)
             return stats
         # the all-reduce failed in flight: its mean is dropped whole; the fragment is synced again now,
@@ -175,7 +177,7 @@ class OuterSync:
                 f"found the all-reduce of fragment {pending.fragment} failed (error: {manager.errored()}) with "
                 "attempts=1: expected a committed sync. Fix: raise commit_attempts, or check that enough replicas run."
             )
-        failed = CommitStats(attempts=1, bytes=size, seconds=waited_t - pending.issued_t)
+        failed = CommitStats(attempts=1, bytes=size, seconds=waited_t - wait_t)
         failed.healed = self.requorum()
         return self._blocking(manager, pending.fragment, step, self.attempts - 1, failed)
 
