@@ -8,9 +8,11 @@ each replica on its shard (Lightning's ``DistributedSampler``), one torch thread
 The case file's keys: ``out``, ``replicas``, ``algorithm``, ``max_steps``, ``batch_size``, ``n``,
 ``strategy`` (FTStrategy keyword arguments), ``kill`` (``[replica, step]``: that replica
 SIGKILLs itself at the start of its training step of that index in its first start, counted from its
-first step in this process), ``kill_in_allreduce`` (``[replica, n]``: that replica SIGKILLs itself
-inside its ``n``-th outer sync of its first start, right after it issued the all-reduce and before
-anything waited for it, through :attr:`~lightning_strategies.comm.ft.OuterSync.after_issue`),
+first step in this process), ``kill_in_allreduce`` (``[replica, n, when]``: that replica SIGKILLs
+itself inside its ``n``-th outer sync of its first start, through
+:attr:`~lightning_strategies.comm.ft.OuterSync.on_issue`: ``"issued"`` right after it handed its values
+to the all-reduce, before anything waited for it; ``"quorum"`` in the sync's quorum, before it handed
+them over, so that the peers' all-reduces lose it in flight),
 ``sleep_alone_s`` (after every step committed alone), ``hold_alone_s`` (after a kill, a replica
 training alone waits up to this long, once, for the restarted replica to reach its join: the
 restart's fresh interpreter is slow on a loaded machine, and the heal must happen before the
@@ -66,12 +68,12 @@ class _Case(pl.Callback):
         kill, strategy = self.cfg.get("kill_in_allreduce"), trainer.strategy
         assert isinstance(strategy, FTStrategy)
         if kill and self.start == 0 and self.replica == kill[0] and strategy.syncer is not None:
-            strategy.syncer.after_issue = lambda fragment, step: self._kill_in_allreduce(kill[1], step)
+            strategy.syncer.on_issue = lambda when, fragment, step: self._kill_in_allreduce(kill, when, step)
 
-    def _kill_in_allreduce(self, n: int, step: int) -> None:
-        self.issued += 1
-        if self.issued == n:
-            record = {"time": time.time(), "step": step, "in_allreduce": True}
+    def _kill_in_allreduce(self, kill: list[Any], when: str, step: int) -> None:
+        self.issued += when == "quorum"
+        if self.issued == kill[1] and when == kill[2]:
+            record = {"time": time.time(), "step": step, "when": when}
             (Path(self.cfg["out"]) / "killed.json").write_text(json.dumps(record))
             os.kill(os.getpid(), signal.SIGKILL)
 

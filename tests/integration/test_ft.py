@@ -17,9 +17,10 @@ replica from Lightning's ``DistributedSampler`` (4 steps per epoch), and holds t
   The Manager's step counts the syncs plus the commit of the job's first quorum.
 - ``diloco`` with replica 1 SIGKILLed at the start of a sync: replica 0 commits the sync alone,
   the restarted replica heals (outer loop included) and both end equal.
-- ``diloco`` with replica 1 SIGKILLed inside a sync's all-reduce (after it issued it, before anything
-  waited for it): replica 0 commits that sync (with both, if the values had crossed, else alone after a
-  retry), the restarted replica heals and both end equal.
+- ``diloco`` with replica 1 SIGKILLed inside a sync's all-reduce, either right after it issued its
+  values (replica 0 commits the sync with both if they had crossed, else alone after a retry) or in
+  the sync's quorum before it issued them (replica 0's all-reduce fails in flight: it syncs again
+  alone on a new quorum); the restarted replica heals and both end equal.
 - Streaming DiLoCo with the overlap (``fragment_sync_delay`` tau = 1, merge weight 0.5) equals a
   one-process simulation of torchft's schedule exactly (the same operations as above, plus the same
   ``lerp``), and each fragment's all-reduce was in flight while tau inner steps ran (timestamps).
@@ -225,20 +226,22 @@ def test_diloco_resume_equals_an_uninterrupted_run(
         torch.testing.assert_close(a["outer"], b["outer"], rtol=0.0, atol=0.0)
 
 
-def test_diloco_replica_killed_inside_the_allreduce_heals(tmp_path: Path) -> None:
+@pytest.mark.parametrize("when", ["issued", "quorum"])
+def test_diloco_replica_killed_inside_the_allreduce_heals(tmp_path: Path, when: str) -> None:
     steps, h = 80, 4
     records = run_case(
         tmp_path, "diloco_kill_in_allreduce", algorithm="diloco", max_steps=steps, optimizer="adamw",
-        kill_in_allreduce=[1, 2], sleep_alone_s=0.6, hold_alone_s=120.0, strategy={"sync_every": h},
+        kill_in_allreduce=[1, 2, when], sleep_alone_s=0.6, hold_alone_s=120.0, strategy={"sync_every": h},
     )  # fmt: skip
     killed = json.loads((tmp_path / "diloco_kill_in_allreduce" / "killed.json").read_text())
-    assert killed["in_allreduce"] and killed["step"] % h == 0  # its second sync (step 2h unless it joined late)
+    assert killed["when"] == when and killed["step"] % h == 0  # its second sync (step 2h unless it joined late)
     survivor, restarted = records[(0, 0)], records[(1, 1)]
     assert (1, 0) not in records
     hit = next(s for s in survivor["syncs"] if s["finished"] == killed["step"])
-    # the values crossed before the kill (committed by both), or the survivor's all-reduce failed and it
-    # synced again alone on a new quorum
-    assert hit["participants"] == 2 or (hit["participants"] == 1 and hit["attempts"] >= 2), hit
+    if when == "quorum":  # the survivor's all-reduce lost its peer in flight: it failed, synced again alone
+        assert hit["participants"] == 1 and hit["attempts"] >= 2, hit
+    else:  # the values crossed before the kill (committed by both), or as above
+        assert hit["participants"] == 2 or (hit["participants"] == 1 and hit["attempts"] >= 2), hit
     assert 1 in survivor["participants"] and restarted["heals"] >= 1 and restarted["first_step"] > 0
     for rec in (survivor, restarted):
         assert rec["global_step"] == steps and rec["manager_step"] == steps // h + 1

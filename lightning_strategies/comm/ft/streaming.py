@@ -88,9 +88,11 @@ class OuterSync:
 
     Attributes:
         history: the committed syncs of this run (:class:`SyncRecord`).
-        after_issue: called with ``(fragment, step)`` right after an all-reduce is issued, before
-            anything waits for it. A seam for tests (the integration tests kill a replica there,
-            inside the all-reduce) and diagnostics; ``None`` in training.
+        on_issue: called with ``(when, fragment, step)`` around the issue of an all-reduce:
+            ``"quorum"`` once its quorum is formed (the peers' all-reduces of it may be in flight)
+            and before this replica hands its values over, ``"issued"`` right after, before anything
+            waits for it. A seam for tests (the integration tests kill a replica at either point,
+            inside the sync's all-reduce) and diagnostics; ``None`` in training.
     """
 
     def __init__(self, outer: OuterLoop, *, attempts: int, requorum: Callable[[], bool]) -> None:
@@ -99,7 +101,7 @@ class OuterSync:
         self.outer, self.attempts, self.requorum = outer, attempts, requorum
         self.pending: PendingSync | None = None
         self.history: list[SyncRecord] = []
-        self.after_issue: Callable[[int, int], None] | None = None
+        self.on_issue: Callable[[str, int, int], None] | None = None
         self._last_step = -1
 
     @property
@@ -150,10 +152,12 @@ class OuterSync:
         pending = self.pending
         assert pending is not None
         pending.flat = pending.sent.clone()  # reduced in place; ``sent`` stays for a checkpoint
+        if self.on_issue is not None:
+            self.on_issue("quorum", pending.fragment, step)
         pending.issued_t = time.time()
         pending.work = manager.allreduce(pending.flat)  # errors are swallowed and reported to should_commit
-        if self.after_issue is not None:
-            self.after_issue(pending.fragment, step)
+        if self.on_issue is not None:
+            self.on_issue("issued", pending.fragment, step)
 
     def _finish(self, manager: Any, step: int) -> CommitStats:
         pending = self.pending
