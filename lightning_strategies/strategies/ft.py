@@ -14,8 +14,9 @@ are local). Replicas find each other through the Lighthouse's quorum, step by st
   optimizers, LR schedulers, Lightning's loop progress, the outer loop).
 - ``optimizer_step`` (``ft``): Lightning's closure, then the gradients averaged over the quorum
   and the step committed (:func:`~lightning_strategies.comm.ft.average_and_commit`).
-- ``on_train_batch_start`` (``local_sgd`` / ``diloco``): the outer sync when due; the last one in
-  :class:`FTState`'s ``on_train_end``.
+- ``on_train_batch_start`` (``local_sgd`` / ``diloco``): the outer syncs due
+  (:class:`~lightning_strategies.comm.ft.OuterSync`: blocking, or overlapped with the next inner
+  steps); the last one in :class:`FTState`'s ``on_train_end``.
 """
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ from typing_extensions import override
 from lightning_strategies.comm.ft import (
     CommitStats,
     OuterLoop,
+    OuterSync,
     ReplicaConfig,
     ReplicaGroup,
     average_and_commit,
     check_lighthouse,
+    check_sync_delay,
     lighthouse_command,
     unflatten_into,
 )
@@ -97,7 +100,7 @@ class FTState(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         s = self.strategy
-        outer = s.outer.state_dict() if s.outer is not None else None
+        outer = s.syncer.state_dict() if s.syncer is not None else None
         manager = s.replica.manager.state_dict() if s.replica is not None else None
         return {"outer": outer, "manager": manager}
 
@@ -149,6 +152,10 @@ class FTStrategy(DDPStrategy):
         fragments: Streaming DiLoCo's parameter groups, synced in turn.
         outer_lr, outer_momentum, nesterov: DiLoCo's outer SGD (the paper's 0.7, 0.9, Nesterov).
         pseudo_grad_dtype: ``None`` or ``"bf16"``: DiLoCo's all-reduce dtype.
+        fragment_sync_delay: Streaming DiLoCo's tau: a fragment's all-reduce overlaps this many inner
+            steps before its outer step lands (``0 <= tau < sync_every / fragments``; 0: blocking).
+        fragment_update_alpha: after an overlapped sync, the local parameters' weight against the
+            new global ones (torchft's; 0: take the global ones).
         lighthouse: ``"host:port"`` of a running ``torchft_lighthouse`` (multi-node); ``None``:
             the launcher starts one in replica 0's process.
         min_replicas: a step commits only with at least this many replicas.
@@ -184,6 +191,8 @@ class FTStrategy(DDPStrategy):
         outer_momentum: float = 0.9,
         nesterov: bool = True,
         pseudo_grad_dtype: str | None = None,
+        fragment_sync_delay: int = 0,
+        fragment_update_alpha: float = 0.0,
         lighthouse: str | None = None,
         min_replicas: int = 1,
         max_restarts: int = 3,
@@ -204,10 +213,16 @@ class FTStrategy(DDPStrategy):
                 f"pseudo_grad_dtype={pseudo_grad_dtype!r} with algorithm={algorithm!r}: expected None, or 'bf16' with "
                 "algorithm='diloco' (the pseudo-gradients' all-reduce). Fix: drop it or use strategy='diloco'."
             )
+        self._outer_kwargs: dict[str, Any] = {
+            "sync_every": sync_every, "fragments": fragments, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
+            "nesterov": nesterov, "fragment_sync_delay": fragment_sync_delay,
+            "fragment_update_alpha": fragment_update_alpha,
+        }  # fmt: skip
         if algorithm != "ft":  # the outer loop's own checks, now rather than at setup
-            OuterLoop([torch.nn.Parameter(torch.zeros(1)) for _ in range(fragments if fragments >= 1 else 1)],
-                      algorithm=algorithm, sync_every=sync_every, fragments=max(1, fragments), outer_lr=outer_lr,
-                      outer_momentum=outer_momentum)  # fmt: skip
+            OuterLoop([torch.nn.Parameter(torch.zeros(1)) for _ in range(max(1, fragments))],
+                      algorithm=algorithm, **{**self._outer_kwargs, "fragments": max(1, fragments)})  # fmt: skip
+        else:  # no outer loop: no overlap either
+            check_sync_delay(fragment_sync_delay, fragment_update_alpha, algorithm=algorithm, sync_every=1, fragments=1)
         if max_restarts < 0 or commit_attempts < 1:
             raise ValueError(
                 f"max_restarts={max_restarts}, commit_attempts={commit_attempts}: expected max_restarts >= 0 and "
@@ -236,13 +251,13 @@ class FTStrategy(DDPStrategy):
         )
         self.replica: ReplicaGroup | None = None
         self.outer: OuterLoop | None = None
+        self.syncer: OuterSync | None = None  # runs the outer loop's syncs (local_sgd / diloco)
         self.state_callback: FTState | None = None
         self.metrics = MetricsWindow()
         #: this replica's all-reduces since the fit began: payload bytes (sent = received), calls, seconds
         self.comm_stats = CommStats()
         self._joined = False  # this fit's first quorum is done
         self._quorum_open = False  # a quorum started and not yet used by a commit
-        self._synced_at = -1  # the global step of the last outer sync
         self._own_group = False
 
     # -- processes: the launcher, a one-rank group, no DDP wrapper --------------------------------
@@ -326,19 +341,17 @@ class FTStrategy(DDPStrategy):
                 "is one committed step of the replicas. Fix: return one optimizer from configure_optimizers."
             )
         if self.algorithm != "ft":
-            self.outer = OuterLoop(
-                params, algorithm=self.algorithm, sync_every=self.sync_every, fragments=self.fragments,
-                outer_lr=self.outer_lr, outer_momentum=self.outer_momentum, nesterov=self.nesterov,
-                pseudo_grad_dtype=_WIRE_DTYPES[self.pseudo_grad_dtype],
-            )  # fmt: skip
+            wire = _WIRE_DTYPES[self.pseudo_grad_dtype]
+            self.outer = OuterLoop(params, algorithm=self.algorithm, pseudo_grad_dtype=wire, **self._outer_kwargs)
+            self.syncer = OuterSync(self.outer, attempts=self.commit_attempts, requorum=self._requorum)
         self.replica = _start_replica(self)
         loaded = self.state_callback.loaded if self.state_callback is not None else None
         if loaded is not None:  # a checkpoint's outer loop and Manager step
-            if self.outer is not None and loaded.get("outer") is not None:
-                self.outer.load_state_dict(loaded["outer"])
+            if self.syncer is not None and loaded.get("outer") is not None:
+                self.syncer.load_state_dict(loaded["outer"])
             if loaded.get("manager") is not None:
                 self.replica.manager.load_state_dict(loaded["manager"])
-        self._joined, self._quorum_open, self._synced_at = False, False, -1
+        self._joined, self._quorum_open = False, False
         self.comm_stats = CommStats()
 
     def _load_optimizers(self, states: list[dict[str, Any]]) -> None:
@@ -386,11 +399,12 @@ class FTStrategy(DDPStrategy):
         healed = _first_quorum(self, replica)
         self._joined, self._quorum_open = True, True
         log.info(f"ft: replica {self.global_rank} joined at step {trainer.global_step} (healed: {healed})")
-        if self.outer is not None:
-            fragment = self.outer.due(trainer.global_step)
-            if fragment is not None:  # the peers are syncing: this quorum is theirs
-                self._sync(fragment, trainer.global_step, log=False)
-            elif replica.step == 0:
+        if self.syncer is not None:
+            # the peers' sync (a start, or a blocking retry) on this quorum; a checkpoint's in-flight one again
+            stats = self.syncer.advance(replica.manager, trainer.global_step, quorum_open=True)
+            if stats is not None:
+                self._record(stats, log=False)
+            elif replica.step == 0 and self.syncer.pending is None:
                 # commit the join (at step 0 every quorum would heal all replicas but one, init_sync),
                 # through a one-value all-reduce: a barrier behind the heals, which a commit would block
                 average_and_commit(replica.manager, lambda: [torch.zeros(1)], attempts=1, requorum=self._requorum)
@@ -442,32 +456,18 @@ class FTStrategy(DDPStrategy):
         self._sync_if_due()
 
     def final_sync(self) -> None:
-        """The sync due after the last inner step (``local_sgd`` / ``diloco``), if any: run by
-        :class:`FTState` first among the callbacks' ``on_train_end``, so that they see its weights."""
-        self._sync_if_due(log=False)
+        """The syncs due after the last inner step (``local_sgd`` / ``diloco``), an overlapped one in
+        flight included: run by :class:`FTState` first among the callbacks' ``on_train_end``, so that
+        they see its weights."""
+        self._sync_if_due(log=False, end=True)
 
-    def _sync_if_due(self, *, log: bool = True) -> None:
+    def _sync_if_due(self, *, log: bool = True, end: bool = False) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module else None
-        if self.outer is None or self.replica is None or trainer is None:
+        if self.syncer is None or self.replica is None or trainer is None:
             return
-        step = trainer.global_step
-        fragment = self.outer.due(step)
-        if fragment is not None and self._synced_at != step:
-            self._requorum()
-            self._sync(fragment, step, log=log)
-
-    def _sync(self, fragment: int, step: int, *, log: bool = True) -> None:
-        """The outer sync of ``fragment`` on the open quorum."""
-        outer, replica = self.outer, self.replica
-        assert outer is not None and replica is not None
-        wire = outer.pseudo_grad_dtype if outer.algorithm == "diloco" else None
-        flat, stats = average_and_commit(
-            replica.manager, lambda: outer.tensors(fragment), attempts=self.commit_attempts,
-            requorum=self._requorum, wire_dtype=wire,
-        )  # fmt: skip
-        outer.apply(fragment, flat)
-        self._synced_at = step
-        self._record(stats, log=log)
+        stats = self.syncer.advance(self.replica.manager, trainer.global_step, end=end)
+        if stats is not None:
+            self._record(stats, log=log)
 
     def _record(self, stats: CommitStats, *, log: bool = True) -> None:
         replica = self.replica
@@ -548,8 +548,8 @@ def _start_replica(self: FTStrategy) -> ReplicaGroup:
     replica.register("model", module.load_state_dict, module.state_dict)
     replica.register("optimizers", self._load_optimizers, lambda: [o.state_dict() for o in self.optimizers])
     replica.register("progress", self._load_progress, self._progress)
-    if self.outer is not None:
-        replica.register("outer", self.outer.load_state_dict, self.outer.state_dict)
+    if self.syncer is not None:
+        replica.register("outer", self.syncer.load_state_dict, self.syncer.state_dict)
     return replica
 
 

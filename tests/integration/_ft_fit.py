@@ -8,14 +8,22 @@ each replica on its shard (Lightning's ``DistributedSampler``), one torch thread
 The case file's keys: ``out``, ``replicas``, ``algorithm``, ``max_steps``, ``batch_size``, ``n``,
 ``strategy`` (FTStrategy keyword arguments), ``kill`` (``[replica, step]``: that replica
 SIGKILLs itself at the start of its training step of that index in its first start, counted from its
-first step in this process), ``sleep_alone_s`` (after
-every step committed alone), ``seed_by_replica`` (each replica initialises its weights with its own seed),
+first step in this process), ``kill_in_allreduce`` (``[replica, n, when]``: that replica SIGKILLs
+itself inside its ``n``-th outer sync of its first start, through
+:attr:`~lightning_strategies.comm.ft.OuterSync.on_issue`: ``"issued"`` right after it handed its values
+to the all-reduce, before anything waited for it; ``"quorum"`` in the sync's quorum, before it handed
+them over, so that the peers' all-reduces lose it in flight),
+``sleep_alone_s`` (after every step committed alone), ``hold_alone_s`` (after a kill, a replica
+training alone waits up to this long, once, for the restarted replica to reach its join: the
+restart's fresh interpreter is slow on a loaded machine, and the heal must happen before the
+survivor's last step), ``seed_by_replica`` (each replica initialises its weights with its own seed),
 ``optimizer`` (``"sgd"`` or ``"adamw"``), ``ckpt_save`` (``[step, path]``: replica 0 saves a
 checkpoint there after that step and the fit stops), ``ckpt_path`` (resume from it), ``resumable``
 (a :class:`~lightning_strategies.ResumableDataLoader`, so that a mid-epoch resume takes the next batch).
 
 Each replica writes ``replica<r>_<start>.pt`` when its fit ends: its final weights, Lightning's
-``global_step``, the Manager's step, its heals, and per committed step the participants.
+``global_step``, the Manager's step, its heals, per committed step the participants, and its outer syncs
+(:class:`~lightning_strategies.comm.ft.SyncRecord`: steps and times of each all-reduce's issue and wait).
 """
 
 # ruff: noqa: E402 - T0 is taken before the imports it times
@@ -25,6 +33,7 @@ import time
 
 T0 = time.time()  # this process's start (before the heavy imports): a restart's rejoin is timed from it
 
+import dataclasses
 import json
 import os
 import signal
@@ -51,6 +60,22 @@ class _Case(pl.Callback):
         self.commit_times: list[float] = []
         self.t_start = time.time()
         self.t_first: float | None = None
+        self.issued = 0
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.start > 0:  # a restart about to join (its first quorum follows): a survivor holding may go on
+            (Path(self.cfg["out"]) / f"ready{self.replica}_{self.start}").touch()
+        kill, strategy = self.cfg.get("kill_in_allreduce"), trainer.strategy
+        assert isinstance(strategy, FTStrategy)
+        if kill and self.start == 0 and self.replica == kill[0] and strategy.syncer is not None:
+            strategy.syncer.on_issue = lambda when, fragment, step: self._kill_in_allreduce(kill, when, step)
+
+    def _kill_in_allreduce(self, kill: list[Any], when: str, step: int) -> None:
+        self.issued += when == "quorum"
+        if self.issued == kill[1] and when == kill[2]:
+            record = {"time": time.time(), "step": step, "when": when}
+            (Path(self.cfg["out"]) / "killed.json").write_text(json.dumps(record))
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if self.first_step is None:
@@ -71,6 +96,11 @@ class _Case(pl.Callback):
         self.manager_steps.append(strategy.replica.step)
         if self.cfg.get("sleep_alone_s") and self.participants[-1] == 1:
             time.sleep(self.cfg["sleep_alone_s"])
+        out = Path(self.cfg["out"])
+        if self.cfg.get("hold_alone_s") and self.participants[-1] == 1 and (out / "killed.json").exists():
+            deadline = time.monotonic() + self.cfg.pop("hold_alone_s")  # once
+            while not any(out.glob("ready*_*")) and time.monotonic() < deadline:
+                time.sleep(0.2)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
@@ -84,6 +114,7 @@ class _Case(pl.Callback):
             "manager_steps": self.manager_steps,
             "first_step": self.first_step,
             "outer": strategy.outer.state_dict() if strategy.outer is not None else None,
+            "syncs": [dataclasses.asdict(r) for r in strategy.syncer.history] if strategy.syncer is not None else [],
             "optimizer": trainer.optimizers[0].state_dict(),
             "t_start": self.t_start,
             "t0": T0,

@@ -17,6 +17,13 @@ replica from Lightning's ``DistributedSampler`` (4 steps per epoch), and holds t
   The Manager's step counts the syncs plus the commit of the job's first quorum.
 - ``diloco`` with replica 1 SIGKILLed at the start of a sync: replica 0 commits the sync alone,
   the restarted replica heals (outer loop included) and both end equal.
+- ``diloco`` with replica 1 SIGKILLed inside a sync's all-reduce, either right after it issued its
+  values (replica 0 commits the sync with both if they had crossed, else alone after a retry) or in
+  the sync's quorum before it issued them (replica 0's all-reduce fails in flight: it syncs again
+  alone on a new quorum); the restarted replica heals and both end equal.
+- Streaming DiLoCo with the overlap (``fragment_sync_delay`` tau = 1, merge weight 0.5) equals a
+  one-process simulation of torchft's schedule exactly (the same operations as above, plus the same
+  ``lerp``), and each fragment's all-reduce was in flight while tau inner steps ran (timestamps).
 - ``diloco`` stopped after step 6 with a checkpoint (one file per replica) and resumed ends as the
   uninterrupted run: weights, inner AdamW state and the outer loop's global copy and momentum
   (a :class:`~lightning_strategies.ResumableDataLoader`, so that the resume takes the next batch;
@@ -36,6 +43,8 @@ import pytest
 import torch
 from lightning_utils import TinyRegressor, one_process_group_cleanup, quiet_trainer, regression_data
 from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_strategies.comm.ft import split_fragments
 
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.slow
@@ -77,6 +86,16 @@ def shard_batches(replica: int, epoch: int) -> list[list[int]]:
     return [order[i : i + BATCH] for i in range(0, len(order), BATCH)]
 
 
+def inner_steps(data: Any, replicas: list[TinyRegressor], inner: list[torch.optim.Optimizer], step: int) -> None:
+    """Inner step ``step`` of every simulated replica, each on its shard's batch of ``data``."""
+    epoch, index = divmod(step, N // (REPLICAS * BATCH))
+    for r, (model, opt) in enumerate(zip(replicas, inner, strict=True)):
+        x, y = data[shard_batches(r, epoch)[index]]
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
 def outer_reference(algorithm: str, steps: int, sync_every: int) -> dict[str, Any]:
     """Two replicas simulated in one process: AdamW inner steps, the outer step every ``sync_every``."""
     data = regression_data(N)
@@ -86,14 +105,8 @@ def outer_reference(algorithm: str, steps: int, sync_every: int) -> dict[str, An
     inner = [torch.optim.AdamW(r.parameters(), lr=0.01) for r in replicas]
     global_params = [p.detach().clone().requires_grad_(True) for p in replicas[0].parameters()]
     outer = torch.optim.SGD(global_params, lr=0.7, momentum=0.9, nesterov=True)
-    per_epoch = N // (REPLICAS * BATCH)
     for step in range(steps):
-        epoch, index = divmod(step, per_epoch)
-        for r, (model, opt) in enumerate(zip(replicas, inner, strict=True)):
-            x, y = data[shard_batches(r, epoch)[index]]
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
+        inner_steps(data, replicas, inner, step)
         if (step + 1) % sync_every:
             continue
         with torch.no_grad():
@@ -212,3 +225,93 @@ def test_diloco_resume_equals_an_uninterrupted_run(
         assert_weights_equal(a["weights"], b["weights"])
         torch.testing.assert_close(a["optimizer"], b["optimizer"], rtol=0.0, atol=0.0)
         torch.testing.assert_close(a["outer"], b["outer"], rtol=0.0, atol=0.0)
+
+
+@pytest.mark.parametrize("when", ["issued", "quorum"])
+def test_diloco_replica_killed_inside_the_allreduce_heals(tmp_path: Path, when: str) -> None:
+    steps, h = 80, 4
+    records = run_case(
+        tmp_path, "diloco_kill_in_allreduce", algorithm="diloco", max_steps=steps, optimizer="adamw",
+        kill_in_allreduce=[1, 2, when], sleep_alone_s=0.6, hold_alone_s=120.0, strategy={"sync_every": h},
+    )  # fmt: skip
+    killed = json.loads((tmp_path / "diloco_kill_in_allreduce" / "killed.json").read_text())
+    assert killed["when"] == when and killed["step"] % h == 0  # its second sync (step 2h unless it joined late)
+    survivor, restarted = records[(0, 0)], records[(1, 1)]
+    assert (1, 0) not in records
+    hit = next(s for s in survivor["syncs"] if s["finished"] == killed["step"])
+    if when == "quorum":  # the survivor's all-reduce lost its peer in flight: it failed, synced again alone
+        assert hit["participants"] == 1 and hit["attempts"] >= 2, hit
+    else:  # the values crossed before the kill (committed by both), or as above
+        assert hit["participants"] == 2 or (hit["participants"] == 1 and hit["attempts"] >= 2), hit
+    assert 1 in survivor["participants"] and restarted["heals"] >= 1 and restarted["first_step"] > 0
+    for rec in (survivor, restarted):
+        assert rec["global_step"] == steps and rec["manager_step"] == steps // h + 1
+    assert_weights_equal(survivor["weights"], restarted["weights"])
+    torch.testing.assert_close(survivor["outer"], restarted["outer"], rtol=0.0, atol=0.0)
+
+
+def streaming_reference(
+    steps: int, sync_every: int, fragments: int, delay: int, alpha: float
+) -> list[dict[str, torch.Tensor]]:
+    """Streaming DiLoCo with the overlap, two replicas in one process, on torchft's schedule: fragment
+    ``f``'s pseudo-gradients are averaged after inner step ``k H/F - tau`` and its outer step lands after
+    inner step ``k H/F``, the fragment then ``lerp(θ_global, θ_local, alpha)``; one in flight at the end
+    lands then. Each replica's final weights (with alpha > 0 they differ: each keeps part of its own)."""
+    data = regression_data(N)
+    replicas = [TinyRegressor() for _ in range(REPLICAS)]
+    inner = [torch.optim.AdamW(r.parameters(), lr=0.01) for r in replicas]
+    groups = split_fragments([p.numel() for p in replicas[0].parameters()], fragments)
+    global_params = [p.detach().clone().requires_grad_(True) for p in replicas[0].parameters()]
+    outers = [torch.optim.SGD([global_params[i] for i in g], lr=0.7, momentum=0.9, nesterov=True) for g in groups]
+    interval = sync_every // fragments
+    pending: tuple[int, int, list[torch.Tensor]] | None = None
+    for step in range(steps + 1):
+        due = step + delay
+        with torch.no_grad():
+            if pending is None and due > 0 and due % interval == 0 and (step < steps or delay == 0):
+                f = (due // interval - 1) % fragments
+                locals_ = [list(m.parameters()) for m in replicas]
+                deltas = [[global_params[i].detach() - loc[i].detach() for i in groups[f]] for loc in locals_]
+                pending = (f, step, [(a + b) / REPLICAS for a, b in zip(*deltas, strict=True)])
+            if pending is not None and (step == pending[1] + delay or step == steps):
+                f, _, means = pending
+                for i, mean in zip(groups[f], means, strict=True):
+                    global_params[i].grad = mean.clone()
+                outers[f].step()
+                outers[f].zero_grad(set_to_none=True)
+                for model in replicas:
+                    local = list(model.parameters())
+                    for i in groups[f]:
+                        g = global_params[i].detach()
+                        local[i].copy_(g.lerp(local[i].detach(), alpha) if alpha else g)
+                pending = None
+        if step == steps:
+            break
+        inner_steps(data, replicas, inner, step)
+    return [{k: v.detach().clone() for k, v in model.state_dict().items()} for model in replicas]
+
+
+def test_streaming_diloco_overlap_equals_the_one_process_reference(tmp_path: Path) -> None:
+    steps, h, fragments, delay, alpha = 12, 4, 2, 1, 0.5
+    records = run_case(
+        tmp_path, "streaming", algorithm="diloco", max_steps=steps, optimizer="adamw",
+        strategy={"min_replicas": 2, "sync_every": h, "fragments": fragments, "fragment_sync_delay": delay,
+                  "fragment_update_alpha": alpha},
+    )  # fmt: skip
+    reference = streaming_reference(steps, h, fragments, delay, alpha)
+    interval = h // fragments
+    for r in range(REPLICAS):
+        rec = records[(r, 0)]
+        assert rec["global_step"] == steps and rec["manager_step"] == steps // interval + 1
+        assert_weights_equal(rec["weights"], reference[r])
+        syncs = rec["syncs"]
+        assert [(s["fragment"], s["started"], s["finished"]) for s in syncs] == [
+            (k % fragments, (k + 1) * interval - delay, (k + 1) * interval) for k in range(steps // interval)
+        ]
+        assert all(s["attempts"] == 1 and s["participants"] == REPLICAS for s in syncs)
+        # the overlap: the inner steps started..finished-1 ended while the all-reduce was in flight
+        # (commit_times[i]: the end of this replica's inner step first_step + i)
+        ends = rec["commit_times"]
+        for s in syncs:
+            inside = [rec["first_step"] + i for i, t in enumerate(ends) if s["issued_t"] < t < s["waited_t"]]
+            assert inside == list(range(s["started"], s["finished"])), s

@@ -13,6 +13,7 @@ from lightning_strategies.comm.ft import (
     CommitFailedError,
     LighthouseUnreachableError,
     OuterLoop,
+    OuterSync,
     ReplicaConfig,
     average_and_commit,
     check_lighthouse,
@@ -62,6 +63,10 @@ def test_streaming_schedule_syncs_one_fragment_every_h_over_f_steps() -> None:
         ({"sync_every": 4, "outer_lr": -1.0}, "outer_lr=-1.0"),
         ({"sync_every": 5, "fragments": 2}, "multiple of fragments"),
         ({"sync_every": 4, "fragments": 3}, "fragments=3"),
+        ({"sync_every": 4, "fragments": 2, "fragment_sync_delay": 2}, "fragment_sync_delay=2"),
+        ({"sync_every": 4, "fragment_sync_delay": -1}, "fragment_sync_delay=-1"),
+        ({"sync_every": 4, "fragment_sync_delay": 1, "algorithm": "local_sgd"}, "algorithm='local_sgd'"),
+        ({"sync_every": 4, "fragment_update_alpha": 1.5}, "fragment_update_alpha=1.5"),
     ],
 )
 def test_outer_loop_errors(kwargs: dict[str, Any], match: str) -> None:
@@ -182,6 +187,97 @@ def test_snapshot_shares_no_storage() -> None:
     assert snap["b"][1][1] == 3
 
 
+# -- Streaming DiLoCo's overlap: the all-reduce in flight for tau inner steps ------------------------
+
+
+class DeferredManager(FakeManager):
+    """A Manager whose all-reduce completes only when waited for (the mean with ``peer``, a constant per
+    element), and that logs the order of issues, waits and the test's inner steps."""
+
+    def __init__(self, peer: float, fail: int = 0) -> None:
+        super().__init__(torch.zeros(1), fail)
+        self.peer_value, self.events = peer, []
+
+    def allreduce(self, t: torch.Tensor) -> Any:
+        self.events.append("issue")
+        manager = self
+
+        class Work:
+            def wait(self) -> bool:
+                t.add_(manager.peer_value).div_(2)
+                manager.events.append("wait")
+                return True
+
+        return Work()
+
+
+def _inner_steps(sync: OuterSync, manager: DeferredManager, params: list[torch.nn.Parameter], steps: range) -> None:
+    for step in steps:
+        sync.advance(manager, step)
+        manager.events.append("inner")
+        with torch.no_grad():
+            for p in params:
+                p.add_(0.1)
+
+
+def test_an_overlapped_sync_runs_tau_inner_steps_between_issue_and_wait() -> None:
+    params = _params((3,), (2,))
+    loop = OuterLoop(params, sync_every=4, fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5)
+    assert [loop.starts(s) for s in range(9)] == [None, 0, None, 1, None, 0, None, 1, None]
+    quorums: list[int] = []
+    sync, manager = OuterSync(loop, attempts=3, requorum=lambda: quorums.append(1) or False), DeferredManager(0.25)
+    theta0 = params[0].detach().clone()
+    _inner_steps(sync, manager, params, range(2))
+    sync.advance(manager, 2)  # fragment 0's outer step lands before inner step 2
+    # by hand: Δ = θ0 - (θ0 + 0.1) sent before step 1, its mean with the peer's 0.25; Nesterov's first step
+    # θ_g = θ0 - 0.7 (1 + 0.9) mean; then the merge with the local θ0 + 0.2 (one step past Δ)
+    mean = (-0.1 + 0.25) / 2
+    global_ = theta0 - 0.7 * 1.9 * mean
+    torch.testing.assert_close(loop.backup[0].detach(), global_)
+    torch.testing.assert_close(params[0].detach(), global_ + 0.5 * (theta0 + 0.2 - global_))
+    _inner_steps(sync, manager, params, range(2, 8))
+    sync.advance(manager, 8, end=True)
+    assert manager.events == ["inner"] + ["issue", "inner", "wait", "inner"] * 3 + ["issue", "inner", "wait"]
+    assert [(r.fragment, r.started, r.finished, r.attempts) for r in sync.history] == [
+        (0, 1, 2, 1), (1, 3, 4, 1), (0, 5, 6, 1), (1, 7, 8, 1),
+    ]  # fmt: skip
+    assert len(quorums) == 4 and loop.syncs == 4  # a quorum per start, none to wait
+
+
+def test_an_overlapped_sync_that_fails_applies_nothing_of_it_and_syncs_again_blocking() -> None:
+    params = _params((3,))
+    loop = OuterLoop(params, sync_every=2, fragment_sync_delay=1, fragment_update_alpha=0.5)
+    quorums: list[int] = []
+    sync, manager = OuterSync(loop, attempts=3, requorum=lambda: quorums.append(1) or False), DeferredManager(0.25, 1)
+    theta0 = params[0].detach().clone()
+    _inner_steps(sync, manager, params, range(2))
+    stats = sync.advance(manager, 2)
+    # the failed all-reduce's mean is dropped; the retry averages θ0 - (θ0 + 0.2) now, and applies it unmixed
+    mean = (-0.2 + 0.25) / 2
+    torch.testing.assert_close(params[0].detach(), theta0 - 0.7 * 1.9 * mean)
+    assert stats is not None and stats.attempts == 2 and len(quorums) == 2 and loop.syncs == 1
+    assert sync.pending is None and (sync.history[-1].started, sync.history[-1].finished) == (2, 2)
+
+
+def test_a_checkpoint_with_a_sync_in_flight_resumes_it() -> None:
+    a_params, b_params = _params((3,)), _params((3,))
+    a = OuterSync(OuterLoop(a_params, sync_every=4, fragment_sync_delay=2), attempts=1, requorum=lambda: False)
+    a_manager, b_manager = DeferredManager(0.5), DeferredManager(0.5)
+    _inner_steps(a, a_manager, a_params, range(3))  # issued before step 2, in flight
+    state = a.state_dict()
+    assert state["pending"] is not None and state["pending"]["started"] == 2
+    b = OuterSync(OuterLoop(b_params, sync_every=4, fragment_sync_delay=2), attempts=1, requorum=lambda: False)
+    with torch.no_grad():
+        b_params[0].copy_(a_params[0])  # Lightning restores the weights
+    b.load_state_dict(state)
+    b.advance(b_manager, 3, quorum_open=True)  # the resumed run's first quorum
+    assert b_manager.events == ["issue"]
+    for sync, manager, params in ((a, a_manager, a_params), (b, b_manager, b_params)):
+        _inner_steps(sync, manager, params, range(3, 4))
+        sync.advance(manager, 4)
+    assert torch.equal(a_params[0], b_params[0]) and torch.equal(a.outer.backup[0], b.outer.backup[0])
+
+
 # -- the Lighthouse's address and the options' errors --------------------------------------------------
 
 
@@ -220,6 +316,8 @@ def test_replica_config_checks() -> None:
         ({"algorithm": "gossip"}, "algorithm='gossip'"),
         ({"start_method": "fork"}, "start_method='fork'"),
         ({"commit_attempts": 0}, "commit_attempts=0"),
+        ({"algorithm": "ft", "fragment_sync_delay": 1}, "fragment_sync_delay=1"),
+        ({"algorithm": "diloco", "sync_every": 4, "fragments": 2, "fragment_sync_delay": 2}, "sync_every / fragments"),
     ],
 )
 def test_strategy_options_fail_when_built(kwargs: dict[str, Any], match: str) -> None:

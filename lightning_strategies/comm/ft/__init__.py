@@ -5,6 +5,7 @@
 - :mod:`~lightning_strategies.comm.ft.step`: all-reduce, then commit only if every replica may.
 - :mod:`~lightning_strategies.comm.ft.outer`: LocalSGD / (Streaming) DiLoCo's outer loop.
 - :mod:`~lightning_strategies.comm.ft.transport`: the checkpoint transport, at the replica's own address.
+- :mod:`~lightning_strategies.comm.ft.streaming`: its syncs on the Manager, blocking or overlapped.
 
 torchft is imported only where a Manager or a Lighthouse is built (``pip install
 lightning-strategies[ft]``); everything else here imports without it.
@@ -18,7 +19,7 @@ from lightning_strategies.comm.ft.lighthouse import (
     parse_lighthouse,
     start_lighthouse,
 )
-from lightning_strategies.comm.ft.outer import ALGORITHMS, OuterLoop, split_fragments
+from lightning_strategies.comm.ft.outer import ALGORITHMS, OuterLoop, check_sync_delay, split_fragments
 from lightning_strategies.comm.ft.replica import ReplicaConfig, ReplicaGroup, snapshot
 from lightning_strategies.comm.ft.step import (
     CommitFailedError,
@@ -27,6 +28,7 @@ from lightning_strategies.comm.ft.step import (
     flatten,
     unflatten_into,
 )
+from lightning_strategies.comm.ft.streaming import OuterSync, PendingSync, SyncRecord
 
 __all__ = [
     "ALGORITHMS",
@@ -35,10 +37,14 @@ __all__ = [
     "LighthouseHandle",
     "LighthouseUnreachableError",
     "OuterLoop",
+    "OuterSync",
+    "PendingSync",
     "ReplicaConfig",
     "ReplicaGroup",
+    "SyncRecord",
     "average_and_commit",
     "check_lighthouse",
+    "check_sync_delay",
     "flatten",
     "lighthouse_command",
     "parse_lighthouse",

@@ -9,10 +9,12 @@ average, in one all-reduce:
   steps the global parameters with their mean, which every replica then trains from;
 - **Streaming DiLoCo** (Douillard et al., 2025, arXiv 2501.18512): the parameters in ``fragments``
   groups, synchronised in turn, one every H / fragments steps, so each fragment is still averaged
-  every H steps while a sync moves 1/fragments of the model (here without the paper's overlap of
-  the all-reduce with the next inner steps).
+  every H steps while a sync moves 1/fragments of the model; with ``fragment_sync_delay`` (the
+  paper's tau) a fragment's all-reduce starts tau inner steps before its outer step is applied, so
+  that it overlaps with those inner steps, and the fragment then mixes the new global parameters
+  with the local ones (``fragment_update_alpha``, as torchft's ``DiLoCo``).
 
-The all-reduce itself is the caller's (:func:`~lightning_strategies.comm.ft.step.average_and_commit`);
+The all-reduce itself is the caller's (:class:`~lightning_strategies.comm.ft.streaming.OuterSync`);
 this module keeps the global copy, builds what is averaged and applies the mean.
 """
 
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ALGORITHMS", "OuterLoop", "split_fragments"]
+__all__ = ["ALGORITHMS", "OuterLoop", "check_sync_delay", "split_fragments"]
 
 ALGORITHMS = ("local_sgd", "diloco")
 
@@ -58,6 +60,32 @@ def split_fragments(sizes: Sequence[int], fragments: int) -> list[list[int]]:
     return [list(range(cuts[f], cuts[f + 1])) for f in range(fragments)]
 
 
+def check_sync_delay(delay: int, alpha: float, *, algorithm: str, sync_every: int, fragments: int) -> None:
+    """Check Streaming DiLoCo's overlap options (tau and the merge weight) against the schedule.
+
+    Raises:
+        ValueError: ``delay`` not an integer in ``[0, sync_every / fragments)``, a delay with an
+            algorithm other than DiLoCo, or ``alpha`` outside [0, 1].
+    """
+    if delay and not isinstance(delay, bool) and algorithm != "diloco":
+        raise ValueError(
+            f"fragment_sync_delay={delay!r} with algorithm={algorithm!r}: expected 0, since the overlapped sync is "
+            "Streaming DiLoCo's (an outer step on pseudo-gradients). Fix: use algorithm='diloco' or drop the delay."
+        )
+    interval = max(1, sync_every // max(1, fragments))
+    if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < interval:
+        raise ValueError(
+            f"fragment_sync_delay={delay!r} with sync_every={sync_every}, fragments={fragments}: expected an integer "
+            f"0 <= delay < sync_every / fragments = {interval}, since a fragment's all-reduce must land before the "
+            f"next fragment's starts. Fix: pass fragment_sync_delay between 0 (blocking) and {interval - 1}."
+        )
+    if not (isinstance(alpha, int | float) and 0.0 <= alpha <= 1.0):
+        raise ValueError(
+            f"fragment_update_alpha={alpha!r}: expected a weight in [0, 1] of the local parameters against the new "
+            "global ones after an overlapped sync. Fix: pass 0.0 (torchft's default: take the global ones) or 0.5."
+        )
+
+
 class OuterLoop:
     """The global parameters and the outer optimizer of LocalSGD / DiLoCo for ``params``.
 
@@ -68,10 +96,15 @@ class OuterLoop:
         fragments: parameter groups synced in turn (Streaming DiLoCo); H must be a multiple.
         outer_lr, outer_momentum, nesterov: DiLoCo's outer SGD (one per fragment).
         pseudo_grad_dtype: DiLoCo's all-reduce dtype (``torch.bfloat16`` halves its bytes).
+        fragment_sync_delay: tau, inner steps between the start of a fragment's all-reduce and
+            its outer step (DiLoCo only; ``0 <= tau < sync_every / fragments``, 0: blocking).
+        fragment_update_alpha: after a delayed outer step, the weight of the local parameters
+            (trained tau steps past the pseudo-gradient) against the new global ones (0: global).
 
     Raises:
         ValueError: ``sync_every < 1``, ``outer_lr <= 0``, momentum outside [0, 1), no parameters,
-            more fragments than parameter tensors, or H not a multiple of ``fragments``.
+            more fragments than parameter tensors, H not a multiple of ``fragments``, a delay
+            outside ``[0, H / fragments)`` or with LocalSGD, or an alpha outside [0, 1].
     """
 
     def __init__(
@@ -85,6 +118,8 @@ class OuterLoop:
         outer_momentum: float = 0.9,
         nesterov: bool = True,
         pseudo_grad_dtype: torch.dtype | None = None,
+        fragment_sync_delay: int = 0,
+        fragment_update_alpha: float = 0.0,
     ) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm={algorithm!r}: expected one of {ALGORITHMS}. Fix: pick one of them.")
@@ -108,6 +143,9 @@ class OuterLoop:
                 f"fragment syncs every sync_every / fragments steps. Fix: pass sync_every="
                 f"{fragments * max(1, round(sync_every / fragments))}."
             )
+        check_sync_delay(fragment_sync_delay, fragment_update_alpha, algorithm=algorithm,
+                         sync_every=sync_every, fragments=fragments)  # fmt: skip
+        self.delay, self.alpha = fragment_sync_delay, fragment_update_alpha
         self.algorithm = algorithm
         self.sync_every = sync_every
         self.fragments = fragments
@@ -135,6 +173,11 @@ class OuterLoop:
             return None
         return (step // self.interval - 1) % self.fragments
 
+    def starts(self, step: int) -> int | None:
+        """The fragment whose all-reduce starts before inner step ``step``, else ``None``: the one
+        due ``delay`` steps later (with no delay, the one :meth:`due` now)."""
+        return self.due(step + self.delay)
+
     def tensors(self, fragment: int) -> list[torch.Tensor]:
         """What the replicas average for ``fragment``: its parameters (LocalSGD) or its
         pseudo-gradients ``θ_global - θ_local`` (DiLoCo)."""
@@ -145,8 +188,12 @@ class OuterLoop:
             return [self.backup[i].detach() - self.params[i].detach() for i in group]
 
     @torch.no_grad()
-    def apply(self, fragment: int, averaged: torch.Tensor) -> None:
-        """Apply the all-reduced mean ``averaged`` (flat, in the order of :meth:`tensors`)."""
+    def apply(self, fragment: int, averaged: torch.Tensor, *, mix: bool = False) -> None:
+        """Apply the all-reduced mean ``averaged`` (flat, in the order of :meth:`tensors`).
+
+        ``mix``: the mean was taken ``delay`` inner steps ago (an overlapped sync): DiLoCo's
+        parameters become ``lerp(θ_global, θ_local, alpha)`` rather than ``θ_global``.
+        """
         group = self.groups[fragment]
         offset = 0
         for i in group:
@@ -163,7 +210,10 @@ class OuterLoop:
             opt.step()  # Nesterov SGD on θ_global: v ← μv + Δ; θ_global ← θ_global - lr (Δ + μv)
             opt.zero_grad(set_to_none=True)
             for i in group:
-                self.params[i].copy_(self.backup[i])  # every replica's next inner steps start from θ_global
+                if mix and self.alpha:  # Streaming DiLoCo's merge: θ ← (1 - α) θ_global + α θ_local
+                    self.params[i].copy_(self.backup[i].detach().lerp(self.params[i].detach(), self.alpha))
+                else:
+                    self.params[i].copy_(self.backup[i])  # every replica's next inner steps start from θ_global
         self.syncs += 1
 
     @torch.no_grad()
