@@ -19,6 +19,8 @@ from typing_extensions import override
 
 from lightning_strategies.comm.ps import ParameterServerClient
 from lightning_strategies.comm.ps.buckets import DEFAULT_FIRST_BUCKET_MB, OverlappedPush
+from lightning_strategies.comm.ps.hierarchy import HierarchicalParameterServerClient
+from lightning_strategies.comm.ps.hierarchy_overlap import HierarchicalOverlappedPush
 from lightning_strategies.strategies._base import is_last_batch
 
 __all__ = ["OverlapHooks", "PushOverlapMixin"]
@@ -33,7 +35,8 @@ class OverlapHooks:
     call) or by no module is waited for in :meth:`before_training_step` instead of a pre-hook.
 
     Args:
-        client: the worker's client (its ``params`` in the optimizer's flat order).
+        client: the worker's client (its ``params`` in the optimizer's flat order); a hierarchical one's
+            buckets are reduced in its node first (:class:`HierarchicalOverlappedPush`).
         optimizer: the worker's optimizer, whose current learning rates travel with each push.
         root: the model.
         bucket_cap_mb: as ``DDPStrategy``'s.
@@ -42,7 +45,9 @@ class OverlapHooks:
     def __init__(
         self, client: ParameterServerClient, optimizer: Optimizer, root: Module, *, bucket_cap_mb: float
     ) -> None:
-        self.push = OverlappedPush(
+        hierarchical = isinstance(client, HierarchicalParameterServerClient)  # reduced in the node first
+        kind: type[OverlappedPush] = HierarchicalOverlappedPush if hierarchical else OverlappedPush
+        self.push = kind(
             client,
             lambda: [float(g["lr"]) for g in optimizer.param_groups],
             bucket_cap_mb=bucket_cap_mb,
