@@ -77,8 +77,14 @@ class _Record(Callback):
             push = overlap.push
             self.record["push"] = type(push).__name__
             self.record["buckets"] = [list(b.tensors) for b in push.buckets]
-            self.record["timeline"] = [{**vars(t), "pull_arrived": sorted(t.pull_arrived.values()),
-                                        "pull_landed": sorted(t.pull_landed.values())} for t in push.timeline]  # fmt: skip
+            self.record["timeline"] = [
+                {
+                    **vars(t),
+                    "pull_arrived": sorted(t.pull_arrived.values()),
+                    "pull_landed": sorted(t.pull_landed.values()),
+                }
+                for t in push.timeline
+            ]
 
 
 def one_fit(

@@ -19,8 +19,8 @@ from lightning_strategies.comm.ps import (
     Slice,
     node_nic_bytes,
     partition_parameters,
-    shard_parameters,
     plan_buckets,
+    shard_parameters,
     whole_tensor_slices,
 )
 from lightning_strategies.comm.ps.hierarchy_overlap import _BucketLayout
