@@ -72,6 +72,7 @@ class _Record(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.record["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("comm/")}
         self.record["global_step"] = trainer.global_step
+        self.record["batches_per_epoch"] = trainer.num_training_batches
         overlap = trainer.strategy.overlap  # type: ignore[attr-defined]
         if overlap is not None:
             push = overlap.push
