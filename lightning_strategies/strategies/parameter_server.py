@@ -82,7 +82,7 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
     - ``overlap`` (:mod:`._ps_overlap`): gradient buckets go out as backward fills them and each module waits
       before its next forward only for its own shards; everything else that reads the weights waits for all
       (a callback between steps calls :meth:`wait_for_pulls`). Not under ``16-mixed`` (the overflow check
-      needs the whole backward) nor the hierarchical push.
+      needs the whole backward). Under the hierarchical push each bucket is reduced in the node, then pushed.
     - ``hierarchical`` (:mod:`~lightning_strategies.comm.ps.hierarchy`): on several nodes, reduced in the node,
       ``1/L`` pushed across by each local rank, the values all-gathered in the node.
     - Clipping (:mod:`._ps_clipping`): the shards clip the averaged gradient as DDP does (by norm, agreeing on
@@ -304,8 +304,7 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
         assert self.model is not None
         self._buffers = [b for b in self.model.buffers() if self.world_size > 1]
         scaler = getattr(self.precision_plugin, "scaler", None)
-        # the hierarchical push reduces in the node after the whole backward: no overlap there yet
-        overlap = self._overlap_option and self.overlap_supported and self._push_nodes is None
+        overlap = self._overlap_option and self.overlap_supported
         if overlap and not isinstance(scaler, torch.amp.GradScaler):
             cap = self._bucket_cap_mb
             self._overlap = OverlapHooks(self._client, self.optimizers[0], self.model, bucket_cap_mb=cap)

@@ -19,9 +19,11 @@ from lightning_strategies.comm.ps import (
     Slice,
     node_nic_bytes,
     partition_parameters,
+    plan_buckets,
     shard_parameters,
     whole_tensor_slices,
 )
+from lightning_strategies.comm.ps.hierarchy_overlap import _BucketLayout
 from lightning_strategies.comm.ring import NodeLayout
 from lightning_strategies.comm.rpc import ShardError
 
@@ -125,3 +127,28 @@ def test_async_stays_flat() -> None:
     with pytest.raises(ValueError, match=r"AsyncParameterServerStrategy\(hierarchical=True\).*without a barrier"):
         AsyncParameterServerStrategy(hierarchical=True)
     assert AsyncParameterServerStrategy(hierarchical=None).hierarchical_push is False
+
+
+@pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
+@pytest.mark.parametrize("whole", [False, True], ids=["elementwise", "whole_tensor"])
+def test_bucket_layouts_hold_every_slice_once_at_its_index_in_its_shards_plan(layout_name: str, whole: bool) -> None:
+    layout = LAYOUTS[layout_name]
+    plan = whole_tensor_slices(shard_parameters(SIZES, 6), SIZES) if whole else partition_parameters(SIZES, 6, align=8)
+    pl = PushLayout(plan, layout)
+    buckets = plan_buckets([4 * n for n in SIZES], plan, cap_bytes=64, first_cap_bytes=64)
+    assert len(buckets) > 2
+    seen: list[tuple[int, int]] = []
+    for bucket in buckets:
+        lay = _BucketLayout(bucket.tensors, pl.entries)
+        for j, rows in enumerate(lay.rows):
+            ends = [off + sl.numel for _, _, sl, off in rows]
+            assert [off for _, _, _, off in rows] == [0, *ends][: len(rows)]  # packed, in chunk order
+            assert lay.values_numel[j] + len(rows) <= lay.chunk_numel
+            for s, k, sl, _ in rows:
+                # the k-th slice of shard s, which local rank j pushes, of one of this bucket's tensors
+                assert plan[s][k] == sl and sl.tensor in bucket.tensors and s in pl.chunk_shards[j]
+                seen.append((s, k))
+        # the shard's part of the bucket is what its rows name
+        for s, ks in bucket.parts.items():
+            assert sorted(k for rows in lay.rows for t, k, _, _ in rows if t == s) == list(ks)
+    assert sorted(seen) == [(s, k) for s in range(len(plan)) for k in range(len(plan[s]))]

@@ -102,15 +102,17 @@ class StepTimeline:
     Attributes:
         step: the step (the client's count when its pushes went out).
         first_push: the first push of the step was sent.
+        first_node_reduce: the hierarchical push's first in-node reduce-scatter of the step was launched.
         backward_end: the step's backward ended (the optimizer step began).
         pull_arrived: per shard, its values reply arrived.
-        pull_landed: per shard, its values were written into the parameters.
+        pull_landed: per shard (hierarchical push: per bucket), its values were written into the parameters.
         next_forward: the next step's first forward started (its first wait for values).
         bytes_pushed: push bytes of the step; ``bytes_before_backward_end``: those sent before it ended.
     """
 
     step: int
     first_push: float | None = None
+    first_node_reduce: float | None = None
     backward_end: float | None = None
     pull_arrived: dict[int, float] = field(default_factory=dict)
     pull_landed: dict[int, float] = field(default_factory=dict)
@@ -235,6 +237,9 @@ class OverlappedPush:
         if timeline.backward_end is None:
             timeline.bytes_before_backward_end += nbytes
 
+    def _drain(self) -> None:
+        """Send whatever :meth:`_push` left to send (the flat push sends at once: nothing)."""
+
     def end_backward(self) -> None:
         """The step's backward has ended (call it before :meth:`flush`)."""
         if self._pushing is not None:
@@ -249,6 +254,7 @@ class OverlappedPush:
         for b in range(len(self.buckets)):
             if not self._pushed[b]:
                 self._push(b)
+        self._drain()
         timeline, self._pushing = self._pushing, None
         assert timeline is not None
         self.timeline.append(timeline)

@@ -16,7 +16,8 @@ is still hosted by rank ``s``, and local rank ``j``'s *chunk* is the union of th
 Messages per worker and step: ``2(N-1)`` remote instead of ``2(P-1)``. A node ``n`` hosting the shards of
 ``B_n`` bytes (of ``B``) sends ``B - B_n`` bytes of pushes and ``(N-1) B_n`` of replies per step, and receives
 as much: ``2B(N-1)/N`` each way when the shards are even, a ring's bytes (:func:`node_nic_bytes`).
-The push happens after the whole backward (today's timing); overlapping it with backward is future work.
+Here the push happens after the whole backward; :mod:`.hierarchy_overlap` runs the same steps per bucket
+during backward (``ParameterServerStrategy(overlap=True)``, the default).
 """
 
 from __future__ import annotations
@@ -242,8 +243,9 @@ class HierarchicalParameterServerClient(ParameterServerClient):
         if pl.node_of_shard(s) != self.node:
             self.stats.inter_node_bytes_received = (self.stats.inter_node_bytes_received or 0) + values.nbytes
 
-    def _count_node_collective(self) -> None:
+    def _count_node_collective(self, chunk: Tensor | None = None) -> None:
         # a reduce-scatter (or all-gather) moves L-1 chunks in and out of each member, whatever the algorithm
-        moved = (self.push_layout.local_size - 1) * self._chunk.numel() * self._chunk.element_size()
+        chunk = self._chunk if chunk is None else chunk
+        moved = (self.push_layout.local_size - 1) * chunk.numel() * chunk.element_size()
         self.stats.bytes_sent += moved
         self.stats.bytes_received += moved
