@@ -21,6 +21,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -269,20 +270,33 @@ class OverlappedPush:
     # -- the next forward: land the values each module needs ------------------------------------
 
     def wait_for(self, tensors: Iterable[int]) -> None:
-        """Land the values of the shards holding ``tensors`` (flat indices): a module's forward pre-hook."""
-        if not self._in_flight:
+        """Land the values holding ``tensors`` (flat indices): a module's forward pre-hook."""
+        due = self._due_units()
+        if not due:
             return
         if not self._waited_since_flush:
             self._waited_since_flush = True
             self.timeline[-1].next_forward = time.perf_counter()
-        shards = {s for i in tensors for s in self._shards_of[i] if s in self._in_flight}
-        if shards:
-            self._land(shards)
+        units = self._units_of(tensors) & due
+        if units:
+            self._land_units(units)
 
     def settle(self) -> None:
-        """Land every shard's values of the last step (before a push, evaluation, a checkpoint, the end)."""
-        if self._in_flight:
-            self._land(set(self._in_flight))
+        """Land every value of the last step (before a push, evaluation, a checkpoint, the end)."""
+        due = self._due_units()
+        if due:
+            self._land_units(set(due))
+
+    # the units values land in: shards here, buckets under the hierarchical push (a subclass)
+    def _due_units(self) -> AbstractSet[int]:
+        """The units whose values of the last step have not landed."""
+        return self._in_flight.keys()
+
+    def _units_of(self, tensors: Iterable[int]) -> set[int]:
+        return {s for i in tensors for s in self._shards_of[i]}
+
+    def _land_units(self, units: set[int]) -> None:
+        self._land(units)
 
     def settle_if_arrived(self) -> bool:
         """Land the last step's values if every shard's have arrived, without waiting; else forget them,

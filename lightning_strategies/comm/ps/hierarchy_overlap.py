@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_strategies.comm.ps.buckets import DEFAULT_FIRST_BUCKET_MB, OverlappedPush
+from lightning_strategies.comm.ps.buckets import OverlappedPush
 from lightning_strategies.comm.ps.hierarchy import HierarchicalParameterServerClient
 from lightning_strategies.comm.ps.plan import Slice
 from lightning_strategies.comm.ps.shard import _rpc_push, local_shard
@@ -75,15 +76,9 @@ class HierarchicalOverlappedPush(OverlappedPush):
     client: HierarchicalParameterServerClient
 
     def __init__(
-        self,
-        client: HierarchicalParameterServerClient,
-        lrs: Callable[[], Sequence[float]],
-        *,
-        bucket_cap_mb: float = 25.0,
-        first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB,
-        history: int = 256,
+        self, client: HierarchicalParameterServerClient, lrs: Callable[[], Sequence[float]], **options: Any
     ) -> None:
-        super().__init__(client, lrs, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, history=history)
+        super().__init__(client, lrs, **options)  # bucket_cap_mb, first_bucket_mb, history: as OverlappedPush's
         pl = client.push_layout
         self._layouts = [_BucketLayout(bucket.tensors, pl.entries) for bucket in self.buckets]
         like = client.params[0] if client.params else torch.empty(0)
@@ -193,21 +188,15 @@ class HierarchicalOverlappedPush(OverlappedPush):
 
     # -- the next forward: all-gather in the node what each module needs -------------------------
 
-    def wait_for(self, tensors: Iterable[int]) -> None:
-        """Land the buckets holding ``tensors`` (flat indices): a module's forward pre-hook."""
-        if not self._due:
-            return
-        if not self._waited_since_flush:
-            self._waited_since_flush = True
-            self.timeline[-1].next_forward = time.perf_counter()
-        buckets = {self._bucket_of[i] for i in tensors if i in self._bucket_of} & self._due
-        if buckets:
-            self._land_buckets(buckets)
+    # wait_for / settle (OverlappedPush's) land buckets here
+    def _due_units(self) -> AbstractSet[int]:
+        return self._due
 
-    def settle(self) -> None:
-        """Land every bucket of the last step (before a push, evaluation, a checkpoint, the end)."""
-        if self._due:
-            self._land_buckets(set(self._due))
+    def _units_of(self, tensors: Iterable[int]) -> set[int]:
+        return {self._bucket_of[i] for i in tensors if i in self._bucket_of}
+
+    def _land_units(self, units: set[int]) -> None:
+        self._land_buckets(units)
 
     def settle_if_arrived(self) -> bool:
         """Land the last step's values if every bucket's all-gather has ended, without waiting (and
