@@ -213,14 +213,12 @@ class FTStrategy(DDPStrategy):
                 f"pseudo_grad_dtype={pseudo_grad_dtype!r} with algorithm={algorithm!r}: expected None, or 'bf16' with "
                 "algorithm='diloco' (the pseudo-gradients' all-reduce). Fix: drop it or use strategy='diloco'."
             )
-        self._outer_kwargs: dict[str, Any] = {
-            "sync_every": sync_every, "fragments": fragments, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
-            "nesterov": nesterov, "fragment_sync_delay": fragment_sync_delay,
-            "fragment_update_alpha": fragment_update_alpha,
-        }  # fmt: skip
+        self.sync_every, self.fragments = sync_every, fragments
+        self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
+        self.fragment_sync_delay, self.fragment_update_alpha = fragment_sync_delay, fragment_update_alpha
         if algorithm != "ft":  # the outer loop's own checks, now rather than at setup
             OuterLoop([torch.nn.Parameter(torch.zeros(1)) for _ in range(max(1, fragments))],
-                      algorithm=algorithm, **{**self._outer_kwargs, "fragments": max(1, fragments)})  # fmt: skip
+                      algorithm=algorithm, **{**self._outer_options(), "fragments": max(1, fragments)})  # fmt: skip
         else:  # no outer loop: no overlap either
             check_sync_delay(fragment_sync_delay, fragment_update_alpha, algorithm=algorithm, sync_every=1, fragments=1)
         if max_restarts < 0 or commit_attempts < 1:
@@ -236,8 +234,6 @@ class FTStrategy(DDPStrategy):
             )
         super().__init__(start_method="popen", **kwargs)
         self.algorithm = algorithm
-        self.sync_every, self.fragments = sync_every, fragments
-        self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
         self.pseudo_grad_dtype = pseudo_grad_dtype
         self.lighthouse = lighthouse
         self.max_restarts, self.commit_attempts = max_restarts, commit_attempts
@@ -259,6 +255,14 @@ class FTStrategy(DDPStrategy):
         self._joined = False  # this fit's first quorum is done
         self._quorum_open = False  # a quorum started and not yet used by a commit
         self._own_group = False
+
+    def _outer_options(self) -> dict[str, Any]:
+        """The outer loop's options, as this strategy was given them."""
+        return {
+            "sync_every": self.sync_every, "fragments": self.fragments, "outer_lr": self.outer_lr,
+            "outer_momentum": self.outer_momentum, "nesterov": self.nesterov,
+            "fragment_sync_delay": self.fragment_sync_delay, "fragment_update_alpha": self.fragment_update_alpha,
+        }  # fmt: skip
 
     # -- processes: the launcher, a one-rank group, no DDP wrapper --------------------------------
 
@@ -342,7 +346,7 @@ class FTStrategy(DDPStrategy):
             )
         if self.algorithm != "ft":
             wire = _WIRE_DTYPES[self.pseudo_grad_dtype]
-            self.outer = OuterLoop(params, algorithm=self.algorithm, pseudo_grad_dtype=wire, **self._outer_kwargs)
+            self.outer = OuterLoop(params, algorithm=self.algorithm, pseudo_grad_dtype=wire, **self._outer_options())
             self.syncer = OuterSync(self.outer, attempts=self.commit_attempts, requorum=self._requorum)
         self.replica = _start_replica(self)
         loaded = self.state_callback.loaded if self.state_callback is not None else None
