@@ -27,12 +27,16 @@ def sgd_momentum(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 class TinyRegressor(pl.LightningModule):
-    """Two linear layers, no batch norm (so data-parallel math equals single-device math)."""
+    """Two linear layers, no batch norm (so data-parallel math equals single-device math); with
+    ``batchnorm``, a ``BatchNorm1d`` after the first (for the buffers' tests)."""
 
-    def __init__(self, optimizer_factory: OptimizerFactory = sgd_momentum, in_dim: int = 8) -> None:
+    def __init__(
+        self, optimizer_factory: OptimizerFactory = sgd_momentum, in_dim: int = 8, *, batchnorm: bool = False
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(in_dim, 16), nn.Tanh(), nn.Linear(16, 4))
+        norm = [nn.BatchNorm1d(16)] if batchnorm else []
+        self.net = nn.Sequential(nn.Linear(in_dim, 16), *norm, nn.Tanh(), nn.Linear(16, 4))
         self.optimizer_factory = optimizer_factory
         self.losses: list[float] = []
 

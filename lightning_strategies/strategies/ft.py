@@ -156,6 +156,8 @@ class FTStrategy(DDPStrategy):
             steps before its outer step lands (``0 <= tau < sync_every / fragments``; 0: blocking).
         fragment_update_alpha: after an overlapped sync, the local parameters' weight against the
             new global ones (torchft's; 0: take the global ones).
+        sync_buffers: average the floating buffers (BatchNorm's running statistics) at each sync of the
+            last fragment; ``False``: each replica keeps its own (torchft's). Integer ones are left alone.
         lighthouse: ``"host:port"`` of a running ``torchft_lighthouse`` (multi-node); ``None``:
             the launcher starts one in replica 0's process.
         min_replicas: a step commits only with at least this many replicas.
@@ -193,6 +195,7 @@ class FTStrategy(DDPStrategy):
         pseudo_grad_dtype: str | None = None,
         fragment_sync_delay: int = 0,
         fragment_update_alpha: float = 0.0,
+        sync_buffers: bool = True,
         lighthouse: str | None = None,
         min_replicas: int = 1,
         max_restarts: int = 3,
@@ -216,6 +219,7 @@ class FTStrategy(DDPStrategy):
         self.sync_every, self.fragments = sync_every, fragments
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
         self.fragment_sync_delay, self.fragment_update_alpha = fragment_sync_delay, fragment_update_alpha
+        self.sync_buffers = sync_buffers
         if algorithm != "ft":  # the outer loop's own checks, now rather than at setup
             OuterLoop([torch.nn.Parameter(torch.zeros(1)) for _ in range(max(1, fragments))],
                       algorithm=algorithm, **{**self._outer_options(), "fragments": max(1, fragments)})  # fmt: skip
@@ -345,8 +349,7 @@ class FTStrategy(DDPStrategy):
                 "is one committed step of the replicas. Fix: return one optimizer from configure_optimizers."
             )
         if self.algorithm != "ft":
-            wire = _WIRE_DTYPES[self.pseudo_grad_dtype]
-            self.outer = OuterLoop(params, algorithm=self.algorithm, pseudo_grad_dtype=wire, **self._outer_options())
+            self.outer = _outer_loop(self, module, params)
             self.syncer = OuterSync(self.outer, attempts=self.commit_attempts, requorum=self._requorum)
         self.replica = _start_replica(self)
         loaded = self.state_callback.loaded if self.state_callback is not None else None
@@ -525,6 +528,13 @@ class FTStrategy(DDPStrategy):
         if self._own_group and dist.is_initialized():
             dist.destroy_process_group()
         self._own_group = False
+
+
+def _outer_loop(self: FTStrategy, module: Module, params: list[torch.nn.Parameter]) -> OuterLoop:
+    """The outer loop of ``local_sgd`` / ``diloco`` over ``params`` (and ``module``'s buffers with ``sync_buffers``)."""
+    buffers = list(module.buffers()) if self.sync_buffers else []
+    return OuterLoop(params, algorithm=self.algorithm, pseudo_grad_dtype=_WIRE_DTYPES[self.pseudo_grad_dtype],
+                     buffers=buffers, **self._outer_options())  # fmt: skip
 
 
 def _start_replica(self: FTStrategy) -> ReplicaGroup:

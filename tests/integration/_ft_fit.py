@@ -139,7 +139,7 @@ def main() -> None:
     torch.set_num_threads(1)
     replica = int(os.environ.get("LOCAL_RANK", "0"))
     start = int(os.environ.get(RESTART_ENV, "0"))
-    model = TinyRegressor(_optimizer(cfg.get("optimizer", "sgd")))
+    model = TinyRegressor(_optimizer(cfg.get("optimizer", "sgd")), batchnorm=cfg.get("batchnorm", False))
     if cfg.get("seed_by_replica"):
         torch.manual_seed(1000 + replica)
         for p in model.parameters():

@@ -15,6 +15,8 @@ replica from Lightning's ``DistributedSampler`` (4 steps per epoch), and holds t
   of the pseudo-gradients and a Nesterov SGD outer step): the same float operations in the same
   order, so exactly (the two-operand sum is order-free).
   The Manager's step counts the syncs plus the commit of the job's first quorum.
+- ``diloco`` on the regressor with a ``BatchNorm1d`` equals the same simulation with each replica's
+  running statistics replaced by their mean at every sync (``sync_buffers``' default), exactly.
 - ``diloco`` with replica 1 SIGKILLed at the start of a sync: replica 0 commits the sync alone,
   the restarted replica heals (outer loop included) and both end equal.
 - ``diloco`` with replica 1 SIGKILLed inside a sync's all-reduce, either right after it issued its
@@ -44,7 +46,7 @@ import torch
 from lightning_utils import TinyRegressor, one_process_group_cleanup, quiet_trainer, regression_data
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_strategies.comm.ft import split_fragments
+from lightning_strategies.comm.ft import average_buffers, split_fragments
 
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.slow
@@ -96,10 +98,11 @@ def inner_steps(data: Any, replicas: list[TinyRegressor], inner: list[torch.opti
         opt.step()
 
 
-def outer_reference(algorithm: str, steps: int, sync_every: int) -> dict[str, Any]:
-    """Two replicas simulated in one process: AdamW inner steps, the outer step every ``sync_every``."""
+def outer_reference(algorithm: str, steps: int, sync_every: int, *, batchnorm: bool = False) -> dict[str, Any]:
+    """Two replicas simulated in one process: AdamW inner steps, the outer step every ``sync_every``
+    (with ``batchnorm``, the floating buffers averaged at it too)."""
     data = regression_data(N)
-    replicas = [TinyRegressor() for _ in range(REPLICAS)]
+    replicas = [TinyRegressor(batchnorm=batchnorm) for _ in range(REPLICAS)]
     for r in replicas[1:]:
         r.load_state_dict(replicas[0].state_dict())
     inner = [torch.optim.AdamW(r.parameters(), lr=0.01) for r in replicas]
@@ -124,6 +127,7 @@ def outer_reference(algorithm: str, steps: int, sync_every: int) -> dict[str, An
             for loc in locals_:
                 for p, g in zip(loc, global_params, strict=True):
                     p.copy_(g)
+            average_buffers([list(m.buffers()) for m in replicas])
     return {k: v.detach().clone() for k, v in replicas[0].state_dict().items()}
 
 
@@ -193,6 +197,16 @@ def test_outer_loop_equals_the_one_process_reference(
         rec = records[(r, 0)]
         assert rec["global_step"] == steps and rec["manager_step"] == steps // h + 1
         assert_weights_equal(rec["weights"], reference)
+
+
+def test_diloco_averages_the_batchnorm_statistics_as_the_reference(tmp_path: Path) -> None:
+    # every replica's BN running statistics (its own batches) replaced by their mean at each sync: the
+    # reference's (a + b) / 2, which torchft's all-reduce computes alike (sum, then / 2), so exactly
+    records = run_case(tmp_path, "diloco_bn", max_steps=OUTER_STEPS, batchnorm=True, **DILOCO)
+    reference = outer_reference("diloco", OUTER_STEPS, OUTER_H, batchnorm=True)
+    assert "net.1.running_mean" in reference
+    for r in range(REPLICAS):
+        assert_weights_equal(records[(r, 0)]["weights"], reference)
 
 
 def test_diloco_replica_killed_at_a_sync_heals(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from lightning_strategies.comm.ft import (
     OuterSync,
     ReplicaConfig,
     average_and_commit,
+    average_buffers,
     check_lighthouse,
     flatten,
     parse_lighthouse,
@@ -125,6 +126,72 @@ def test_outer_state_round_trips_with_the_momentum() -> None:
     )
     with pytest.raises(ValueError, match="Fix:"):
         OuterLoop(_params((3,), (1,)), sync_every=1).load_state_dict(a.state_dict())
+
+
+# -- the buffers (BatchNorm's running statistics) at the sync ------------------------------------------
+
+
+def _bn_replica(seed: int) -> torch.nn.Sequential:
+    """A small model with BatchNorm, its running statistics gathered on the replica's own batches."""
+    torch.manual_seed(0)  # the same initial weights on every replica
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(8, 3, generator=g) * (1 + seed) + seed)  # train mode: the statistics move
+            model[0].weight.add_(0.01 * (seed + 1))  # an inner step of its own
+    return model
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "local_sgd"])
+def test_a_sync_averages_the_floating_buffers_and_leaves_the_counters(algorithm: str) -> None:
+    a, b = _bn_replica(0), _bn_replica(1)
+    bn_a, bn_b = a[1], b[1]
+    assert isinstance(bn_a, torch.nn.BatchNorm1d) and isinstance(bn_b, torch.nn.BatchNorm1d)
+    assert not torch.equal(bn_a.running_mean, bn_b.running_mean)
+    mean_stats = [(x + y) / 2 for x, y in zip((bn_a.running_mean, bn_a.running_var),
+                                             (bn_b.running_mean, bn_b.running_var), strict=True)]  # fmt: skip
+    # the reference for the parameters: the same sync without buffers
+    ref = _bn_replica(0)
+    ref_loop = OuterLoop(list(ref.parameters()), algorithm=algorithm, sync_every=1)
+    loops = [OuterLoop(list(m.parameters()), algorithm=algorithm, sync_every=1, buffers=list(m.buffers()))
+             for m in (a, b)]  # fmt: skip
+    for loop in [*loops, ref_loop]:  # the global copy (the start of the inner steps): the initial weights
+        for w, v in zip(loop.backup, _initial_params(), strict=True):
+            w.data.copy_(v)
+    assert [t.dtype for t in loops[0].buffers] == [torch.float32, torch.float32]  # num_batches_tracked left out
+    peer = flatten(loops[1].tensors(0))
+    sync = OuterSync(loops[0], attempts=1, requorum=lambda: False)
+    sync.advance(FakeManager(peer, fail=0), 1)
+    torch.testing.assert_close(bn_a.running_mean, mean_stats[0])
+    torch.testing.assert_close(bn_a.running_var, mean_stats[1])
+    assert int(bn_a.num_batches_tracked) == 3  # the counter stays this replica's
+    params = sum(p.numel() for p in ref.parameters())
+    ref_loop.apply(0, (flatten(ref_loop.tensors(0)) + peer[:params]) / 2)  # the mean of the parameters' part
+    for p, q in zip(a.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach())
+
+
+def _initial_params() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_buffers_travel_with_the_last_fragment_only() -> None:
+    params, stats = _params((3,), (2,)), [torch.ones(2), torch.tensor(5)]
+    loop = OuterLoop(params, sync_every=2, fragments=2, buffers=stats)
+    assert [t.numel() for t in loop.tensors(0)] == [3]
+    assert [t.numel() for t in loop.tensors(1)] == [2, 2]
+    loop.apply(1, torch.tensor([0.0, 0.0, 3.0, 4.0]))
+    assert torch.equal(stats[0], torch.tensor([3.0, 4.0])) and int(stats[1]) == 5
+
+
+def test_average_buffers_is_the_mean_of_the_replicas() -> None:
+    replicas = [[torch.tensor([1.0, 2.0]), torch.tensor(3)], [torch.tensor([3.0, 6.0]), torch.tensor(3)]]
+    average_buffers(replicas)
+    for r in replicas:
+        assert torch.equal(r[0], torch.tensor([2.0, 4.0])) and int(r[1]) == 3
 
 
 # -- the all-reduce-then-commit step -----------------------------------------------------------------

@@ -4,6 +4,7 @@
 - :mod:`~lightning_strategies.comm.ft.replica`: one process = one replica group (torchft Manager).
 - :mod:`~lightning_strategies.comm.ft.step`: all-reduce, then commit only if every replica may.
 - :mod:`~lightning_strategies.comm.ft.outer`: LocalSGD / (Streaming) DiLoCo's outer loop.
+- :mod:`~lightning_strategies.comm.ft.buffers`: the buffers (BatchNorm statistics) at the outer sync.
 - :mod:`~lightning_strategies.comm.ft.transport`: the checkpoint transport, at the replica's own address.
 - :mod:`~lightning_strategies.comm.ft.streaming`: its syncs on the Manager, blocking or overlapped.
 
@@ -11,6 +12,7 @@ torchft is imported only where a Manager or a Lighthouse is built (``pip install
 lightning-strategies[ft]``); everything else here imports without it.
 """
 
+from lightning_strategies.comm.ft.buffers import BUFFER_MODES, average_buffers, floating_buffers
 from lightning_strategies.comm.ft.lighthouse import (
     LighthouseHandle,
     LighthouseUnreachableError,
@@ -32,6 +34,7 @@ from lightning_strategies.comm.ft.streaming import OuterSync, PendingSync, SyncR
 
 __all__ = [
     "ALGORITHMS",
+    "BUFFER_MODES",
     "CommitFailedError",
     "CommitStats",
     "LighthouseHandle",
@@ -43,9 +46,11 @@ __all__ = [
     "ReplicaGroup",
     "SyncRecord",
     "average_and_commit",
+    "average_buffers",
     "check_lighthouse",
     "check_sync_delay",
     "flatten",
+    "floating_buffers",
     "lighthouse_command",
     "parse_lighthouse",
     "snapshot",

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from lightning_strategies.comm.ft.buffers import floating_buffers
+
 __all__ = ["ALGORITHMS", "OuterLoop", "check_sync_delay", "split_fragments"]
 
 ALGORITHMS = ("local_sgd", "diloco")
@@ -100,6 +102,11 @@ class OuterLoop:
             its outer step (DiLoCo only; ``0 <= tau < sync_every / fragments``, 0: blocking).
         fragment_update_alpha: after a delayed outer step, the weight of the local parameters
             (trained tau steps past the pseudo-gradient) against the new global ones (0: global).
+        buffers: the model's buffers to average at every sync of the last fragment (once per H
+            steps), in the same all-reduce: BatchNorm's running statistics
+            (:mod:`~lightning_strategies.comm.ft.buffers`). Only the floating-point ones are
+            averaged (the values themselves, under DiLoCo too); integer counters are left alone.
+            Empty: each replica keeps its own (torchft's behaviour).
 
     Raises:
         ValueError: ``sync_every < 1``, ``outer_lr <= 0``, momentum outside [0, 1), no parameters,
@@ -120,6 +127,7 @@ class OuterLoop:
         pseudo_grad_dtype: torch.dtype | None = None,
         fragment_sync_delay: int = 0,
         fragment_update_alpha: float = 0.0,
+        buffers: Sequence[torch.Tensor] = (),
     ) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm={algorithm!r}: expected one of {ALGORITHMS}. Fix: pick one of them.")
@@ -151,6 +159,7 @@ class OuterLoop:
         self.fragments = fragments
         self.pseudo_grad_dtype = pseudo_grad_dtype
         self.syncs = 0  # committed syncs (all fragments)
+        self.buffers = floating_buffers(buffers)
         # the global parameters: where every replica started its inner steps
         self.backup = [p.detach().clone() for p in self.params]
         self.outer: list[torch.optim.SGD] = []
@@ -178,14 +187,19 @@ class OuterLoop:
         due ``delay`` steps later (with no delay, the one :meth:`due` now)."""
         return self.due(step + self.delay)
 
+    def synced_buffers(self, fragment: int) -> list[torch.Tensor]:
+        """The buffers averaged with ``fragment``: all of them with the last fragment, else none."""
+        return self.buffers if fragment == self.fragments - 1 else []
+
     def tensors(self, fragment: int) -> list[torch.Tensor]:
         """What the replicas average for ``fragment``: its parameters (LocalSGD) or its
-        pseudo-gradients ``θ_global - θ_local`` (DiLoCo)."""
+        pseudo-gradients ``θ_global - θ_local`` (DiLoCo), then the buffers synced with it."""
         group = self.groups[fragment]
+        buffers = [b.detach() for b in self.synced_buffers(fragment)]
         with torch.no_grad():
             if self.algorithm == "local_sgd":
-                return [self.params[i].detach() for i in group]
-            return [self.backup[i].detach() - self.params[i].detach() for i in group]
+                return [self.params[i].detach() for i in group] + buffers
+            return [self.backup[i].detach() - self.params[i].detach() for i in group] + buffers
 
     @torch.no_grad()
     def apply(self, fragment: int, averaged: torch.Tensor, *, mix: bool = False) -> None:
@@ -205,6 +219,11 @@ class OuterLoop:
                 self.backup[i].copy_(mean)
             else:
                 self.backup[i].grad = mean.clone()  # the outer gradient: mean_i (θ_global - θ_i)
+        for b in self.synced_buffers(fragment):  # BN statistics: their mean over the replicas
+            n = b.numel()
+            mean = averaged[offset : offset + n].view_as(b).to(b.dtype)
+            offset += n
+            b.copy_(b.lerp(mean, 1.0 - self.alpha) if mix and self.alpha else mean)
         if self.algorithm == "diloco":
             opt = self.outer[fragment]
             opt.step()  # Nesterov SGD on θ_global: v ← μv + Δ; θ_global ← θ_global - lr (Δ + μv)
