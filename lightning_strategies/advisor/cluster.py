@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_strategies.advisor.model import Costs, Link
+from lightning_strategies.advisor.costs import Costs, Link
 
 __all__ = ["PRESETS_DIR", "Cluster", "load_cluster", "preset_names"]
 
