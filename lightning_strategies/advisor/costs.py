@@ -146,6 +146,10 @@ class Workload:
         tensor_collectives: bytes of each activation all-reduce of a tensor-parallel step (forward
             and backward, at the group's batch).
         tensor_split_share: the share of compute and of gradient bytes in the split layers.
+        schedule: the pipeline's schedule, ``gpipe`` or ``1f1b``
+            (:func:`~lightning_strategies.advisor.schedule.pipeline_order`).
+        stage_seconds: forward + backward of each stage on one micro-batch (stages differ); ``()``:
+            every stage ``stage_compute_s``.
     """
 
     grad_bytes: float
@@ -158,6 +162,8 @@ class Workload:
     tensor_size: int = 0
     tensor_collectives: tuple[float, ...] = ()
     tensor_split_share: float = 1.0
+    schedule: str = "gpipe"
+    stage_seconds: tuple[float, ...] = ()
 
 
 @dataclass

@@ -71,6 +71,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Any
 
 from lightning_strategies.advisor.costs import MIB, Costs, Link, Prediction, Workload, contention, ddp_buckets
 from lightning_strategies.advisor.push import push_traffic
@@ -308,20 +309,31 @@ def _pipeline(costs: Costs, world: int, work: Workload) -> Prediction:
     replicas = world // stages
     m = work.microbatches
     chunk = work.stage_compute_s if work.stage_compute_s is not None else costs.compute_s / m
-    link = costs.intra if stages <= costs.local_size else costs.inter
+    per_stage = work.stage_seconds or (chunk,) * stages
+    if len(per_stage) != stages:
+        raise ValueError(f"pipeline: found {len(per_stage)} stage_seconds for K={stages} stages: expected one each")
     # the runtime's per-chunk work (chunk_overhead_s) includes posting and waiting for its transfers;
-    # what remains of a hop is its wake-up (hop_s) and its bytes
-    fwd = (1 - work.backward_share) * chunk + costs.chunk_overhead_s
-    bwd = work.backward_share * chunk + costs.chunk_overhead_s
+    # what remains of a hop is the receiver's side (hop_s: its wake-up) and, across nodes, the wire
+    over, share = costs.chunk_overhead_s, work.backward_share
+    fwd = [(1 - share) * c + over for c in per_stage]
+    bwd = [share * c + over for c in per_stage]
+    nodes = math.ceil(world / costs.local_size)
 
     def hop(busy: int) -> float:
-        return costs.hop(busy, link, work.activation_bytes)
+        return costs.hop(busy, costs.intra, work.activation_bytes)
 
-    span = pipeline_makespan(stages, m, fwd, bwd, hop=hop, cores=costs.cores, replicas=replicas)
-    alone = pipeline_makespan(stages, m, fwd, bwd, hop=lambda busy: 0.0, replicas=1)
-    bare = pipeline_makespan(stages, m, fwd - costs.chunk_overhead_s, bwd - costs.chunk_overhead_s, replicas=1)
+    # process replica x K + stage (the strategy's (dp, pp) mesh) on node process // L; a message
+    # between nodes holds both nodes' links for its bytes, one message at a time per direction
+    wire: dict[str, Any] = {}
+    if nodes > 1:
+        wire = {"node_of": lambda process: process // costs.local_size, "cross_latency_s": costs.inter.latency_s,
+                "cross_transfer_s": work.activation_bytes / costs.inter.bandwidth}  # fmt: skip
+    run = partial(pipeline_makespan, stages, m, replicas=replicas, schedule=work.schedule)
+    span = run(fwd, bwd, hop=hop, cores=costs.cores, **wire)
+    alone = run(fwd, bwd)
+    bare = run([f - over for f in fwd], [b - over for b in bwd])
     # the span cut into parts: the schedule's critical path of compute, the runtime's work on it,
-    # and what the hops and the shared cores add
+    # and what the hops, the links and the shared cores add
     phases = {"compute": bare, "chunk_overhead": alone - bare, "transfer_and_contention": span - alone}
     if replicas > 1:  # each stage's gradient reduced over the replicas holding that stage
         sub = costs.with_(local_size=max(1, costs.local_size // stages))
