@@ -14,6 +14,7 @@ instead of the machine's quiet figures. Lines (medians over rounds):
 
     flock /tmp/ls-timing.lock python benchmarks/advisor_cluster.py --rates 1gbit --name advisor_cluster_1gbit
     python benchmarks/advisor_cluster.py --rates 200mbit --layouts 4x1 --rounds 1 --name ...
+    python benchmarks/advisor_cluster.py --quick     # 4x1 at 1gbit, ring and pipeline, 4 steps: nothing written (CI)
 
 Writes ``results/<name>.txt`` (this output) and ``results/<name>.json`` (every run: its per-rank step
 durations, NIC counters, probe and load). Skips with the reason (exit 0) where the cluster cannot be made.
@@ -32,7 +33,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import line, load_average, load_line, median
+from benchmarks._common import line as emit
+from benchmarks._common import load_average, load_line, median
 from benchmarks._compute_probe import ComputeProbe
 from benchmarks.cluster_strategies import LAYOUTS, RESULTS, run_one, spread
 from benchmarks.emulated import EmulatedCluster
@@ -50,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--rates", nargs="+", default=["1gbit"])
     parser.add_argument("--name", default="advisor_cluster", help="results/<name>.txt and .json")
+    parser.add_argument("--quick", action="store_true", help="4x1 at 1gbit, ring and pipeline, 4 steps; writes nothing")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.layouts, args.rates, args.strategies = 1, 4, ["4x1"], ["1gbit"], [
+            "ring", "pipeline"]  # fmt: skip
     started = report_start("advisor_cluster: the advisor's validation runs on the emulated cluster, with CPU probes")
     if started is None:
         return 0
@@ -59,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[str] = []
 
     def store(final: bool) -> None:  # after every cluster: a run cut short keeps what it measured
+        def line(name: str, value: float, unit: str) -> str:  # printed at the end only
+            return emit(name, value, unit) if final else f"{name} {value:.4g} {unit}"
+
         lines = []
         for key, rs in runs.items():
             tag = key.replace("|", "_")
@@ -72,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         tail += [load_line("end" if final else "now"),
                  f"# {time.monotonic() - start:.0f} s in all; {args.rounds} round(s), {args.steps} steps per fit "
                  f"({args.warmup} warm-up)" + ("" if final else "; PARTIAL: the run was still going")]  # fmt: skip
+        if args.quick:
+            if final:
+                print("\n".join(tail), flush=True)
+            return
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / f"{args.name}.txt").write_text("\n".join([*text, *lines, *tail]) + "\n")
         slim = {k: [{x: v for x, v in r.items() if x != "records"} for r in rs] for k, rs in runs.items()}
