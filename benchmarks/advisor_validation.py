@@ -8,7 +8,7 @@ nothing is fitted to the stored steps. The pipeline and tensor runs are predicte
 (K = P stages, M = 4K micro-batches, 1F1B; T = P).
 
 The load. On this shared 2-vCPU machine other jobs take a share of the cores that changes from
-minute to minute: the MLP's step alone took 2.9-40 ms in the runs' probes at load 12-21,
+minute to minute: the MLP's step alone took 2.9-40 ms in the runs' probes at load 5-21,
 and a latency-bound step (the pipeline's 32 hops per stage) slows with it. The stored runs and this
 script run at different moments, so each run stores a probe taken right before its fit (the MLP's
 step alone and on P processes at once, ``_compute_probe``) and this script takes the same probe
