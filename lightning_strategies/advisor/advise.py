@@ -21,6 +21,7 @@ __all__ = ["STRATEGIES", "Advice", "NoStrategyFitsError", "StrategyAdvice", "adv
 
 STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pipeline", "tensor")
 _MODEL = {"ps1": "ps_1"}
+PIPELINE_SCHEDULE = "1f1b"  # PipelineStrategy's default
 _GIB = 1 << 30
 
 
@@ -101,12 +102,15 @@ def _work(m: Measurement, batch: int, **kw: Any) -> Workload:
 def _pipeline_work(m: Measurement, batch: int, k: int, micro: int) -> Workload:
     mb = k * batch / micro
     stages = pipeline_stages(m, k)
-    slowest = max(stages, key=lambda s: sum(m.blocks[i].forward_s + m.blocks[i].backward_s for i in s))
-    fwd = sum(m.blocks[i].forward_s for i in slowest) * mb / m.batch_size
-    bwd = sum(m.blocks[i].backward_s for i in slowest) * mb / m.batch_size
+    fwd = [sum(m.blocks[i].forward_s for i in s) * mb / m.batch_size for s in stages]
+    bwd = [sum(m.blocks[i].backward_s for i in s) * mb / m.batch_size for s in stages]
+    total = sum(fwd) + sum(bwd)
     boundary = max((m.blocks[s[-1]].output_bytes for s in stages[:-1]), default=0) * mb / m.batch_size
-    return _work(m, batch, stages=k, microbatches=micro, activation_bytes=boundary, stage_compute_s=fwd + bwd,
-                 backward_share=bwd / (fwd + bwd) if fwd + bwd else 2 / 3)  # fmt: skip
+    # PipelineStrategy's default schedule (1F1B), each stage its own blocks' time
+    return _work(m, batch, stages=k, microbatches=micro, activation_bytes=boundary, schedule=PIPELINE_SCHEDULE,
+                 stage_compute_s=max(f + b for f, b in zip(fwd, bwd, strict=True)),
+                 stage_seconds=tuple(f + b for f, b in zip(fwd, bwd, strict=True)),
+                 backward_share=sum(bwd) / total if total else 2 / 3)  # fmt: skip
 
 
 def _tensor_work(m: Measurement, batch: int, t: int) -> Workload:

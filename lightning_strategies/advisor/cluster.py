@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_strategies.advisor.model import Costs, Link
+from lightning_strategies.advisor.costs import Costs, Link
 
 __all__ = ["PRESETS_DIR", "Cluster", "load_cluster", "preset_names"]
 
@@ -39,6 +39,9 @@ class Cluster:
         ring_overhead_us: host work of one ``comm.ring`` message on top of the link's.
         chunk_overhead_us: the pipeline runtime's work per micro-batch chunk.
         ps_overhead_us_per_tensor: a ps worker's and shard's Python work per tensor and step.
+        wake_us: a pipeline hop's latency at the receiver (its wake-up) while 0, 1, ... other
+            processes are busy (measured: ``benchmarks/scale.py``'s ``calib_wake_us_busy<b>``); ``()``:
+            the in-node link's latency and bytes.
     """
 
     nodes: int
@@ -56,6 +59,7 @@ class Cluster:
     ring_overhead_us: float = 0.0
     chunk_overhead_us: float = 0.0
     ps_overhead_us_per_tensor: float = 0.0
+    wake_us: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for key in ("nodes", "per_node"):
@@ -114,6 +118,7 @@ class Cluster:
             cores=self.cores,
             cpu_links=self.nodes == 1,  # between nodes a network's wire, not memory copies
             min_chunk_bytes=float(256 << 10),  # comm.ring.MIN_CHUNK_BYTES
+            hop_s=tuple(w * 1e-6 for w in self.wake_us),
         )
 
     def with_(self, **changes: Any) -> Cluster:
@@ -149,4 +154,6 @@ def load_cluster(preset: str | Path, **changes: Any) -> Cluster:
         raise ValueError(
             f"cluster {path}: found keys {unknown}: expected some of {sorted(known)}. Fix: remove or rename them"
         )
+    if "wake_us" in data:  # a YAML list
+        data["wake_us"] = tuple(data["wake_us"])
     return Cluster(**{**data, **changes})

@@ -70,9 +70,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import Any
 
+from lightning_strategies.advisor.costs import MIB, Costs, Link, Prediction, Workload, contention, ddp_buckets
 from lightning_strategies.advisor.push import push_traffic
 from lightning_strategies.advisor.schedule import pipeline_busy, pipeline_makespan
 
@@ -90,198 +91,8 @@ __all__ = [
     "predict",
 ]
 
-MIB = 1 << 20
+
 STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_1", "async", "pipeline", "tensor")
-
-
-@dataclass(frozen=True)
-class Link:
-    """One direction of a link: ``messages x latency_s + nbytes / bandwidth`` seconds."""
-
-    latency_s: float
-    bandwidth: float  # bytes per second
-
-    def seconds(self, nbytes: float, messages: float = 1.0) -> float:
-        return messages * self.latency_s + nbytes / self.bandwidth
-
-
-@dataclass(frozen=True)
-class Costs:
-    """The measured (or stated) constants of a machine or a cluster.
-
-    Attributes:
-        compute_s: forward + backward of one worker's step on its own device (or core), alone.
-        local_size: processes per node (L).
-        intra: the collective backend's link inside a node; ``latency_s`` per message of its own
-            all-reduce (gloo's C++ segments; NCCL's hop).
-        inter: the same between nodes.
-        inter_shared: the inter-node bandwidth is the node's (one NIC shared by the flows that
-            leave the node at once) rather than each flow's.
-        ring_overhead_s: what a message of ``comm.ring`` (a Python send/recv, its loop per segment,
-            the call's own work) costs on top of the backend's own messages.
-        gloo_segment_bytes: segment of the backend's ring (gloo: 1 MiB; NCCL on GPUs: its chunks,
-            modelled as one message per step: ``math.inf``).
-        ring_segment_bytes: segment of ``comm.ring`` (4 MiB on gloo; one message per step on NCCL).
-        reduce_s_per_byte: adding a received chunk into the local one, per byte.
-        rpc_overhead_s: host work of one RPC message (TensorPipe, the Python handler), per message
-            (the formula path: the cluster's projection).
-        rpc_intra: an RPC payload's wire inside a node (latency: the wire's alone).
-        rpc_inter: the same between nodes.
-        ps_client_s_per_byte: a ps worker packing its gradients and copying the pulled values back,
-            per gradient byte.
-        ps_average_s_per_byte: a shard averaging one worker's gradient (divide, add), per byte.
-        ps_update_s_per_byte: a shard's optimizer step and reply packing, per byte it holds.
-        ps_client_s_per_tensor, ps_average_s_per_tensor, ps_update_s_per_tensor: the same per
-            tensor (the Python loops over the model's tensors, whatever their size).
-        rpc_exchange_s: measured transport of a ps / async step: every rank echoes D/P off every other
-            rank at once (push and reply, P-1 peers each); ``None``: the links' formula.
-        rpc_gather_s: measured transport of a ps_1 step: P-1 ranks echo D off rank 0 at once;
-            ``None``: the formula.
-        ps_protocol_s: what ps's protocol adds per remote peer and step on top of its transport and
-            host work (the barrier's future, the RPC threads' hand-offs); with a measured transport.
-        chunk_overhead_s: the pipeline runtime's host work per micro-batch chunk (forward or backward).
-        hop_s: latency of a pipeline hop (an activation's ``isend`` to the next stage) when b = 0, 1, ...
-            processes other than the receiver are busy (the last entry for more), measured at the
-            run's activation size; ``()``: the link's latency and bandwidth.
-        cores: cores the processes effectively share (contention); ``None``: one device each.
-        bucket_bytes: DDP's bucket cap (``bucket_cap_mb``, 25 MiB).
-        first_bucket_bytes: DDP's first, smaller bucket (1 MiB).
-        min_chunk_bytes: the ring strategy's smallest chunk per step (``comm.ring.MIN_CHUNK_BYTES``,
-            256 KiB): its buckets grow to P x this once that exceeds ``bucket_bytes``; 0: fixed buckets.
-        overlap_s: seconds of the all-reduce (ddp, ring, ring_hier) hidden under the backward pass;
-            0: compute, then communicate (what the validation runs do).
-        async_lease: batches an async worker leases at a time (``comm.async_.lease.DEFAULT_LEASE``).
-        cpu_links: the links' bandwidth is CPU work (loopback copies) and slows with contention;
-            ``False``: a network's, which does not.
-    """
-
-    compute_s: float
-    local_size: int
-    intra: Link
-    inter: Link
-    inter_shared: bool = False
-    ring_overhead_s: float = 0.0
-    gloo_segment_bytes: float = MIB
-    ring_segment_bytes: float = 4 * MIB
-    reduce_s_per_byte: float = 0.0
-    rpc_overhead_s: float = 0.0
-    rpc_intra: Link = field(default_factory=lambda: Link(0.0, math.inf))
-    rpc_inter: Link = field(default_factory=lambda: Link(0.0, math.inf))
-    ps_client_s_per_byte: float = 0.0
-    ps_average_s_per_byte: float = 0.0
-    ps_update_s_per_byte: float = 0.0
-    ps_client_s_per_tensor: float = 0.0
-    ps_average_s_per_tensor: float = 0.0
-    ps_update_s_per_tensor: float = 0.0
-    rpc_exchange_s: float | None = None
-    rpc_gather_s: float | None = None
-    ps_protocol_s: float = 0.0
-    chunk_overhead_s: float = 0.0
-    hop_s: tuple[float, ...] = ()
-    cores: float | None = None
-    bucket_bytes: float = 25 * MIB
-    first_bucket_bytes: float = MIB
-    min_chunk_bytes: float = 0.0
-    overlap_s: float = 0.0
-    async_lease: int = 4
-    cpu_links: bool = True
-
-    def wire(self, world: int) -> float:
-        """The contention factor of a bandwidth term."""
-        return contention(world, self.cores) if self.cpu_links else 1.0
-
-    def buckets(self, grad_bytes: float, world: int = 1, *, grow: bool = False) -> list[float]:
-        """DDP's buckets of ``grad_bytes``; with ``grow``, the ring strategy's (at least P x min chunk)."""
-        cap = max(self.bucket_bytes, world * self.min_chunk_bytes) if grow else self.bucket_bytes
-        return ddp_buckets(grad_bytes, cap, self.first_bucket_bytes)
-
-    def with_(self, **changes: object) -> Costs:
-        return replace(self, **changes)  # type: ignore[arg-type]
-
-    def hop(self, busy: int, link: Link, nbytes: float = 0.0) -> float:
-        """A message of ``nbytes`` to a waiting process while ``busy`` others compute: the measured
-        hop of that busy count (at the run's message size: its bytes included), else the link's."""
-        if self.hop_s:
-            return self.hop_s[min(busy, len(self.hop_s) - 1)]
-        return link.latency_s + nbytes / link.bandwidth
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What one step moves and computes.
-
-    Attributes:
-        grad_bytes: D, the gradient (= parameter) bytes every data-parallel worker reduces.
-        tensors: the model's trainable tensors (ps and async loop over them; 161 in ResNet-50).
-        stages: pipeline stages K (the pipeline strategy only).
-        microbatches: pipeline micro-batches M per step.
-        activation_bytes: one micro-batch's activation at a stage boundary (its gradient comes
-            back the same size).
-        stage_compute_s: forward + backward of one stage on one micro-batch; ``None``: the
-            worker's ``compute_s / microbatches`` (each stage does 1/K of the model for K times the
-            batch, as much work per device as a data-parallel worker).
-        backward_share: the backward's share of ``stage_compute_s`` (2/3: a backward computes the
-            gradients of the inputs and of the weights, each a forward's work).
-        tensor_size: tensor-parallel group T (the tensor strategy only); 0: the whole world.
-        tensor_collectives: bytes of each activation all-reduce of a tensor-parallel step (forward
-            and backward, at the group's batch).
-        tensor_split_share: the share of compute and of gradient bytes in the split layers.
-    """
-
-    grad_bytes: float
-    tensors: int = 1
-    stages: int = 2
-    microbatches: int = 4
-    activation_bytes: float = 0.0
-    stage_compute_s: float | None = None
-    backward_share: float = 2 / 3
-    tensor_size: int = 0
-    tensor_collectives: tuple[float, ...] = ()
-    tensor_split_share: float = 1.0
-
-
-@dataclass
-class Prediction:
-    """A strategy's step at P processes.
-
-    Attributes:
-        step_s: seconds per step (for ``async``: per worker step, workers not in lockstep).
-        phases: seconds of each part of the step, contention included; they add up to ``step_s``
-            (for ``async``, ``bound`` says which resource sets the pace).
-        busiest_sent_bytes: bytes the busiest process sends per step, every link together.
-        link_bytes: bytes on the busiest single link (one direction) per step.
-        nic_bytes: bytes leaving the busiest node per step (0 on one node).
-        messages: messages the busiest process sends per step.
-        bound: what sets the pace when it is not the worker's own step (``async``: ``"coordinator"``).
-        inter_sent_bytes: bytes the busiest process sends to other nodes per step.
-    """
-
-    step_s: float
-    phases: dict[str, float]
-    busiest_sent_bytes: float
-    link_bytes: float
-    nic_bytes: float
-    messages: float
-    bound: str = ""
-    inter_sent_bytes: float = 0.0
-
-
-def contention(busy: float, cores: float | None) -> float:
-    """How much longer CPU-bound work takes when ``busy`` processes share ``cores`` cores."""
-    if cores is None or busy <= 0:
-        return 1.0
-    return max(1.0, busy / cores)
-
-
-def ddp_buckets(grad_bytes: float, cap: float = 25 * MIB, first: float = MIB) -> list[float]:
-    """DDP's gradient buckets: a 1 MiB first bucket (``first``), then ``cap`` each, the rest last."""
-    buckets, left = [], float(grad_bytes)
-    size = min(first, cap)
-    while left > 0:
-        buckets.append(min(size, left))
-        left -= buckets[-1]
-        size = cap
-    return buckets
 
 
 def _segments(nbytes: float, segment: float) -> float:
@@ -498,20 +309,31 @@ def _pipeline(costs: Costs, world: int, work: Workload) -> Prediction:
     replicas = world // stages
     m = work.microbatches
     chunk = work.stage_compute_s if work.stage_compute_s is not None else costs.compute_s / m
-    link = costs.intra if stages <= costs.local_size else costs.inter
+    per_stage = work.stage_seconds or (chunk,) * stages
+    if len(per_stage) != stages:
+        raise ValueError(f"pipeline: found {len(per_stage)} stage_seconds for K={stages} stages: expected one each")
     # the runtime's per-chunk work (chunk_overhead_s) includes posting and waiting for its transfers;
-    # what remains of a hop is its wake-up (hop_s) and its bytes
-    fwd = (1 - work.backward_share) * chunk + costs.chunk_overhead_s
-    bwd = work.backward_share * chunk + costs.chunk_overhead_s
+    # what remains of a hop is the receiver's side (hop_s: its wake-up) and, across nodes, the wire
+    over, share = costs.chunk_overhead_s, work.backward_share
+    fwd = [(1 - share) * c + over for c in per_stage]
+    bwd = [share * c + over for c in per_stage]
+    nodes = math.ceil(world / costs.local_size)
 
     def hop(busy: int) -> float:
-        return costs.hop(busy, link, work.activation_bytes)
+        return costs.hop(busy, costs.intra, work.activation_bytes)
 
-    span = pipeline_makespan(stages, m, fwd, bwd, hop=hop, cores=costs.cores, replicas=replicas)
-    alone = pipeline_makespan(stages, m, fwd, bwd, hop=lambda busy: 0.0, replicas=1)
-    bare = pipeline_makespan(stages, m, fwd - costs.chunk_overhead_s, bwd - costs.chunk_overhead_s, replicas=1)
+    # process replica x K + stage (the strategy's (dp, pp) mesh) on node process // L; a message
+    # between nodes holds both nodes' links for its bytes, one message at a time per direction
+    wire: dict[str, Any] = {}
+    if nodes > 1:
+        wire = {"node_of": lambda process: process // costs.local_size, "cross_latency_s": costs.inter.latency_s,
+                "cross_transfer_s": work.activation_bytes / costs.inter.bandwidth}  # fmt: skip
+    run = partial(pipeline_makespan, stages, m, replicas=replicas, schedule=work.schedule)
+    span = run(fwd, bwd, hop=hop, cores=costs.cores, **wire)
+    alone = run(fwd, bwd)
+    bare = run([f - over for f in fwd], [b - over for b in bwd])
     # the span cut into parts: the schedule's critical path of compute, the runtime's work on it,
-    # and what the hops and the shared cores add
+    # and what the hops, the links and the shared cores add
     phases = {"compute": bare, "chunk_overhead": alone - bare, "transfer_and_contention": span - alone}
     if replicas > 1:  # each stage's gradient reduced over the replicas holding that stage
         sub = costs.with_(local_size=max(1, costs.local_size // stages))

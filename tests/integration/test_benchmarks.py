@@ -255,6 +255,12 @@ GOALS["advisor_validation.py"] = [
     (r"advisor_step_error_max", 0.0, math.inf),
     (r"advisor_rank_kendall_tau_(min|(2x2|4x1)_(1gbit|200mbit|50mbit))", -1.0, 1.0),
 ]
+# advisor_cluster.py --quick: ring and pipeline on 4x1 at 1gbit, 4 steps, a probe before each: that the
+# fits ran (a step time) and the probe measured (the MLP's step alone and on 4 processes at once)
+GOALS["advisor_cluster.py"] = [
+    (r"advisor_cluster_step_s_(ring|pipeline)_4x1_1gbit", 0.001, 60.0),
+    (r"advisor_cluster_probe_(alone|together)_ms_(ring|pipeline)_4x1_1gbit", 0.1, 5000.0),
+]
 # advisor_resnet50.py: ResNet-50's float32 gradients as the advisor measures them (accounting, exact);
 # its predicted steps on the A100 preset come from counted FLOPs and the preset, not timing: bf16 on
 # the wire halves the ring's bytes, so it is never slower than ddp (0.55 at the quick run's 64 px)
@@ -299,7 +305,7 @@ def check_quick_output(script: str, stdout: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmark_quick_mode(script: str) -> None:
-    if script in ("cluster_strategies.py", "cluster_diloco.py"):
+    if script in ("cluster_strategies.py", "cluster_diloco.py", "advisor_cluster.py"):
         from benchmarks.emulated import EmulatedCluster
 
         ok, reason = EmulatedCluster.available()

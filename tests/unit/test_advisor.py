@@ -164,6 +164,26 @@ def test_the_validation_predicts_stored_ps_runs_with_the_push_they_made() -> Non
     assert ps_push([{"nic_bytes": 1.52 * d, "D": d}], "4x1") == "ps"  # one process per node: flat either way
 
 
+def test_the_validation_predicts_each_run_under_the_cpu_its_probe_found() -> None:
+    from types import SimpleNamespace
+
+    from benchmarks.advisor_validation import run_costs
+
+    cluster = load_cluster("emulated_4x1_200mbit")
+    m = SimpleNamespace(step_s=0.02)  # the MLP's step as measured here, with the probe here at 10 ms
+    # the run's probe: 30 ms alone, 60 ms on its P = 4 at once; the least loaded probe of all 5 ms
+    got = run_costs(cluster, m, {"probe": (0.030, 0.060)}, 0.010, 0.005)  # type: ignore[arg-type]
+    quiet = cluster.costs(0.02)
+    assert got.compute_s == pytest.approx(0.02 * 0.030 / 0.010)  # the measurement moved to the run's moment
+    assert got.cores == pytest.approx(4 * 0.030 / 0.060)  # P x alone / together
+    f = 0.030 / 0.005  # host work and wake-ups: the presets' quiet figures x run probe / floor
+    assert got.hop_s == pytest.approx(tuple(h * f for h in quiet.hop_s))
+    assert got.ps_update_s_per_tensor == pytest.approx(quiet.ps_update_s_per_tensor * f)
+    assert got.intra.bandwidth == pytest.approx(quiet.intra.bandwidth / f)  # loopback: copies, CPU work
+    assert got.inter == quiet.inter and got.rpc_inter == quiet.rpc_inter  # a shaped link: the network's
+    assert run_costs(cluster, m, {"probe": (0.005, 0.005)}, 0.010, 0.005).cores == 4.0  # type: ignore[arg-type]
+
+
 def test_the_advised_overrides_name_the_apps_strategy_configs() -> None:
     advice = advise(measure(Toy(), BATCH), load_cluster("emulated_2x2_50mbit"))
     by = {r.name: r for r in advice.rows}

@@ -1,0 +1,138 @@
+"""The emulated cluster's runs the advisor is validated against, each with the CPU it got (a compute probe).
+
+``cluster_strategies.py``'s fits (``run_one``: the MLP of ``benchmarks/emulated/_fit.py``, batch 32 per
+replica, every strategy of the validation, pipeline K = P with M = 4K, tensor T = P), and right before
+each fit a probe (``_compute_probe``): the MLP's forward + backward alone and on P processes at once.
+On this shared 2-vCPU machine the other jobs' load changes from fit to fit, and with it every CPU
+cost of a step (compute, host work, a waiting process's wake-up); the probe says by how much, next to
+the fit it belongs to, so that ``advisor_validation.py`` predicts each fit under the CPU it had
+instead of the machine's quiet figures. Lines (medians over rounds):
+
+    advisor_cluster_step_s_<strategy>_<layout>_<rate>           s; ``..._spread``: (max - min) / median
+                                                                over the rounds' runs (one round: its timed steps)
+    advisor_cluster_probe_alone_ms_<layout>_<rate>, ..._together_ms_   the probes before the fits
+
+    flock /tmp/ls-timing.lock python benchmarks/advisor_cluster.py --rates 1gbit --name advisor_cluster_1gbit
+    python benchmarks/advisor_cluster.py --rates 200mbit --layouts 4x1 --rounds 1 --name ...
+    python benchmarks/advisor_cluster.py --quick     # 4x1 at 1gbit, ring and pipeline, 4 steps: nothing written (CI)
+
+Writes ``results/<name>.txt`` (this output) and ``results/<name>.json`` (every run: its per-rank step
+durations, NIC counters, probe and load). Skips with the reason (exit 0) where the cluster cannot be made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import line as emit
+from benchmarks._common import load_average, load_line, median
+from benchmarks._compute_probe import ComputeProbe
+from benchmarks.cluster_strategies import LAYOUTS, RESULTS, run_one, spread
+from benchmarks.emulated import EmulatedCluster
+from benchmarks.emulated.launch import report_start
+
+STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pipeline", "tensor")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=10, help="steps per fit, warm-up included")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS))
+    parser.add_argument("--rates", nargs="+", default=["1gbit"])
+    parser.add_argument("--name", default="advisor_cluster", help="results/<name>.txt and .json")
+    parser.add_argument("--quick", action="store_true", help="4x1 at 1gbit, ring and pipeline, 4 steps; writes nothing")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.layouts, args.rates, args.strategies = 1, 4, ["4x1"], ["1gbit"], [
+            "ring", "pipeline"]  # fmt: skip
+    started = report_start("advisor_cluster: the advisor's validation runs on the emulated cluster, with CPU probes")
+    if started is None:
+        return 0
+    text, start = list(started), time.monotonic()
+    runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    failed: list[str] = []
+
+    def store(final: bool) -> None:  # after every cluster: a run cut short keeps what it measured
+        def line(name: str, value: float, unit: str) -> str:  # printed at the end only
+            return emit(name, value, unit) if final else f"{name} {value:.4g} {unit}"
+
+        lines = []
+        for key, rs in runs.items():
+            tag = key.replace("|", "_")
+            lines.append(line(f"advisor_cluster_step_s_{tag}", median([r["step_s"] for r in rs]), "s"))
+            values = [r["step_s"] for r in rs] if len(rs) > 1 else rs[0]["steps_s"]
+            lines.append(line(f"advisor_cluster_step_s_{tag}_spread", spread(values), "x"))
+            lines.append(line(f"advisor_cluster_probe_alone_ms_{tag}", 1e3 * median([r["probe"][0] for r in rs]), "ms"))
+            lines.append(line(f"advisor_cluster_probe_together_ms_{tag}", 1e3 * median([r["probe"][1] for r in rs]),
+                              "ms"))  # fmt: skip
+        tail = [f"# failed runs: {', '.join(failed)}"] if failed else []
+        tail += [load_line("end" if final else "now"),
+                 f"# {time.monotonic() - start:.0f} s in all; {args.rounds} round(s), {args.steps} steps per fit "
+                 f"({args.warmup} warm-up)" + ("" if final else "; PARTIAL: the run was still going")]  # fmt: skip
+        if args.quick:
+            if final:
+                print("\n".join(tail), flush=True)
+            return
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / f"{args.name}.txt").write_text("\n".join([*text, *lines, *tail]) + "\n")
+        slim = {k: [{x: v for x, v in r.items() if x != "records"} for r in rs] for k, rs in runs.items()}
+        (RESULTS / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "header": text[0], "runs": slim}))
+        if final:
+            print("\n".join(tail), flush=True)
+
+    world = {name: n * per for name, (n, per) in LAYOUTS.items()}
+    probes = {p: ComputeProbe(p) for p in {world[layout] for layout in args.layouts}}
+    try:
+        measure(args, runs, text, failed, probes, store)
+    finally:
+        for probe in probes.values():
+            probe.close()
+    store(final=True)
+    return 1 if failed else 0
+
+
+def measure(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], text: list[str], failed: list[str],
+            probes: dict[int, ComputeProbe], store: Callable[[bool], None]) -> None:  # fmt: skip
+    """Every (layout, rate) on a fresh cluster, the strategies rotated per round; a probe before each fit."""
+    for r in range(args.rounds):
+        for rate in args.rates:
+            for layout in args.layouts:
+                nodes, per_node = LAYOUTS[layout]
+                shift = (r + list(args.rates).index(rate)) % len(args.strategies)
+                order = [*args.strategies[shift:], *args.strategies[:shift]]
+                probe = probes[nodes * per_node]
+                with EmulatedCluster(nodes=nodes, rate=rate) as cluster:
+                    for strategy in order:
+                        alone, together = probe()
+                        load = load_average()
+                        try:
+                            run = run_one(cluster, strategy, per_node, steps=args.steps, warmup=args.warmup)
+                        except RuntimeError as err:
+                            text.append(f"# round {r} {strategy} {layout} {rate}: FAILED: "
+                                        + str(err).replace("\n", "\n#   "))  # fmt: skip
+                            print(text[-1], flush=True)
+                            failed.append(f"{strategy}|{layout}|{rate}")
+                            continue
+                        run.update(probe=(alone, together), load=load)
+                        runs[f"{strategy}|{layout}|{rate}"].append(run)
+                        text.append(f"# round {r} {strategy} {layout} {rate}: {run['step_s']:.4f} s/step, probe "
+                                    f"{1e3 * alone:.2f} ms alone, {1e3 * together:.2f} ms on {probe.world} at once, "
+                                    f"{run['seconds']:.0f} s wall, load {load}")  # fmt: skip
+                        print(text[-1], flush=True)
+                store(False)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
