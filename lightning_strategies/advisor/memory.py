@@ -5,7 +5,8 @@ saves at a per-device batch of b (linear in b); S shards, K stages, T tensor-par
 
     ddp, ring, ring_hier   P + G + O + A(b), plus DDP's buckets (a copy of G)
     ring_bf16              the same, plus one bucket's bf16 copy on the wire
-    ps, async              P + G + A(b) on the worker; its shard P/S + O/S; a packed push (G)
+    ps, async              P + G + A(b) on the worker; its shard P/S + O/S; a packed push (G) and,
+                           during the shard's apply, its averaged gradient (G/S)
     ps1                    rank 0 serves all of it: P + G + A(b) + P + O, and the push
     pipeline               stage s: its blocks' P + G + O and, under 1F1B, min(K - s, M) micro-batches'
                            activations of its blocks (GPipe: M); send and receive buffers of a boundary
@@ -76,7 +77,7 @@ def memory(
         wire = min(g, BUCKET_BYTES) / 2 if strategy == "ring_bf16" else 0.0
         return Memory(p, g, o, _acts(m, batch), g + wire)
     if strategy in ("ps", "ps_flat", "async"):
-        return Memory(p + p / world, g, o / world, _acts(m, batch), g)
+        return Memory(p + p / world, g, o / world, _acts(m, batch), g + g / world)
     if strategy == "ps1":
         return Memory(2 * p, g, o, _acts(m, batch), g)
     if strategy == "pipeline":

@@ -96,7 +96,7 @@ def test_memory_per_strategy_by_hand() -> None:
     assert (ddp.params, ddp.grads, ddp.optimizer, ddp.activations, ddp.buffers) == (p, p, o, acts, p)
     assert memory("ddp", m, batch=64, world=4).activations == 2 * acts  # linear in the batch
     ps = memory("ps", m, batch=32, world=4)
-    assert (ps.params, ps.optimizer) == (p + p / 4, o / 4)
+    assert (ps.params, ps.optimizer, ps.buffers) == (p + p / 4, o / 4, p + p / 4)  # the push + the apply's G/S
     assert memory("ps1", m, batch=32, world=4).params == 2 * p
     # tensor, T = 2: the split layers are every weight; 2048 + 2048 saved bytes split in two
     tp = memory("tensor", m, batch=32, world=2, tp_size=2)
