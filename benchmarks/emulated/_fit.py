@@ -13,8 +13,8 @@ step exclude set-up (rendezvous, the first broadcast, RPC start); under ps, whos
 forward, the values in flight land and the ranks meet before each reading, so no other step's replies are
 counted. Each record also holds, over the timed steps, their wall and CPU seconds (``window``: the time
 between steps included) and each thread's CPU seconds, and per step the forward's and backward's ends
-(``phases``) and the overlapped push's timestamps (``push_timeline``): where a step's time goes. Global rank 0 writes the step
-count to ``$EMULATED_CLUSTER_STEPS_FILE`` for the launcher.
+(``phases``) and the overlapped push's timestamps (``push_timeline``): where a step's time goes. Global
+rank 0 writes the step count to ``$EMULATED_CLUSTER_STEPS_FILE`` for the launcher.
 
 ``--slow-node-factor k`` (with ``--base-ms``) makes the last node's ranks ``k`` times slower, as
 ``benchmarks/stragglers.py`` does: every rank sleeps ``--base-ms`` before its optimizer step
