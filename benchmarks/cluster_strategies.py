@@ -12,6 +12,7 @@ rates 1gbit, 200mbit, 50mbit (both directions of every node's link). Strategies:
     ring_bf16  the flat ring with bf16 on the wire
     ps         ParameterServerStrategy: one shard per process; hierarchical push on 2x2 (one per node on 4x1: flat)
     ps_flat    ParameterServerStrategy(hierarchical=False): every process pushes to every shard (2x2 only)
+    ps_one_shot ParameterServerStrategy(overlap=False): ps's push after the whole backward, its pull in the step
     ps1        ParameterServerStrategy(num_servers=1): one server, on rank 0 (node 0)
     async      AsyncParameterServerStrategy (one shard per process, no staleness bound)
     pipeline   PipelineStrategy: one stage per process, 1F1B, the global batch in 4 x stages micro-batches
@@ -24,6 +25,8 @@ not step together). Lines (``name value unit``; medians over rounds, the spread 
 
     cluster_step_s_<strategy>_<layout>_<rate>              s; ``..._spread``: (max - min) / median
                                                            over rounds (over the timed steps with 1 round)
+    cluster_wall_s_per_step_<strategy>_<layout>_<rate>     s: the timed steps' wall time over their count
+                                                           (the time between steps too), ranks' harmonic mean
     cluster_nic_bytes_per_step_<strategy>_<layout>_<rate>  the busiest node's link, busier direction,
                                                            over the timed steps, as the veth counts it
                                                            (66 B of headers per GSO packet: +0.2-0.3%)
@@ -34,7 +37,9 @@ not step together). Lines (``name value unit``; medians over rounds, the spread 
     cluster_ring_bf16_over_ring_2x2_<rate>     step ring_bf16 / ring            goal <= 0.6 at 50mbit
     cluster_ps1_over_ps_4x1_<rate>             step ps1 / ps                    goal >= 1.7 at 50mbit
     cluster_ps_over_ddp_<layout>_<rate>        step ps / ddp                    goal <= 1.05 (#28)
+    cluster_ps_over_ddp_wall_<layout>_<rate>   wall per step ps / ddp
     cluster_ps_hier_over_flat_2x2_<rate>       step ps / ps_flat
+    cluster_ps_overlap_over_one_shot_<layout>_<rate>  step ps / ps_one_shot (the overlapped push's A/B)
     cluster_async_over_sync_straggler_<rate>   rate async / rate ps at 2x2 with node 1 slowed (k = 2)
 
 Formulas, bytes through the busiest node's link per step, P processes, L per node, in D:
@@ -80,7 +85,9 @@ from benchmarks.emulated.launch import launch, report_start
 
 FIT = Path(__file__).parent / "emulated" / "_fit.py"
 RESULTS = Path(__file__).parent / "results"
-STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps1", "async", "pipeline", "tensor")
+STRATEGIES = (
+    "ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_one_shot", "ps1", "async", "pipeline", "tensor",
+)  # fmt: skip
 LAYOUTS = {"2x2": (2, 2), "4x1": (4, 1)}
 RATES = ("50mbit", "200mbit", "1gbit")  # slowest first: the goals are there
 STRAGGLER = ("ps", "async")
@@ -97,6 +104,7 @@ def formula_over_d(strategy: str, nodes: int, per_node: int) -> float | None:
         "ring_bf16": ring / 2,
         "ring_hier": 2 * (n - 1) / n,
         "ps": 2 * (n - 1) / n,
+        "ps_one_shot": 2 * (n - 1) / n,
         "ps_flat": 2 * local * (p - local) / p,
         "async": 2 * local * (p - local) / p,
         "ps1": float(max(p - local, local)),
@@ -119,6 +127,10 @@ def run_one(
                            f"{result.returncode}, {len(records)} rank records\n{tails}")  # fmt: skip
     per_rank = [median(r["durations"][warmup:]) for r in records]
     step_s = len(per_rank) / sum(1 / s for s in per_rank)
+    # the timed window's wall time per step: the time between steps too (Lightning's loop, and work of
+    # other threads a step leaves behind, as ps's shards answering after the step's pushes)
+    walls = [r["window"]["wall"] / r["window"]["steps"] for r in records if r.get("window", {}).get("steps")]
+    wall_s = len(walls) / sum(1 / s for s in walls) if walls else float("nan")
     # per node (its local rank 0 read the counters): its bytes over that rank's timed steps (async
     # ranks take different numbers of steps; the others take --steps each)
     busiest = max(
@@ -128,7 +140,7 @@ def run_one(
     )
     # the timed steps of the slowest rank, for the spread of a single round
     slowest = max(records, key=lambda r: median(r["durations"][warmup:]))
-    return {"step_s": step_s, "nic_bytes": busiest, "steps_s": slowest["durations"][warmup:],
+    return {"step_s": step_s, "wall_s": wall_s, "nic_bytes": busiest, "steps_s": slowest["durations"][warmup:],
             "D": records[0]["params"] * 4, "records": records, "seconds": result.seconds}  # fmt: skip
 
 
@@ -186,6 +198,7 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, *, e
         return emit(name, value, unit) if echo else f"{name} {value:.4g} {unit}"
 
     step: dict[str, float] = {}
+    wall: dict[str, float] = {}
     for key, rs in runs.items():
         name, layout, rate = key.split("|")
         tag = f"{name}_{layout}_{rate}"
@@ -193,6 +206,9 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, *, e
         values = [r["step_s"] for r in rs] if len(rs) > 1 else rs[0]["steps_s"]
         out.append(line(f"cluster_step_s_{tag}", step[key], "s"))
         out.append(line(f"cluster_step_s_{tag}_spread", spread(values), "x"))
+        if all("wall_s" in r for r in rs):
+            wall[key] = median([r["wall_s"] for r in rs])
+            out.append(line(f"cluster_wall_s_per_step_{tag}", wall[key], "s"))
         if name.endswith("_straggler"):
             continue
         nic = median([r["nic_bytes"] for r in rs])
@@ -213,6 +229,11 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, *, e
         ratio(f"cluster_ps_hier_over_flat_2x2_{rate}", f"ps|2x2|{rate}", f"ps_flat|2x2|{rate}")
         for layout in args.layouts:
             ratio(f"cluster_ps_over_ddp_{layout}_{rate}", f"ps|{layout}|{rate}", f"ddp|{layout}|{rate}")
+            ratio(f"cluster_ps_overlap_over_one_shot_{layout}_{rate}", f"ps|{layout}|{rate}",
+                  f"ps_one_shot|{layout}|{rate}")  # fmt: skip
+            a, b = f"ps|{layout}|{rate}", f"ddp|{layout}|{rate}"
+            if a in wall and b in wall:
+                out.append(line(f"cluster_ps_over_ddp_wall_{layout}_{rate}", wall[a] / wall[b], "x"))
         # samples/s async over ps = step ps / step async (the same samples per step)
         ratio(f"cluster_async_over_sync_straggler_{rate}", f"ps_straggler|2x2|{rate}", f"async_straggler|2x2|{rate}")
     return out
@@ -245,7 +266,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6, help="steps per fit, warm-up included")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--base-ms", type=float, default=100.0, help="the straggler runs' per-step compute")
-    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument(
+        "--strategies", nargs="+", choices=STRATEGIES, default=[s for s in STRATEGIES if s != "ps_one_shot"]
+    )
     parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--rates", nargs="+", default=list(RATES))
     parser.add_argument("--no-straggler", dest="straggler", action="store_false")

@@ -9,8 +9,12 @@ times steps, it does not train to an accuracy; the pipeline's stages and a tenso
 need the same batches anyway). Every rank writes ``<out>/rank<r>.json``: its step durations
 (``on_train_batch_start`` to ``on_train_batch_end``) and, on each node's local rank 0, the node's
 NIC counters at the start of step ``--warmup`` and at the end of the last step, so the bytes per
-step exclude set-up (rendezvous, the first broadcast, RPC start). Global rank 0 writes the step
-count to ``$EMULATED_CLUSTER_STEPS_FILE`` for the launcher.
+step exclude set-up (rendezvous, the first broadcast, RPC start); under ps, whose pull overlaps the next
+forward, the values in flight land and the ranks meet before each reading, so no other step's replies are
+counted. Each record also holds, over the timed steps, their wall and CPU seconds (``window``: the time
+between steps included) and each thread's CPU seconds, and per step the forward's and backward's ends
+(``phases``) and the overlapped push's timestamps (``push_timeline``): where a step's time goes. Global
+rank 0 writes the step count to ``$EMULATED_CLUSTER_STEPS_FILE`` for the launcher.
 
 ``--slow-node-factor k`` (with ``--base-ms``) makes the last node's ranks ``k`` times slower, as
 ``benchmarks/stragglers.py`` does: every rank sleeps ``--base-ms`` before its optimizer step
@@ -21,6 +25,7 @@ recent compute (batch start to optimizer step, median of the last 10).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -46,7 +51,9 @@ from lightning_strategies import (
     TensorParallelStrategy,
 )
 
-STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps1", "async", "pipeline", "tensor")
+STRATEGIES = (
+    "ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_one_shot", "ps1", "async", "pipeline", "tensor",
+)  # fmt: skip
 IN, OUT = 256, 16
 
 
@@ -92,6 +99,8 @@ def make_strategy(name: str) -> Any:
         return ParameterServerStrategy()
     if name == "ps_flat":
         return ParameterServerStrategy(hierarchical=False)
+    if name == "ps_one_shot":  # the push after the whole backward, the pull before the optimizer step returns
+        return ParameterServerStrategy(overlap=False)
     if name == "ps1":
         return ParameterServerStrategy(num_servers=1)
     if name == "async":
@@ -101,6 +110,20 @@ def make_strategy(name: str) -> Any:
     if name == "tensor":
         return TensorParallelStrategy()
     raise ValueError(f"strategy {name!r}: expected one of {STRATEGIES}. Fix: pass --strategy with one of them")
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of each of this process's threads (name:tid), from /proc."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[f"{name}:{task.name}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def nic_counters() -> dict[str, int]:
@@ -121,11 +144,28 @@ class Measure(pl.Callback):
         self.own: list[float] = []
         self.nic: dict[str, dict[str, int]] = {}
         self.local0 = int(os.environ.get("LOCAL_RANK", "0")) == 0
+        #: per step, seconds from its start: forward's end (backward's start), backward's end
+        self.phases: list[dict[str, float]] = []
+        self.push_timeline: list[dict[str, Any]] = []
+        #: over the timed steps: their wall seconds, gaps between steps included, and CPU seconds
+        self.window: dict[str, float] = {}
+        self.threads: dict[str, float] = {}
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if batch_idx == self.warmup and self.local0:
-            self.nic["start"] = nic_counters()
+        if batch_idx == self.warmup:
+            self._quiesce(trainer)
+            self.window = {"wall": time.perf_counter(), "cpu": time.process_time()}  # every thread's CPU
+            self.threads = thread_cpu()
+            if self.local0:
+                self.nic["start"] = nic_counters()
         self.start = time.perf_counter()
+        self.phases.append({"t0": self.start})
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: Any, loss: Any) -> None:
+        self.phases[-1]["backward"] = time.perf_counter() - self.start
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.phases[-1]["optimizer"] = time.perf_counter() - self.start
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
         if self.base_ms > 0:
@@ -137,12 +177,36 @@ class Measure(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.durations.append(time.perf_counter() - self.start)
-        if batch_idx == self.steps - 1 and self.local0:
-            self.nic["end"] = nic_counters()
+        if batch_idx == self.steps - 1:
+            self._end_window(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
         # async: one epoch of leased batches, in which this rank may take fewer or more steps
-        if self.local0 and "start" in self.nic and "end" not in self.nic:
+        if self.window and "steps" not in self.window:
+            self._end_window()
+        overlap = getattr(trainer.strategy, "overlap", None)  # ps's overlapped push: its per-step timestamps
+        if overlap is not None:
+            self.push_timeline = [dataclasses.asdict(t) for t in overlap.push.timeline]
+
+    def _quiesce(self, trainer: pl.Trainer) -> None:
+        """Under ps (its pull overlaps the next forward), nothing of a step outside the timed ones is on the
+        wire when the counters are read: the values in flight land, then every rank meets (every shard's
+        replies are then out). Without it the counters caught part of the step before's replies: 1.08-1.17
+        x the formula over 4 timed steps in results/cluster_ps_hover.txt (#28)."""
+        wait = getattr(trainer.strategy, "wait_for_pulls", None)
+        if wait is not None:
+            wait()
+            dist.barrier()
+
+    def _end_window(self, trainer: pl.Trainer | None = None) -> None:
+        self.window["steps"] = len(self.durations) - self.warmup
+        self.window["wall"] = time.perf_counter() - self.window["wall"]
+        self.window["cpu"] = time.process_time() - self.window["cpu"]
+        end = thread_cpu()
+        self.threads = {k: v - self.threads.get(k, 0.0) for k, v in end.items()}
+        if trainer is not None:
+            self._quiesce(trainer)  # after the clocks: its barrier is no step's
+        if self.local0:
             self.nic["end"] = nic_counters()
 
 
@@ -198,6 +262,10 @@ def main() -> int:
         "steps": len(measure.durations),
         "warmup": args.warmup,
         "nic": measure.nic,
+        "phases": measure.phases,
+        "window": measure.window,
+        "thread_cpu_s": measure.threads,
+        "push_timeline": measure.push_timeline,
         "params": sum(p.numel() for p in MLP(args.width, args.layers).parameters()),
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -38,6 +38,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+_TRANSPORTS = ("uv",)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -126,8 +127,15 @@ def init_rpc(
     """
     if isinstance(init_method, dist.Store):
         init_method = store_url(init_method)
+    # TCP (libuv) only: TensorPipe's shared-memory transport runs a reactor thread that busy-polls: 40-90 ms
+    # of CPU per step in each process of the emulated cluster's 4 x 1 ps run at 1gbit (the whole process took
+    # 36 ms without it, #28), taken from training where processes share cores. Tensors between processes of
+    # one host still take TensorPipe's channels (cross-memory attach where it can), not the transport.
     options = rpc.TensorPipeRpcBackendOptions(
-        num_worker_threads=num_threads, rpc_timeout=timeout.total_seconds(), init_method=init_method
+        num_worker_threads=num_threads,
+        rpc_timeout=timeout.total_seconds(),
+        init_method=init_method,
+        _transports=list(_TRANSPORTS),
     )
     for peer, mapping in (device_maps or {}).items():
         options.set_device_map(peer, dict(mapping))  # type: ignore[arg-type]

@@ -137,7 +137,7 @@ class PushOverlapMixin(DDPStrategy):
         self.wait_for_pulls()
         super().on_predict_start()
 
-    def _settle_at_fit_end(self) -> None:
+    def _settle_at_epoch_end(self) -> None:
         """After the optimizer step that ends an epoch (or the fit), land its values now: the callbacks'
         ``on_train_epoch_end`` / ``on_train_end`` run before the strategy's and may read the weights, and a
         peer lost in the step is then noticed here, where the step's failure is raised in time (measured under

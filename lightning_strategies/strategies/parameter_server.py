@@ -370,7 +370,7 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
             scaler.skipped = None
         self._collect_own_metrics(stats)
         self.metrics.flush_if_due(self.lightning_module)
-        self._settle_at_fit_end()  # after the metrics: a step's window counts the values that landed in it
+        self._settle_at_epoch_end()  # after the metrics: a step's window counts the values that landed in it
 
     def _collect_own_metrics(self, stats: CommStats) -> None:
         """This step's metrics beyond the bytes and the busiest shard (``stats``: the client's)."""

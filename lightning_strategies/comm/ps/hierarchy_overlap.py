@@ -115,7 +115,7 @@ class HierarchicalOverlappedPush(OverlappedPush):
         self._send_reduced(wait=True)
 
     def _reduce(self, b: int) -> None:
-        group = self._group()
+        self._group()  # raises after close()
         lay, buf, n = self._layouts[b], self._buffers[b], self._layouts[b].chunk_numel
         buf.zero_()
         present: list[int] = []
@@ -134,8 +134,7 @@ class HierarchicalOverlappedPush(OverlappedPush):
         assert timeline is not None
         if timeline.first_node_reduce is None:
             timeline.first_node_reduce = time.perf_counter()
-        self._reducing[b] = dist.reduce_scatter_single(self._chunks[b], buf, group=group, async_op=True)
-        self.client._count_node_collective(self._chunks[b])
+        self._reducing[b] = self.client.reduce_in_node(buf, self._chunks[b], async_op=True)
 
     def _send_reduced(self, *, wait: bool) -> None:
         """Push the reduced buckets in launch order: all (``wait``), or those whose reduce-scatter has ended."""
@@ -145,6 +144,7 @@ class HierarchicalOverlappedPush(OverlappedPush):
                 return
             work.wait()
             del self._reducing[b]
+            self.client.take_chunk(self._buffers[b], self._chunks[b])
             self._send(b)
 
     def _send(self, b: int) -> None:
