@@ -27,7 +27,10 @@ quorum left out for both), less the time spent validating (``benchmarks/emulated
 Lines (``name value unit``):
 
     cluster_diloco_time_to_95_over_ddp      diloco's training seconds to its first validation >= 95%
-                                            over ddp's, goal <= 0.5
+                                            over ddp's, goal <= 0.5 (``--rounds`` R: ddp and diloco
+                                            fits interleaved R times, the median of the rounds' ratios,
+                                            each round's as ``..._round<i>``; the other lines from each
+                                            strategy's fit of median training time)
     diloco_val_acc_minus_ddp                the last validation (after ``--steps`` steps: equal
                                             samples), diloco minus ddp, goal >= -0.01
     cluster_time_to_95_s_<s>_<layout>_<rate>, cluster_step_at_95_<s>_..., cluster_val_acc_<s>_...,
@@ -38,7 +41,7 @@ Lines (``name value unit``):
     python benchmarks/cluster_diloco.py --quick  # diloco alone, 2 steps, H = 1, prints only (CI: it runs)
     python benchmarks/cluster_diloco.py --strategies diloco --inner-lr 2e-3 --name cluster_diloco_inner_lr
                                                  # one setting again (results/<name>.txt)
-    python benchmarks/cluster_diloco.py --outer-lr 1.0 --outer-momentum 0 --note "..."
+    python benchmarks/cluster_diloco.py --outer-lr 1.0 --outer-momentum 0 --rounds 2 --note "..."
                                                  # the stored results/cluster_diloco.txt
 
 The outer setting of the stored run: with the paper's (Nesterov lr 0.7, momentum 0.9; stored as
@@ -66,7 +69,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import line as emit
-from benchmarks._common import load_average, load_line
+from benchmarks._common import load_average, load_line, median
 from benchmarks.emulated import EmulatedCluster
 from benchmarks.emulated.launch import REPO, launch, report_start
 
@@ -130,10 +133,17 @@ def run_one(cluster: EmulatedCluster, strategy: str, args: argparse.Namespace) -
     return run
 
 
-def report(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[str]:
-    """The lines, and the goal lines (MET / MISSED) of a full run."""
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median training time among ``runs`` (their accuracies match: the same seeds and data)."""
+    return sorted(runs, key=lambda r: r["train_s"])[(len(runs) - 1) // 2]
+
+
+def report(rounds: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -> list[str]:
+    """The lines, and the goal lines (MET / MISSED) of a full run: each strategy's run of median training time
+    over the rounds, and the time ratio as the median of the rounds' own ratios (ddp and diloco interleaved)."""
     tag = f"{args.nodes}x1_{args.rate}"
-    out = [emit("diloco_sync_every", args.sync_every, "steps")]
+    out = [emit("diloco_sync_every", args.sync_every, "steps"), emit("cluster_diloco_rounds", len(rounds), "rounds")]
+    runs = {s: _median_run([r[s] for r in rounds if s in r]) for s in STRATEGIES if any(s in r for r in rounds)}
     for s, run in runs.items():
         out.append(emit(f"cluster_val_acc_{s}_{tag}", run["final_val_acc"], "x"))
         out.append(emit(f"cluster_train_s_per_step_{s}_{tag}", run["train_s"] / run["steps"], "s"))
@@ -148,9 +158,12 @@ def report(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[st
     ddp, diloco = runs["ddp"], runs["diloco"]
     acc = diloco["final_val_acc"] - ddp["final_val_acc"]
     out.append(emit("diloco_val_acc_minus_ddp", acc, "x"))
-    ratio = None
-    if ddp["time_to_target"] and diloco["time_to_target"] is not None:
-        ratio = diloco["time_to_target"] / ddp["time_to_target"]
+    paired = [(r["ddp"]["time_to_target"], r["diloco"]["time_to_target"]) for r in rounds if len(r) == len(STRATEGIES)]
+    ratios = [b / a for a, b in paired if a and b is not None]
+    ratio = median(ratios) if len(ratios) == len(rounds) else None  # a round that did not reach 95%: no ratio
+    for i, value in enumerate(ratios if len(rounds) > 1 else []):
+        out.append(emit(f"cluster_diloco_time_to_95_over_ddp_round{i}", value, "x"))
+    if ratio is not None:
         out.append(emit("cluster_diloco_time_to_95_over_ddp", ratio, "x"))
     if not args.quick:
         shown = "not reached" if ratio is None else f"{ratio:.3f}"
@@ -176,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outer-lr", type=float, default=0.7, help="diloco's outer Nesterov SGD lr (the paper's 0.7)")
     parser.add_argument("--outer-momentum", type=float, default=0.9, help="its momentum (the paper's 0.9)")
     parser.add_argument("--note", default="", help="a comment line for the header: why this setting")
+    parser.add_argument("--rounds", type=int, default=1, help="ddp and diloco fits, interleaved, per strategy")
     parser.add_argument("--name", default="cluster_diloco", help="results/<name>.txt and .json")
     args = parser.parse_args(argv)
     if args.quick:  # the new path (replicas in two nodes, the Lighthouse in node 0, a heal across the link)
@@ -193,29 +207,33 @@ def main(argv: list[str] | None = None) -> int:
         text.append(f"# setting: {args.note}")
         print(text[-1], flush=True)
     start = time.monotonic()
-    runs: dict[str, dict[str, Any]] = {}
+    rounds: list[dict[str, dict[str, Any]]] = []
     failed = []
     with EmulatedCluster(nodes=args.nodes, rate=args.rate) as cluster:
-        for strategy in args.strategies:
+        for strategy, i in ((s, i) for i in range(args.rounds) for s in args.strategies):  # interleaved
+            if i == len(rounds):
+                rounds.append({})
+            prefix = f"round {i} {strategy}" if args.rounds > 1 else strategy
             try:
-                runs[strategy] = run_one(cluster, strategy, args)
+                rounds[i][strategy] = run_one(cluster, strategy, args)
             except RuntimeError as err:
                 failed.append(strategy)
-                text.append(f"# {strategy} FAILED: " + str(err).replace("\n", "\n#   "))
+                text.append(f"# {prefix} FAILED: " + str(err).replace("\n", "\n#   "))
                 print(text[-1], flush=True)
                 continue
-            r = runs[strategy]
-            text.append(f"# {strategy}: " + ", ".join(f"{x['step']}:{x['val_acc']:.3f}@{x['train_s']:.0f}s"
+            r = rounds[i][strategy]
+            text.append(f"# {prefix}: " + ", ".join(f"{x['step']}:{x['val_acc']:.3f}@{x['train_s']:.0f}s"
                                                       for x in r["records"])
                         + f" (step:val_acc@train s); {r['seconds']:.0f} s wall, load {load_average()}")  # fmt: skip
             print(text[-1], flush=True)
-    lines = report(runs, args)
+    lines = report(rounds, args)
     text += [*lines, load_line("end"), f"# {time.monotonic() - start:.0f} s in all"]
     print("\n".join(text[-2:]), flush=True)
     if not args.quick:
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / f"{args.name}.txt").write_text("\n".join(text) + "\n")
-        (RESULTS / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "header": text[0], "runs": runs}))
+        saved = {"args": vars(args), "header": text[0], "rounds": rounds}
+        (RESULTS / f"{args.name}.json").write_text(json.dumps(saved))
     return 1 if failed else 0
 
 
