@@ -42,7 +42,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
-__all__ = ["Job", "Zygote", "session_members"]
+__all__ = ["Job", "Zygote", "run_script", "session_members"]
 
 
 def session_members(sid: int) -> list[int]:
@@ -59,6 +59,25 @@ def session_members(sid: int) -> list[int]:
         if int(fields[3]) == sid:  # state ppid pgrp session ...
             members.append(int(entry.name))
     return members
+
+
+def run_script(rank: int, world: int, *, script: str, argv: list[str], stderr: str) -> None:
+    """A :class:`Job` target: run ``script`` with ``argv`` as ``python script ARGV`` would, as ``__main__``.
+
+    For scripts run many times from a test (the benchmarks' quick modes): the zygote's imports stand
+    in for the script's own. The rank's log is the script's stdout; its stderr goes to ``stderr``,
+    with the fault handler on (what ``PYTHONFAULTHANDLER=1`` does for a fresh interpreter).
+    """
+    import faulthandler
+    import runpy
+
+    fd = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+    faulthandler.enable()
+    sys.argv = [script, *argv]
+    sys.path.insert(0, str(Path(script).resolve().parent))  # as the interpreter puts a script's folder first
+    runpy.run_path(script, run_name="__main__")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
 """Every benchmark script runs in --quick mode, prints `name value unit` lines, all finite, and meets
 the bounds below: exact ones where a line is accounting or a formula, loose ones where it is timing.
+Each script runs as ``python benchmarks/<script> --quick`` would, in a process forked from one zygote
+that imported torch and Lightning once for the module (``fault_utils.run_script``).
 
 Timing ratios of a --quick run on a 2-core CI machine shared with other jobs are noisy far beyond
 the full runs' goals (at load 10-14: ring/gloo 5.8x at N=64K, ps/ddp step 2.4x, soak step drift
@@ -11,13 +13,12 @@ any load and are held to 1e-3.
 from __future__ import annotations
 
 import math
-import os
 import re
-import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fault_utils import Job, Zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
@@ -296,25 +297,49 @@ def check_quick_output(script: str, stdout: str) -> None:
             assert low <= ratio <= high, f"{name} / {reference} = {ratio:.4g}, outside [{low}, {high}]"
 
 
+# What the scripts import at their top: imported once by the zygote that forks each script's run
+# (a fresh interpreter per script paid ~5 s of CPU for these at every one of the ~25 runs).
+PRELOAD = ["torch", "torchvision", "lightning.pytorch", "lightning_strategies", "recipes.classification",
+           "recipes.data", "recipes.models", "benchmarks._common", "benchmarks._workers"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
+    """One pre-imported process for the module; every script runs in a process forked from it, as
+    ``python benchmarks/<script> --quick`` would (``fault_utils.run_script``)."""
+    z = Zygote(PRELOAD, tmp_path_factory.mktemp("bench-zygote") / "zygote.log")
+    try:
+        z.wait_ready(600.0)  # imports: seconds, minutes on a loaded CI machine
+        yield z
+    finally:
+        z.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_benchmark_quick_mode(script: str) -> None:
+def test_benchmark_quick_mode(script: str, zygote: Zygote, tmp_path: Path) -> None:
     if script in ("cluster_strategies.py", "cluster_diloco.py"):
         from benchmarks.emulated import EmulatedCluster
 
         ok, reason = EmulatedCluster.available()
         if not ok:
             pytest.skip(reason)
-    # PYTHONFAULTHANDLER: a rank that dies of a signal (SIGABRT, SIGSEGV) prints every thread's Python stack
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+    # PYTHONFAULTHANDLER: a rank that dies of a signal (SIGABRT, SIGSEGV) prints every thread's Python
+    # stack (run_script turns the handler on in the script's own process)
+    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+    stderr = tmp_path / "stderr.log"
     # stragglers.py --quick took 166 s at load 12 (~60 s quiet) before its failure case (~80 s
     # quiet: 3 runs of 3-4 processes, each importing torch): 600 s leaves room for a loaded CI
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--quick"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + crash_report(proc.stderr) + proc.stderr[-3000:]
-    check_quick_output(script, proc.stdout)
+    kwargs = {"script": str(ROOT / "benchmarks" / script), "argv": ["--quick"], "stderr": str(stderr)}
+    job = Job(target="fault_utils:run_script", world=1, env=env, kwargs=kwargs, log_dir=tmp_path, timeout=600.0)
+    answer = zygote.run(job)
+    stdout = (tmp_path / "rank0.log").read_text(errors="replace")
+    err = stderr.read_text(errors="replace") if stderr.exists() else ""
+    code, timed_out = answer["ranks"][0]["returncode"], answer["timed_out"]
+    assert code == 0 and not timed_out, (
+        f"exit {code}{' (timed out)' if timed_out else ''}\n" + stdout[-2000:] + crash_report(err) + err[-3000:]
+    )
+    check_quick_output(script, stdout)
 
 
 CRASH = re.compile(r"^(Fatal Python error|terminate called|Thread 0x|Current thread 0x)")
