@@ -61,12 +61,15 @@ def session_members(sid: int) -> list[int]:
     return members
 
 
-def run_script(rank: int, world: int, *, script: str, argv: list[str], stderr: str) -> None:
+def run_script(rank: int, world: int, *, script: str, argv: list[str], stderr: str, pythonpath: str | None) -> None:
     """A :class:`Job` target: run ``script`` with ``argv`` as ``python script ARGV`` would, as ``__main__``.
 
     For scripts run many times from a test (the benchmarks' quick modes): the zygote's imports stand
-    in for the script's own. The rank's log is the script's stdout; its stderr goes to ``stderr``,
-    with the fault handler on (what ``PYTHONFAULTHANDLER=1`` does for a fresh interpreter).
+    in for the script's own. ``sys.path`` and ``PYTHONPATH`` are a fresh interpreter's (the script's
+    folder first, then ``pythonpath``, the caller's): the zygote's own path entries (the repository,
+    ``tests``) are gone, so a script that does not put the repository on its path fails here as it
+    would for a user. The rank's log is the script's stdout; its stderr goes to ``stderr``, with the
+    fault handler on (what ``PYTHONFAULTHANDLER=1`` does for a fresh interpreter).
     """
     import faulthandler
     import runpy
@@ -75,8 +78,15 @@ def run_script(rank: int, world: int, *, script: str, argv: list[str], stderr: s
     os.dup2(fd, 2)
     os.close(fd)
     faulthandler.enable()
+    own = {str(REPO), str(REPO / "tests"), str(REPO / "tests" / "integration")}
+    given = [p for p in (pythonpath or "").split(os.pathsep) if p]
+    rest = [p for p in sys.path if p not in own and p not in given]
+    sys.path[:] = [str(Path(script).resolve().parent), *given, *rest]
+    if pythonpath:
+        os.environ["PYTHONPATH"] = pythonpath
+    else:
+        os.environ.pop("PYTHONPATH", None)
     sys.argv = [script, *argv]
-    sys.path.insert(0, str(Path(script).resolve().parent))  # as the interpreter puts a script's folder first
     runpy.run_path(script, run_name="__main__")
 
 

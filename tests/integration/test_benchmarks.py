@@ -13,6 +13,7 @@ any load and are held to 1e-3.
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -298,9 +299,10 @@ def check_quick_output(script: str, stdout: str) -> None:
 
 
 # What the scripts import at their top: imported once by the zygote that forks each script's run
-# (a fresh interpreter per script paid ~5 s of CPU for these at every one of the ~25 runs).
+# (a fresh interpreter per script paid ~5 s of CPU for these at every one of the ~25 runs). Installed
+# packages only: the benchmarks' own modules are imported by each script, from the path it sets itself.
 PRELOAD = ["torch", "torchvision", "lightning.pytorch", "lightning_strategies", "recipes.classification",
-           "recipes.data", "recipes.models", "benchmarks._common", "benchmarks._workers"]  # fmt: skip
+           "recipes.data", "recipes.models"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -330,7 +332,8 @@ def test_benchmark_quick_mode(script: str, zygote: Zygote, tmp_path: Path) -> No
     stderr = tmp_path / "stderr.log"
     # stragglers.py --quick took 166 s at load 12 (~60 s quiet) before its failure case (~80 s
     # quiet: 3 runs of 3-4 processes, each importing torch): 600 s leaves room for a loaded CI
-    kwargs = {"script": str(ROOT / "benchmarks" / script), "argv": ["--quick"], "stderr": str(stderr)}
+    kwargs = {"script": str(ROOT / "benchmarks" / script), "argv": ["--quick"], "stderr": str(stderr),
+              "pythonpath": os.environ.get("PYTHONPATH")}  # fmt: skip
     job = Job(target="fault_utils:run_script", world=1, env=env, kwargs=kwargs, log_dir=tmp_path, timeout=600.0)
     answer = zygote.run(job)
     stdout = (tmp_path / "rank0.log").read_text(errors="replace")
