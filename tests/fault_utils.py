@@ -42,7 +42,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
-__all__ = ["Job", "Zygote", "session_members"]
+__all__ = ["Job", "Zygote", "run_script", "session_members"]
 
 
 def session_members(sid: int) -> list[int]:
@@ -59,6 +59,35 @@ def session_members(sid: int) -> list[int]:
         if int(fields[3]) == sid:  # state ppid pgrp session ...
             members.append(int(entry.name))
     return members
+
+
+def run_script(rank: int, world: int, *, script: str, argv: list[str], stderr: str, pythonpath: str | None) -> None:
+    """A :class:`Job` target: run ``script`` with ``argv`` as ``python script ARGV`` would, as ``__main__``.
+
+    For scripts run many times from a test (the benchmarks' quick modes): the zygote's imports stand
+    in for the script's own. ``sys.path`` and ``PYTHONPATH`` are a fresh interpreter's (the script's
+    folder first, then ``pythonpath``, the caller's): the zygote's own path entries (the repository,
+    ``tests``) are gone, so a script that does not put the repository on its path fails here as it
+    would for a user. The rank's log is the script's stdout; its stderr goes to ``stderr``, with the
+    fault handler on (what ``PYTHONFAULTHANDLER=1`` does for a fresh interpreter).
+    """
+    import faulthandler
+    import runpy
+
+    fd = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+    faulthandler.enable()
+    own = {str(REPO), str(REPO / "tests"), str(REPO / "tests" / "integration")}
+    given = [p for p in (pythonpath or "").split(os.pathsep) if p]
+    rest = [p for p in sys.path if p not in own and p not in given]
+    sys.path[:] = [str(Path(script).resolve().parent), *given, *rest]
+    if pythonpath:
+        os.environ["PYTHONPATH"] = pythonpath
+    else:
+        os.environ.pop("PYTHONPATH", None)
+    sys.argv = [script, *argv]
+    runpy.run_path(script, run_name="__main__")
 
 
 @dataclass(frozen=True)
