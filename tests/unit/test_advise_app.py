@@ -42,12 +42,14 @@ def test_a_model_that_fits_nowhere_says_so(capsys: pytest.CaptureFixture[str]) -
 
 def test_strategy_advised_composes_and_builds_the_first_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV, raising=False)
-    cfg = compose_cfg([*WIDE, "strategy=advised", "cluster=emulated_4x1_1gbit"])
+    # compute from a stated throughput (FLOPs / tflops), not timed: the advisor's two runs below see the same
+    # step, so their first choices agree (timed, ring_bf16 and pipeline came within 0.4% here: either could lead)
+    cfg = compose_cfg([*WIDE, "strategy=advised", "cluster=emulated_4x1_1gbit", "+cluster.tflops=0.05"])
     assert cfg.cluster.name == "emulated_4x1_1gbit" and cfg.strategy.model.width == 256
     strategy = instantiate(cfg.strategy)
     assert isinstance(strategy, Strategy)
     chosen = json.loads(os.environ[ENV])
-    # the same advice computed directly: the same first choice (ranks far apart on this cluster)
+    # the same advice computed directly: the same first choice
     best = advice_for(cluster=cfg.cluster, model=cfg.model, data=cfg.data, optimizer=cfg.optimizer).best()
     assert chosen["name"] == best.name
     # a rank started by the launcher reuses the launching process's choice instead of measuring again
