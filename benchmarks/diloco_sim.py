@@ -20,6 +20,7 @@ named on the command line:
 
     python benchmarks/diloco_sim.py                     # every variant, in turn -> results/diloco_sim.txt
     python benchmarks/diloco_sim.py --only ddp diloco   # some of them, printed only
+    python benchmarks/diloco_sim.py --quick             # ddp and diloco for 4 steps, H = 2, printed only (CI)
 
 Lines: ``sim_val_acc_<variant> <acc at --steps> x`` and a comment per variant with every validation.
 A variant takes 2-14 minutes on the loaded 2-core machine; the stored ``results/diloco_sim.txt`` is
@@ -187,9 +188,11 @@ def run(v: Variant, train: TensorDataset, val: TensorDataset, replicas: int = 2)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--only", nargs="+", choices=list(VARIANTS), help="these variants, printed only")
+    parser.add_argument("--quick", action="store_true", help="ddp and diloco, 4 steps, H = 2, printed only (CI)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    names = args.only or list(VARIANTS)
+    names = args.only or (["ddp", "diloco"] if args.quick else list(VARIANTS))
+    variants = {n: replace(VARIANTS[n], steps=4, sync_every=2) if args.quick else VARIANTS[n] for n in names}
     text = [header("diloco_sim: DiLoCo vs DDP on digits, 2 replicas simulated in one process"),
             load_line("start"),
             "# 64 samples per replica and step; H = 10 unless named; outer Nesterov SGD lr 0.7 momentum 0.9 "
@@ -199,15 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     for name in names:
         t0 = time.monotonic()
-        records = run(VARIANTS[name], train, val)
-        text.append(f"# {name}: {VARIANTS[name]}: " + ", ".join(f"{s}:{a:.3f}" for s, a in records)
+        records = run(variants[name], train, val)
+        text.append(f"# {name}: {variants[name]}: " + ", ".join(f"{s}:{a:.3f}" for s, a in records)
                     + f" ({time.monotonic() - t0:.0f} s)")  # fmt: skip
         print(text[-1], flush=True)
         final = records[-1][1] if records else math.nan
         text.append(emit(f"sim_val_acc_{name}", final, "x"))
     text += [load_line("end"), f"# {time.monotonic() - start:.0f} s in all"]
     print("\n".join(text[-2:]), flush=True)
-    if args.only is None:
+    if args.only is None and not args.quick:
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / "diloco_sim.txt").write_text("\n".join(text) + "\n")
     return 0

@@ -245,6 +245,9 @@ GOALS["cluster_diloco.py"] = [
     (r"cluster_train_s_per_step_diloco_2x1_50mbit", 0.01, 60.0),
 ]
 
+# diloco_sim.py --quick: ddp and diloco (2 replicas in one process) for 4 steps, H = 2: both train and validate
+# (a smoke run: 4 steps are far from any accuracy figure; the stored run is results/diloco_sim.txt)
+GOALS["diloco_sim.py"] = [(r"sim_val_acc_(ddp|diloco)", 0.0, 1.0)]
 
 # advisor_validation.py: the advisor's memory per rank (parameters, gradients, optimizer state) against
 # the tensors each rank of a real fit held (ddp, ps, pipeline K=2/4, tensor T=2; the ResNet and the MLP):
