@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import line as emit
 from benchmarks._common import load_average, load_line, median
 from benchmarks._compute_probe import ComputeProbe
-from benchmarks.cluster_strategies import LAYOUTS, RESULTS, run_one, spread
+from benchmarks.cluster_strategies import LAYOUTS, RESULTS, run_one, schedule, spread
 from benchmarks.emulated import EmulatedCluster
 from benchmarks.emulated.launch import report_start
 
@@ -106,32 +106,28 @@ def main(argv: list[str] | None = None) -> int:
 def measure(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], text: list[str], failed: list[str],
             probes: dict[int, ComputeProbe], store: Callable[[bool], None]) -> None:  # fmt: skip
     """Every (layout, rate) on a fresh cluster, the strategies rotated per round; a probe before each fit."""
-    for r in range(args.rounds):
-        for rate in args.rates:
-            for layout in args.layouts:
-                nodes, per_node = LAYOUTS[layout]
-                shift = (r + list(args.rates).index(rate)) % len(args.strategies)
-                order = [*args.strategies[shift:], *args.strategies[:shift]]
-                probe = probes[nodes * per_node]
-                with EmulatedCluster(nodes=nodes, rate=rate) as cluster:
-                    for strategy in order:
-                        alone, together = probe()
-                        load = load_average()
-                        try:
-                            run = run_one(cluster, strategy, per_node, steps=args.steps, warmup=args.warmup)
-                        except RuntimeError as err:
-                            text.append(f"# round {r} {strategy} {layout} {rate}: FAILED: "
-                                        + str(err).replace("\n", "\n#   "))  # fmt: skip
-                            print(text[-1], flush=True)
-                            failed.append(f"{strategy}|{layout}|{rate}")
-                            continue
-                        run.update(probe=(alone, together), load=load)
-                        runs[f"{strategy}|{layout}|{rate}"].append(run)
-                        text.append(f"# round {r} {strategy} {layout} {rate}: {run['step_s']:.4f} s/step, probe "
-                                    f"{1e3 * alone:.2f} ms alone, {1e3 * together:.2f} ms on {probe.world} at once, "
-                                    f"{run['seconds']:.0f} s wall, load {load}")  # fmt: skip
-                        print(text[-1], flush=True)
-                store(False)
+    for r, rate, layout, order in schedule(args):
+        nodes, per_node = LAYOUTS[layout]
+        probe = probes[nodes * per_node]
+        with EmulatedCluster(nodes=nodes, rate=rate) as cluster:
+            for strategy in order:
+                alone, together = probe()
+                load = load_average()
+                try:
+                    run = run_one(cluster, strategy, per_node, steps=args.steps, warmup=args.warmup)
+                except RuntimeError as err:
+                    text.append(f"# round {r} {strategy} {layout} {rate}: FAILED: "
+                                + str(err).replace("\n", "\n#   "))  # fmt: skip
+                    print(text[-1], flush=True)
+                    failed.append(f"{strategy}|{layout}|{rate}")
+                    continue
+                run.update(probe=(alone, together), load=load)
+                runs[f"{strategy}|{layout}|{rate}"].append(run)
+                text.append(f"# round {r} {strategy} {layout} {rate}: {run['step_s']:.4f} s/step, probe "
+                            f"{1e3 * alone:.2f} ms alone, {1e3 * together:.2f} ms on {probe.world} at once, "
+                            f"{run['seconds']:.0f} s wall, load {load}")  # fmt: skip
+                print(text[-1], flush=True)
+        store(False)
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +148,16 @@ def spread(values: Sequence[float]) -> float:
     return (max(values) - min(values)) / median(values) if len(values) > 1 else 0.0
 
 
+def schedule(args: argparse.Namespace) -> Iterator[tuple[int, str, str, list[str]]]:
+    """``(round, rate, layout, strategies)``: every configuration ``args.rounds`` times, a fresh cluster for each,
+    the strategies' order rotated by round and rate so no strategy always runs first."""
+    for r in range(args.rounds):
+        for rate in args.rates:
+            for layout in args.layouts:
+                shift = (r + list(args.rates).index(rate)) % len(args.strategies)
+                yield r, rate, layout, [*args.strategies[shift:], *args.strategies[:shift]]
+
+
 def measure(
     args: argparse.Namespace, log: list[str], save: Callable[[dict[str, list[dict[str, Any]]]], object]
 ) -> dict[str, list[dict[str, Any]]]:
@@ -156,37 +166,31 @@ def measure(
     cluster, so a run cut short keeps what it measured."""
     runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
     failed = args.failed
-    for r in range(args.rounds):
-        for rate in args.rates:
-            for layout in args.layouts:
-                nodes, per_node = LAYOUTS[layout]
-                shift = (r + list(args.rates).index(rate)) % len(args.strategies)
-                order = [*args.strategies[shift:], *args.strategies[:shift]]
-                # one process per node: ps_flat is ps
-                cases: list[tuple[str, str, list[str]]] = [(s, s, []) for s in order if s != "ps_flat" or per_node > 1]
-                if args.straggler and layout == "2x2":
-                    slow = ["--base-ms", str(args.base_ms), "--slow-node-factor", str(SLOW_FACTOR)]
-                    pair = STRAGGLER if r % 2 == 0 else STRAGGLER[::-1]
-                    cases += [(f"{s}_straggler", s, slow) for s in pair]
-                with EmulatedCluster(nodes=nodes, rate=rate) as cluster:
-                    for name, strategy, extra in cases:
-                        try:
-                            run = run_one(cluster, strategy, per_node, steps=args.steps, warmup=args.warmup,
-                                          extra=extra)  # fmt: skip
-                        except RuntimeError as err:
-                            # one strategy's failure is a result too: the others still get measured
-                            log.append(
-                                f"# round {r} {name} {layout} {rate}: FAILED: " + str(err).replace("\n", "\n#   ")
-                            )
-                            print(log[-1], flush=True)
-                            failed.append(f"{name}|{layout}|{rate}")
-                            continue
-                        runs[f"{name}|{layout}|{rate}"].append(run)
-                        log.append(f"# round {r} {name} {layout} {rate}: {run['step_s']:.4f} s/step, "
-                                   f"{run['nic_bytes'] / run['D']:.4f} D/step on the busiest link, "
-                                   f"{run['seconds']:.0f} s wall, load {load_average()}")  # fmt: skip
-                        print(log[-1], flush=True)
-                save(runs)
+    for r, rate, layout, order in schedule(args):
+        nodes, per_node = LAYOUTS[layout]
+        # one process per node: ps_flat is ps
+        cases: list[tuple[str, str, list[str]]] = [(s, s, []) for s in order if s != "ps_flat" or per_node > 1]
+        if args.straggler and layout == "2x2":
+            slow = ["--base-ms", str(args.base_ms), "--slow-node-factor", str(SLOW_FACTOR)]
+            pair = STRAGGLER if r % 2 == 0 else STRAGGLER[::-1]
+            cases += [(f"{s}_straggler", s, slow) for s in pair]
+        with EmulatedCluster(nodes=nodes, rate=rate) as cluster:
+            for name, strategy, extra in cases:
+                try:
+                    run = run_one(cluster, strategy, per_node, steps=args.steps, warmup=args.warmup,
+                                  extra=extra)  # fmt: skip
+                except RuntimeError as err:
+                    # one strategy's failure is a result too: the others still get measured
+                    log.append(f"# round {r} {name} {layout} {rate}: FAILED: " + str(err).replace("\n", "\n#   "))
+                    print(log[-1], flush=True)
+                    failed.append(f"{name}|{layout}|{rate}")
+                    continue
+                runs[f"{name}|{layout}|{rate}"].append(run)
+                log.append(f"# round {r} {name} {layout} {rate}: {run['step_s']:.4f} s/step, "
+                           f"{run['nic_bytes'] / run['D']:.4f} D/step on the busiest link, "
+                           f"{run['seconds']:.0f} s wall, load {load_average()}")  # fmt: skip
+                print(log[-1], flush=True)
+        save(runs)
     return runs
 
 
