@@ -56,8 +56,10 @@ def run_train(
 ) -> subprocess.CompletedProcess[str]:
     """``python train.py ARGS`` from ``cwd`` (outputs land there), one torch thread per process;
     ``extra_paths`` go on the PYTHONPATH (modules a config's ``_target_`` names), ``env`` on top."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath(*extra_paths),
-           **(env or {})}
+    # PYTHONFAULTHANDLER: a process that dies of a signal prints every thread's Python stack to stderr (an ft
+    # launcher died of SIGSEGV once in a full suite, before its Lighthouse started: cause not found yet)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
+           "PYTHONPATH": pythonpath(*extra_paths), **(env or {})}
     command = [sys.executable, str(ROOT / "train.py"), *args]
     # its own process group, so a timeout ends the ranks and sweep jobs it started too
     with subprocess.Popen(
