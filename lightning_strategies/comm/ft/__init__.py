@@ -12,7 +12,7 @@ torchft is imported only where a Manager or a Lighthouse is built (``pip install
 lightning-strategies[ft]``); everything else here imports without it.
 """
 
-from lightning_strategies.comm.ft.buffers import BUFFER_MODES, average_buffers, floating_buffers
+from lightning_strategies.comm.ft.buffers import average_buffers, floating_buffers
 from lightning_strategies.comm.ft.lighthouse import (
     LighthouseHandle,
     LighthouseUnreachableError,
@@ -34,7 +34,6 @@ from lightning_strategies.comm.ft.streaming import OuterSync, PendingSync, SyncR
 
 __all__ = [
     "ALGORITHMS",
-    "BUFFER_MODES",
     "CommitFailedError",
     "CommitStats",
     "LighthouseHandle",

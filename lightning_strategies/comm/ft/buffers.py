@@ -19,9 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["BUFFER_MODES", "average_buffers", "floating_buffers"]
-
-BUFFER_MODES = ("mean", "local")
+__all__ = ["average_buffers", "floating_buffers"]
 
 
 def floating_buffers(buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:

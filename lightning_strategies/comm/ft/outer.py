@@ -198,8 +198,10 @@ class OuterLoop:
         buffers = [b.detach() for b in self.synced_buffers(fragment)]
         with torch.no_grad():
             if self.algorithm == "local_sgd":
-                return [self.params[i].detach() for i in group] + buffers
-            return [self.backup[i].detach() - self.params[i].detach() for i in group] + buffers
+                values = [self.params[i].detach() for i in group]
+            else:
+                values = [self.backup[i].detach() - self.params[i].detach() for i in group]
+        return values + buffers
 
     @torch.no_grad()
     def apply(self, fragment: int, averaged: torch.Tensor, *, mix: bool = False) -> None:
