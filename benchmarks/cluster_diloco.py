@@ -76,28 +76,37 @@ from benchmarks.emulated.launch import REPO, launch, report_start
 RESULTS = Path(__file__).parent / "results"
 LIGHTHOUSE_PORT = 29510
 TARGET = 0.95
-STRATEGIES = ("ddp", "diloco")
+STRATEGIES = ("ddp", "diloco")  # the default pair: the time-to-95 ratio
+#: every strategy a fit may run (``--strategies``; ``benchmarks/advisor_ft.py`` times all four)
+CHOICES = ("ddp", "ft", "local_sgd", "diloco")
+LOCAL_STEPS = ("local_sgd", "diloco")  # validated at their syncs (between them a replica holds its own weights)
 
 
 def overrides(strategy: str, args: argparse.Namespace, tmp: Path, lighthouse: str) -> list[str]:
     """The app's command line for one run (Hydra overrides on top of the digits recipe)."""
-    every = args.sync_every if strategy == "diloco" else args.val_every
+    local = strategy in LOCAL_STEPS
+    every = args.sync_every if local else args.val_every
     timeline = (
         f"+callbacks.timeline={{_target_:benchmarks.emulated._timeline.ValTimeline,"
-        f"path:{tmp / 'timeline.json'},sync_every:{args.sync_every if strategy == 'diloco' else 0}}}"
+        f"path:{tmp / 'timeline.json'},sync_every:{args.sync_every if local else 0}}}"
     )
     common = [f"trainer.num_nodes={args.nodes}", "trainer.devices=1", f"+trainer.max_steps={args.steps}",
               "trainer.max_epochs=1000", f"+trainer.val_check_interval={every}",
               "+trainer.check_val_every_n_epoch=null", "trainer.enable_progress_bar=false",
               "checkpoint=false", "run_test=false", f"hydra.run.dir={tmp}/run${{oc.env:RANK}}", timeline]  # fmt: skip
-    if strategy == "ddp":
-        return ["strategy=ddp", *common]
+    if strategy in ("ddp", "single"):  # single: one process (benchmarks/advisor_ft.py's step alone)
+        return [f"strategy={strategy}", *common]
+    replicas = [f"strategy={strategy}", f"strategy.lighthouse={lighthouse}",
+                "strategy.hostname=${oc.env:EMULATED_NODE_ADDR}", f"strategy.min_replicas={args.nodes}"]  # fmt: skip
+    if strategy == "ft":  # DDP's schedule on torchft: the recipe's optimizer, as ddp
+        return [*replicas, *common]
     # the adamw group's own lr and weight decay: the recipe's (0.05, 5e-4) are SGD's
-    return ["strategy=diloco", "optimizer=adamw", f"optimizer.lr={args.inner_lr}", "optimizer.weight_decay=0.05",
-            f"strategy.sync_every={args.sync_every}", f"strategy.outer_lr={args.outer_lr}",
-            f"strategy.outer_momentum={args.outer_momentum}",
-            f"strategy.lighthouse={lighthouse}", "strategy.hostname=${oc.env:EMULATED_NODE_ADDR}",
-            f"strategy.min_replicas={args.nodes}", *common]  # fmt: skip
+    inner = ["optimizer=adamw", f"optimizer.lr={args.inner_lr}", "optimizer.weight_decay=0.05",
+             f"strategy.sync_every={args.sync_every}"]  # fmt: skip
+    if strategy == "local_sgd":
+        return [*replicas, *inner, *common]
+    return [*replicas, *inner, f"strategy.outer_lr={args.outer_lr}", f"strategy.outer_momentum={args.outer_momentum}",
+            *common]  # fmt: skip
 
 
 def run_one(cluster: EmulatedCluster, strategy: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -107,7 +116,7 @@ def run_one(cluster: EmulatedCluster, strategy: str, args: argparse.Namespace) -
     with tempfile.TemporaryDirectory(prefix="cluster-diloco-") as name:
         tmp = Path(name)
         house = None
-        if strategy == "diloco":  # in node 0, beside replica 0 (as a job would run it on its first host)
+        if strategy != "ddp":  # in node 0, beside replica 0 (as a job would run it on its first host)
             binary = Path(sys.executable).parent / "torchft_lighthouse"
             house = cluster.popen(node0, [str(binary), "--min_replicas", str(args.nodes), "--bind",
                                           f"0.0.0.0:{LIGHTHOUSE_PORT}", "--heartbeat_timeout_ms", "5000",
@@ -143,7 +152,7 @@ def report(rounds: list[dict[str, dict[str, Any]]], args: argparse.Namespace) ->
     over the rounds, and the time ratio as the median of the rounds' own ratios (ddp and diloco interleaved)."""
     tag = f"{args.nodes}x1_{args.rate}"
     out = [emit("diloco_sync_every", args.sync_every, "steps"), emit("cluster_diloco_rounds", len(rounds), "rounds")]
-    runs = {s: _median_run([r[s] for r in rounds if s in r]) for s in STRATEGIES if any(s in r for r in rounds)}
+    runs = {s: _median_run([r[s] for r in rounds if s in r]) for s in CHOICES if any(s in r for r in rounds)}
     for s, run in runs.items():
         out.append(emit(f"cluster_val_acc_{s}_{tag}", run["final_val_acc"], "x"))
         out.append(emit(f"cluster_train_s_per_step_{s}_{tag}", run["train_s"] / run["steps"], "s"))
@@ -153,12 +162,12 @@ def report(rounds: list[dict[str, dict[str, Any]]], args: argparse.Namespace) ->
         else:
             out.append(f"# {s}: no validation reached {TARGET:.0%} in {run['steps']} steps")
             print(out[-1], flush=True)
-    if set(runs) != set(STRATEGIES):
+    if not set(STRATEGIES) <= set(runs):
         return out
     ddp, diloco = runs["ddp"], runs["diloco"]
     acc = diloco["final_val_acc"] - ddp["final_val_acc"]
     out.append(emit("diloco_val_acc_minus_ddp", acc, "x"))
-    paired = [(r["ddp"]["time_to_target"], r["diloco"]["time_to_target"]) for r in rounds if len(r) == len(STRATEGIES)]
+    paired = [(r["ddp"]["time_to_target"], r["diloco"]["time_to_target"]) for r in rounds if set(STRATEGIES) <= set(r)]
     ratios = [b / a for a, b in paired if a and b is not None]
     ratio = median(ratios) if len(ratios) == len(rounds) else None  # a round that did not reach 95%: no ratio
     for i, value in enumerate(ratios if len(rounds) > 1 else []):
@@ -184,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val-every", type=int, default=5, help="ddp's validation interval in steps")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per fit")
     parser.add_argument("--echo", action="store_true", help="print every node's output")
-    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument("--strategies", nargs="+", choices=CHOICES, default=list(STRATEGIES),
+                        help="ddp and diloco (the ratio's pair); ft and local_sgd too")  # fmt: skip
     parser.add_argument("--inner-lr", type=float, default=1e-3, help="diloco's AdamW lr per 64 samples (scaled)")
     parser.add_argument("--outer-lr", type=float, default=0.7, help="diloco's outer Nesterov SGD lr (the paper's 0.7)")
     parser.add_argument("--outer-momentum", type=float, default=0.9, help="its momentum (the paper's 0.9)")

@@ -3,6 +3,9 @@
 Every strategy steps the same samples: a data-parallel worker its ``batch``, a pipeline replica of
 K stages K x ``batch`` in M micro-batches, a tensor-parallel group of T processes T x ``batch``.
 Strategies that fit in a device's memory are ranked by step time; the others are listed, unranked.
+``local_sgd`` and ``diloco`` are listed with their step time but never ranked: H local steps between
+syncs change the optimisation, so their steps do not buy the same progress as a synchronous step
+(compare their time to an accuracy, as ``benchmarks/cluster_diloco.py`` does).
 """
 
 from __future__ import annotations
@@ -13,13 +16,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_strategies.advisor.cluster import Cluster
+from lightning_strategies.advisor.ft_model import FT_STRATEGIES, predict_ft
 from lightning_strategies.advisor.measure import Measurement
 from lightning_strategies.advisor.memory import Memory, memory, pipeline_stages
 from lightning_strategies.advisor.model import Prediction, Workload, predict
 
-__all__ = ["STRATEGIES", "Advice", "NoStrategyFitsError", "StrategyAdvice", "advise"]
+__all__ = ["STRATEGIES", "UNRANKED", "Advice", "NoStrategyFitsError", "StrategyAdvice", "advise"]
 
-STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pipeline", "tensor")
+STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pipeline", "tensor", *FT_STRATEGIES)
+#: listed with their step time, never ranked: their steps are not a synchronous step's progress
+UNRANKED = ("local_sgd", "diloco")
+SYNC_EVERY = 100  # FTStrategy's default H
 _MODEL = {"ps1": "ps_1"}
 PIPELINE_SCHEDULE = "1f1b"  # PipelineStrategy's default
 _GIB = 1 << 30
@@ -130,7 +137,11 @@ def _reason(name: str, pred: Prediction, mem: Memory, cluster: Cluster, options:
         "ps": f"sharded parameter servers: {pred.messages:g} RPC messages per step per worker",
         "ps1": "one server receives and sends every gradient",
         "async": "sharded servers without a barrier (stale updates)",
+        "ft": "torchft: DDP's all-reduce after the backward, a quorum and a commit every step",
     }.get(name, "")
+    if name in UNRANKED:
+        what = (f"not ranked: an all-reduce of the weights every H={options['sync_every']} local steps "
+                f"(a different optimisation: compare time to accuracy, not steps)")  # fmt: skip
     if name == "pipeline":
         k, micro = options["num_stages"], options["microbatches"]
         what = f"K={k} stages x M={micro} micro-batches, bubble {(k - 1) / (micro + k - 1):.0%}"
@@ -148,7 +159,10 @@ def _row(name: str, m: Measurement, cluster: Cluster, batch: int, compute_s: flo
         work = _tensor_work(m, batch, t)
     else:
         work = _work(m, batch)
-    pred = predict(_MODEL.get(name, name), cluster.costs(compute_s), world, work)
+    if name in FT_STRATEGIES:
+        pred = predict_ft(name, cluster.costs(compute_s), world, work, sync_every=options.get("sync_every", 1))
+    else:
+        pred = predict(_MODEL.get(name, name), cluster.costs(compute_s), world, work)
     mem = memory(name, m, batch=batch, world=world, stages=k, microbatches=micro, tp_size=t)
     fits = mem.total <= cluster.memory_bytes
     reason = _reason(name, pred, mem, cluster, options)
@@ -184,7 +198,12 @@ def _tensors(m: Measurement, cluster: Cluster, batch: int, compute_s: float) -> 
 
 
 def advise(
-    m: Measurement, cluster: Cluster, *, batch: int | None = None, strategies: Sequence[str] = STRATEGIES
+    m: Measurement,
+    cluster: Cluster,
+    *,
+    batch: int | None = None,
+    strategies: Sequence[str] = STRATEGIES,
+    sync_every: int = SYNC_EVERY,
 ) -> Advice:
     """Predict, explain and rank ``strategies`` for ``m`` on ``cluster``.
 
@@ -193,6 +212,7 @@ def advise(
         cluster: where it is to train.
         batch: the per-device (data-parallel) batch; default the measured batch.
         strategies: which to consider.
+        sync_every: H of ``local_sgd`` and ``diloco`` (listed, not ranked: :data:`UNRANKED`).
 
     Raises:
         ValueError: an unknown strategy name.
@@ -215,9 +235,11 @@ def advise(
             rows.append(_tensors(m, cluster, batch, compute_s))
         elif name == "ps1":
             rows.append(_row(name, m, cluster, batch, compute_s, num_servers=1))
+        elif name in UNRANKED:
+            rows.append(_row(name, m, cluster, batch, compute_s, sync_every=sync_every))
         else:
             rows.append(_row(name, m, cluster, batch, compute_s))
-    order = sorted((r for r in rows if r.fits), key=lambda r: r.step_s)
+    order = sorted((r for r in rows if r.fits and r.name not in UNRANKED), key=lambda r: r.step_s)
     ranks = {id(r): i + 1 for i, r in enumerate(order)}
     ranked = tuple(StrategyAdvice(**{**r.__dict__, "rank": ranks.get(id(r))}) for r in rows)
     ranked = tuple(sorted(ranked, key=lambda r: (r.rank is None, r.rank or 0, r.memory.total)))

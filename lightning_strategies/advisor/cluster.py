@@ -42,6 +42,8 @@ class Cluster:
         wake_us: a pipeline hop's latency at the receiver (its wake-up) while 0, 1, ... other
             processes are busy (measured: ``benchmarks/scale.py``'s ``calib_wake_us_busy<b>``); ``()``:
             the in-node link's latency and bytes.
+        ft_protocol_us: a torchft sync's quorum and commit besides its all-reduce (``ft``,
+            ``local_sgd``, ``diloco``).
     """
 
     nodes: int
@@ -60,6 +62,7 @@ class Cluster:
     chunk_overhead_us: float = 0.0
     ps_overhead_us_per_tensor: float = 0.0
     wake_us: tuple[float, ...] = ()
+    ft_protocol_us: float = 0.0
 
     def __post_init__(self) -> None:
         for key in ("nodes", "per_node"):
@@ -119,6 +122,7 @@ class Cluster:
             cpu_links=self.nodes == 1,  # between nodes a network's wire, not memory copies
             min_chunk_bytes=float(256 << 10),  # comm.ring.MIN_CHUNK_BYTES
             hop_s=tuple(w * 1e-6 for w in self.wake_us),
+            ft_protocol_s=self.ft_protocol_us * 1e-6,
         )
 
     def with_(self, **changes: Any) -> Cluster:

@@ -73,6 +73,9 @@ class Costs:
         async_lease: batches an async worker leases at a time (``comm.async_.lease.DEFAULT_LEASE``).
         cpu_links: the links' bandwidth is CPU work (loopback copies) and slows with contention;
             ``False``: a network's, which does not.
+        ft_protocol_s: a torchft sync's protocol besides its all-reduce (the quorum's round trip
+            through the Lighthouse, the Manager's ``should_commit``): ``ft`` pays it every step,
+            ``local_sgd`` / ``diloco`` once per sync.
     """
 
     compute_s: float
@@ -105,6 +108,7 @@ class Costs:
     overlap_s: float = 0.0
     async_lease: int = 4
     cpu_links: bool = True
+    ft_protocol_s: float = 0.0
 
     def wire(self, world: int) -> float:
         """The contention factor of a bandwidth term."""

@@ -12,6 +12,10 @@ saves at a per-device batch of b (linear in b); S shards, K stages, T tensor-par
                            activations of its blocks (GPipe: M); send and receive buffers of a boundary
     tensor                 the split layers' P, G and O over T; activations at the group's batch T x b,
                            the split part over T; one collective's buffer
+    ft                     P + G + O + A(b), and the flat copy of G it all-reduces
+    local_sgd, diloco      P + G + O + A(b), the global copy of the weights W (the outer loop's backup)
+                           and a fragment's flat copy (W / F); diloco also the outer gradient (W) and,
+                           with outer momentum, its buffer (W)
 """
 
 from __future__ import annotations
@@ -70,9 +74,18 @@ def memory(
     microbatches: int = 1,
     tp_size: int = 1,
     schedule: str = "1f1b",
+    outer_momentum: float = 0.9,
+    fragments: int = 1,
 ) -> Memory:
-    """The busiest device's peak of ``strategy`` at a per-device (data-parallel) ``batch``."""
+    """The busiest device's peak of ``strategy`` at a per-device (data-parallel) ``batch``
+    (``outer_momentum`` and ``fragments``: DiLoCo's outer SGD and streaming fragments)."""
     p, g, o = float(m.param_bytes + m.buffer_bytes), float(m.grad_bytes), float(m.optimizer_bytes)
+    if strategy == "ft":
+        return Memory(p, g, o, _acts(m, batch), g)
+    if strategy in ("local_sgd", "diloco"):
+        w = float(m.param_bytes)
+        outer = (w if strategy == "diloco" else 0.0, w if strategy == "diloco" and outer_momentum > 0 else 0.0)
+        return Memory(p + w, g + outer[0], o + outer[1], _acts(m, batch), w / max(1, fragments))
     if strategy in ("ddp", "ring", "ring_hier", "ring_bf16"):
         wire = min(g, BUCKET_BYTES) / 2 if strategy == "ring_bf16" else 0.0
         return Memory(p, g, o, _acts(m, batch), g + wire)
@@ -92,7 +105,7 @@ def memory(
         return Memory(held, g * share, o * share, _acts(m, t * batch, saved), payload)
     raise ValueError(
         f"memory: unknown strategy {strategy!r}: expected one of ddp, ring, ring_hier, ring_bf16, ps, ps_flat, ps1, "
-        "async, pipeline, tensor. Fix: name one of them"
+        "async, pipeline, tensor, ft, local_sgd, diloco. Fix: name one of them"
     )
 
 

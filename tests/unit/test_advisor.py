@@ -131,7 +131,10 @@ def test_advise_ranks_fitting_strategies_by_step_and_marks_the_others() -> None:
     steps = [r.step_s for r in advice.rows if r.rank]
     assert steps == sorted(steps)
     assert {r.name for r in advice.rows} == {"ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async",
-                                             "pipeline", "tensor"}  # fmt: skip
+                                             "pipeline", "tensor", "ft", "local_sgd", "diloco"}  # fmt: skip
+    # local_sgd and diloco fit and have a step time, but a different optimisation: listed, not ranked
+    unranked = [r for r in advice.rows if r.name in ("local_sgd", "diloco")]
+    assert all(r.fits and r.rank is None and r.reason.startswith("not ranked") for r in unranked)
     assert all(r.reason for r in advice.rows) and advice.best().rank == 1
     # a device smaller than every footprint: nothing ranked, and a message that says so
     tiny = fast.with_(device_memory_gib=1e-9)
@@ -220,7 +223,7 @@ def test_the_report_json_has_every_strategy_and_key_and_the_png_is_written(tmp_p
     advice = advise(measure(Toy(), BATCH), load_cluster("loopback"))
     data = json.loads(json.dumps(to_json(advice)))
     assert data["world"] == 2 and data["measured"]["params"] == PARAMS
-    assert len(data["strategies"]) == 9
+    assert len(data["strategies"]) == 12
     for row in data["strategies"]:
         assert set(row) == set(JSON_KEYS)
         assert row["step_s"] is None or math.isfinite(row["step_s"])
