@@ -165,9 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     protocol = protocol_s(steps=10 if args.quick else 30)
     text += [line("advisor_ft_protocol_ms", protocol * 1e3, "ms"), line("advisor_ft_grad_bytes", m.grad_bytes, "bytes")]
     if args.quick:
-        for rate in args.rates:
+        for rate in args.rates:  # the compute measured here (no single fit)
             pred = predictions(m, rate, m.step_s, protocol, args.sync_every)
-            print(" ".join(f"{s} {pred[s]:.4g} s" for s in STRATEGIES) + f" ({rate}, compute {m.step_s:.4g} s)")
+            for s in STRATEGIES:
+                line(f"advisor_ft_predicted_step_s_{s}_2x1_{rate}", pred[s], "s")
         return 0
     text.append(
         f"# 2 nodes x 1 process; {args.steps} steps of 64 samples per process; H = {args.sync_every}; ddp and ft: "

@@ -167,6 +167,10 @@ GOALS: dict[str, list[tuple[str, float, float]]] = {
 # Lines measured against another line of the same run: (name pattern with groups, template of the
 # other line's name from those groups, low, high) on the ratio of the two.
 PAIRS: dict[str, list[tuple[str, str, float, float]]] = {
+    # the advisor's torchft strategies: ft pays ddp's all-reduce and a quorum (>= ddp, within its protocol),
+    # local_sgd / diloco a sync once per H = 10 steps (faster than ft, slower than the compute alone)
+    "advisor_ft.py": [(r"advisor_ft_predicted_step_s_ft_(.*)", r"advisor_ft_predicted_step_s_ddp_\1", 1.0, 1.5),
+                      (r"advisor_ft_predicted_step_s_diloco_(.*)", r"advisor_ft_predicted_step_s_ft_\1", 0.1, 1.0)],
     # measured busiest shard / busiest ring rank against P^2/(2(P-1)) x S balance: accounting
     "ps_traffic.py": [(r"server_over_ring_bytes_(P2_S[12])", r"server_over_ring_theory_\1", 1 - EXACT, 1 + EXACT)],
     # the same epochs in 2 steps of 1024 instead of 78 of 32: every configuration is near chance
@@ -329,7 +333,7 @@ def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmark_quick_mode(script: str, zygote: Zygote, tmp_path: Path) -> None:
-    if script in ("cluster_strategies.py", "cluster_diloco.py", "advisor_cluster.py"):
+    if script in ("cluster_strategies.py", "cluster_diloco.py", "advisor_cluster.py", "advisor_ft.py"):
         from benchmarks.emulated import EmulatedCluster
 
         ok, reason = EmulatedCluster.available()
