@@ -2,14 +2,14 @@
 
 The fits are ``benchmarks/cluster_diloco.py``'s (the digits app, its width-16 ResNet-18 at 64 samples
 per process, 2 nodes x 1 process, every link shaped to ``--rate``): ddp, ft, local_sgd and diloco
-(H = ``--sync-every``, inner AdamW), interleaved over ``--rounds``, and before each round a
-``single`` fit of the same app in one process on the host: the worker's step alone, everything a
+(H = ``--sync-every``, inner AdamW), interleaved over ``--rounds``, each round between two
+``single`` fits of the same app in one process on the host: the worker's step alone, everything a
 step does on this machine at that moment (forward, backward, optimizer, Lightning's loop). The
 advisor predicts each strategy from
 
 - the digits model measured here (``advisor.measure``: its gradient bytes),
-- ``compute_s``: that round's ``single`` step (so the load of the moment is in it, not fitted to the
-  strategies' steps),
+- ``compute_s``: the median ``single`` step of the rate's rounds (the load of those moments is in
+  it; nothing is fitted to the strategies' steps),
 - the preset ``emulated_2x2_<rate>`` with 1 process per node (its links' figures: scale_cluster.txt),
 - ``ft_protocol_us``: a sync's quorum and commit without payload, measured here by two replica
   threads on loopback (``protocol_s``: a Lighthouse, two Managers, a one-float average per step),
@@ -180,28 +180,21 @@ def main(argv: list[str] | None = None) -> int:
         singles: list[float] = []
         steps: dict[str, list[float]] = {s: [] for s in STRATEGIES}
         with EmulatedCluster(nodes=args.nodes, rate=rate) as cluster:
-            for i in range(args.rounds):
+            # the step alone before and after each round's fits: the load drifts within a round
+            for i, s in ((i, s) for i in range(args.rounds) for s in ("single", *STRATEGIES, "single")):
                 try:
-                    singles.append(single_step_s(args))
-                except (RuntimeError, subprocess.TimeoutExpired) as err:
-                    failed.append(f"single {rate}")
-                    text.append(f"# {rate} round {i} single FAILED: " + str(err).replace("\n", "\n#   "))
-                    print(text[-1], flush=True)
-                    continue
-                text.append(f"# {rate} round {i} single: {singles[-1]:.4f} s/step, load {load_average()}")
-                print(text[-1], flush=True)
-                for s in STRATEGIES:
-                    try:
+                    if s == "single":
+                        singles.append(single_step_s(args))
+                        text.append(f"# {rate} round {i} single: {singles[-1]:.4f} s/step, load {load_average()}")
+                    else:
                         run = cluster_diloco.run_one(cluster, s, args)
-                    except RuntimeError as err:
-                        failed.append(f"{s} {rate}")
-                        text.append(f"# {rate} round {i} {s} FAILED: " + str(err).replace("\n", "\n#   "))
-                        print(text[-1], flush=True)
-                        continue
-                    steps[s].append(run["train_s"] / run["steps"])
-                    text.append(f"# {rate} round {i} {s}: {steps[s][-1]:.4f} s/step ({run['steps']} steps, "
-                                f"{run['seconds']:.0f} s wall), load {load_average()}")  # fmt: skip
-                    print(text[-1], flush=True)
+                        steps[s].append(run["train_s"] / run["steps"])
+                        text.append(f"# {rate} round {i} {s}: {steps[s][-1]:.4f} s/step ({run['steps']} steps, "
+                                    f"{run['seconds']:.0f} s wall), load {load_average()}")  # fmt: skip
+                except (RuntimeError, subprocess.TimeoutExpired) as err:
+                    failed.append(f"{s} {rate}")
+                    text.append(f"# {rate} round {i} {s} FAILED: " + str(err).replace("\n", "\n#   "))
+                print(text[-1], flush=True)
         if not singles:
             continue
         compute = median(singles)
