@@ -143,6 +143,7 @@ class _Record(Callback):
             record["workers_lost"] = coordinator.workers_lost
             record["workers_joined"] = coordinator.workers_joined
             record["batches_redrawn"] = coordinator.batches_redrawn
+            record["batches_returned"] = coordinator.batches_returned
             record["events"] = list(coordinator.events)
             record["monitor"] = members.monitor.events if members.monitor is not None else []
         self.record = record

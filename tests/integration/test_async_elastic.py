@@ -162,9 +162,16 @@ def test_a_lost_worker_is_dropped_its_batches_redrawn_and_the_others_finish(
     assert chief["logged"]["async/workers_lost"][-1] == 1.0 and chief["logged"]["async/workers_alive"][-1] == 2.0
     assert chief["workers_lost"] == 1 and [e[:3] for e in chief["events"]] == [[2, 0, "drop"]]
     # the victim's leased batches that it had not pushed went back to the queue and were trained by
-    # the others: every batch of every epoch counted exactly once (by whichever ack came first)
+    # the others: every batch of every epoch counted exactly once (by whichever ack came first).
+    # A killed or frozen worker cannot give any back: they are redrawn when it is dropped. A preempted
+    # one (SIGTERM) gives back those its loader had drawn before it reports its failure, so the split
+    # between given back and redrawn depends on how far its loader ran ahead: only their sum is > 0
     redrawn = [i for acc in chief["accounting"].values() for i in acc["redrawn"]]
-    assert chief["batches_redrawn"] == len(redrawn) > 0
+    assert chief["batches_redrawn"] == len(redrawn)
+    if fault == "term":
+        assert chief["batches_redrawn"] + chief["batches_returned"] > 0, chief
+    else:
+        assert chief["batches_redrawn"] > 0, chief
     _assert_each_batch_counted_once(chief)
     for acc in chief["accounting"].values():
         assert all(acc["done"][str(i)] != 2 or i not in acc["redrawn"] for i in range(BATCHES))
