@@ -151,6 +151,12 @@ class NodeWorkerStrategy(ParameterServerStrategy):
         """The coordinator's and the shards' worker: the node, when it is the worker, else the rank."""
         return self._nodes.node if self._nodes is not None else self.global_rank
 
+    @property
+    def _worker_ids(self) -> int:
+        """Worker ids the coordinator and the shards count: the nodes, when the node is the worker, else the
+        world's ranks (servers included, which push nothing under ``"async_elastic"``)."""
+        return self._nodes.layout.num_nodes if self._nodes is not None else self.world_size
+
     def _plan_nodes(self, *, push_every: int, pull_every: int) -> None:
         """Decide this fit's nodes (a collective of the default group on several nodes)."""
         self._close_nodes()

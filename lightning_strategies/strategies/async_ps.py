@@ -182,7 +182,7 @@ class AsyncParameterServerStrategy(NodeWorkerStrategy):
     def _start_coordination(self, trainer: pl.Trainer) -> None:
         if self.global_rank == _COORDINATOR_RANK:
             self._coordinator = AsyncCoordinator(
-                self._num_workers, self.max_staleness, timeout=self.ps_timeout, push_every=self.push_every
+                self._worker_ids, self.max_staleness, timeout=self.ps_timeout, push_every=self.push_every
             )
             register_coordinator(self._coordinator)
         if self._nodes is None or self._nodes.is_leader:
@@ -239,7 +239,7 @@ class AsyncParameterServerStrategy(NodeWorkerStrategy):
         self, shard_id: int, slices: Sequence[Slice], params: Sequence[Tensor], spec: OptimizerSpec
     ) -> AsyncParameterShard:
         return AsyncParameterShard(
-            shard_id, slices, params, spec, self._num_workers, staleness_lr=self.staleness_lr, timeout=self.ps_timeout
+            shard_id, slices, params, spec, self._worker_ids, staleness_lr=self.staleness_lr, timeout=self.ps_timeout
         )
 
     @override
@@ -267,11 +267,11 @@ class AsyncParameterServerStrategy(NodeWorkerStrategy):
         self._limit = limit if isinstance(limit, int) else None
         workers = self._num_workers
         if isinstance(limit, int) and plan.num_batches < limit * workers:
-            unit = "units of a batch per process" if self._nodes is not None else "batches"
+            who, unit = ("nodes", "units (a batch per process)") if self._nodes else ("processes", "batches")
             raise ValueError(
-                f"{type(self).__name__} found Trainer(limit_train_batches={limit}) with {workers} workers "
+                f"{type(self).__name__} found Trainer(limit_train_batches={limit}) with {workers} {who} "
                 f"and {plan.num_batches} {unit} per epoch: expected at least {limit} x {workers} = "
-                f"{limit * workers}, so that every rank reaches its limit (and validates). Fix: "
+                f"{limit * workers} {unit}, so that every rank reaches its limit (and validates). Fix: "
                 f"limit_train_batches <= {plan.num_batches // workers}."
             )
         self._plan = plan
