@@ -56,6 +56,10 @@ class BatchQueue:
         for old in [e for e in self.epochs if e < epoch - 2 and self.epochs[e].complete]:
             del self.epochs[old]  # keep the last few epochs' accounting for inspection
 
+    def has_queued(self) -> bool:
+        """Whether any open epoch still has batches to lease."""
+        return any(e.queue for e in self.epochs.values())
+
     def take_acks(self, w: WorkerState, acks: Iterable[tuple[int, int]]) -> None:
         new = 0
         for key in acks:
