@@ -581,3 +581,18 @@ def test_a_late_report_that_a_worker_finished_the_last_epoch_keeps_it_in_the_bou
     c.report(0, 2)
     reply = gate.wait()
     assert not isinstance(reply, ShardError) and reply.min_other == 2
+
+
+def test_a_worker_out_of_its_epochs_batches_frees_the_others_while_one_is_kept_for_a_late_worker() -> None:
+    # s = 0, 2 batches: worker 0 trains one, the other is kept for worker 1, which has not drawn yet;
+    # worker 0's epoch is over, so it must not hold worker 1 to the bound while that one catches up
+    c = AsyncCoordinator(2, 0, timeout=timedelta(seconds=30))
+    plan = DataPlan(8, 4, shuffle=False)
+    first = _refill(c, 0, 4, plan=plan)
+    assert first is not None and len(first.batches) == 1
+    over = _refill(c, 0, 4, clock=1, acks=[(0, first.batches[0].index)], plan=plan)
+    assert over is not None and over.over and not over.batches
+    c.report(0, 1, [], finished=True)
+    assert list(c.clock_log)[-1] == (-1, 0)
+    gate = c.gate(1, 3)  # nobody left to wait for in this epoch
+    assert gate.done()
