@@ -14,7 +14,9 @@ rates 1gbit, 200mbit, 50mbit (both directions of every node's link). Strategies:
     ps_flat    ParameterServerStrategy(hierarchical=False): every process pushes to every shard (2x2 only)
     ps_one_shot ParameterServerStrategy(overlap=False): ps's push after the whole backward, its pull in the step
     ps1        ParameterServerStrategy(num_servers=1): one server, on rank 0 (node 0)
-    async      AsyncParameterServerStrategy (one shard per process, no staleness bound)
+    async      AsyncParameterServerStrategy (one shard per process, no staleness bound): the node is the
+               asynchronous worker on 2x2 (sums in the node, pushes 1/L per process), flat on 4x1
+    async_flat AsyncParameterServerStrategy(hierarchical=False): every process pushes to every shard (2x2 only)
     pipeline   PipelineStrategy: one stage per process, 1F1B, the global batch in 4 x stages micro-batches
     tensor     TensorParallelStrategy: every linear layer split over the whole world
 
@@ -40,13 +42,17 @@ not step together). Lines (``name value unit``; medians over rounds, the spread 
     cluster_ps_over_ddp_wall_<layout>_<rate>   wall per step ps / ddp
     cluster_ps_hier_over_flat_2x2_<rate>       step ps / ps_flat
     cluster_ps_overlap_over_one_shot_<layout>_<rate>  step ps / ps_one_shot (the overlapped push's A/B)
+    cluster_async_over_ddp_<layout>_<rate>     step async / ddp (#28: the node as the worker)
+    cluster_async_over_ddp_wall_<layout>_<rate>   wall per step async / ddp
+    cluster_async_hier_over_flat_2x2_<rate>    step async / async_flat
     cluster_async_over_sync_straggler_<rate>   rate async / rate ps at 2x2 with node 1 slowed (k = 2)
 
 Formulas, bytes through the busiest node's link per step, P processes, L per node, in D:
 flat ring and ddp (gloo's ring) 2(P-1)/P (bf16: half); hierarchical 2(N-1)/N with N = P/L nodes;
 ps 2(N-1)/N (hierarchical push: each node pushes B - B_n and answers N - 1 pushers per shard it hosts,
 ``lightning_strategies.comm.ps.node_nic_bytes``; with L = 1 that is the flat push's 2L(P-L)/P too);
-ps_flat and async 2L(P-L)/P (each process pushes and serves the shards on other nodes); ps1 (P-L) (the
+async 2(N-1)/N as ps (the node pushes once per shard; ``node_nic_bytes``); ps_flat and async_flat 2L(P-L)/P
+(each process pushes and serves the shards on other nodes); ps1 (P-L) (the
 server's node sends every remote worker the parameters and receives its gradients).
 
 The straggler runs (``benchmarks/stragglers.py``'s method): every rank sleeps ``--base-ms`` before its
@@ -86,7 +92,8 @@ from benchmarks.emulated.launch import launch, report_start
 FIT = Path(__file__).parent / "emulated" / "_fit.py"
 RESULTS = Path(__file__).parent / "results"
 STRATEGIES = (
-    "ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_one_shot", "ps1", "async", "pipeline", "tensor",
+    "ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_one_shot", "ps1", "async", "async_flat", "pipeline",
+    "tensor",
 )  # fmt: skip
 LAYOUTS = {"2x2": (2, 2), "4x1": (4, 1)}
 RATES = ("50mbit", "200mbit", "1gbit")  # slowest first: the goals are there
@@ -106,7 +113,8 @@ def formula_over_d(strategy: str, nodes: int, per_node: int) -> float | None:
         "ps": 2 * (n - 1) / n,
         "ps_one_shot": 2 * (n - 1) / n,
         "ps_flat": 2 * local * (p - local) / p,
-        "async": 2 * local * (p - local) / p,
+        "async": 2 * (n - 1) / n,  # the node as the worker (L = 1: the flat push's 2L(P-L)/P too)
+        "async_flat": 2 * local * (p - local) / p,
         "ps1": float(max(p - local, local)),
     }
     return table.get(strategy)
@@ -168,8 +176,10 @@ def measure(
     failed = args.failed
     for r, rate, layout, order in schedule(args):
         nodes, per_node = LAYOUTS[layout]
-        # one process per node: ps_flat is ps
-        cases: list[tuple[str, str, list[str]]] = [(s, s, []) for s in order if s != "ps_flat" or per_node > 1]
+        # one process per node: ps_flat is ps, async_flat is async
+        cases: list[tuple[str, str, list[str]]] = [
+            (s, s, []) for s in order if s not in ("ps_flat", "async_flat") or per_node > 1
+        ]
         if args.straggler and layout == "2x2":
             slow = ["--base-ms", str(args.base_ms), "--slow-node-factor", str(SLOW_FACTOR)]
             pair = STRAGGLER if r % 2 == 0 else STRAGGLER[::-1]
@@ -235,9 +245,12 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, *, e
             ratio(f"cluster_ps_over_ddp_{layout}_{rate}", f"ps|{layout}|{rate}", f"ddp|{layout}|{rate}")
             ratio(f"cluster_ps_overlap_over_one_shot_{layout}_{rate}", f"ps|{layout}|{rate}",
                   f"ps_one_shot|{layout}|{rate}")  # fmt: skip
-            a, b = f"ps|{layout}|{rate}", f"ddp|{layout}|{rate}"
-            if a in wall and b in wall:
-                out.append(line(f"cluster_ps_over_ddp_wall_{layout}_{rate}", wall[a] / wall[b], "x"))
+            ratio(f"cluster_async_over_ddp_{layout}_{rate}", f"async|{layout}|{rate}", f"ddp|{layout}|{rate}")
+            for s in ("ps", "async"):
+                a, b = f"{s}|{layout}|{rate}", f"ddp|{layout}|{rate}"
+                if a in wall and b in wall:
+                    out.append(line(f"cluster_{s}_over_ddp_wall_{layout}_{rate}", wall[a] / wall[b], "x"))
+        ratio(f"cluster_async_hier_over_flat_2x2_{rate}", f"async|2x2|{rate}", f"async_flat|2x2|{rate}")
         # samples/s async over ps = step ps / step async (the same samples per step)
         ratio(f"cluster_async_over_sync_straggler_{rate}", f"ps_straggler|2x2|{rate}", f"async_straggler|2x2|{rate}")
     return out

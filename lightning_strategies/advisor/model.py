@@ -49,12 +49,16 @@ B bytes in ``latency + B / bandwidth``.
                growing linearly with P; measured transport ``Costs.rpc_gather_s`` (P-1 ranks echoing D
                off rank 0 at once: the server's one process serialises them); its averaging of P
                pushes and its update run on one core while the workers wait
-    async      ps_flat's messages without the barrier, each push applied alone on arrival (no
-               hierarchical push: no barrier to reduce in; no overlap: a push waits for its
-               reply; unchanged by the ps design of issue 28); batches from a local lease of L (4)
-               refilled by the coordinator (rank 0) when half is used: one refill round trip per
-               L/2 steps, in the background (nothing per step on rank 0's critical path; the
-               coordinator serves (P-1) refill messages per round of steps)
+    async      each push applied alone on arrival, no barrier (no overlap: a push waits for its
+               reply). On one node (or L = 1): ps_flat's messages, P asynchronous workers. On N > 1
+               nodes of L > 1 the node is the worker (``comm.async_hierarchy``): ps's hierarchical
+               traffic (the backend's reduce-scatter and all-gather of D in the node, 2(N-1) RPC
+               messages of D/P per rank, a node's NIC 2(N-1)/N x D), a shard applying N pushes per
+               round, and the leader's draw shared in the node (a broadcast of its size and its
+               bytes: 2 ceil(log2 L) hops of ``rpc_intra``'s latency). Batches from a local lease of
+               ``async_lease`` (4) refilled by the coordinator (rank 0) when half is used: one refill
+               round trip per lease/2 steps, in the background; the coordinator serves the other
+               workers' (P-1 flat, N-1 nodes) refills
     pipeline   K stages x R = P/K replicas, M micro-batches, GPipe: simulated (:func:`pipeline_makespan`):
                each stage forwards its M micro-batches, then runs their backward, a chunk starting
                when its input has arrived and a core is free; with one core per process and no
@@ -263,21 +267,26 @@ def _ps_1(costs: Costs, world: int, work: Workload) -> Prediction:
 
 
 def _async(costs: Costs, world: int, work: Workload) -> Prediction:
-    """ps_flat's traffic without the barrier: each push is applied alone (an optimizer step on D/P per
-    push, so D per rank per round of pushes, instead of averaging); a lease refill round trip every
-    L/2 steps, off the critical path but host work all the same. Neither the hierarchical push (no
-    barrier to reduce in) nor the overlap with backward (a push waits for its reply): ``overlap_s``
-    does not apply."""
+    """Each push applied alone (an optimizer step on D/P per push, instead of averaging); a lease refill
+    round trip every lease/2 steps, off the critical path but host work all the same; no overlap with
+    backward (a push waits for its reply): ``overlap_s`` does not apply. On N > 1 nodes of L > 1 the node
+    is the worker: ps's hierarchical traffic and node collectives, N pushes per shard and round, the
+    leader's draw shared in the node; else ps_flat's traffic with P workers."""
     d, p = work.grad_bytes, world
-    t = push_traffic(p, costs.local_size, d, hierarchical=False)
+    t = push_traffic(p, costs.local_size, d, hierarchical=True)
     k = contention(p, costs.cores)
-    refill = 4 / costs.async_lease if p > 1 else 0.0  # 2 messages per refill, one refill per L/2 steps
+    refill = 4 / costs.async_lease if p > 1 else 0.0  # 2 messages per refill, one refill per lease/2 steps
     messages = t.messages + refill
     phases = {
         "compute": k * costs.compute_s,
-        "host": k * (_client_host(costs, work) + _shard_host(costs, work, 1 / p, p, averaged=False)),
+        "host": k * (_client_host(costs, work) + _shard_host(costs, work, 1 / p, t.pushers, averaged=False)),
     }
-    if costs.rpc_exchange_s is not None and p > 1:
+    if t.hierarchical:  # the node's sum before the pushes, its all-gather after, the leader's draw shared
+        latency, bandwidth, reduce = _ring(costs, t.local, costs.buckets(d), segment=costs.gloo_segment_bytes,
+                                           overhead=0.0)  # fmt: skip
+        phases["node"] = k * (latency + reduce) + costs.wire(p) * bandwidth
+        phases["node_control"] = k * 2 * math.ceil(math.log2(t.local)) * costs.rpc_intra.latency_s
+    if costs.rpc_exchange_s is not None and p > 1 and not t.hierarchical:
         # a push to every shard and its reply, as ps's transport; no barrier, but the same RPC
         # hand-offs per peer, and a refill round trip per L/2 steps
         phases["transport"] = costs.rpc_exchange_s
@@ -294,7 +303,7 @@ def _async(costs: Costs, world: int, work: Workload) -> Prediction:
     bound = "worker"
     # rank 0's host also answers every other worker's refills (one lock, one GIL): once that and its
     # own messages take longer than a step, the leases run dry and every worker waits for them
-    rank0 = k * (messages + (p - 1) * refill) * costs.rpc_overhead_s
+    rank0 = k * (messages + (t.pushers - 1) * refill) * costs.rpc_overhead_s
     if rank0 > step:
         phases["coordinator_wait"] = rank0 - step
         step, bound = rank0, "coordinator"

@@ -6,17 +6,18 @@ and ``tests/unit/test_scale_model.py`` holds them to the formulas written out by
 
 P processes, L per node, N = P / L nodes, D gradient bytes; shard s (1/P of the model) on rank s.
 
-flat (``ps_flat``: ``hierarchical=False``; ``async`` always): every worker pushes D/P to each of
+flat (``ps_flat``: ``hierarchical=False``; ``async`` on one node): every worker pushes D/P to each of
     the P-1 other shards and its shard answers the P-1 other workers: 2(P-1) messages and
     2(P-1)/P x D sent per worker, L-1 of its peers on its node and P-L off it. A node's NIC
     carries its L workers' off-node messages: 2L(P-L)/P x D each way, L times a ring's.
-hierarchical (``ps`` on more than one node of more than one process): a reduce-scatter inside the
-    node leaves local rank j the node's sum of chunk j (the slices of the shards {nL + j}); it
-    pushes D/P to each of the N-1 remote shards of its chunk (the one on its own rank is a local
-    call) and its shard answers the N-1 remote pushers (the barrier waits for N pushers, one per
-    node); an all-gather inside the node gives every rank every value. Per worker 2(N-1) messages
-    and 2(N-1)/N x D/L across nodes, 2(L-1)/L x D inside the node (the backend's reduce-scatter
-    and all-gather); a node's NIC 2(N-1)/N x D each way, the hierarchical ring's.
+hierarchical (``ps``, and ``async`` with the node as its worker, on more than one node of more
+    than one process): a reduce-scatter inside the node leaves local rank j the node's sum of chunk
+    j (the slices of the shards {nL + j}); it pushes D/P to each of the N-1 remote shards of its
+    chunk (the one on its own rank is a local call) and its shard answers the N-1 remote pushers
+    (the barrier waits for N pushers, one per node; async's shard applies each on arrival); an
+    all-gather inside the node gives every rank every value. Per worker 2(N-1) messages and
+    2(N-1)/N x D/L across nodes, 2(L-1)/L x D inside the node (the backend's reduce-scatter and
+    all-gather); a node's NIC 2(N-1)/N x D each way, the hierarchical ring's.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def push_traffic(world: int, local_size: int, grad_bytes: float, *, hierarchical
         grad_bytes: D.
         hierarchical: reduce inside each node before pushing, where there is more than one node of
             more than one process (the ps strategy's default); ``False``: every worker pushes to
-            every shard (``ps_flat``, async).
+            every shard (``ps_flat``, async on one node).
 
     Raises:
         ValueError: hierarchical on nodes that are not whole (P not a multiple of L).

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -266,6 +266,9 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
             worker; at setup ``limit_train_batches`` other than 1.0.
     """
 
+    # workers join and leave one process at a time: never the node as the worker (flat on any number of nodes)
+    hierarchical_push: ClassVar[bool] = False
+
     def __init__(self, *, dedicated_servers: bool = True, num_servers: int | None = None, **kwargs: Any) -> None:
         start_method = kwargs.get("start_method", "popen")
         if not dedicated_servers:
@@ -279,6 +282,12 @@ class AsyncElasticStrategy(AsyncParameterServerStrategy):
                 "every process when one dies, which dedicated servers are there to survive. Expected processes "
                 "started independently (torchrun, SLURM, by hand) or start_method='popen'. Fix: pass "
                 "start_method='popen' (the default)."
+            )
+        if kwargs.get("hierarchical"):
+            raise ValueError(
+                "AsyncElasticStrategy(hierarchical=True): expected None or False, because its workers come and go "
+                "one process at a time while a node's push needs all of its processes at every step. Fix: drop "
+                "hierarchical (every worker pushes to the servers), or use strategy='async' on several nodes."
             )
         super().__init__(num_servers=num_servers or 1, **kwargs)
         self.dedicated_servers = True

@@ -14,6 +14,9 @@ Pushes applied on arrival (:mod:`lightning_strategies.comm.async_ps`), batches l
 - ``broadcast_buffers_each_step = False``: no per-step collective (the ranks' step counts differ).
 - ``on_validation_start`` / ``on_train_end`` / ``lightning_module_state_dict``: a barrier, the latest weights + buffers.
 - ``on_exception``: tell the coordinator, so no refill waits on this worker's clock.
+- On several nodes (:mod:`._async_nodes`, :mod:`~lightning_strategies.comm.async_hierarchy`) the node is the
+  worker: its leader leases a unit of one batch per process, the node sums its gradients, pushes ``1/L`` from
+  each process and all-gathers the values.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from lightning_strategies.comm.async_ import (
     report_failure,
     unregister_coordinator,
 )
+from lightning_strategies.comm.async_hierarchy import HierarchicalAsyncClient
 from lightning_strategies.comm.async_ps import (
     STALENESS_LR,
     AsyncParameterServerClient,
@@ -52,6 +56,7 @@ from lightning_strategies.comm.async_ps import (
 from lightning_strategies.comm.ps import OptimizerSpec, Packed, ParameterServerClient, Slice, broadcast_from_rank0
 from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.data import DevicePrefetcher
+from lightning_strategies.strategies._async_nodes import NodeWorkerStrategy
 from lightning_strategies.strategies._base import exposed, is_last_batch
 from lightning_strategies.strategies._dynamic_batches import (
     DynamicBatchSampler,
@@ -61,7 +66,6 @@ from lightning_strategies.strategies._dynamic_batches import (
 )
 from lightning_strategies.strategies._lightning_internals import per_rank_sigterm
 from lightning_strategies.strategies._ps_clipping import prenormalise_like_lamb
-from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 
 __all__ = ["AsyncParameterServerStrategy", "DynamicBatchSampler"]
 
@@ -70,7 +74,7 @@ log = logging.getLogger(__name__)
 _COORDINATOR_RANK = 0
 
 
-class AsyncParameterServerStrategy(ParameterServerStrategy):
+class AsyncParameterServerStrategy(NodeWorkerStrategy):
     """Asynchronous data parallelism through sharded, co-located parameter servers.
 
     Workers push gradients to the shards, which apply them on arrival (with the worker's lr), and pull the
@@ -89,6 +93,11 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     clipping that whole gradient is the single-device semantics. For the same reason ``Lamb(max_grad_norm=...)``
     over several shards pre-normalises each pushed gradient on the worker by its own norm (the shards' Lamb then
     finds every slice within the bound).
+
+    On several nodes (``hierarchical=None``, as ``"ps"``'s) the *node* is the asynchronous worker, synchronous
+    inside (:mod:`~lightning_strategies.comm.async_hierarchy`): staleness, clocks, the bound and the lease are
+    the node's, and a straggling process stalls its node. It needs ``num_servers=None``, ``push_every=1`` and
+    ``pull_every=1`` (else the push is flat; under ``hierarchical=True`` an error).
 
     Args:
         max_staleness: no worker starts step ``c+1`` before every worker has pushed step
@@ -115,9 +124,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     clips_on_servers: ClassVar[bool] = False
     overlap_supported: ClassVar[bool] = False  # no per-step barrier: pushes and pulls keep their own schedule
     client_class: ClassVar[type[ParameterServerClient]] = AsyncParameterServerClient
-    # flat on any number of nodes: a hierarchical push sums the node's gradients of one step, and async's
-    # workers push different steps at different times (no barrier to reduce in)
-    hierarchical_push: ClassVar[bool] = False
+    # on several nodes the node's processes step together (the node is the asynchronous worker)
+    hierarchical_push: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -158,13 +166,15 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
 
     @property
     def _num_workers(self) -> int:
-        return self.num_nodes * self.num_processes
+        nodes = self._nodes
+        return nodes.layout.num_nodes if nodes is not None else self.num_nodes * self.num_processes
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             check_loop(type(self).__name__, trainer)
             self._reset_fit_state()
+            self._plan_nodes(push_every=self.push_every, pull_every=self.pull_every)
             # the training loader draws its first batch while the optimizers are configured
             self._start_coordination(trainer)
         super().setup(trainer)
@@ -172,16 +182,17 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
     def _start_coordination(self, trainer: pl.Trainer) -> None:
         if self.global_rank == _COORDINATOR_RANK:
             self._coordinator = AsyncCoordinator(
-                self.world_size, self.max_staleness, timeout=self.ps_timeout, push_every=self.push_every
+                self._worker_ids, self.max_staleness, timeout=self.ps_timeout, push_every=self.push_every
             )
             register_coordinator(self._coordinator)
-        self._lease = self._new_lease()
+        if self._nodes is None or self._nodes.is_leader:
+            self._lease = self._new_lease()
         self.barrier("async_coordinator_ready")
         per_rank_sigterm(trainer)
 
     def _new_lease(self, incarnation: int = 0) -> BatchLease:
         return BatchLease(
-            self.global_rank,
+            self._worker_id,
             coordinator_rank=_COORDINATOR_RANK,
             rpc_timeout=self._rpc_timeout,
             lease=self.lease,
@@ -228,7 +239,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         self, shard_id: int, slices: Sequence[Slice], params: Sequence[Tensor], spec: OptimizerSpec
     ) -> AsyncParameterShard:
         return AsyncParameterShard(
-            shard_id, slices, params, spec, self.world_size, staleness_lr=self.staleness_lr, timeout=self.ps_timeout
+            shard_id, slices, params, spec, self._worker_ids, staleness_lr=self.staleness_lr, timeout=self.ps_timeout
         )
 
     @override
@@ -244,6 +255,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
                 self._lease.prefetch += 1
             return DevicePrefetcher(inner, dataloader.device, non_blocking=dataloader.non_blocking)  # type: ignore[arg-type]
         plan = training_plan(type(self).__name__, dataloader, self._num_workers)
+        if self._nodes is not None:
+            plan = self._nodes.plan(plan)
         assert isinstance(dataloader, DataLoader)
         return self._training_loader(dataloader, plan)
 
@@ -252,12 +265,14 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         assert trainer is not None
         limit = trainer.limit_train_batches
         self._limit = limit if isinstance(limit, int) else None
-        if isinstance(limit, int) and plan.num_batches < limit * self.world_size:
+        workers = self._num_workers
+        if isinstance(limit, int) and plan.num_batches < limit * workers:
+            who, unit = ("nodes", "units (a batch per process)") if self._nodes else ("processes", "batches")
             raise ValueError(
-                f"{type(self).__name__} found Trainer(limit_train_batches={limit}) with {self.world_size} processes "
-                f"and {plan.num_batches} batches per epoch: expected at least {limit} x {self.world_size} = "
-                f"{limit * self.world_size} batches, so that every rank reaches its limit (and validates). Fix: "
-                f"limit_train_batches <= {plan.num_batches // self.world_size}."
+                f"{type(self).__name__} found Trainer(limit_train_batches={limit}) with {workers} {who} "
+                f"and {plan.num_batches} {unit} per epoch: expected at least {limit} x {workers} = "
+                f"{limit * workers} {unit}, so that every rank reaches its limit (and validates). Fix: "
+                f"limit_train_batches <= {plan.num_batches // workers}."
             )
         self._plan = plan
         if self._lease is not None:
@@ -275,15 +290,19 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         return int(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
 
     def _draw(self, epoch: int, plan: DataPlan) -> list[int] | None:
-        """The next batch of the lease; runs in the training process (the sampler's ``next``)."""
-        assert self._lease is not None
-        batch = self._lease.next(epoch, plan, limit=self._limit, should_stop=self._told_to_stop)
+        """The next batch of the lease; runs in the training process (the sampler's ``next``). On several
+        nodes the leader draws a unit and the node's processes each take their part of it."""
+        lease, batch, stopped = self._lease, None, False
+        if lease is not None:
+            batch = lease.next(epoch, plan, limit=self._limit, should_stop=self._told_to_stop)
+            stopped = lease.stopped
+        batch, stopped = self._share_in_node((batch, stopped))
         if batch is None:
-            if self._lease.stopped and (trainer := self.trainer) is not None:
+            if stopped and (trainer := self.trainer) is not None:
                 trainer.should_stop = True  # the chief ended the run: this loop ends with it
             return None
         self._drawn.append(batch)  # loaders keep the sampler's order: the steps train them in this order
-        return batch.indices
+        return self._nodes.part(batch)[0] if self._nodes is not None else batch.indices
 
     def _give_back(self) -> None:
         """Return the batches drawn from the lease that no step trained (the loop dropped them)."""
@@ -302,12 +321,16 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
             batch = self._drawn.popleft()
             self._unpushed.append(batch)
             lease, client = self._lease, self.async_client
-            if lease is not None and client is not None:
+            if client is not None and (lease is not None or self._nodes is not None):
                 with self._peer_watch():
-                    gap = lease.admit(batch, self._step_clock, should_stop=self._told_to_stop)
-                    if gap is not None:
-                        self._gap_max = gap if self._gap_max is None else max(self._gap_max, gap)
-                    if lease.take_held() and self.pull_every == 1:
+                    held = False
+                    if lease is not None:
+                        gap = lease.admit(batch, self._step_clock, should_stop=self._told_to_stop)
+                        if gap is not None:
+                            self._gap_max = gap if self._gap_max is None else max(self._gap_max, gap)
+                        held = lease.take_held()
+                    held = self._node_step(batch, held, bounded=self.max_staleness is not None)
+                    if held and self.pull_every == 1:
                         client.pull()
         return super().training_step(*args, **kwargs)
 
@@ -343,6 +366,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         pull_due = self._local_steps % self.pull_every == 0 or flush
         if self.push_every > 1:
             grads = self._accumulated.add(grads, take=push_due)
+        if isinstance(client, HierarchicalAsyncClient) and grads is None:
+            grads = [None] * len(client.params)  # the node pushes together: a skipped step adds nothing
         if push_due:
             if grads is not None:
                 if self._global_norm_max is not None:  # Lamb(max_grad_norm) over several shards
@@ -432,8 +457,9 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         """Fail the refills that wait on this worker's clock at once (the bound would wait ``timeout``)."""
         if self._rpc_started and self._fitting():
             reason = f"{type(exception).__name__}: {exception}"
-            report_failure(self.global_rank, reason, coordinator_rank=_COORDINATOR_RANK)
+            report_failure(self._worker_id, reason, coordinator_rank=_COORDINATOR_RANK)
         super().on_exception(exception)
+        self._close_nodes()
 
     @override
     def teardown(self) -> None:
@@ -444,6 +470,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         self._lease = None
         self._reset_fit_state()
         super().teardown()
+        self._close_nodes()
 
 
 def _check_options(
@@ -470,6 +497,12 @@ def _check_options(
                 f"{name}({key}={value!r}): expected an integer >= 1 (steps between exchanges). Fix: pass "
                 f"{key}=1 to exchange every step."
             )
+    if kwargs.get("hierarchical") and (push_every != 1 or pull_every != 1):
+        raise ValueError(
+            f"{name}(hierarchical=True, push_every={push_every}, pull_every={pull_every}): expected push_every=1 "
+            "and pull_every=1, because a node's processes push and pull together, every step. Fix: drop "
+            "push_every/pull_every, or pass hierarchical=False."
+        )
     if isinstance(lease, bool) or not isinstance(lease, int) or lease < 1:
         raise ValueError(
             f"{name}(lease={lease!r}): expected an integer >= 1 (batches a worker leases at a time). Fix: pass "

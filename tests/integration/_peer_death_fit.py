@@ -1,7 +1,8 @@
 """What one rank of a peer-death case runs: the tiny fit of ``_torchrun_fit``, launched "by hand".
 
 Each rank is its own node to Lightning (``num_nodes=world``, ``devices=1``, ``NODE_RANK=rank``,
-``LOCAL_RANK=0``; ``ps_hier``: ``ps`` on nodes of 2, so that its push is hierarchical): the
+``LOCAL_RANK=0``; ``ps_hier``, ``async_hier``: ``ps``, ``async`` on nodes of 2, so that the push is
+hierarchical): the
 ``LightningEnvironment`` sees ``LOCAL_RANK`` and starts no processes, so
 nothing but the strategy itself can stop a survivor.
 
@@ -55,7 +56,7 @@ from lightning_strategies.comm.async_ps import AsyncParameterShard
 from lightning_strategies.comm.pipeline import _TimedStage
 from lightning_strategies.comm.ps import ParameterShard
 
-STRATEGIES = ("ring", "ps", "async", "pipeline", "ddp", "ps_hier")
+STRATEGIES = ("ring", "ps", "async", "pipeline", "ddp", "ps_hier", "async_hier")
 MAX_EPOCHS = 3  # 4 steps per epoch: the survivors would finish (and exit 0) only if they missed the death
 DDP_HOOK_PAUSE_S = 1.0
 WAIT_FOR_VICTIM_S = 60.0  # half the test's job timeout: a victim later than that is a failure to report
@@ -66,7 +67,7 @@ def make_strategy(name: str, timeout: timedelta) -> pl.strategies.Strategy:
         return RingAllReduceStrategy(timeout=timeout)
     if name in ("ps", "ps_hier"):
         return ParameterServerStrategy(timeout=timeout)
-    if name == "async":
+    if name in ("async", "async_hier"):
         return AsyncParameterServerStrategy(timeout=timeout)
     if name == "pipeline":
         return PipelineStrategy(timeout=timeout)
@@ -217,6 +218,8 @@ class _KillInComm(Callback):
 
         AsyncParameterShard.push_pull = push_pull_or_die  # type: ignore[method-assign]
 
+    _arm_async_hier = _arm_async  # the victim's shard serves a node's push (its own node's too)
+
     def _arm_pipeline(self, trainer: pl.Trainer) -> None:
         backward = _TimedStage.backward_one_chunk
 
@@ -247,7 +250,7 @@ def run_rank(rank: int, world: int, *, strategy: str, fault: str, victim: int, s
         callbacks.append(_WaitForVictim(step, out))
     model = PipeTinyRegressor() if strategy == "pipeline" else TinyRegressor()
     per_node = 1
-    if strategy == "ps_hier":  # nodes of 2 processes, so that the push goes hierarchical
+    if strategy in ("ps_hier", "async_hier"):  # nodes of 2 processes, so that the push goes hierarchical
         per_node = 2
         os.environ.update(NODE_RANK=str(rank // per_node), LOCAL_RANK=str(rank % per_node))
     chosen = make_strategy(strategy, timedelta(seconds=timeout_s))

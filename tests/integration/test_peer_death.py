@@ -75,12 +75,12 @@ EXIT_MARGIN_S = 20.0  # interpreter exit took up to 23 s at load 15 on 2 vCPUs (
 PARALLEL = 4  # cases at a time
 STEP = 3
 LABELS = {"ring": "ring", "ps": "parameter_server", "async": "async", "pipeline": "pipeline", "ddp": "ddp",
-          "ps_hier": "parameter_server"}  # fmt: skip
+          "ps_hier": "parameter_server", "async_hier": "async"}  # fmt: skip
 # (strategy, fault, world size, victim); the longest first, as they run PARALLEL at a time
 CASES = [
     *[(name, "hang", 2, 1) for name in ("async", "ring", "pipeline")],
     *[(name, "freeze", 2, 1) for name in ("ring", "ps", "pipeline", "ddp")],
-    *[(name, fault, 2, 1) for name in LABELS if name != "ps_hier" for fault in ("step", "comm")],
+    *[(name, fault, 2, 1) for name in LABELS if not name.endswith("_hier") for fault in ("step", "comm")],
     ("ddp", "step", 3, 1),
     ("async", "step", 2, 0),
 ]

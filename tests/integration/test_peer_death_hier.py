@@ -1,10 +1,14 @@
-"""A peer dies under the hierarchical parameter-server push: 4 ranks on 2 "nodes" of 2
-(``_peer_death_fit``'s ``ps_hier``), the same cases and assertions as ``test_peer_death.py``.
+"""A peer dies under the hierarchical parameter-server push, and under hierarchical async (the node is the
+worker): 4 ranks on 2 "nodes" of 2 (``_peer_death_fit``'s ``ps_hier`` and ``async_hier``), the same cases and
+assertions as ``test_peer_death.py``.
 
 The victim is rank 3 (node 1, local rank 1). Its node peer, rank 2, notices it in the node's
 reduce-scatter (the connection closes); rank 1 pushes to the victim's shard (the RPC fails); rank 0
 pushes only to rank 2's shard, whose barrier waits for node 1's push: it learns of the loss when rank 2
-fails and closes its shard with the reason. Every survivor must name rank 3, and only rank 3, in time.
+fails and closes its shard with the reason. Under async_hier ranks 1 and 2 notice at once (rank 2 in its
+node's collectives, rank 1 in its push to the victim's shard); node 0 has no cross-node barrier, and rank 0
+noticed about 2.5 s after the kill (measured), once its node peer had failed. Every survivor must name rank 3,
+and only rank 3, in time.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from test_peer_death import Outcome, assert_survivors_named_the_loss, run_cases
 
 pytestmark = pytest.mark.slow
 
-CASES = [("ps_hier", fault, 4, 3) for fault in ("step", "comm")]
+CASES = [(name, fault, 4, 3) for name in ("ps_hier", "async_hier") for fault in ("step", "comm")]
 
 
 @pytest.fixture(scope="module")

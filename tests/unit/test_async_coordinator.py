@@ -560,3 +560,39 @@ def test_monitor_drops_a_worker_that_reported_a_failure_or_never_joined() -> Non
     assert member_id(2, 3, 4) == 14
     with pytest.raises(ValueError, match=r"its RPC id 32770 is past TensorPipe's 32767"):
         member_id(2, 8192, 4)
+
+
+def test_a_late_report_that_a_worker_finished_the_last_epoch_keeps_it_in_the_bound_of_the_next() -> None:
+    # s = 0, 2 workers, 2 batches an epoch: worker 1 finishes epoch 0 and opens epoch 1 before worker 0's
+    # epoch-end report (that it finished epoch 0) arrives; worker 0 trains epoch 1 too, so it still holds
+    # worker 1 to the bound there (it used to become inactive: worker 1 was then leased ungated batches)
+    c = AsyncCoordinator(2, 0, timeout=timedelta(seconds=30))
+    plan = DataPlan(8, 4, shuffle=False)
+    mine = [_refill(c, w, 4, plan=plan) for w in (0, 1)]
+    assert all(r is not None and len(r.batches) == 1 for r in mine)
+    c.report(0, 1, [(0, mine[0].batches[0].index)])  # type: ignore[union-attr]
+    c.report(1, 1, [(0, mine[1].batches[0].index)], finished=True)  # type: ignore[union-attr]
+    first = _refill(c, 1, 4, clock=1, epoch=1, plan=plan)  # opens epoch 1
+    assert first is not None and [b.admitted_min for b in first.batches] == [1]
+    c.report(0, 1, [], finished=True)  # worker 0's flush of epoch 0, late
+    c.report(1, 2, [(1, first.batches[0].index)])
+    gate = c.gate(1, 2)  # worker 1's next step (clock 2) needs worker 0's second push
+    assert not gate.done()
+    c.report(0, 2)
+    reply = gate.wait()
+    assert not isinstance(reply, ShardError) and reply.min_other == 2
+
+
+def test_a_worker_out_of_its_epochs_batches_frees_the_others_while_one_is_kept_for_a_late_worker() -> None:
+    # s = 0, 2 batches: worker 0 trains one, the other is kept for worker 1, which has not drawn yet;
+    # worker 0's epoch is over, so it must not hold worker 1 to the bound while that one catches up
+    c = AsyncCoordinator(2, 0, timeout=timedelta(seconds=30))
+    plan = DataPlan(8, 4, shuffle=False)
+    first = _refill(c, 0, 4, plan=plan)
+    assert first is not None and len(first.batches) == 1
+    over = _refill(c, 0, 4, clock=1, acks=[(0, first.batches[0].index)], plan=plan)
+    assert over is not None and over.over and not over.batches
+    c.report(0, 1, [], finished=True)
+    assert list(c.clock_log)[-1] == (-1, 0)
+    gate = c.gate(1, 3)  # nobody left to wait for in this epoch
+    assert gate.done()

@@ -18,13 +18,14 @@ EXPECTED = {
     "2x2": {
         "ddp": 2 * 3 / 4, "ring": 2 * 3 / 4, "ring_bf16": 3 / 4,  # 2(P-1)/P, bf16 half of it
         "ring_hier": 2 * 1 / 2, "ps": 2 * 1 / 2, "ps_one_shot": 2 * 1 / 2,  # 2(N-1)/N (one-shot: the same bytes)
-        "ps_flat": 2 * 2 * 2 / 4, "async": 2 * 2 * 2 / 4,  # 2L(P-L)/P
+        "async": 2 * 1 / 2,  # the node as the worker: ps's 2(N-1)/N
+        "ps_flat": 2 * 2 * 2 / 4, "async_flat": 2 * 2 * 2 / 4,  # 2L(P-L)/P
         "ps1": 2.0,  # P - L remote workers' gradients in, parameters out
         "pipeline": None, "tensor": None,  # activations, not gradients
     },
     "4x1": {
         "ddp": 1.5, "ring": 1.5, "ring_bf16": 0.75, "ring_hier": 1.5, "ps": 1.5, "ps_one_shot": 1.5, "ps_flat": 1.5,
-        "async": 1.5,
+        "async": 1.5, "async_flat": 1.5,
         "ps1": 3.0, "pipeline": None, "tensor": None,
     },
 }  # fmt: skip
@@ -39,7 +40,9 @@ def test_every_strategys_formula_per_layout(layout: str) -> None:
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize(("strategy", "hierarchical"), [("ps", True), ("ps_flat", False)])
+@pytest.mark.parametrize(
+    ("strategy", "hierarchical"), [("ps", True), ("ps_flat", False), ("async", True), ("async_flat", False)]
+)
 def test_ps_formulas_are_the_librarys_node_bytes(layout: str, strategy: str, hierarchical: bool) -> None:
     nodes, per_node = LAYOUTS[layout]
     shard = 1000  # one even shard per process: D = 4 shards

@@ -123,10 +123,11 @@ def test_hierarchical_option_is_checked() -> None:
         assert ParameterServerStrategy(hierarchical=value).is_hierarchical is False  # decided at setup
 
 
-def test_async_stays_flat() -> None:
-    with pytest.raises(ValueError, match=r"AsyncParameterServerStrategy\(hierarchical=True\).*without a barrier"):
-        AsyncParameterServerStrategy(hierarchical=True)
-    assert AsyncParameterServerStrategy(hierarchical=None).hierarchical_push is False
+def test_async_takes_the_hierarchical_option() -> None:
+    # the node is the asynchronous worker on several nodes (tests/unit/test_async_hierarchy.py; 2 x 2 under
+    # torchrun: tests/integration/test_async_hierarchical_torchrun.py)
+    assert AsyncParameterServerStrategy(hierarchical=True).hierarchical_push is True
+    assert AsyncParameterServerStrategy(hierarchical=None).is_hierarchical is False  # decided at setup
 
 
 @pytest.mark.parametrize("layout_name", sorted(LAYOUTS))

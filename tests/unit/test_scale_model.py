@@ -217,9 +217,11 @@ def test_flat_ps_across_nodes_puts_l_times_a_rings_bytes_on_the_nic() -> None:
     assert ps.nic_bytes == pytest.approx(2 * 8 * (world - 8) / world * D, rel=REL)
     ring = predict("ring", c, world, one_bucket())
     assert ps.nic_bytes / ring.nic_bytes == pytest.approx(8 * (world - 8) / (world - 1), rel=REL)
-    # async keeps the flat push (no barrier to reduce in): the same bytes and messages
-    flat_async = predict("async", c, world, one_bucket())
-    assert (flat_async.nic_bytes, flat_async.busiest_sent_bytes) == (ps.nic_bytes, ps.busiest_sent_bytes)
+    # async on nodes of one process (and on one node) keeps the flat push: the same bytes and messages
+    flat_async = predict("async", costs(local_size=1), world, one_bucket())
+    flat_ps = predict("ps_flat", costs(local_size=1), world, one_bucket())
+    assert (flat_async.nic_bytes, flat_async.busiest_sent_bytes) == (flat_ps.nic_bytes, flat_ps.busiest_sent_bytes)
+    assert flat_async.messages == 2 * 63 + 1  # and a refill every 2 steps
     assert ps.messages == 2 * 63
 
 
@@ -331,6 +333,48 @@ def test_async_refills_its_lease_every_half_lease_and_rank_0_serves_every_worker
     assert big.bound == "coordinator"
     # rank 0: its own 2(P-1) + 1 messages and the other workers' refills, 1 message each per step
     assert big.step_s == pytest.approx((2 * 1023 + 1 + 1023) * o, rel=REL)
+
+
+@pytest.mark.parametrize(("nodes", "local"), [(2, 2), (4, 8), (32, 8), (128, 8)])
+def test_hierarchical_async_puts_the_hierarchical_rings_bytes_on_the_nic(nodes: int, local: int) -> None:
+    # the node is the worker: ps's hierarchical traffic, and a refill (request + answer) every 2 steps
+    world = nodes * local
+    got = predict("async", costs(local_size=local), world, one_bucket())
+    ps = predict("ps", costs(local_size=local), world, one_bucket())
+    assert got.messages == 2 * (nodes - 1) + 1
+    assert got.inter_sent_bytes == pytest.approx(2 * (nodes - 1) * D / world, rel=REL)
+    assert got.nic_bytes == pytest.approx(2 * (nodes - 1) / nodes * D, rel=REL)
+    assert (got.nic_bytes, got.busiest_sent_bytes, got.link_bytes) == (ps.nic_bytes, ps.busiest_sent_bytes,
+                                                                       ps.link_bytes)  # fmt: skip
+    flat = predict("ps_flat", costs(local_size=local), world, one_bucket())
+    assert flat.nic_bytes / got.nic_bytes == pytest.approx(local * (world - local) / world * nodes / (nodes - 1),
+                                                           rel=REL)  # fmt: skip
+
+
+def test_hierarchical_async_terms_by_hand() -> None:
+    alpha, beta, r, o, u = 1e-5, 1e10, 1e-12, 1e-4, 2e-11
+    # 2 nodes of 4: the backend's reduce-scatter and all-gather over 4 (2 x 3 steps of D/4), as ps's
+    c = costs(local_size=4, intra=Link(alpha, beta), gloo_segment_bytes=math.inf, reduce_s_per_byte=r)
+    got = predict("async", c, 8, one_bucket())
+    assert got.phases["node"] == pytest.approx(2 * 3 * alpha + 2 * 3 * (D / 4) / beta + 3 * (D / 4) * r, rel=REL)
+    assert got.step_s == pytest.approx(got.phases["node"], rel=REL)
+    # the leader's draw shared in a node of 8: its size and its bytes, each log2(8) = 3 hops
+    cc = costs(local_size=8, rpc_intra=Link(alpha, math.inf))
+    assert predict("async", cc, 64, one_bucket()).phases["node_control"] == pytest.approx(2 * 3 * alpha, rel=REL)
+    # a shard applies the N = 8 node pushes of its D/P alone (P = 64 flat: 64 of them)
+    cu = costs(local_size=8, ps_update_s_per_byte=u)
+    assert predict("async", cu, 64, one_bucket()).phases["host"] == pytest.approx(8 * D / 64 * u, rel=REL)
+    assert predict("async", cu.with_(local_size=1), 64, one_bucket()).phases["host"] == pytest.approx(
+        64 * D / 64 * u, rel=REL
+    )
+    # host work per message: 2(N-1) pushes and replies and a refill every 2 steps; rank 0 also answers
+    # the other N-1 nodes' refills (one message each per step): 15 o against 22 o, so with 0.05 s of
+    # compute the worker sets the pace, without it the coordinator
+    co = costs(local_size=8, rpc_overhead_s=o, compute_s=0.05)
+    worker = predict("async", co, 64, one_bucket())
+    assert (worker.bound, worker.step_s) == ("worker", pytest.approx(0.05 + (2 * 7 + 1) * o, rel=REL))
+    bound = predict("async", co.with_(compute_s=0.0), 64, one_bucket())
+    assert (bound.bound, bound.step_s) == ("coordinator", pytest.approx((2 * 7 + 1 + 7) * o, rel=REL))
 
 
 # -- pipeline -------------------------------------------------------------------------------

@@ -236,7 +236,9 @@ class AsyncCoordinator:
             if returned:
                 self._queue.requeue(w, [(int(e), int(i)) for e, i in returned], redrawn=False)
             changed = self._clocks.set_clock(w, clock)
-            if finished and not w.outstanding and w.active:
+            # a worker out of its loop epoch's batches no longer holds the others back, unless a later epoch
+            # is open already (its report came after another worker opened the next one, which it trains too)
+            if finished and not w.outstanding and w.active and not self._queue.later_epoch_open(w):
                 self._clocks.set_active(w, False)
                 self._clocks.log()
                 changed = True

@@ -56,6 +56,11 @@ class BatchQueue:
         for old in [e for e in self.epochs if e < epoch - 2 and self.epochs[e].complete]:
             del self.epochs[old]  # keep the last few epochs' accounting for inspection
 
+    def later_epoch_open(self, w: WorkerState) -> bool:
+        """Whether an epoch after the last one ``w`` was leased batches of is open."""
+        mine = [e.number for e in self.epochs.values() if e.served.get(w.rank, 0) > 0]
+        return bool(mine) and any(number > max(mine) for number in self.epochs)
+
     def take_acks(self, w: WorkerState, acks: Iterable[tuple[int, int]]) -> None:
         new = 0
         for key in acks:
