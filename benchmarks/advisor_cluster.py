@@ -10,6 +10,10 @@ instead of the machine's quiet figures. Lines (medians over rounds):
 
     advisor_cluster_step_s_<strategy>_<layout>_<rate>           s; ``..._spread``: (max - min) / median
                                                                 over the rounds' runs (one round: its timed steps)
+    advisor_cluster_wall_s_per_step_<strategy>_<layout>_<rate>  s: the timed window's wall time over its steps
+                                                                (the gaps between steps too: what a user waits
+                                                                for, what the advisor predicts); ``..._spread``
+                                                                over the rounds (0 with one round)
     advisor_cluster_probe_alone_ms_<layout>_<rate>, ..._together_ms_   the probes before the fits
 
     flock /tmp/ls-timing.lock python benchmarks/advisor_cluster.py --rates 1gbit --name advisor_cluster_1gbit
@@ -74,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(line(f"advisor_cluster_step_s_{tag}", median([r["step_s"] for r in rs]), "s"))
             values = [r["step_s"] for r in rs] if len(rs) > 1 else rs[0]["steps_s"]
             lines.append(line(f"advisor_cluster_step_s_{tag}_spread", spread(values), "x"))
+            walls = [r["wall_s"] for r in rs if "wall_s" in r]
+            if walls:  # what a user waits for: the steps and the time between them
+                lines.append(line(f"advisor_cluster_wall_s_per_step_{tag}", median(walls), "s"))
+                lines.append(line(f"advisor_cluster_wall_s_per_step_{tag}_spread", spread(walls), "x"))
             lines.append(line(f"advisor_cluster_probe_alone_ms_{tag}", 1e3 * median([r["probe"][0] for r in rs]), "ms"))
             lines.append(line(f"advisor_cluster_probe_together_ms_{tag}", 1e3 * median([r["probe"][1] for r in rs]),
                               "ms"))  # fmt: skip
@@ -125,7 +133,7 @@ def measure(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], tex
                 runs[f"{strategy}|{layout}|{rate}"].append(run)
                 text.append(f"# round {r} {strategy} {layout} {rate}: {run['step_s']:.4f} s/step, probe "
                             f"{1e3 * alone:.2f} ms alone, {1e3 * together:.2f} ms on {probe.world} at once, "
-                            f"{run['seconds']:.0f} s wall, load {load}")  # fmt: skip
+                            f"{run['wall_s']:.4f} s wall/step, {run['seconds']:.0f} s wall, load {load}")  # fmt: skip
                 print(text[-1], flush=True)
         store(False)
 

@@ -184,6 +184,33 @@ def test_the_validation_predicts_each_run_under_the_cpu_its_probe_found() -> Non
     assert run_costs(cluster, m, {"probe": (0.005, 0.005)}, 0.010, 0.005).cores == 4.0  # type: ignore[arg-type]
 
 
+def test_strategy_workload_is_what_each_strategy_steps_by_hand() -> None:
+    from lightning_strategies.advisor.advise import model_key, strategy_workload
+
+    m = measure(Toy(), BATCH)
+    dp = strategy_workload(m, "ddp", 32)
+    assert (dp.grad_bytes, dp.tensors) == (PARAMS, 6)  # 3 weights, 3 biases
+    # the pipeline: K = 2 stages, M = 4 micro-batches of 2 x 32 / 4 = 16 samples each
+    pipe = strategy_workload(m, "pipeline", 32, num_stages=2, microbatches=4)
+    assert (pipe.stages, pipe.microbatches, pipe.schedule) == (2, 4, "1f1b")
+    assert pipe.activation_bytes == 16 * 16 * 4  # any cut before the last layer: 16 features, float32
+    # tensor: a group of T = 2 steps 2 x 32 samples: the activation payloads scaled by 64 / 32
+    tp = strategy_workload(m, "tensor", 32, tp_size=2)
+    assert tp.tensor_size == 2
+    assert tp.tensor_collectives == pytest.approx(tuple(2 * x for x in m.tensor_payloads))
+    assert (model_key("ps1"), model_key("ps"), model_key("pipeline")) == ("ps_1", "ps", "pipeline")
+
+
+def test_the_validation_holds_wall_time_per_step_and_each_cells_floor_is_its_rounds_spread() -> None:
+    from benchmarks.advisor_validation import measured_s, rounds_floor
+
+    assert measured_s({"step_s": 1.0, "wall_s": 1.5}) == 1.5  # what a user waits for, not ps's step timer
+    with pytest.raises(ValueError, match="without wall_s"):
+        measured_s({"step_s": 1.0})
+    assert rounds_floor([{"wall_s": 0.9}, {"wall_s": 1.1}]) == pytest.approx(0.2 / 1.0)  # (max - min) / median
+    assert rounds_floor([{"wall_s": 2.0}]) == 0.0
+
+
 def test_the_advised_overrides_name_the_apps_strategy_configs() -> None:
     advice = advise(measure(Toy(), BATCH), load_cluster("emulated_2x2_50mbit"))
     by = {r.name: r for r in advice.rows}
