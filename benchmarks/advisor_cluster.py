@@ -16,8 +16,9 @@ instead of the machine's quiet figures. Lines (medians over rounds):
                                                                 over the rounds (0 with one round)
     advisor_cluster_probe_alone_ms_<layout>_<rate>, ..._together_ms_   the probes before the fits
 
-    flock /tmp/ls-timing.lock python benchmarks/advisor_cluster.py --rates 1gbit --name advisor_cluster_1gbit
-    python benchmarks/advisor_cluster.py --rates 200mbit --layouts 4x1 --rounds 1 --name ...
+    flock /tmp/ls-timing.lock python benchmarks/advisor_cluster.py --rates 1gbit --layouts 2x2 --name NAME
+    (NAME: advisor_cluster_<rate>_<layout>; one rate and layout per stored run: 2 rounds of 9 fits,
+    6-20 min on 2 loaded cores)
     python benchmarks/advisor_cluster.py --quick     # 4x1 at 1gbit, ring and pipeline, 4 steps: nothing written (CI)
 
 Writes ``results/<name>.txt`` (this output) and ``results/<name>.json`` (every run: its per-rank step
@@ -49,8 +50,8 @@ STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pi
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=10, help="steps per fit, warm-up included")
+    parser.add_argument("--rounds", type=int, default=2, help="every fit again on a fresh cluster: the floor")
+    parser.add_argument("--steps", type=int, default=12, help="steps per fit, warm-up included")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS))

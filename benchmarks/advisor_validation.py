@@ -22,19 +22,24 @@ long, so this under-slows rather than over-slows); a shaped link's rate is left 
 ``advisor_predicted_preset_step_s_*`` is the preset alone (2 cores, quiet host figures) with the
 compute measured here: what a user of ``ls-advise`` gets.
 
+What is predicted: the wall time per step of each stored run (its timed window's wall time over its
+steps, the gaps between steps included), what a user waits for. ps's own step timer stops before the
+replies that land during the next step, so its step time flatters ps, ps1 and async; the wall time
+does not. The measurement's own floor is the same fit measured again: ``advisor_cluster.py`` runs
+every cell in 2 rounds (fresh clusters, interleaved), and a cell's floor is the spread of its rounds.
+
 Lines:
 
-    advisor_predicted_step_s_<strategy>_<layout>_<rate>   s, next to the stored measured median
-    advisor_step_error_<strategy>_<layout>_<rate>          |predicted - measured| / measured
+    advisor_measured_wall_s_per_step_<strategy>_<layout>_<rate>   s, the rounds' median
+    advisor_predicted_step_s_<strategy>_<layout>_<rate>   s
+    advisor_step_error_<strategy>_<layout>_<rate>          |predicted - measured| / measured; ``..._floor``:
+                                                           that cell's (max - min) / median over its rounds
     advisor_step_error_max_<layout>_<rate>, advisor_step_error_max            goal <= 0.15
-    advisor_rank_kendall_tau_<layout>_<rate>               the predicted order against the measured one
+    advisor_step_error_max_floor, ..._median_floor         the cells' floors
+    advisor_step_error_within_goal_or_floor                the share of cells within 0.15 or their own floor
+    advisor_rank_kendall_tau_<layout>_<rate>               the predicted order against the measured one;
+                                                           ``..._floor``: round 0's order against round 1's
     advisor_rank_kendall_tau_min                                              goal >= 0.8
-    advisor_step_floor_rounds_max, ..._median              the same fits twice (two rounds at 1gbit, stored
-                                                           in cluster_strategies_1gbit_loaded.json)
-    ..._floor                                              what the stored runs allow: the largest
-                                                           |first half - second half| / median of a run's
-                                                           timed steps (error), and the tau between the
-                                                           order of the first and the second halves
     advisor_probe_alone_ms_*, advisor_probe_cores_*        the CPU: the probe alone (per run, and a session's
                                                            median), P x alone / together (a session's)
     advisor_predicted_preset_step_s_*, advisor_step_error_preset_max   the presets alone (no probe)
