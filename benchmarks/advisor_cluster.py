@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="every fit again on a fresh cluster: the floor")
     parser.add_argument("--steps", type=int, default=12, help="steps per fit, warm-up included")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--fit-timeout", type=float, default=300.0,
+                        help="seconds before a fit is stopped and counted as failed (a hung fit holds the lock)")
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--rates", nargs="+", default=["1gbit"])
@@ -123,7 +125,8 @@ def measure(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], tex
                 alone, together = probe()
                 load = load_average()
                 try:
-                    run = run_one(cluster, strategy, per_node, steps=args.steps, warmup=args.warmup)
+                    run = run_one(cluster, strategy, per_node, steps=args.steps, warmup=args.warmup,
+                                  timeout=args.fit_timeout)  # fmt: skip
                 except RuntimeError as err:
                     text.append(f"# round {r} {strategy} {layout} {rate}: FAILED: "
                                 + str(err).replace("\n", "\n#   "))  # fmt: skip
