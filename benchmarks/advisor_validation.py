@@ -83,7 +83,7 @@ from benchmarks._scale_costs import effective_cores, slower
 from benchmarks.emulated._fit import IN, MLP, OUT
 from lightning_strategies.advisor import Cluster, load_cluster, measure
 from lightning_strategies.advisor.advise import model_key, strategy_workload
-from lightning_strategies.advisor.costs import Costs, Workload
+from lightning_strategies.advisor.costs import Costs, Link, Workload
 from lightning_strategies.advisor.measure import Measurement
 from lightning_strategies.advisor.model import predict
 from lightning_strategies.advisor.push import push_traffic
@@ -128,13 +128,20 @@ def run_costs(cluster: Cluster, m: Measurement, run: dict, probe_here_s: float, 
     compute alone        m.step_s x a / h         (the advisor's measurement moved to the run's moment)
     cores                P x a / t                (what the run's P processes shared, other jobs taken)
     host work, wake-ups  x a / q                  (the presets' figures are a quiet machine's: scale.txt)
-    wire between nodes   unchanged                (a shaped link's rate is the network's, not CPU work)
+    wire between nodes   unchanged                (a shaped link's rate is the network's, not CPU work),
+                         or where the run has a link probe (``advisor_cluster.link_probe``): the slower
+                         direction of a stream each way at once (most strategies send and receive at
+                         once), ``duplex_share`` that over one stream alone (ps1's one direction at a time)
     """
     alone, together = run["probe"]
     quiet = cluster.costs(m.step_s * floor_s / probe_here_s)
     costs = slower(quiet, alone / floor_s)
     if cluster.nodes > 1:
         costs = costs.with_(inter=quiet.inter, rpc_inter=quiet.rpc_inter)
+        if run.get("link"):  # the session's link probe: both directions at once, the slower one bounds a step
+            duplex, oneway = run["link"]["duplex_min"], run["link"]["oneway"]
+            costs = costs.with_(inter=Link(quiet.inter.latency_s, duplex), rpc_inter=Link(quiet.rpc_inter.latency_s,
+                                duplex), duplex_share=min(1.0, duplex / oneway))  # fmt: skip
     return costs.with_(cores=effective_cores(cluster.world, alone, together))
 
 
@@ -217,10 +224,15 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
             continue
         # a probe of 9 steps (45-400 ms) is shorter than the scheduler's slices: one alone is mostly
         # noise (3-40 ms alone at one load); the session's median (its fits' probes) is its CPU
-        cpu = {"probe": (median([r["probe"][0] for r in session]), median([r["probe"][1] for r in session]))}
+        cpu: dict = {"probe": (median([r["probe"][0] for r in session]), median([r["probe"][1] for r in session]))}
+        if all("link" in r for r in session):  # each fresh cluster's link probe, their median
+            cpu["link"] = {k: median([r["link"][k] for r in session]) for k in ("oneway", "duplex_min")}
         costs = run_costs(cluster, m, cpu, here, floor_s)
         text.append(line(f"advisor_probe_alone_ms_{layout}_{rate}", 1e3 * cpu["probe"][0], "ms"))
         text.append(line(f"advisor_probe_cores_{layout}_{rate}", costs.cores or 0.0, "cores"))
+        if "link" in cpu:
+            text.append(line(f"advisor_link_oneway_Bps_{layout}_{rate}", cpu["link"]["oneway"], "B/s"))
+            text.append(line(f"advisor_link_duplex_share_{layout}_{rate}", costs.duplex_share, "x"))
         pred, meas, cell_errors, names = [], [], [], []
         by_round: dict[int, list[float]] = {}
         for strategy in STRATEGIES:

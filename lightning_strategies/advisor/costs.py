@@ -73,6 +73,11 @@ class Costs:
         async_lease: batches an async worker leases at a time (``comm.async_.lease.DEFAULT_LEASE``).
         cpu_links: the links' bandwidth is CPU work (loopback copies) and slows with contention;
             ``False``: a network's, which does not.
+        duplex_share: each direction's goodput between nodes while both directions of a node's link
+            carry data at once, over one direction's alone. ``inter`` and ``rpc_inter`` are the duplex
+            figure (a ring, the sharded servers, tensor's all-reduces and the pipeline's 1F1B send and
+            receive at once); ps_1's server receives every push, then sends every reply, one direction
+            at a time, at ``bandwidth / duplex_share``. 1: full duplex (a preset without a probe).
     """
 
     compute_s: float
@@ -105,6 +110,7 @@ class Costs:
     overlap_s: float = 0.0
     async_lease: int = 4
     cpu_links: bool = True
+    duplex_share: float = 1.0
 
     def wire(self, world: int) -> float:
         """The contention factor of a bandwidth term."""

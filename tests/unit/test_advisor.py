@@ -182,6 +182,12 @@ def test_the_validation_predicts_each_run_under_the_cpu_its_probe_found() -> Non
     assert got.intra.bandwidth == pytest.approx(quiet.intra.bandwidth / f)  # loopback: copies, CPU work
     assert got.inter == quiet.inter and got.rpc_inter == quiet.rpc_inter  # a shaped link: the network's
     assert run_costs(cluster, m, {"probe": (0.005, 0.005)}, 0.010, 0.005).cores == 4.0  # type: ignore[arg-type]
+    # a link probe: one stream 24e6 B/s alone, the slower of a stream each way at once 18e6 B/s
+    linked = run_costs(cluster, m, {"probe": (0.030, 0.060), "link": {"oneway": 24e6, "duplex_min": 18e6}},
+                       0.010, 0.005)  # type: ignore[arg-type]  # fmt: skip
+    assert linked.inter.bandwidth == linked.rpc_inter.bandwidth == 18e6
+    assert linked.inter.latency_s == quiet.inter.latency_s
+    assert linked.duplex_share == pytest.approx(0.75)
 
 
 def test_strategy_workload_is_what_each_strategy_steps_by_hand() -> None:

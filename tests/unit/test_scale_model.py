@@ -201,6 +201,20 @@ def test_one_server_bandwidth_term_grows_linearly_with_p() -> None:
     assert predict("ps", c, 4, one_bucket()).step_s == pytest.approx(2 * 3 * D / 4 / beta, rel=REL)
 
 
+def test_one_server_runs_its_link_one_direction_at_a_time_at_the_one_way_goodput() -> None:
+    # 4 nodes of 1: the server's node receives 3 D, then sends 3 D. The links are stated at the duplex
+    # figure (each direction while both carry data): 0.5 of a one-way stream's 1e9 B/s here
+    duplex, share = 0.5e9, 0.5
+    c = costs(local_size=1, inter=Link(0.0, duplex), rpc_inter=Link(0.0, duplex), duplex_share=share)
+    assert predict("ps_1", c, 4, one_bucket()).step_s == pytest.approx(2 * 3 * D / 1e9, rel=REL)
+    # the sharded servers push and reply in both directions at once: the duplex figure, share or not
+    flat = 2 * 3 * D / 4 / duplex  # 3 pushes of D/4 out, then 3 replies of D/4 out
+    assert predict("ps_flat", c, 4, one_bucket()).step_s == pytest.approx(flat, rel=REL)
+    assert predict("ps_flat", c.with_(duplex_share=1.0), 4, one_bucket()).step_s == pytest.approx(flat, rel=REL)
+    # a ring the same: 2(P-1)/P D each way, at the duplex figure
+    assert predict("ring", c, 4, one_bucket()).step_s == pytest.approx(2 * 3 / 4 * D / duplex, rel=REL)
+
+
 def test_ps_messages_grow_with_p_and_cost_their_host_work() -> None:
     o = 1e-4
     c = costs(rpc_overhead_s=o)
