@@ -181,7 +181,7 @@ def measure(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], tex
                     print(text[-1], flush=True)
                     failed.append(f"{strategy}|{layout}|{rate}")
                     continue
-                run.update(probe=(alone, together), load=load, link=link)
+                run.update(probe=(alone, together), load=load, link=link, round=r)
                 runs[f"{strategy}|{layout}|{rate}"].append(run)
                 text.append(f"# round {r} {strategy} {layout} {rate}: {run['step_s']:.4f} s/step, probe "
                             f"{1e3 * alone:.2f} ms alone, {1e3 * together:.2f} ms on {probe.world} at once, "

@@ -234,7 +234,7 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
             text.append(line(f"advisor_link_oneway_Bps_{layout}_{rate}", cpu["link"]["oneway"], "B/s"))
             text.append(line(f"advisor_link_duplex_share_{layout}_{rate}", costs.duplex_share, "x"))
         pred, meas, cell_errors, names = [], [], [], []
-        by_round: dict[int, list[float]] = {}
+        by_round: dict[int, dict[str, float]] = {}
         for strategy in STRATEGIES:
             cell = runs.get(f"{strategy}|{layout}|{rate}")
             if not cell:
@@ -260,13 +260,14 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
             meas.append(got)
             names.append(strategy)
             for i, r in enumerate(cell):
-                by_round.setdefault(i, []).append(measured_s(r))
+                by_round.setdefault(int(r.get("round", i)), {})[strategy] = measured_s(r)
         if len(pred) < 2:
             continue
         tau = kendall_tau(pred, meas)
-        # the measurement's own tau: the strategies' order in round 0 against round 1 (every cell in both)
-        complete = [v for v in by_round.values() if len(v) == len(names)]
-        floor_tau = kendall_tau(complete[0], complete[1]) if len(complete) > 1 else float("nan")
+        # the measurement's own tau: the strategies' order in round 0 against round 1 (those measured in both)
+        both = [s for s in names if all(s in by_round.get(i, {}) for i in (0, 1))]
+        floor_tau = (kendall_tau([by_round[0][s] for s in both], [by_round[1][s] for s in both])
+                     if len(both) > 1 else float("nan"))  # fmt: skip
         text.append(line(f"advisor_step_error_max_{layout}_{rate}", max(cell_errors), "x"))
         text.append(line(f"advisor_rank_kendall_tau_{layout}_{rate}", tau, "tau"))
         text.append(line(f"advisor_rank_kendall_tau_{layout}_{rate}_floor", floor_tau, "tau"))
