@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="every fit again on a fresh cluster: the floor")
     parser.add_argument("--steps", type=int, default=12, help="steps per fit, warm-up included")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--first-round", type=int, default=0,
+                        help="the first round's number (a round stored apart: its label and its strategies' order)")
     parser.add_argument("--fit-timeout", type=float, default=300.0,
                         help="seconds before a fit is stopped and counted as failed (a hung fit holds the lock)")
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
@@ -161,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
 def measure(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], text: list[str], failed: list[str],
             probes: dict[int, ComputeProbe], store: Callable[[bool], None]) -> None:  # fmt: skip
     """Every (layout, rate) on a fresh cluster, the strategies rotated per round; a probe before each fit."""
-    for r, rate, layout, order in schedule(args):
+    for r0, rate, layout, rotated in schedule(args):
+        r, shift = r0 + args.first_round, args.first_round % len(rotated)
+        order = [*rotated[shift:], *rotated[:shift]]
         nodes, per_node = LAYOUTS[layout]
         probe = probes[nodes * per_node]
         with EmulatedCluster(nodes=nodes, rate=rate) as cluster:
@@ -187,6 +191,7 @@ def measure(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], tex
                             f"{1e3 * alone:.2f} ms alone, {1e3 * together:.2f} ms on {probe.world} at once, "
                             f"{run['wall_s']:.4f} s wall/step, {run['seconds']:.0f} s wall, load {load}")  # fmt: skip
                 print(text[-1], flush=True)
+                store(False)  # after every fit: a run cut short keeps what it measured
         store(False)
 
 
