@@ -286,6 +286,9 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
     text.append(f"# worst step: {worst[1]} ({worst[0]:.3f}); goal <= {STEP_GOAL}: "
                 f"{'met' if worst[0] <= STEP_GOAL else 'MISSED'}; {sum(e <= STEP_GOAL for e, _ in errors)} of "
                 f"{len(errors)} cells within it, {within} within it or their own floor; over it: {over}")  # fmt: skip
+    by = {s: sorted(e for e, t in errors if t.startswith(f"{s}_") and t[len(s) + 1] in "24") for s in STRATEGIES}
+    text.append("# by strategy (error over its cells, min-max): "
+                + ", ".join(f"{s} {v[0]:.2f}-{v[-1]:.2f}" for s, v in by.items() if v))  # fmt: skip
     text.append(f"# the floor: a cell's (max - min) / median wall time over its rounds (the same fit measured "
                 f"again): median {median(floors):.3f}, max {max(floors):.3f}")  # fmt: skip
     text.append(f"# lowest tau: {lowest[2]} ({lowest[0]:.3f}); goal >= {TAU_GOAL}: "
@@ -294,7 +297,7 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
     text.append("# fitted: nothing. From stored files: the presets' link figures (results/scale_cluster.txt "
                 "probes), host overheads and wake-ups (results/scale.txt calibration), each run's CPU probe "
                 "(results/advisor_cluster_*.json); compute: measured here")  # fmt: skip
-    for t in text[-4:]:
+    for t in text[-5:]:
         print(t, flush=True)
     return text
 
