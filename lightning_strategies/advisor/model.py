@@ -330,7 +330,9 @@ def _pipeline(costs: Costs, world: int, work: Workload) -> Prediction:
     # between nodes holds both nodes' links for its bytes, one message at a time per direction
     wire: dict[str, Any] = {}
     if nodes > 1:
-        wire = {"node_of": lambda process: process // costs.local_size, "cross_latency_s": costs.inter.latency_s,
+        # the hop already pays a message's host cost (the in-node link's latency): the wire adds the rest
+        wire = {"node_of": lambda process: process // costs.local_size,
+                "cross_latency_s": max(0.0, costs.inter.latency_s - costs.intra.latency_s),
                 "cross_transfer_s": work.activation_bytes / costs.inter.bandwidth}  # fmt: skip
     run = partial(pipeline_makespan, stages, m, replicas=replicas, schedule=work.schedule)
     span = run(fwd, bwd, hop=hop, cores=costs.cores, **wire)

@@ -229,6 +229,17 @@ def test_the_advised_overrides_name_the_apps_strategy_configs() -> None:
         assert (conf / f"{r.overrides()[0].split('=')[1]}.yaml").is_file()
 
 
+def test_a_cpu_message_between_nodes_pays_the_hosts_message_cost_and_the_wire() -> None:
+    # gloo on CPU: a message inside a node (386.8 us: software and wake-up, the loopback wire free) plus
+    # the wire's half ping (48.6 us); a GPU preset states the whole message (NCCL's proxy included)
+    cpu = load_cluster("emulated_4x1_1gbit")
+    assert cpu.costs(0.01).inter.latency_s == pytest.approx((386.8 + 48.6) * 1e-6)
+    assert cpu.costs(0.01).rpc_inter.latency_s == pytest.approx((386.8 + 48.6) * 1e-6)
+    assert cpu.costs(0.01).intra.latency_s == pytest.approx(386.8e-6)
+    gpu = load_cluster("a100")
+    assert gpu.costs(0.01).inter.latency_s == pytest.approx(gpu.latency_us * 1e-6)
+
+
 def test_presets_load_with_every_figure_and_bad_input_is_refused(tmp_path: Path) -> None:
     names = preset_names()
     assert {"a100", "h100", "loopback", "emulated_2x2_50mbit", "emulated_4x1_1gbit"} <= set(names)

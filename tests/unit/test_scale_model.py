@@ -407,6 +407,17 @@ def test_a_hop_waits_by_the_processes_busy_when_it_is_sent() -> None:
     assert slower(c, 2.0).hop_s == pytest.approx((0.2, 0.4), rel=REL)
 
 
+def test_a_pipeline_hop_across_nodes_adds_the_wire_beyond_the_in_node_hop() -> None:
+    # K = 2 stages on 2 nodes, M = 1, forward 1 s and backward 2 s per stage, no compute contention.
+    # The hop (the receiver's side: the in-node link's 0.1 s) already pays a message's host cost; across
+    # nodes the wire adds the inter-node latency beyond it (0.25 - 0.1) and 0.5 s of transfer each way
+    c = costs(local_size=1, intra=Link(0.1, math.inf), inter=Link(0.25, 1.0))
+    work = Workload(grad_bytes=0.0, stages=2, microbatches=1, activation_bytes=0.5, stage_compute_s=3.0,
+                    schedule="gpipe")  # fmt: skip
+    hop = 0.1 + 0.15 + 0.5
+    assert predict("pipeline", c, 2, work).step_s == pytest.approx(1 + hop + 1 + 2 + hop + 2, rel=1e-9)
+
+
 def test_chunk_overhead_is_the_pipeline_model_inverted_on_the_tiny_pipeline() -> None:
     hops, cores = (1e-4, 4e-4), 1.5
     o = 3e-4
