@@ -198,10 +198,20 @@ def measured_s(run: dict) -> float:
     return float(run["wall_s"])
 
 
+def halves(steps: Sequence[float]) -> tuple[float, float]:
+    """The medians of a run's first and second half of timed steps (a run of one step agrees with itself)."""
+    half = max(1, len(steps) // 2)
+    return median(steps[:half]), median(steps[half:] or steps)
+
+
 def rounds_floor(cell: Sequence[dict]) -> float:
-    """A cell's own spread: (max - min) / median of its rounds' wall times (0 with one round)."""
+    """A cell's own spread: (max - min) / median of its rounds' wall times; with one round, |first half -
+    second half| / median of its slowest rank's timed steps (the step timer's: the wall time is one figure)."""
     values = [measured_s(r) for r in cell]
-    return (max(values) - min(values)) / median(values) if len(values) > 1 else 0.0
+    if len(values) > 1:
+        return (max(values) - min(values)) / median(values)
+    a, b = halves(cell[0]["steps_s"])
+    return abs(a - b) / median(cell[0]["steps_s"])
 
 
 def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list[str]:
@@ -266,8 +276,11 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
         tau = kendall_tau(pred, meas)
         # the measurement's own tau: the strategies' order in round 0 against round 1 (those measured in both)
         both = [s for s in names if all(s in by_round.get(i, {}) for i in (0, 1))]
-        floor_tau = (kendall_tau([by_round[0][s] for s in both], [by_round[1][s] for s in both])
-                     if len(both) > 1 else float("nan"))  # fmt: skip
+        if len(both) > 1:
+            floor_tau = kendall_tau([by_round[0][s] for s in both], [by_round[1][s] for s in both])
+        else:  # one round: the order of the runs' first halves of timed steps against their second halves
+            split = [halves(runs[f"{s}|{layout}|{rate}"][0]["steps_s"]) for s in names]
+            floor_tau = kendall_tau([a for a, _ in split], [b for _, b in split])
         text.append(line(f"advisor_step_error_max_{layout}_{rate}", max(cell_errors), "x"))
         text.append(line(f"advisor_rank_kendall_tau_{layout}_{rate}", tau, "tau"))
         text.append(line(f"advisor_rank_kendall_tau_{layout}_{rate}_floor", floor_tau, "tau"))
@@ -290,10 +303,11 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
     text.append("# by strategy (error over its cells, min-max): "
                 + ", ".join(f"{s} {v[0]:.2f}-{v[-1]:.2f}" for s, v in by.items() if v))  # fmt: skip
     text.append(f"# the floor: a cell's (max - min) / median wall time over its rounds (the same fit measured "
-                f"again): median {median(floors):.3f}, max {max(floors):.3f}")  # fmt: skip
+                f"again; with one round its timed steps' first half against the second): median {median(floors):.3f}, "
+                f"max {max(floors):.3f}")  # fmt: skip
     text.append(f"# lowest tau: {lowest[2]} ({lowest[0]:.3f}); goal >= {TAU_GOAL}: "
                 f"{'met' if lowest[0] >= TAU_GOAL else 'MISSED'}; that session's own floor (round 0's order "
-                f"against round 1's) {lowest[1]:.3f}")  # fmt: skip
+                f"against round 1's; with one round, first halves against second) {lowest[1]:.3f}")  # fmt: skip
     text.append("# fitted: nothing. From stored files: the presets' link figures (results/scale_cluster.txt "
                 "probes), host overheads and wake-ups (results/scale.txt calibration), each run's CPU probe "
                 "(results/advisor_cluster_*.json); compute: measured here")  # fmt: skip

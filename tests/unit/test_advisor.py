@@ -214,7 +214,8 @@ def test_the_validation_holds_wall_time_per_step_and_each_cells_floor_is_its_rou
     with pytest.raises(ValueError, match="without wall_s"):
         measured_s({"step_s": 1.0})
     assert rounds_floor([{"wall_s": 0.9}, {"wall_s": 1.1}]) == pytest.approx(0.2 / 1.0)  # (max - min) / median
-    assert rounds_floor([{"wall_s": 2.0}]) == 0.0
+    # one round: its timed steps' first half against the second, |1.0 - 1.2| / median 1.1
+    assert rounds_floor([{"wall_s": 2.0, "steps_s": [1.0, 1.0, 1.2, 1.2]}]) == pytest.approx(0.2 / 1.1)
 
 
 def test_the_advised_overrides_name_the_apps_strategy_configs() -> None:
