@@ -10,10 +10,19 @@ instead of the machine's quiet figures. Lines (medians over rounds):
 
     advisor_cluster_step_s_<strategy>_<layout>_<rate>           s; ``..._spread``: (max - min) / median
                                                                 over the rounds' runs (one round: its timed steps)
+    advisor_cluster_wall_s_per_step_<strategy>_<layout>_<rate>  s: the timed window's wall time over its steps
+                                                                (the gaps between steps too: what a user waits
+                                                                for, what the advisor predicts); ``..._spread``
+                                                                over the rounds (0 with one round)
     advisor_cluster_probe_alone_ms_<layout>_<rate>, ..._together_ms_   the probes before the fits
+    advisor_cluster_link_oneway_Bps_<layout>_<rate>            a TCP stream's goodput between nodes 0 and 1, per
+                                                                fresh cluster (median over rounds)
+    advisor_cluster_link_duplex_{min,mean}_over_oneway_<layout>_<rate>   a stream each way at once: the slower
+                                                                direction's (the pair's mean) goodput over it
 
-    flock /tmp/ls-timing.lock python benchmarks/advisor_cluster.py --rates 1gbit --name advisor_cluster_1gbit
-    python benchmarks/advisor_cluster.py --rates 200mbit --layouts 4x1 --rounds 1 --name ...
+    flock /tmp/ls-timing.lock python benchmarks/advisor_cluster.py --rates 1gbit --layouts 2x2 --name NAME
+    (NAME: advisor_cluster_<rate>_<layout>; one rate and layout per stored run: 2 rounds of 9 fits,
+    6-20 min on 2 loaded cores)
     python benchmarks/advisor_cluster.py --quick     # 4x1 at 1gbit, ring and pipeline, 4 steps: nothing written (CI)
 
 Writes ``results/<name>.txt`` (this output) and ``results/<name>.json`` (every run: its per-rank step
@@ -24,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -41,13 +52,43 @@ from benchmarks.emulated import EmulatedCluster
 from benchmarks.emulated.launch import report_start
 
 STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pipeline", "tensor")
+PROBE = Path(__file__).with_name("_cluster_probe.py")
+LINK_PROBE_S = 3.0
+
+
+def link_probe(cluster: EmulatedCluster) -> dict[str, float]:
+    """Goodput (payload B/s) between nodes 0 and 1: one TCP stream alone, then one each way at once.
+
+    The presets state a link by one stream's goodput (``scale_cluster.py``); a ring, the sharded servers,
+    tensor's all-reduces and the pipeline's 1F1B send and receive on a node's link at once, ps1's server
+    receives, then sends. ``duplex_min``: the slower direction of the pair, ``duplex_mean`` their mean.
+    """
+    a, b = cluster.nodes[:2]
+    py = sys.executable
+
+    def streams(pairs: list[tuple[Any, Any, int]]) -> list[float]:
+        recvs = [cluster.popen(dst, [py, str(PROBE), "stream-recv", dst.address, str(port)], stdout=subprocess.PIPE)
+                 for _, dst, port in pairs]  # fmt: skip
+        sends = [cluster.popen(src, [py, str(PROBE), "stream-send", dst.address, str(port), str(LINK_PROBE_S)],
+                               stdout=subprocess.DEVNULL) for src, dst, port in pairs]  # fmt: skip
+        for send in sends:
+            send.wait(timeout=60)
+        return [float(json.loads(r.communicate(timeout=60)[0])["goodput"]) for r in recvs]
+
+    oneway = streams([(a, b, 5101)])[0]
+    duplex = streams([(a, b, 5102), (b, a, 5103)])
+    return {"oneway": oneway, "duplex_min": min(duplex), "duplex_mean": statistics.fmean(duplex)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=10, help="steps per fit, warm-up included")
+    parser.add_argument("--rounds", type=int, default=2, help="every fit again on a fresh cluster: the floor")
+    parser.add_argument("--steps", type=int, default=12, help="steps per fit, warm-up included")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--first-round", type=int, default=0,
+                        help="the first round's number (a round stored apart: its label and its strategies' order)")
+    parser.add_argument("--fit-timeout", type=float, default=300.0,
+                        help="seconds before a fit is stopped and counted as failed (a hung fit holds the lock)")
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--rates", nargs="+", default=["1gbit"])
@@ -74,9 +115,25 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(line(f"advisor_cluster_step_s_{tag}", median([r["step_s"] for r in rs]), "s"))
             values = [r["step_s"] for r in rs] if len(rs) > 1 else rs[0]["steps_s"]
             lines.append(line(f"advisor_cluster_step_s_{tag}_spread", spread(values), "x"))
+            walls = [r["wall_s"] for r in rs if "wall_s" in r]
+            if walls:  # what a user waits for: the steps and the time between them
+                lines.append(line(f"advisor_cluster_wall_s_per_step_{tag}", median(walls), "s"))
+                lines.append(line(f"advisor_cluster_wall_s_per_step_{tag}_spread", spread(walls), "x"))
             lines.append(line(f"advisor_cluster_probe_alone_ms_{tag}", 1e3 * median([r["probe"][0] for r in rs]), "ms"))
             lines.append(line(f"advisor_cluster_probe_together_ms_{tag}", 1e3 * median([r["probe"][1] for r in rs]),
                               "ms"))  # fmt: skip
+        sessions: dict[str, list[dict[str, float]]] = defaultdict(list)
+        for key, rs in runs.items():
+            for r in rs:
+                if "link" in r and r["link"] not in sessions[key.split("|", 1)[1]]:
+                    sessions[key.split("|", 1)[1]].append(r["link"])
+        for session, links in sessions.items():
+            tag = session.replace("|", "_")
+            lines.append(line(f"advisor_cluster_link_oneway_Bps_{tag}", median([x["oneway"] for x in links]), "B/s"))
+            lines.append(line(f"advisor_cluster_link_duplex_min_over_oneway_{tag}",
+                              median([x["duplex_min"] / x["oneway"] for x in links]), "x"))  # fmt: skip
+            lines.append(line(f"advisor_cluster_link_duplex_mean_over_oneway_{tag}",
+                              median([x["duplex_mean"] / x["oneway"] for x in links]), "x"))  # fmt: skip
         tail = [f"# failed runs: {', '.join(failed)}"] if failed else []
         tail += [load_line("end" if final else "now"),
                  f"# {time.monotonic() - start:.0f} s in all; {args.rounds} round(s), {args.steps} steps per fit "
@@ -106,27 +163,35 @@ def main(argv: list[str] | None = None) -> int:
 def measure(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], text: list[str], failed: list[str],
             probes: dict[int, ComputeProbe], store: Callable[[bool], None]) -> None:  # fmt: skip
     """Every (layout, rate) on a fresh cluster, the strategies rotated per round; a probe before each fit."""
-    for r, rate, layout, order in schedule(args):
+    for r0, rate, layout, rotated in schedule(args):
+        r, shift = r0 + args.first_round, args.first_round % len(rotated)
+        order = [*rotated[shift:], *rotated[:shift]]
         nodes, per_node = LAYOUTS[layout]
         probe = probes[nodes * per_node]
         with EmulatedCluster(nodes=nodes, rate=rate) as cluster:
+            link = link_probe(cluster)
+            text.append(f"# round {r} {layout} {rate}: link probe, one stream {link['oneway']:.4g} B/s; one each "
+                        f"way at once: {link['duplex_min']:.4g} slower, {link['duplex_mean']:.4g} mean")  # fmt: skip
+            print(text[-1], flush=True)
             for strategy in order:
                 alone, together = probe()
                 load = load_average()
                 try:
-                    run = run_one(cluster, strategy, per_node, steps=args.steps, warmup=args.warmup)
+                    run = run_one(cluster, strategy, per_node, steps=args.steps, warmup=args.warmup,
+                                  timeout=args.fit_timeout)  # fmt: skip
                 except RuntimeError as err:
                     text.append(f"# round {r} {strategy} {layout} {rate}: FAILED: "
                                 + str(err).replace("\n", "\n#   "))  # fmt: skip
                     print(text[-1], flush=True)
                     failed.append(f"{strategy}|{layout}|{rate}")
                     continue
-                run.update(probe=(alone, together), load=load)
+                run.update(probe=(alone, together), load=load, link=link, round=r)
                 runs[f"{strategy}|{layout}|{rate}"].append(run)
                 text.append(f"# round {r} {strategy} {layout} {rate}: {run['step_s']:.4f} s/step, probe "
                             f"{1e3 * alone:.2f} ms alone, {1e3 * together:.2f} ms on {probe.world} at once, "
-                            f"{run['seconds']:.0f} s wall, load {load}")  # fmt: skip
+                            f"{run['wall_s']:.4f} s wall/step, {run['seconds']:.0f} s wall, load {load}")  # fmt: skip
                 print(text[-1], flush=True)
+                store(False)  # after every fit: a run cut short keeps what it measured
         store(False)
 
 

@@ -121,13 +121,15 @@ def formula_over_d(strategy: str, nodes: int, per_node: int) -> float | None:
 
 
 def run_one(
-    cluster: EmulatedCluster, strategy: str, per_node: int, *, steps: int, warmup: int, extra: Sequence[str] = ()
+    cluster: EmulatedCluster, strategy: str, per_node: int, *, steps: int, warmup: int, extra: Sequence[str] = (),
+    timeout: float = 600.0,
 ) -> dict[str, Any]:
-    """One fit on ``cluster``: per-rank records, the run's step time and its busiest NIC's bytes per step."""
+    """One fit on ``cluster``: per-rank records, the run's step time and its busiest NIC's bytes per step
+    (``timeout``: seconds before the fit is stopped and counted as failed)."""
     with tempfile.TemporaryDirectory(prefix="cluster-strategies-") as tmp:
         argv = ["python", str(FIT), "--strategy", strategy, "--steps", str(steps), "--warmup", str(warmup),
                 "--out", tmp, *extra]  # fmt: skip
-        result = launch(cluster, argv, per_node=per_node, timeout=600.0, echo=False)
+        result = launch(cluster, argv, per_node=per_node, timeout=timeout, echo=False)
         records = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
     if result.returncode != 0 or len(records) != len(cluster.nodes) * per_node:
         tails = "\n".join(f"--- node {i}:\n{out[-2500:]}" for i, out in enumerate(result.outputs))

@@ -37,7 +37,18 @@ Lightning on 2 fork-started CPU processes (goal <= 1.0), ``ps_no_overlap_over_dd
 ``overlap=False`` (push after the whole backward, wait for every shard), the three in interleaved
 rounds, with the raw medians; ``ps_overlap_share`` is the share of ps's push bytes sent before
 backward ended (the client's own count, rank 0, median over rounds). A shared machine is noisy: read
-the ratio of interleaved runs, not the milliseconds.
+the ratio of interleaved runs, not the milliseconds. ``{ps,ps_no_overlap,ddp}_cpu_ms_per_step``: the
+median CPU seconds per step of rank 0's process, every thread (``time.process_time``): on 2 shared cores
+CPU per step bounds the step.
+
+Part 3, the floor (#28): the CPU per step of the transport alone, without Lightning, a model or the
+overlap: ``ParameterServerClient.push_pull`` of the step-time MLP's N floats (SGD with momentum on the
+shards) against DDP's arithmetic on the same N (flatten, ``dist.all_reduce`` on gloo, copy back, SGD with
+momentum on every tensor), per process, 2 processes, interleaved rounds:
+
+    floor_ps_push_pull_cpu_ms_P2         ps's push/pull, CPU ms per step and process (median over rounds)
+    floor_allreduce_cpu_ms_P2            all-reduce + local SGD, the same
+    floor_ps_over_allreduce_cpu_P2       the ratio: what ps's transport costs over DDP's before any glue
 
     python benchmarks/ps_traffic.py           # N = 25.6M, P = 2, 3, 4 (~1-2 min on 2 cores)
     python benchmarks/ps_traffic.py --quick   # N ~ 0.2M, P = 2, 3 rounds (seconds, for CI)
@@ -218,9 +229,10 @@ def plot_traffic(series: dict[str, list[float]], n: int, path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _timed_fit(strategy_name: str, steps: int, width: int, rpc_threads: int) -> tuple[float, float]:
-    """Median step seconds of one Lightning fit on 2 fork-started CPU processes (rank 0's), and for ps
-    with overlap the mean share of push bytes sent before backward ended (else nan)."""
+def _timed_fit(strategy_name: str, steps: int, width: int, rpc_threads: int) -> tuple[float, float, float]:
+    """Median step seconds of one Lightning fit on 2 fork-started CPU processes (rank 0's), for ps with
+    overlap the mean share of push bytes sent before backward ended (else nan), and the median CPU
+    seconds per step of rank 0's process."""
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
     from torch import nn
@@ -246,14 +258,18 @@ def _timed_fit(strategy_name: str, steps: int, width: int, rpc_threads: int) -> 
     class StepTimer(pl.Callback):
         def __init__(self) -> None:
             self.stamps: list[float] = []
+            self.cpu: list[float] = []
 
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             self.stamps.append(time.perf_counter())
+            self.cpu.append(time.process_time())  # every thread of the process
 
         def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             gaps = [b - a for a, b in zip(self.stamps[5:], self.stamps[6:], strict=False)]  # 5 warm-up steps
             # callback_metrics travel back to the parent process with the fork launcher
             trainer.callback_metrics["bench/step_s"] = torch.tensor(median(gaps))
+            cpu = [b - a for a, b in zip(self.cpu[5:], self.cpu[6:], strict=False)]
+            trainer.callback_metrics["bench/cpu_s"] = torch.tensor(median(cpu))
             overlap = getattr(trainer.strategy, "overlap", None)
             shares = [t.overlap_share for t in overlap.push.timeline] if overlap is not None else []
             trainer.callback_metrics["bench/share"] = torch.tensor(sum(shares) / len(shares) if shares else math.nan)
@@ -277,7 +293,8 @@ def _timed_fit(strategy_name: str, steps: int, width: int, rpc_threads: int) -> 
         callbacks=[StepTimer()],
     )
     trainer.fit(Mlp(), DataLoader(data, batch_size=32))
-    return float(trainer.callback_metrics["bench/step_s"]), float(trainer.callback_metrics["bench/share"])
+    metrics = trainer.callback_metrics
+    return float(metrics["bench/step_s"]), float(metrics["bench/share"]), float(metrics["bench/cpu_s"])
 
 
 def step_time(rounds: int, steps: int, width: int, rpc_threads: int = 4) -> None:
@@ -288,20 +305,103 @@ def step_time(rounds: int, steps: int, width: int, rpc_threads: int = 4) -> None
     line("mlp_params", params, "floats")
     names = ("ps", "ps_no_overlap", "ddp")
     times: dict[str, list[float]] = {name: [] for name in names}
+    cpus: dict[str, list[float]] = {name: [] for name in names}
     shares: list[float] = []
     for r in range(rounds):
         order = names[r % 3 :] + names[: r % 3]  # none always runs first
         for name in order:
-            seconds, share = _timed_fit(name, steps, width, rpc_threads)
+            seconds, share, cpu = _timed_fit(name, steps, width, rpc_threads)
             times[name].append(seconds)
+            cpus[name].append(cpu)
             if name == "ps":
                 shares.append(share)
     for name in names:
         line(f"{name}_step_ms", median(times[name]) * 1e3, "ms")
+    for name in names:
+        line(f"{name}_cpu_ms_per_step", median(cpus[name]) * 1e3, "ms")
     for name in names[:2]:
         ratios = [p / d for p, d in zip(times[name], times["ddp"], strict=True)]
         line(f"{name}_over_ddp_step", median(ratios), "x")
     line("ps_overlap_share", median(shares), "x")
+
+
+# --------------------------------------------------------------------------------------------
+# Part 3: the floor, the transport's CPU per step without Lightning
+# --------------------------------------------------------------------------------------------
+
+
+def _floor_tensors(rank: int, sizes: Sequence[int]) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
+    params = [torch.zeros(n, requires_grad=True) for n in sizes]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3 * (rank + 1))
+    return params, torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _cpu_per_step(step: Callable[[], None], steps: int) -> float:
+    for _ in range(5):  # warm-up: connections, allocator
+        step()
+    dist.barrier()
+    start = time.process_time()
+    for _ in range(steps):
+        step()
+    return (time.process_time() - start) / steps
+
+
+def _floor_ps_worker(rank: int, world: int, sizes: Sequence[int], steps: int, rpc_threads: int) -> float:
+    """CPU seconds per ``push_pull`` of this process (every thread: its shard's RPC handlers too)."""
+    timeout = datetime.timedelta(seconds=120)
+    store = rendezvous_store(rank, world, "127.0.0.1", timeout=timeout)
+    init_rpc(rank, world, store, timeout=timeout, num_threads=rpc_threads)
+    failed = True
+    try:
+        params, optimizer = _floor_tensors(rank, sizes)
+        plan = partition_parameters(list(sizes), world)
+        mine = plan[rank]
+        spec = OptimizerSpec.from_optimizer(optimizer)
+        register_shard(ParameterShard(rank, mine, [slice_of(params[sl.tensor], sl) for sl in mine], spec, world))
+        dist.barrier()
+        client = ParameterServerClient(rank, params, plan, timeout=timeout)
+        seconds = _cpu_per_step(lambda: client.push_pull([0.1]), steps)
+        dist.barrier()  # every shard has answered
+        failed = False
+        return seconds
+    finally:
+        unregister_shard(rank)
+        shutdown_rpc(failed=failed, timeout=timeout)
+
+
+def _floor_allreduce_worker(rank: int, world: int, sizes: Sequence[int], steps: int, rpc_threads: int) -> float:
+    """CPU seconds per step of DDP's arithmetic: one flat bucket all-reduced on gloo, then local SGD."""
+    params, optimizer = _floor_tensors(rank, sizes)
+    grads = [p.grad for p in params if p.grad is not None]
+
+    def step() -> None:
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(world)
+        dist.all_reduce(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        optimizer.step()
+
+    return _cpu_per_step(step, steps)
+
+
+def floor(rounds: int, steps: int, width: int, rpc_threads: int = 4) -> None:
+    """ps's push/pull against all-reduce + SGD, CPU per step and process, for the step-time MLP's tensors."""
+    sizes = [256 * width, width, width * width, width, width * 10, 10]
+    runs: dict[str, list[float]] = {"ps": [], "allreduce": []}
+    for r in range(rounds):
+        for name in ("ps", "allreduce") if r % 2 == 0 else ("allreduce", "ps"):
+            fn = _floor_ps_worker if name == "ps" else _floor_allreduce_worker
+            runs[name].append(median(run_world(fn, 2, sizes, steps, rpc_threads)))
+    line("floor_ps_push_pull_cpu_ms_P2", median(runs["ps"]) * 1e3, "ms")
+    line("floor_allreduce_cpu_ms_P2", median(runs["allreduce"]) * 1e3, "ms")
+    line(
+        "floor_ps_over_allreduce_cpu_P2",
+        median([p / a for p, a in zip(runs["ps"], runs["allreduce"], strict=True)]),
+        "x",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -329,6 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot_traffic(series, sum(sizes), Path(__file__).parent / "results" / "ps_traffic.png")
     rounds = args.rounds if args.rounds is not None else (3 if args.quick else 7)
     step_time(rounds, steps=20 if args.quick else 60, width=args.width, rpc_threads=args.rpc_threads)
+    floor(rounds, steps=20 if args.quick else 200, width=args.width, rpc_threads=args.rpc_threads)
     print(load_line("end"), flush=True)
     return 0
 

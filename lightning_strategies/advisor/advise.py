@@ -21,7 +21,16 @@ from lightning_strategies.advisor.measure import Measurement
 from lightning_strategies.advisor.memory import Memory, memory, pipeline_stages
 from lightning_strategies.advisor.model import Prediction, Workload, predict
 
-__all__ = ["STRATEGIES", "UNRANKED", "Advice", "NoStrategyFitsError", "StrategyAdvice", "advise"]
+__all__ = [
+    "STRATEGIES",
+    "UNRANKED",
+    "Advice",
+    "NoStrategyFitsError",
+    "StrategyAdvice",
+    "advise",
+    "model_key",
+    "strategy_workload",
+]
 
 STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pipeline", "tensor", *FT_STRATEGIES)
 #: listed with their step time, never ranked: their steps are not a synchronous step's progress
@@ -102,6 +111,32 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(2, n + 1) if n % d == 0]
 
 
+def model_key(name: str) -> str:
+    """The scale model's name (:func:`~lightning_strategies.advisor.model.predict`) of an advisor strategy
+    (``ps1`` is the model's ``ps_1``; the others are the same)."""
+    return _MODEL.get(name, name)
+
+
+def strategy_workload(
+    m: Measurement, name: str, batch: int, *, num_stages: int = 1, microbatches: int = 1, tp_size: int = 1
+) -> Workload:
+    """What one step of strategy ``name`` computes and moves for ``m`` at ``batch`` per data-parallel worker.
+
+    Args:
+        m: the module measured.
+        name: one of :data:`STRATEGIES`.
+        batch: the per-device (data-parallel) batch.
+        num_stages: the pipeline's stages K (``pipeline`` only): a replica steps K x ``batch``.
+        microbatches: the pipeline's micro-batches M per step (``pipeline`` only).
+        tp_size: the tensor-parallel group T (``tensor`` only): a group steps T x ``batch``.
+    """
+    if name == "pipeline":
+        return _pipeline_work(m, batch, num_stages, microbatches)
+    if name == "tensor":
+        return _tensor_work(m, batch, tp_size)
+    return _work(m, batch)
+
+
 def _work(m: Measurement, batch: int, **kw: Any) -> Workload:
     return Workload(grad_bytes=float(m.grad_bytes), tensors=len(m.tensors), **kw)
 
@@ -153,16 +188,11 @@ def _reason(name: str, pred: Prediction, mem: Memory, cluster: Cluster, options:
 def _row(name: str, m: Measurement, cluster: Cluster, batch: int, compute_s: float, **options: Any) -> StrategyAdvice:
     world = cluster.world
     k, micro, t = options.get("num_stages", 1), options.get("microbatches", 1), options.get("tp_size", 1)
-    if name == "pipeline":
-        work = _pipeline_work(m, batch, k, micro)
-    elif name == "tensor":
-        work = _tensor_work(m, batch, t)
-    else:
-        work = _work(m, batch)
+    work = strategy_workload(m, name, batch, num_stages=k, microbatches=micro, tp_size=t)
     if name in FT_STRATEGIES:
         pred = predict_ft(name, cluster.costs(compute_s), world, work, sync_every=options.get("sync_every", 1))
     else:
-        pred = predict(_MODEL.get(name, name), cluster.costs(compute_s), world, work)
+        pred = predict(model_key(name), cluster.costs(compute_s), world, work)
     mem = memory(name, m, batch=batch, world=world, stages=k, microbatches=micro, tp_size=t)
     fits = mem.total <= cluster.memory_bytes
     reason = _reason(name, pred, mem, cluster, options)

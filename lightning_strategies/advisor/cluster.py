@@ -26,10 +26,13 @@ class Cluster:
         per_node: processes (devices) per machine.
         intra_gbps: Gb/s one process sends to another inside a node (one direction).
         inter_gbps: Gb/s a node's network link carries (one direction; its processes share it).
-        latency_us: one small message between two nodes.
+        latency_us: one small message between two nodes; on CPU (gloo) the wire's alone (half a ping:
+            a message also pays the host's per-message cost, ``intra_latency_us``), on GPUs the whole
+            message (NCCL's proxy included).
         device_memory_gib: memory one process may hold (a GPU's; a CPU process's share of RAM).
         name: what the preset is called.
-        intra_latency_us: one message inside a node; ``None``: ``latency_us``.
+        intra_latency_us: one message inside a node, where the wire costs nothing (on CPU: gloo's
+            software and the receiver's wake-up, what every message pays); ``None``: ``latency_us``.
         device: ``"cpu"`` (gloo: 1 MiB segments, processes share ``cores``) or a GPU's name
             (NCCL: one message per ring step, a device each).
         cores: cores the processes share (CPU); ``None``: a device each.
@@ -99,7 +102,9 @@ class Cluster:
         """The scale model's constants for a worker step of ``compute_s`` on one device."""
         intra_lat = self.latency_us if self.intra_latency_us is None else self.intra_latency_us
         intra = Link(intra_lat * 1e-6, self.intra_gbps * 1e9 / 8)
-        inter = Link(self.latency_us * 1e-6, self.inter_gbps * 1e9 / 8)
+        # on CPU a message between nodes is a message inside one (gloo's software, the wake-up) plus the wire
+        host = 0.0 if self.gpu or self.intra_latency_us is None else self.intra_latency_us
+        inter = Link((self.latency_us + host) * 1e-6, self.inter_gbps * 1e9 / 8)
         segment = math.inf if self.gpu else float(1 << 20)  # NCCL: a message per step; gloo: 1 MiB pieces
         per_tensor = self.ps_overhead_us_per_tensor * 1e-6 / 3
         return Costs(

@@ -76,6 +76,11 @@ class Costs:
         ft_protocol_s: a torchft sync's protocol besides its all-reduce (the quorum's round trip
             through the Lighthouse, the Manager's ``should_commit``): ``ft`` pays it every step,
             ``local_sgd`` / ``diloco`` once per sync.
+        duplex_share: each direction's goodput between nodes while both directions of a node's link
+            carry data at once, over one direction's alone. ``inter`` and ``rpc_inter`` are the duplex
+            figure (a ring, the sharded servers, tensor's all-reduces and the pipeline's 1F1B send and
+            receive at once); ps_1's server receives every push, then sends every reply, one direction
+            at a time, at ``bandwidth / duplex_share``. 1: full duplex (a preset without a probe).
     """
 
     compute_s: float
@@ -109,6 +114,7 @@ class Costs:
     async_lease: int = 4
     cpu_links: bool = True
     ft_protocol_s: float = 0.0
+    duplex_share: float = 1.0
 
     def wire(self, world: int) -> float:
         """The contention factor of a bandwidth term."""

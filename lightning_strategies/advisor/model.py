@@ -46,8 +46,10 @@ B bytes in ``latency + B / bandwidth``.
                hidden up to ``overlap_s`` as ddp's; the pull's overlap with the next forward is not
                modelled (nothing measured yet)
     ps_1       one server (rank 0): it receives (P-1) x D and sends (P-1) x D, the seed's bottleneck,
-               growing linearly with P; measured transport ``Costs.rpc_gather_s`` (P-1 ranks echoing D
-               off rank 0 at once: the server's one process serialises them); its averaging of P
+               growing linearly with P; the pushes and then the replies, one direction of its link at a
+               time (at the one-way goodput: ``Costs.duplex_share``); measured transport
+               ``Costs.rpc_gather_s`` (P-1 ranks echoing D off rank 0 at once: the server's one process
+               serialises them); its averaging of P
                pushes and its update run on one core while the workers wait
     async      each push applied alone on arrival, no barrier (no overlap: a push waits for its
                reply). On one node (or L = 1): ps_flat's messages, P asynchronous workers. On N > 1
@@ -246,8 +248,10 @@ def _ps_1(costs: Costs, world: int, work: Workload) -> Prediction:
     off, on = p - local, local - 1
     k = contention(p, costs.cores)
     server = contention(1, costs.cores)
-    # the server's link carries (P-1) D in, then (P-1) D out: no flow shares its own NIC with it
-    shared = costs.with_(inter_shared=False)
+    # the server's link carries (P-1) D in, then (P-1) D out: no flow shares its own NIC with it, and one
+    # direction at a time runs at the one-way goodput
+    oneway = costs.rpc_inter.bandwidth / costs.duplex_share
+    shared = costs.with_(inter_shared=False, rpc_inter=Link(costs.rpc_inter.latency_s, oneway))
     wire = 2 * _rpc_bytes_seconds(shared, p, d, off, on)
     wire_latency = 2 * (costs.rpc_inter if nodes > 1 else costs.rpc_intra).latency_s if p > 1 else 0.0
     phases = {
@@ -335,7 +339,9 @@ def _pipeline(costs: Costs, world: int, work: Workload) -> Prediction:
     # between nodes holds both nodes' links for its bytes, one message at a time per direction
     wire: dict[str, Any] = {}
     if nodes > 1:
-        wire = {"node_of": lambda process: process // costs.local_size, "cross_latency_s": costs.inter.latency_s,
+        # the hop already pays a message's host cost (the in-node link's latency): the wire adds the rest
+        wire = {"node_of": lambda process: process // costs.local_size,
+                "cross_latency_s": max(0.0, costs.inter.latency_s - costs.intra.latency_s),
                 "cross_transfer_s": work.activation_bytes / costs.inter.bandwidth}  # fmt: skip
     run = partial(pipeline_makespan, stages, m, replicas=replicas, schedule=work.schedule)
     span = run(fwd, bwd, hop=hop, cores=costs.cores, **wire)

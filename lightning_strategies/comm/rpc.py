@@ -39,6 +39,10 @@ __all__ = [
 
 T = TypeVar("T")
 _TRANSPORTS = ("uv",)
+# CPU tensors: cross-memory attach between processes of one host, else the pipe's own connection. Not "mpt_uv",
+# which TensorPipe picks between hosts (and between the emulated cluster's nodes): 16 lanes, each a TCP
+# connection with a loop thread of its own, so every push wakes many threads (#28).
+_CPU_CHANNELS = ("cma", "basic")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -136,6 +140,8 @@ def init_rpc(
         rpc_timeout=timeout.total_seconds(),
         init_method=init_method,
         _transports=list(_TRANSPORTS),
+        # CUDA tensors need TensorPipe's CUDA channels: every registered channel then (their names vary by build)
+        _channels=None if device_maps else list(_CPU_CHANNELS),
     )
     for peer, mapping in (device_maps or {}).items():
         options.set_device_map(peer, dict(mapping))  # type: ignore[arg-type]

@@ -186,6 +186,40 @@ def test_the_validation_predicts_each_run_under_the_cpu_its_probe_found() -> Non
     assert got.intra.bandwidth == pytest.approx(quiet.intra.bandwidth / f)  # loopback: copies, CPU work
     assert got.inter == quiet.inter and got.rpc_inter == quiet.rpc_inter  # a shaped link: the network's
     assert run_costs(cluster, m, {"probe": (0.005, 0.005)}, 0.010, 0.005).cores == 4.0  # type: ignore[arg-type]
+    # a link probe: one stream 24e6 B/s alone, the slower of a stream each way at once 18e6 B/s
+    linked = run_costs(cluster, m, {"probe": (0.030, 0.060), "link": {"oneway": 24e6, "duplex_min": 18e6}},
+                       0.010, 0.005)  # type: ignore[arg-type]  # fmt: skip
+    assert linked.inter.bandwidth == linked.rpc_inter.bandwidth == 18e6
+    assert linked.inter.latency_s == quiet.inter.latency_s
+    assert linked.duplex_share == pytest.approx(0.75)
+
+
+def test_strategy_workload_is_what_each_strategy_steps_by_hand() -> None:
+    from lightning_strategies.advisor.advise import model_key, strategy_workload
+
+    m = measure(Toy(), BATCH)
+    dp = strategy_workload(m, "ddp", 32)
+    assert (dp.grad_bytes, dp.tensors) == (PARAMS, 6)  # 3 weights, 3 biases
+    # the pipeline: K = 2 stages, M = 4 micro-batches of 2 x 32 / 4 = 16 samples each
+    pipe = strategy_workload(m, "pipeline", 32, num_stages=2, microbatches=4)
+    assert (pipe.stages, pipe.microbatches, pipe.schedule) == (2, 4, "1f1b")
+    assert pipe.activation_bytes == 16 * 16 * 4  # any cut before the last layer: 16 features, float32
+    # tensor: a group of T = 2 steps 2 x 32 samples: the activation payloads scaled by 64 / 32
+    tp = strategy_workload(m, "tensor", 32, tp_size=2)
+    assert tp.tensor_size == 2
+    assert tp.tensor_collectives == pytest.approx(tuple(2 * x for x in m.tensor_payloads))
+    assert (model_key("ps1"), model_key("ps"), model_key("pipeline")) == ("ps_1", "ps", "pipeline")
+
+
+def test_the_validation_holds_wall_time_per_step_and_each_cells_floor_is_its_rounds_spread() -> None:
+    from benchmarks.advisor_validation import measured_s, rounds_floor
+
+    assert measured_s({"step_s": 1.0, "wall_s": 1.5}) == 1.5  # what a user waits for, not ps's step timer
+    with pytest.raises(ValueError, match="without wall_s"):
+        measured_s({"step_s": 1.0})
+    assert rounds_floor([{"wall_s": 0.9}, {"wall_s": 1.1}]) == pytest.approx(0.2 / 1.0)  # (max - min) / median
+    # one round: its timed steps' first half against the second, |1.0 - 1.2| / median 1.1
+    assert rounds_floor([{"wall_s": 2.0, "steps_s": [1.0, 1.0, 1.2, 1.2]}]) == pytest.approx(0.2 / 1.1)
 
 
 def test_the_advised_overrides_name_the_apps_strategy_configs() -> None:
@@ -198,6 +232,17 @@ def test_the_advised_overrides_name_the_apps_strategy_configs() -> None:
     conf = Path(__file__).resolve().parents[2] / "conf" / "strategy"
     for r in advice.rows:
         assert (conf / f"{r.overrides()[0].split('=')[1]}.yaml").is_file()
+
+
+def test_a_cpu_message_between_nodes_pays_the_hosts_message_cost_and_the_wire() -> None:
+    # gloo on CPU: a message inside a node (386.8 us: software and wake-up, the loopback wire free) plus
+    # the wire's half ping (48.6 us); a GPU preset states the whole message (NCCL's proxy included)
+    cpu = load_cluster("emulated_4x1_1gbit")
+    assert cpu.costs(0.01).inter.latency_s == pytest.approx((386.8 + 48.6) * 1e-6)
+    assert cpu.costs(0.01).rpc_inter.latency_s == pytest.approx((386.8 + 48.6) * 1e-6)
+    assert cpu.costs(0.01).intra.latency_s == pytest.approx(386.8e-6)
+    gpu = load_cluster("a100")
+    assert gpu.costs(0.01).inter.latency_s == pytest.approx(gpu.latency_us * 1e-6)
 
 
 def test_presets_load_with_every_figure_and_bad_input_is_refused(tmp_path: Path) -> None:

@@ -175,3 +175,20 @@ def test_the_peer_watch_aborts_a_wait_for_values(two_shards: tuple[list[torch.Te
         push.wait_for([2])
     assert time.monotonic() - start < 10
     timer.join()
+
+
+def test_an_ended_wait_leaves_nothing_on_the_abort() -> None:
+    # one wait per module and step: a callback left per wait on a never-set abort would pile up for the whole fit
+    from lightning_strategies.comm.ps.client import WaitAbort
+
+    abort = WaitAbort()
+    woken: list[str] = []
+    for k in range(3):
+        abort.unwatch(abort.watch(lambda k=k: woken.append(f"ended wait {k}")))
+    key = abort.watch(lambda: woken.append("waiting"))
+    abort.set("a peer is gone")
+    abort.unwatch(key)
+    abort.watch(lambda: woken.append("later"))  # already aborted: at once
+    abort.set("another reason")  # the first reason stays
+    assert woken == ["waiting", "later"]
+    assert abort.reason == "a peer is gone"

@@ -325,6 +325,31 @@ def test_barrier_starts_one_watchdog_thread_not_one_per_step() -> None:
     assert not watchdog.is_alive()
 
 
+def test_barrier_timeout_fires_for_a_step_opened_while_the_watchdog_slept() -> None:
+    # the watchdog is not woken for each step's deadline (they only grow): asleep until the first step's, it
+    # must still fail a later step that stays open, at that step's own deadline
+    timeout = 0.4
+    _, plan, shards = _shards(1, 2, timeout=timedelta(seconds=timeout))
+    params = _model_params()
+    grads = [torch.ones_like(params[i]) for i in plan[0]]
+    step, start = 0, time.monotonic()
+    while time.monotonic() - start < 1.5 * timeout:  # complete steps past the first step's deadline
+        for w in range(2):
+            shards[0].push(w, step, grads, [0.1, 0.1])
+        step += 1
+        time.sleep(0.01)
+    opened = time.monotonic()
+    fut = shards[0].push(0, step, grads, [0.1, 0.1])  # worker 1 never comes
+    while not fut.done() and time.monotonic() - opened < 10:
+        time.sleep(0.02)
+    waited = time.monotonic() - opened
+    error = fut.wait()
+    assert isinstance(error, ShardError) and error.timed_out
+    assert f"gradients of step {step} from worker(s) [1]" in error.message
+    assert waited >= timeout * 0.9  # not an earlier step's deadline
+    shards[0].close()
+
+
 def test_a_shard_dropped_after_its_host_failed_answers_with_the_reason() -> None:
     _, plan, shards = _shards(1, 2)
     params = _model_params()

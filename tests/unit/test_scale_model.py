@@ -201,6 +201,20 @@ def test_one_server_bandwidth_term_grows_linearly_with_p() -> None:
     assert predict("ps", c, 4, one_bucket()).step_s == pytest.approx(2 * 3 * D / 4 / beta, rel=REL)
 
 
+def test_one_server_runs_its_link_one_direction_at_a_time_at_the_one_way_goodput() -> None:
+    # 4 nodes of 1: the server's node receives 3 D, then sends 3 D. The links are stated at the duplex
+    # figure (each direction while both carry data): 0.5 of a one-way stream's 1e9 B/s here
+    duplex, share = 0.5e9, 0.5
+    c = costs(local_size=1, inter=Link(0.0, duplex), rpc_inter=Link(0.0, duplex), duplex_share=share)
+    assert predict("ps_1", c, 4, one_bucket()).step_s == pytest.approx(2 * 3 * D / 1e9, rel=REL)
+    # the sharded servers push and reply in both directions at once: the duplex figure, share or not
+    flat = 2 * 3 * D / 4 / duplex  # 3 pushes of D/4 out, then 3 replies of D/4 out
+    assert predict("ps_flat", c, 4, one_bucket()).step_s == pytest.approx(flat, rel=REL)
+    assert predict("ps_flat", c.with_(duplex_share=1.0), 4, one_bucket()).step_s == pytest.approx(flat, rel=REL)
+    # a ring the same: 2(P-1)/P D each way, at the duplex figure
+    assert predict("ring", c, 4, one_bucket()).step_s == pytest.approx(2 * 3 / 4 * D / duplex, rel=REL)
+
+
 def test_ps_messages_grow_with_p_and_cost_their_host_work() -> None:
     o = 1e-4
     c = costs(rpc_overhead_s=o)
@@ -435,6 +449,17 @@ def test_a_hop_waits_by_the_processes_busy_when_it_is_sent() -> None:
     assert costs().hop(2, Link(3e-6, math.inf)) == 3e-6  # no table: the link's
     # a hop waits for a core behind the machine's other runnable work: slowed as the work is
     assert slower(c, 2.0).hop_s == pytest.approx((0.2, 0.4), rel=REL)
+
+
+def test_a_pipeline_hop_across_nodes_adds_the_wire_beyond_the_in_node_hop() -> None:
+    # K = 2 stages on 2 nodes, M = 1, forward 1 s and backward 2 s per stage, no compute contention.
+    # The hop (the receiver's side: the in-node link's 0.1 s) already pays a message's host cost; across
+    # nodes the wire adds the inter-node latency beyond it (0.25 - 0.1) and 0.5 s of transfer each way
+    c = costs(local_size=1, intra=Link(0.1, math.inf), inter=Link(0.25, 1.0))
+    work = Workload(grad_bytes=0.0, stages=2, microbatches=1, activation_bytes=0.5, stage_compute_s=3.0,
+                    schedule="gpipe")  # fmt: skip
+    hop = 0.1 + 0.15 + 0.5
+    assert predict("pipeline", c, 2, work).step_s == pytest.approx(1 + hop + 1 + 2 + hop + 2, rel=1e-9)
 
 
 def test_chunk_overhead_is_the_pipeline_model_inverted_on_the_tiny_pipeline() -> None:

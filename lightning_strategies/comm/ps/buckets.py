@@ -28,7 +28,7 @@ from typing import Any
 from torch.futures import Future
 
 from lightning_strategies.comm.heartbeat import PeerDiagnosis, add_abort_hook
-from lightning_strategies.comm.ps.client import ParameterServerClient
+from lightning_strategies.comm.ps.client import ParameterServerClient, WaitAbort
 from lightning_strategies.comm.ps.plan import Slice
 from lightning_strategies.comm.rpc import is_failure
 
@@ -175,7 +175,7 @@ class OverlappedPush:
         self._waited_since_flush = True
         # set (to the reason) when the peer watch aborts this process's communication: a wait for a frozen
         # host's reply is on a connection TensorPipe does not fail when it is shut down
-        self._aborted: Future[str] = Future()
+        self._aborted = WaitAbort()
         _LIVE.add(self)
 
     @property
@@ -340,8 +340,7 @@ def _abort_waits(diagnosis: PeerDiagnosis | None) -> None:
     text = diagnosis.describe("parameter_server") if diagnosis is not None else None
     reason = text.splitlines()[0] if text else "a peer is gone"
     for push in list(_LIVE):
-        if not push._aborted.done():
-            push._aborted.set_result(reason)
+        push._aborted.set(reason)
 
 
 add_abort_hook(_abort_waits)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -23,6 +24,46 @@ from lightning_strategies.comm.rpc import call_host, is_failure, wait_reply, wor
 from lightning_strategies.comm.stats import CommStats
 
 __all__ = ["ParameterServerClient", "broadcast_from_rank0"]
+
+
+class WaitAbort:
+    """A one-shot abort of the waits for shards' replies (set by the heartbeat's abort hook): it wakes the
+    waits in progress, and every later wait fails at once. A wait watches it only while it waits: a
+    callback per wait on a future that is never completed would pile up, one or more per step, for the
+    whole fit."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: Why the waits were aborted (``None``: not aborted).
+        self.reason: str | None = None
+        self._watchers: dict[int, Callable[[], None]] = {}
+        self._keys = itertools.count()
+
+    def set(self, reason: str) -> None:
+        """Abort (once; later calls keep the first reason)."""
+        with self._lock:
+            if self.reason is not None:
+                return
+            self.reason = reason
+            watchers = list(self._watchers.values())
+        for wake in watchers:
+            wake()
+
+    def watch(self, wake: Callable[[], None]) -> int | None:
+        """Call ``wake`` when the abort is set (at once if it is); the key for :meth:`unwatch`."""
+        with self._lock:
+            if self.reason is None:
+                key = next(self._keys)
+                self._watchers[key] = wake
+                return key
+        wake()
+        return None
+
+    def unwatch(self, key: int | None) -> None:
+        """Stop watching (the wait has ended)."""
+        if key is not None:
+            with self._lock:
+                self._watchers.pop(key, None)
 
 
 class ParameterServerClient:
@@ -133,10 +174,10 @@ class ParameterServerClient:
         futures: Mapping[int, Future[Any]],
         wanted: Collection[int] | None = None,
         *,
-        abort: Future[str] | None = None,
+        abort: WaitAbort | None = None,
     ) -> dict[int, Any]:
         """The replies of the shards ``wanted`` (default: all of ``futures``), raising as soon as any of
-        ``futures`` fails, wanted or not, or ``abort`` is set (to the reason)."""
+        ``futures`` fails, wanted or not, or ``abort`` is set."""
         # not in shard order: that would report a dead host only after an earlier shard's barrier timed
         # out; a gate opened by the first failure (or the last wanted success) raises at once, naming it
         wanted = list(futures) if wanted is None else [s for s in futures if s in wanted]
@@ -158,21 +199,24 @@ class ParameterServerClient:
                 elif pending[0] == 0:
                     gate.set_result(-1)
 
-        def on_abort(_: Future[str]) -> None:
+        def on_abort() -> None:
             with lock:
                 if not gate.done():
                     gate.set_result(-2)
 
         for s, fut in futures.items():
             fut.add_done_callback(functools.partial(on_done, s))
-        if abort is not None:
-            abort.add_done_callback(on_abort)
-        first_failed = gate.wait()
+        key = abort.watch(on_abort) if abort is not None else None
+        try:
+            first_failed = gate.wait()
+        finally:
+            if abort is not None:
+                abort.unwatch(key)
         if first_failed == -2:
             assert abort is not None
             raise RuntimeError(
                 f"worker {self.worker}: the wait for parameter server shard(s) {sorted(wanted)} at step {self.step} "
-                f"was aborted: {abort.value()}"
+                f"was aborted: {abort.reason}"
             )
         if first_failed >= 0:
             self._wait(first_failed, futures[first_failed])  # raises, naming the shard

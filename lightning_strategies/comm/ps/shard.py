@@ -10,6 +10,7 @@ buffers (a device-to-host copy and a host wait per push); ``benchmarks/ps_snapsh
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -141,6 +142,7 @@ class ParameterShard:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # wakes the watchdog for a new deadline
         self._watchdog: threading.Thread | None = None
+        self._watch_until = math.inf  # when the watchdog wakes up by itself (inf: only when notified)
         self._closed = False
         self._pending = _PendingStep()
         self._failure: str | None = None
@@ -186,7 +188,10 @@ class ParameterShard:
             if pending.deadline is None and self.num_workers > 1:
                 pending.deadline = time.monotonic() + self.timeout.total_seconds()
                 self._start_watchdog()
-                self._cond.notify()
+                # deadlines only grow: a watchdog asleep until an earlier one finds this one when it wakes; a
+                # wake-up per step cost a context switch and a hand-over of the GIL, on the training thread too
+                if self._watch_until > pending.deadline:
+                    self._cond.notify()
             if len(pending.received[worker]) < len(self.params):
                 fut.set_result(ShardReply(None, self.version, 0))  # an earlier part: an ack at once
                 return fut
@@ -274,7 +279,8 @@ class ParameterShard:
 
     def _start_watchdog(self) -> None:
         # one thread for the shard's life (until close()) instead of a timer per step: it sleeps until the
-        # open step's deadline; a step that completes first leaves it nothing to do
+        # deadline of the step open when it fell asleep, then until the open step's (a step that completes
+        # first leaves it nothing to do), so it wakes about once per timeout, not once per step
         if self._watchdog is None:
             self._watchdog = threading.Thread(
                 target=self._watch, name=f"ps-shard-{self.shard_id}-watchdog", daemon=True
@@ -291,6 +297,7 @@ class ParameterShard:
                     now = time.monotonic()
                     if deadline is not None and now >= deadline:
                         break
+                    self._watch_until = math.inf if deadline is None else deadline
                     self._cond.wait(None if deadline is None else deadline - now)
                 pending = self._expire()
             # the remote workers' errors first: once the co-located worker (index == shard_id)
