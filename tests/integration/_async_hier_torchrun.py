@@ -29,13 +29,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
+from _ps_hier_torchrun import PushRecord
 from lightning_utils import TinyRegressor, quiet_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_strategies import AsyncParameterServerStrategy, ParameterServerStrategy
-from lightning_strategies.comm.ps import partition_loads
 
 EPOCHS = 2
 BATCH = 4
@@ -83,24 +82,12 @@ def indexed_data(n: int) -> TensorDataset:
     return TensorDataset(x, torch.tanh(x @ w), torch.arange(n))
 
 
-class _Record(Callback):
-    def __init__(self) -> None:
-        self.record: dict[str, Any] = {}
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        strategy = trainer.strategy
-        assert isinstance(strategy, ParameterServerStrategy) and strategy.client is not None
-        layout = getattr(strategy.client, "push_layout", None)
-        self.record.update(
-            hierarchical=strategy.is_hierarchical,
-            client=type(strategy.client).__name__,
-            nodes=[list(n) for n in layout.layout.nodes] if layout is not None else None,
-            shard_numel=partition_loads(strategy.client.plan),
-        )
+class _Record(PushRecord):
+    """ps's record (layout, shard plan, ``comm/`` values), and async's steps, lease and clocks."""
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
         strategy = trainer.strategy
-        self.record["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("comm/")}
         self.record["steps"] = pl_module.steps  # type: ignore[attr-defined]
         if isinstance(strategy, AsyncParameterServerStrategy):
             lease = strategy.batch_lease

@@ -52,7 +52,7 @@ def lamb(params: Any) -> torch.optim.Optimizer:
 OPTIMIZERS = {"sgd_momentum": sgd_momentum, "lamb": lamb}
 
 
-class _Record(Callback):
+class PushRecord(Callback):
     """The push's layout, the shard plan and the ``comm/`` values this rank logged last."""
 
     def __init__(self) -> None:
@@ -92,7 +92,7 @@ def one_fit(
     optimizer: str, hierarchical: bool | None, overlap: bool, accumulate: int
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     model = TinyRegressor(optimizer_factory=OPTIMIZERS[optimizer])
-    keep = _Record()
+    keep = PushRecord()
     strategy = ParameterServerStrategy(
         hierarchical=hierarchical, overlap=overlap, bucket_cap_mb=BUCKET_CAP_MB, timeout=timedelta(seconds=60)
     )

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from benchmarks._workers import free_port
 
@@ -153,3 +154,29 @@ def run_bounded(commands: list[tuple[list[str], dict[str, str], Path]], *, what:
             "\n".join(f"--- {log.name} exited with {proc.returncode}:\n{_tail(log)}" for proc, log in failed)
         )
     return [log.read_text(errors="replace") for _, log in procs]
+
+
+def assert_node_push_bytes(records: list[dict[str, Any]], nodes: int, local: int) -> None:
+    """The hierarchical push's bytes on 2 nodes of ``local``, from each rank's ``comm/`` values (``records``
+    by rank, each with ``shard_numel`` and ``metrics``): local rank j pushes to the shard of local rank j on
+    the other node and hears back from it, and a node's NIC carries ``node_nic_bytes``' formula (the flat
+    push: L times as much)."""
+    from lightning_strategies.comm.ps.hierarchy import node_nic_bytes
+    from lightning_strategies.comm.ring import NodeLayout
+
+    layout = NodeLayout.contiguous(nodes, local)
+    shard_bytes = [n * 4 for n in records[0]["shard_numel"]]  # float32 gradients and values
+    total = sum(shard_bytes)
+    for n, ranks in enumerate(layout.nodes):
+        here = sum(shard_bytes[r] for r in ranks)
+        pushed = 0.0
+        for j, r in enumerate(ranks):
+            metrics = records[r]["metrics"]
+            other = layout.nodes[1 - n][j]
+            assert metrics["comm/inter_node_bytes_sent"] == shard_bytes[other], (r, metrics)
+            assert metrics["comm/inter_node_bytes_received"] == shard_bytes[other], (r, metrics)
+            pushed += metrics["comm/inter_node_bytes_sent"]
+        assert pushed == total - here
+        nic = pushed + (nodes - 1) * here  # its pushes out, and its shards' answers to the other node's pusher
+        assert nic == node_nic_bytes(shard_bytes, layout, hierarchical=True)[n]
+        assert 2 * nic == node_nic_bytes(shard_bytes, layout, hierarchical=False)[n]  # flat: L = 2 times as much

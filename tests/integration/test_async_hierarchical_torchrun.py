@@ -29,11 +29,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _torchrun_utils import run_torchrun_nodes
+from _torchrun_utils import assert_node_push_bytes, run_torchrun_nodes
 from lightning_utils import TinyRegressor
-
-from lightning_strategies.comm.ps.hierarchy import node_nic_bytes
-from lightning_strategies.comm.ring import NodeLayout
 
 pytestmark = pytest.mark.slow
 
@@ -120,21 +117,5 @@ def test_every_sample_is_trained_once_per_epoch(run: tuple[Path, list[dict]], na
 
 @pytest.mark.parametrize("name", ["async_hier_free", "async_hier_tail"])
 def test_node_bytes_equal_the_formula(run: tuple[Path, list[dict]], name: str) -> None:
-    layout = NodeLayout.contiguous(NODES, LOCAL)
     records = [r[name] for r in run[1]]
-    shard_bytes = [n * 4 for n in records[0]["shard_numel"]]  # float32 gradients and values
-    total = sum(shard_bytes)
-    for n, ranks in enumerate(layout.nodes):
-        here = sum(shard_bytes[r] for r in ranks)
-        pushed = 0.0
-        for j, r in enumerate(ranks):
-            metrics = records[r]["metrics"]
-            # per node step, local rank j pushes to the shard of local rank j on the other node and hears back
-            other = layout.nodes[1 - n][j]
-            assert metrics["comm/inter_node_bytes_sent"] == shard_bytes[other], (r, metrics)
-            assert metrics["comm/inter_node_bytes_received"] == shard_bytes[other], (r, metrics)
-            pushed += metrics["comm/inter_node_bytes_sent"]
-        assert pushed == total - here
-        nic = pushed + (NODES - 1) * here  # its pushes out, and its shards' answers to the other node
-        assert nic == node_nic_bytes(shard_bytes, layout, hierarchical=True)[n]
-        assert 2 * nic == node_nic_bytes(shard_bytes, layout, hierarchical=False)[n]  # flat async: L = 2 times
+    assert_node_push_bytes(records, NODES, LOCAL)

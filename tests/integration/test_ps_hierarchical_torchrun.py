@@ -39,12 +39,9 @@ from pathlib import Path
 import pytest
 import torch
 from _torchrun_fit import fit
-from _torchrun_utils import run_torchrun_nodes
+from _torchrun_utils import assert_node_push_bytes, run_torchrun_nodes
 from lightning.pytorch.strategies import DDPStrategy
 from lightning_utils import TinyRegressor
-
-from lightning_strategies.comm.ps.hierarchy import node_nic_bytes
-from lightning_strategies.comm.ring import NodeLayout
 
 pytestmark = pytest.mark.slow
 
@@ -143,22 +140,5 @@ def test_hierarchical_weights_equal_ddp(run: tuple[Path, list[dict]]) -> None:
 
 @pytest.mark.parametrize("optimizer", ["sgd_momentum", "lamb"])
 def test_node_bytes_equal_the_formula(run: tuple[Path, list[dict]], optimizer: str) -> None:
-    layout = NodeLayout.contiguous(NODES, LOCAL)
     records = [r[f"{optimizer}_hier"] for r in run[1]]
-    shard_bytes = [n * 4 for n in records[0]["shard_numel"]]  # float32 gradients and values
-    total = sum(shard_bytes)
-    for n, ranks in enumerate(layout.nodes):
-        here = sum(shard_bytes[r] for r in ranks)
-        pushed = 0.0
-        for j, r in enumerate(ranks):
-            metrics = records[r]["metrics"]
-            # local rank j pushes to the shard of local rank j on the other node, and hears back from it
-            other = layout.nodes[1 - n][j]
-            assert metrics["comm/inter_node_bytes_sent"] == shard_bytes[other], (r, metrics)
-            assert metrics["comm/inter_node_bytes_received"] == shard_bytes[other], (r, metrics)
-            pushed += metrics["comm/inter_node_bytes_sent"]
-        assert pushed == total - here
-        # the node's NIC: its pushes out, and its shards' answers to the other node's pusher
-        nic = pushed + (NODES - 1) * here
-        assert nic == node_nic_bytes(shard_bytes, layout, hierarchical=True)[n]
-        assert 2 * nic == node_nic_bytes(shard_bytes, layout, hierarchical=False)[n]  # flat: L = 2 times as much
+    assert_node_push_bytes(records, NODES, LOCAL)
