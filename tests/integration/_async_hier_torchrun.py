@@ -19,17 +19,12 @@ lease's admissions (leaders) and, on rank 0, the coordinator's clock log and adm
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
-from _ps_hier_torchrun import PushRecord
+from _ps_hier_torchrun import PushRecord, run_fits
 from lightning_utils import TinyRegressor, quiet_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -107,24 +102,5 @@ def one_fit(strategy: str, lr: float, samples: int) -> tuple[dict[str, torch.Ten
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, keep.record
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out-dir", type=Path, required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
-    records = {}
-    for name, options in FITS.items():
-        weights, record = one_fit(*options)
-        # rank 0 hosts each fit's RPC rendezvous store: the next fit must not replace it while a peer's
-        # graceful RPC shutdown still reads it
-        dist.barrier()
-        records[name] = record
-        torch.save(weights, args.out_dir / f"{name}_rank{rank}.pt")
-    (args.out_dir / f"rank{rank}.json").write_text(json.dumps(records))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_fits(FITS, one_fit, every_rank=True, description=__doc__.splitlines()[0])

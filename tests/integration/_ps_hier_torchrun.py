@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -105,20 +106,25 @@ def one_fit(
     return {"weights": weights, "optimizer": state}, keep.record
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_fits(fits: dict[str, tuple[Any, ...]], one_fit: Callable[..., tuple[Any, dict[str, Any]]], *,
+             every_rank: bool, description: str) -> None:  # fmt: skip
+    """Each of ``fits`` in turn (``one_fit(*options)``) on this rank; under ``--out-dir``, the weights
+    (``<name>.pt`` from rank 0, or ``<name>_rank<r>.pt`` from ``every_rank``) and ``rank<r>.json``, the records."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out-dir", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     records = {}
-    for name, options in FITS.items():
+    for name, options in fits.items():
         weights, record = one_fit(*options)
         # rank 0 hosts each fit's RPC rendezvous store: the next fit must not replace it while a peer's
         # graceful RPC shutdown still reads it
         dist.barrier()
         records[name] = record
-        if rank == 0:
+        if every_rank:
+            torch.save(weights, args.out_dir / f"{name}_rank{rank}.pt")
+        elif rank == 0:
             torch.save(weights, args.out_dir / f"{name}.pt")
     (args.out_dir / f"rank{rank}.json").write_text(json.dumps(records))
     if dist.is_initialized():
@@ -126,4 +132,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_fits(FITS, one_fit, every_rank=False, description=__doc__.splitlines()[0])
