@@ -34,7 +34,10 @@ def _strategy_args(strategy: str) -> list[str]:
 @pytest.mark.parametrize("strategy", config_options("strategy"))
 def test_every_strategy_trains_the_default_recipe_from_the_app(strategy: str, tmp_path: Path) -> None:
     proc = run_train([*_strategy_args(strategy), "hydra.run.dir=run"], cwd=tmp_path, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    # a process dead of a signal: the fault handler's stacks start at "Fatal Python error"; keep them whole
+    crash = proc.stderr.find("Fatal Python error")
+    stacks = proc.stderr[crash : crash + 12000] + "\n-- stderr tail --\n" if crash >= 0 else ""
+    assert proc.returncode == 0, proc.stdout[-2000:] + stacks + proc.stderr[-4000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["status"] == "ok"
     # advised names its choice: "advised:<strategy>"
