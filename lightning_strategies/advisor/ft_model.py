@@ -12,8 +12,8 @@ Every process is a replica group of one (P replicas); notation as there (D gradi
     local_sgd  H = ``sync_every`` local steps, then the same protocol and all-reduce of the parameters
                (D): per step, compute + (protocol + all-reduce) / H, and 1/H of ft's bytes
     diloco     local_sgd's schedule and bytes (the pseudo-gradients); its outer SGD step, a few passes
-               over D once every H steps, is host work this model leaves out (on the stored runs it
-               is under 1% of a sync: ``benchmarks/results/advisor_ft.txt``)
+               over D once every H steps, is host work this model leaves out (not measured apart:
+               ``benchmarks/advisor_ft.py`` times whole steps)
 
 Streaming DiLoCo (``fragment_sync_delay`` > 0) overlaps a fragment's all-reduce with the next inner
 steps; this model prices the blocking syncs (``fragment_sync_delay=0``, the default): an upper
