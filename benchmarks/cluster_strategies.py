@@ -13,6 +13,9 @@ rates 1gbit, 200mbit, 50mbit (both directions of every node's link). Strategies:
     ps         ParameterServerStrategy: one shard per process; hierarchical push on 2x2 (one per node on 4x1: flat)
     ps_flat    ParameterServerStrategy(hierarchical=False): every process pushes to every shard (2x2 only)
     ps_one_shot ParameterServerStrategy(overlap=False): ps's push after the whole backward, its pull in the step
+    ps_local_sigterm  ps with Lightning's blocking SIGTERM broadcast before every step replaced by each rank's
+               own check (what async does): what that broadcast costs ps (not a strategy users get: a SIGTERM
+               to rank 0 alone would no longer stop the others)
     ps1        ParameterServerStrategy(num_servers=1): one server, on rank 0 (node 0)
     async      AsyncParameterServerStrategy (one shard per process, no staleness bound): the node is the
                asynchronous worker on 2x2 (sums in the node, pushes 1/L per process), flat on 4x1
@@ -41,6 +44,9 @@ not step together). Lines (``name value unit``; medians over rounds, the spread 
     cluster_ps_over_ddp_<layout>_<rate>        step ps / ddp                    goal <= 1.05 (#28)
     cluster_ps_over_ddp_wall_<layout>_<rate>   wall per step ps / ddp
     cluster_ps_hier_over_flat_2x2_<rate>       step ps / ps_flat
+    cluster_ps_local_sigterm_over_ddp_wall_<layout>_<rate>  wall per step ps_local_sigterm / ddp
+    cluster_ps_sigterm_broadcast_share_<layout>_<rate>  (wall ps - wall ps_local_sigterm) / wall ps: the share
+                                               of ps's wall time Lightning's per-step broadcast takes
     cluster_ps_overlap_over_one_shot_<layout>_<rate>  step ps / ps_one_shot (the overlapped push's A/B)
     cluster_async_over_ddp_<layout>_<rate>     step async / ddp (#28: the node as the worker)
     cluster_async_over_ddp_wall_<layout>_<rate>   wall per step async / ddp
@@ -92,8 +98,8 @@ from benchmarks.emulated.launch import launch, report_start
 FIT = Path(__file__).parent / "emulated" / "_fit.py"
 RESULTS = Path(__file__).parent / "results"
 STRATEGIES = (
-    "ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_one_shot", "ps1", "async", "async_flat", "pipeline",
-    "tensor",
+    "ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_one_shot", "ps_local_sigterm", "ps1", "async",
+    "async_flat", "pipeline", "tensor",
 )  # fmt: skip
 LAYOUTS = {"2x2": (2, 2), "4x1": (4, 1)}
 RATES = ("50mbit", "200mbit", "1gbit")  # slowest first: the goals are there
@@ -112,6 +118,7 @@ def formula_over_d(strategy: str, nodes: int, per_node: int) -> float | None:
         "ring_hier": 2 * (n - 1) / n,
         "ps": 2 * (n - 1) / n,
         "ps_one_shot": 2 * (n - 1) / n,
+        "ps_local_sigterm": 2 * (n - 1) / n,
         "ps_flat": 2 * local * (p - local) / p,
         "async": 2 * (n - 1) / n,  # the node as the worker (L = 1: the flat push's 2L(P-L)/P too)
         "async_flat": 2 * local * (p - local) / p,
@@ -121,7 +128,13 @@ def formula_over_d(strategy: str, nodes: int, per_node: int) -> float | None:
 
 
 def run_one(
-    cluster: EmulatedCluster, strategy: str, per_node: int, *, steps: int, warmup: int, extra: Sequence[str] = (),
+    cluster: EmulatedCluster,
+    strategy: str,
+    per_node: int,
+    *,
+    steps: int,
+    warmup: int,
+    extra: Sequence[str] = (),
     timeout: float = 600.0,
 ) -> dict[str, Any]:
     """One fit on ``cluster``: per-rank records, the run's step time and its busiest NIC's bytes per step
@@ -248,10 +261,15 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, *, e
             ratio(f"cluster_ps_overlap_over_one_shot_{layout}_{rate}", f"ps|{layout}|{rate}",
                   f"ps_one_shot|{layout}|{rate}")  # fmt: skip
             ratio(f"cluster_async_over_ddp_{layout}_{rate}", f"async|{layout}|{rate}", f"ddp|{layout}|{rate}")
-            for s in ("ps", "async"):
+            for s in ("ps", "async", "ps_local_sigterm"):
                 a, b = f"{s}|{layout}|{rate}", f"ddp|{layout}|{rate}"
                 if a in wall and b in wall:
                     out.append(line(f"cluster_{s}_over_ddp_wall_{layout}_{rate}", wall[a] / wall[b], "x"))
+            a, b = f"ps|{layout}|{rate}", f"ps_local_sigterm|{layout}|{rate}"
+            if a in wall and b in wall:
+                out.append(
+                    line(f"cluster_ps_sigterm_broadcast_share_{layout}_{rate}", (wall[a] - wall[b]) / wall[a], "x")
+                )
         ratio(f"cluster_async_hier_over_flat_2x2_{rate}", f"async|2x2|{rate}", f"async_flat|2x2|{rate}")
         # samples/s async over ps = step ps / step async (the same samples per step)
         ratio(f"cluster_async_over_sync_straggler_{rate}", f"ps_straggler|2x2|{rate}", f"async_straggler|2x2|{rate}")
@@ -286,7 +304,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--base-ms", type=float, default=100.0, help="the straggler runs' per-step compute")
     parser.add_argument(
-        "--strategies", nargs="+", choices=STRATEGIES, default=[s for s in STRATEGIES if s != "ps_one_shot"]
+        "--strategies",
+        nargs="+",
+        choices=STRATEGIES,
+        default=[s for s in STRATEGIES if s not in ("ps_one_shot", "ps_local_sigterm")],
     )
     parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--rates", nargs="+", default=list(RATES))

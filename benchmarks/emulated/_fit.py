@@ -50,10 +50,11 @@ from lightning_strategies import (
     RingAllReduceStrategy,
     TensorParallelStrategy,
 )
+from lightning_strategies.strategies._lightning_internals import per_rank_sigterm
 
 STRATEGIES = (
-    "ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_one_shot", "ps1", "async", "async_flat", "pipeline",
-    "tensor",
+    "ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_one_shot", "ps_local_sigterm", "ps1", "async",
+    "async_flat", "pipeline", "tensor",
 )  # fmt: skip
 IN, OUT = 256, 16
 
@@ -96,7 +97,7 @@ def make_strategy(name: str) -> Any:
         return RingAllReduceStrategy(
             hierarchical=name == "ring_hier", wire_dtype="bf16" if name == "ring_bf16" else None
         )
-    if name == "ps":
+    if name in ("ps", "ps_local_sigterm"):  # ps_local_sigterm: main() swaps Lightning's per-step broadcast out
         return ParameterServerStrategy()
     if name == "ps_flat":
         return ParameterServerStrategy(hierarchical=False)
@@ -261,6 +262,9 @@ def main() -> int:
         use_distributed_sampler=False,
         callbacks=[measure],
     )
+    if args.strategy == "ps_local_sigterm":
+        # what Lightning's blocking SIGTERM broadcast before every step costs ps (each rank checks its own flag)
+        per_rank_sigterm(trainer)
     trainer.fit(model, DataLoader(data, batch_size=batch, drop_last=True))
     record = {
         "rank": rank,

@@ -1,0 +1,113 @@
+"""What every torchrun worker of ``benchmarks/cluster_exchange.py`` runs: the transports under ddp and ps, bare.
+
+    python -m benchmarks.emulated --nodes 4 --per-node 1 --rate 50mbit -- \\
+        python benchmarks/emulated/_exchange.py --out /tmp/x.json
+
+With D bytes of fp32 (``--mbytes``, default the cluster benchmark's MLP: 5,316,672 B) and P processes, each
+pattern is timed ``--reps`` times, between two barriers, after one untimed run:
+
+    allreduce    gloo's all-reduce of D (ddp's transport: 2(P-1)/P x D each way per process)
+    push         every process sends D/P to every other at once over the library's RPC (TensorPipe, as
+                 ``comm.rpc.init_rpc`` sets it up); the reply is one float: one direction of ps's exchange
+    two_phase    push, a barrier (a shard answers once every push is in), then every process pulls D/P from
+                 every other at once: ps's exchange, the same bytes as the all-reduce
+    echo         every process sends D/P to every other, each reply carrying D/P back at once (no barrier)
+
+Global rank 0 writes ``{pattern: [seconds, ...]}`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lightning_strategies.comm.rpc import init_rpc, rendezvous_store, shutdown_rpc, worker_name
+
+D_BYTES = 5_316_672  # the MLP of benchmarks/emulated/_fit.py: 1,329,168 fp32 parameters
+PATTERNS = ("allreduce", "push", "two_phase", "echo")
+_CHUNK: list[torch.Tensor] = []
+
+
+def _ack(chunk: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(1)
+
+
+def _echo(chunk: torch.Tensor) -> torch.Tensor:
+    return chunk
+
+
+def _values(numel: int) -> torch.Tensor:
+    return _CHUNK[0] if _CHUNK and _CHUNK[0].numel() == numel else torch.ones(numel)
+
+
+def main() -> int:
+    from torch.distributed import rpc
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bytes", type=int, default=D_BYTES, help="D, fp32 bytes")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = timedelta(seconds=120)
+    dist.init_process_group("gloo", timeout=timeout)
+    store = rendezvous_store(rank, world, os.environ["MASTER_ADDR"], timeout=timeout)
+    init_rpc(rank, world, store, timeout=timeout)
+    numel = args.bytes // 4
+    chunk = numel // world
+    _CHUNK.append(torch.ones(chunk))
+    full = torch.ones(numel)
+    peers = [worker_name(j) for j in range(world) if j != rank]
+
+    def allreduce() -> None:
+        dist.all_reduce(full)
+
+    def push() -> None:
+        for f in [rpc.rpc_async(p, _ack, args=(_CHUNK[0],)) for p in peers]:
+            f.wait()
+
+    def two_phase() -> None:
+        push()
+        dist.barrier()
+        for f in [rpc.rpc_async(p, _values, args=(chunk,)) for p in peers]:
+            f.wait()
+
+    def echo() -> None:
+        for f in [rpc.rpc_async(p, _echo, args=(_CHUNK[0],)) for p in peers]:
+            f.wait()
+
+    fns: dict[str, Callable[[], None]] = {
+        "allreduce": allreduce, "push": push, "two_phase": two_phase, "echo": echo
+    }  # fmt: skip
+    times: dict[str, list[float]] = {name: [] for name in PATTERNS}
+    for rep in range(args.reps + 1):
+        order = PATTERNS[rep % len(PATTERNS) :] + PATTERNS[: rep % len(PATTERNS)]  # interleaved, rotated
+        for name in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            fns[name]()
+            dist.barrier()
+            if rep > 0:  # the first repetition warms connections up
+                times[name].append(time.perf_counter() - t0)
+    if rank == 0:
+        args.out.write_text(json.dumps(times))
+    dist.barrier()
+    shutdown_rpc(failed=False, timeout=timeout)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
