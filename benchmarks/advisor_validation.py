@@ -18,7 +18,10 @@ the CPU its runs had. Each session is predicted under it (:func:`run_costs`): th
 here moved to the session's moment (x its probe / the probe here), the cores its P processes shared
 (P x alone / together), the presets' host figures and wake-ups (a quiet machine's, ``scale.txt``)
 slowed by its probe over the least loaded probe of all (the floor; the machine was not quiet for
-long, so this under-slows rather than over-slows); a shaped link's rate is left as it is.
+long, so this under-slows rather than over-slows); a shaped link's rate is left as it is. The 4x1
+presets' ``all_to_all_share`` (``cluster_exchange.py``: the flat ps / async exchange's goodput over one
+stream's, 0.77-0.85) applies to the session's probed link; ``..._one_stream`` lines give the flat ps's and
+async's error without it (1: as one stream each way).
 ``advisor_predicted_preset_step_s_*`` is the preset alone (2 cores, quiet host figures) with the
 compute measured here: what a user of ``ls-advise`` gets.
 
@@ -33,7 +36,9 @@ Lines:
     advisor_measured_wall_s_per_step_<strategy>_<layout>_<rate>   s, the rounds' median
     advisor_predicted_step_s_<strategy>_<layout>_<rate>   s
     advisor_step_error_<strategy>_<layout>_<rate>          |predicted - measured| / measured; ``..._floor``:
-                                                           that cell's (max - min) / median over its rounds
+                                                           that cell's (max - min) / median over its rounds;
+                                                           ``..._one_stream`` (flat ps, async): the link
+                                                           probe's stream as their link, not the all-to-all's
     advisor_step_error_max_<layout>_<rate>, advisor_step_error_max            goal <= 0.15
     advisor_step_error_max_floor, ..._median_floor         the cells' floors
     advisor_step_error_within_goal_or_floor                the share of cells within 0.15 or their own floor
@@ -238,6 +243,8 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
         if all("link" in r for r in session):  # each fresh cluster's link probe, their median
             cpu["link"] = {k: median([r["link"][k] for r in session]) for k in ("oneway", "duplex_min")}
         costs = run_costs(cluster, m, cpu, here, floor_s)
+        if costs.all_to_all_share != 1.0:
+            text.append(line(f"advisor_all_to_all_share_{layout}_{rate}", costs.all_to_all_share, "x"))
         text.append(line(f"advisor_probe_alone_ms_{layout}_{rate}", 1e3 * cpu["probe"][0], "ms"))
         text.append(line(f"advisor_probe_cores_{layout}_{rate}", costs.cores or 0.0, "cores"))
         if "link" in cpu:
@@ -259,6 +266,9 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
             text.append(line(f"advisor_predicted_step_s_{tag}", p, "s"))
             text.append(line(f"advisor_step_error_{tag}", err, "x"))
             text.append(line(f"advisor_step_error_{tag}_floor", floor, "x"))
+            if costs.all_to_all_share != 1.0 and strategy in ("ps", "async"):  # as one stream each way
+                one = predicted(m, key, layout, rate, costs.with_(all_to_all_share=1.0))
+                text.append(line(f"advisor_step_error_{tag}_one_stream", abs(one - got) / got, "x"))
             text.append(line(f"advisor_predicted_preset_step_s_{tag}", preset, "s"))
             text.append(line(f"advisor_probe_alone_ms_{tag}", 1e3 * median([r["probe"][0] for r in cell]), "ms"))
             floors.append(floor)
@@ -309,7 +319,8 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
                 f"{'met' if lowest[0] >= TAU_GOAL else 'MISSED'}; that session's own floor (round 0's order "
                 f"against round 1's; with one round, first halves against second) {lowest[1]:.3f}")  # fmt: skip
     text.append("# fitted: nothing. From stored files: the presets' link figures (results/scale_cluster.txt "
-                "probes), host overheads and wake-ups (results/scale.txt calibration), each run's CPU probe "
+                "probes), the flat all-to-all's share of them (results/cluster_exchange.txt), host "
+                "overheads and wake-ups (results/scale.txt calibration), each run's CPU probe "
                 "(results/advisor_cluster_*.json); compute: measured here")  # fmt: skip
     for t in text[-5:]:
         print(t, flush=True)

@@ -47,6 +47,9 @@ class Cluster:
             the in-node link's latency and bytes.
         ft_protocol_us: a torchft sync's quorum and commit besides its all-reduce (``ft``,
             ``local_sgd``, ``diloco``).
+        all_to_all_share: each direction's goodput of a node's link while the flat ps / async exchange
+            runs (every process pushing to every shard on other nodes at once, and answering theirs), over
+            one stream's (``inter_gbps``); 1: as one stream. Measured by ``benchmarks/cluster_exchange.py``.
     """
 
     nodes: int
@@ -66,6 +69,7 @@ class Cluster:
     ps_overhead_us_per_tensor: float = 0.0
     wake_us: tuple[float, ...] = ()
     ft_protocol_us: float = 0.0
+    all_to_all_share: float = 1.0
 
     def __post_init__(self) -> None:
         for key in ("nodes", "per_node"):
@@ -84,6 +88,11 @@ class Cluster:
             raise ValueError(
                 f"Cluster {self.name!r}: found latency_us={self.latency_us}, tflops={self.tflops}: "
                 "expected latency >= 0 and tflops > 0 (or null). Fix: correct the preset"
+            )
+        if not 0 < self.all_to_all_share <= 1:
+            raise ValueError(
+                f"Cluster {self.name!r}: found all_to_all_share={self.all_to_all_share}: expected a share of one "
+                "stream's goodput in (0, 1]. Fix: measure it (benchmarks/cluster_exchange.py) or leave it at 1"
             )
 
     @property
@@ -128,6 +137,7 @@ class Cluster:
             min_chunk_bytes=float(256 << 10),  # comm.ring.MIN_CHUNK_BYTES
             hop_s=tuple(w * 1e-6 for w in self.wake_us),
             ft_protocol_s=self.ft_protocol_us * 1e-6,
+            all_to_all_share=self.all_to_all_share,
         )
 
     def with_(self, **changes: Any) -> Cluster:

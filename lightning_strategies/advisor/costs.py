@@ -81,6 +81,9 @@ class Costs:
             figure (a ring, the sharded servers, tensor's all-reduces and the pipeline's 1F1B send and
             receive at once); ps_1's server receives every push, then sends every reply, one direction
             at a time, at ``bandwidth / duplex_share``. 1: full duplex (a preset without a probe).
+        all_to_all_share: the flat ps / async exchange's goodput per direction of a node's link (every
+            process pushing to and answering every shard on other nodes at once: many flows through the
+            link's queue) over ``rpc_inter``'s; 1: as one stream each way.
     """
 
     compute_s: float
@@ -115,6 +118,7 @@ class Costs:
     cpu_links: bool = True
     ft_protocol_s: float = 0.0
     duplex_share: float = 1.0
+    all_to_all_share: float = 1.0
 
     def wire(self, world: int) -> float:
         """The contention factor of a bandwidth term."""

@@ -42,7 +42,9 @@ B bytes in ``latency + B / bandwidth``.
                ring, without its Python overhead) around 2(N-1) RPC messages per rank of D/P (each
                barrier waits for N pushers): a node's NIC carries 2(N-1)/N x D, ring_hier's; the
                client still packs and copies back D; the links' formula (``rpc_exchange_s`` is a
-               flat exchange). Both ps: pushes per bucket during backward,
+               flat exchange). The flat push's bytes between nodes move at ``Costs.all_to_all_share`` of
+               the link's goodput (measured: many flows through a node's link at once). Both ps: pushes
+               per bucket during backward,
                hidden up to ``overlap_s`` as ddp's; the pull's overlap with the next forward is not
                modelled (nothing measured yet)
     ps_1       one server (rank 0): it receives (P-1) x D and sends (P-1) x D, the seed's bottleneck,
@@ -190,13 +192,16 @@ def _hier_ring(costs: Costs, world: int, work: Workload) -> Prediction:
     )  # fmt: skip
 
 
-def _rpc_bytes_seconds(costs: Costs, world: int, per_peer: float, peers_off_node: float, peers_on_node: float) -> float:
+def _rpc_bytes_seconds(
+    costs: Costs, world: int, per_peer: float, peers_off_node: float, peers_on_node: float, *, all_to_all: bool = False
+) -> float:
     """Seconds for one process to send ``per_peer`` bytes to each of its peers, inside and across
     nodes at once (the larger of the two), the node's NIC shared by its L processes when
-    ``inter_shared``."""
+    ``inter_shared``; ``all_to_all``: the flat exchange, at ``all_to_all_share`` of the link's goodput."""
     intra = peers_on_node * per_peer / costs.rpc_intra.bandwidth
     flows = min(costs.local_size, world) if costs.inter_shared else 1
-    inter = flows * peers_off_node * per_peer / costs.rpc_inter.bandwidth
+    share = costs.all_to_all_share if all_to_all else 1.0
+    inter = flows * peers_off_node * per_peer / (costs.rpc_inter.bandwidth * share)
     return max(intra, inter)
 
 
@@ -233,7 +238,8 @@ def _ps(costs: Costs, world: int, work: Workload, *, hierarchical: bool = True) 
         phases["protocol"] = (p - 1) * costs.ps_protocol_s
     elif t.messages:
         link = costs.rpc_inter if t.nodes > 1 else costs.rpc_intra
-        wire = 2 * _rpc_bytes_seconds(costs, p, t.message_bytes, t.peers_off_node, t.peers_on_node)
+        wire = 2 * _rpc_bytes_seconds(costs, p, t.message_bytes, t.peers_off_node, t.peers_on_node,
+                                      all_to_all=not t.hierarchical)  # fmt: skip
         phases.update(messages=k * t.messages * costs.rpc_overhead_s, bandwidth=costs.wire(p) * wire,
                       latency=2 * link.latency_s)  # a push and its reply  # fmt: skip
     return Prediction(_overlapped(phases, costs), phases, t.sent_bytes, t.link_bytes, t.nic_bytes, t.messages,
@@ -297,7 +303,8 @@ def _async(costs: Costs, world: int, work: Workload) -> Prediction:
         phases["protocol"] = (p - 1 + refill / 2) * costs.ps_protocol_s
     else:
         link = costs.rpc_inter if t.nodes > 1 else costs.rpc_intra
-        wire = 2 * _rpc_bytes_seconds(costs, p, t.message_bytes, t.peers_off_node, t.peers_on_node)
+        wire = 2 * _rpc_bytes_seconds(costs, p, t.message_bytes, t.peers_off_node, t.peers_on_node,
+                                      all_to_all=not t.hierarchical)  # fmt: skip
         phases.update(
             messages=k * messages * costs.rpc_overhead_s,
             bandwidth=costs.wire(p) * wire,

@@ -263,6 +263,11 @@ def test_presets_load_with_every_figure_and_bad_input_is_refused(tmp_path: Path)
         load_cluster(bad)
     with pytest.raises(ValueError, match="found nodes=0"):
         Cluster(nodes=0, per_node=1, intra_gbps=1, inter_gbps=1, latency_us=1, device_memory_gib=1)
+    # the emulated 4 x 1 presets state the flat exchange's share of the link (cluster_exchange.txt), the rest 1
+    assert load_cluster("emulated_4x1_50mbit").costs(0.1).all_to_all_share == pytest.approx(0.774)
+    assert a100.costs(0.1).all_to_all_share == 1.0
+    with pytest.raises(ValueError, match="found all_to_all_share=0"):
+        Cluster(nodes=2, per_node=1, intra_gbps=1, inter_gbps=1, latency_us=1, device_memory_gib=1, all_to_all_share=0)
 
 
 def test_the_report_json_has_every_strategy_and_key_and_the_png_is_written(tmp_path: Path) -> None:

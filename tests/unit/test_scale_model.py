@@ -261,6 +261,21 @@ def test_flat_ps_is_todays_term_and_ps_on_one_node_is_flat() -> None:
     assert predict("ps", c1, 4, one_bucket()).step_s == predict("ps_flat", c1, 4, one_bucket()).step_s
 
 
+def test_the_flat_exchange_runs_at_its_all_to_all_share_of_the_link_and_the_hierarchical_push_does_not() -> None:
+    beta, share = 1e9, 0.8
+    # 4 nodes of 1: each worker pushes 3 x D/4 and its shard answers 3 x D/4, at share x beta each way
+    flat = costs(local_size=1, rpc_inter=Link(0.0, beta), inter_shared=True, all_to_all_share=share)
+    for strategy in ("ps", "ps_flat", "async"):
+        assert predict(strategy, flat, 4, one_bucket()).step_s == pytest.approx(2 * 3 / 4 * D / (share * beta), rel=REL)
+        # 1: as one stream each way
+        assert predict(strategy, flat.with_(all_to_all_share=1.0), 4, one_bucket()).step_s == pytest.approx(
+            2 * 3 / 4 * D / beta, rel=REL
+        )
+    # the hierarchical push (nodes of 8) crosses the link as before: one flow per local rank and remote node
+    hier = costs(local_size=8, rpc_inter=Link(0.0, beta), inter_shared=True, all_to_all_share=share)
+    assert predict("ps", hier, 32, one_bucket()).step_s == pytest.approx(2 * 3 / 4 * D / beta, rel=REL)
+
+
 # -- the hierarchical push (issue 28): reduce-scatter in the node, 1/L of it pushed across nodes --------
 
 
