@@ -9,12 +9,16 @@ over every round's repetitions):
 
     exchange_s_<pattern>_<layout>_<rate>            s; patterns: allreduce (gloo), push (one direction of
                                                     ps's exchange), two_phase (push, barrier, pull: ps's
-                                                    exchange), echo (each push answered at once)
-    exchange_<pattern>_over_wire_<layout>_<rate>    that over the bytes' time at the link rate (allreduce,
-                                                    two_phase and echo 2(P-1)/P x D, push (P-1)/P x D)
+                                                    exchange), echo (each push answered at once), rs_ag
+                                                    and a2a (the same exchange on gloo's collectives)
+    exchange_<pattern>_over_wire_<layout>_<rate>    that over the bytes' time at the link rate (push
+                                                    (P-1)/P x D, every other pattern 2(P-1)/P x D)
     exchange_two_phase_over_allreduce_<layout>_<rate>   ps's transport over ddp's: the floor of
                                                     cluster_ps_over_ddp (#28) on these links
     exchange_echo_over_allreduce_<layout>_<rate>    the same without the shard's barrier
+    exchange_rs_ag_over_allreduce_<layout>_<rate>   ps's exchange as gloo collectives (reduce-scatter, then
+                                                    all-gather) over the all-reduce
+    exchange_a2a_over_allreduce_<layout>_<rate>     ps's two phases as gloo all-to-alls over the all-reduce
 
     python benchmarks/cluster_exchange.py                       # 4x1 at 50mbit, 200mbit, 1gbit, 2 rounds
     python benchmarks/cluster_exchange.py --rates 50mbit --rounds 1
@@ -41,7 +45,7 @@ from benchmarks.emulated.launch import launch, report_start
 RESULTS = Path(__file__).resolve().parent / "results"
 WORKER = Path(__file__).resolve().parent / "emulated" / "_exchange.py"
 LAYOUTS = {"4x1": (4, 1), "2x2": (2, 2)}
-PATTERNS = ("allreduce", "push", "two_phase", "echo")
+PATTERNS = ("allreduce", "push", "two_phase", "echo", "rs_ag", "a2a")
 D_BYTES = 5_316_672
 
 
@@ -74,6 +78,8 @@ def report(runs: dict[str, dict[str, list[float]]]) -> list[str]:
                             med[name] / (wire / 2 if name == "push" else wire), "x"))  # fmt: skip
         out.append(line(f"exchange_two_phase_over_allreduce_{layout}_{rate}", med["two_phase"] / med["allreduce"], "x"))
         out.append(line(f"exchange_echo_over_allreduce_{layout}_{rate}", med["echo"] / med["allreduce"], "x"))
+        for name in ("rs_ag", "a2a"):
+            out.append(line(f"exchange_{name}_over_allreduce_{layout}_{rate}", med[name] / med["allreduce"], "x"))
     return out
 
 

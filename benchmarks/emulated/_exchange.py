@@ -12,6 +12,10 @@ pattern is timed ``--reps`` times, between two barriers, after one untimed run:
     two_phase    push, a barrier (a shard answers once every push is in), then every process pulls D/P from
                  every other at once: ps's exchange, the same bytes as the all-reduce
     echo         every process sends D/P to every other, each reply carrying D/P back at once (no barrier)
+    rs_ag        gloo's reduce-scatter of D, then its all-gather of D/P: a ps exchange run as collectives
+                 (shard s's sum lands on rank s, then every shard's values on every rank)
+    a2a          gloo's all-to-all of D (D/P to every peer), then of D/P back: the two phases' pattern,
+                 every flow at once, on gloo's transport instead of TensorPipe's
 
 Global rank 0 writes ``{pattern: [seconds, ...]}`` to ``--out``.
 """
@@ -35,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_strategies.comm.rpc import init_rpc, rendezvous_store, shutdown_rpc, worker_name
 
 D_BYTES = 5_316_672  # the MLP of benchmarks/emulated/_fit.py: 1,329,168 fp32 parameters
-PATTERNS = ("allreduce", "push", "two_phase", "echo")
+PATTERNS = ("allreduce", "push", "two_phase", "echo", "rs_ag", "a2a")
 _CHUNK: list[torch.Tensor] = []
 
 
@@ -88,8 +92,20 @@ def main() -> int:
         for f in [rpc.rpc_async(p, _echo, args=(_CHUNK[0],)) for p in peers]:
             f.wait()
 
+    shard = torch.ones(chunk)
+    whole = torch.ones(chunk * world)
+
+    def rs_ag() -> None:
+        dist.reduce_scatter_tensor(shard, whole)
+        dist.all_gather_into_tensor(whole, shard)
+
+    def a2a() -> None:
+        received = torch.empty_like(whole)
+        dist.all_to_all_single(received, whole)
+        dist.all_to_all_single(whole, received)
+
     fns: dict[str, Callable[[], None]] = {
-        "allreduce": allreduce, "push": push, "two_phase": two_phase, "echo": echo
+        "allreduce": allreduce, "push": push, "two_phase": two_phase, "echo": echo, "rs_ag": rs_ag, "a2a": a2a
     }  # fmt: skip
     times: dict[str, list[float]] = {name: [] for name in PATTERNS}
     for rep in range(args.reps + 1):
