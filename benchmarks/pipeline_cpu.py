@@ -1,0 +1,142 @@
+"""Where a pipeline step's time goes on this machine: each rank's CPU against the advisor's work (#30).
+
+The advisor's worst cells are the pipeline's (``advisor_validation.txt``: 0.48-0.63 under-predicted at
+1gbit, where the link costs next to nothing). This runs the same fit on loopback, no link at all: the
+emulated cluster's MLP under ``PipelineStrategy`` at K = P stages, M = 4K micro-batches, 1F1B, batch
+32 x P (``benchmarks/emulated/_fit.py``, as ``advisor_cluster.py`` runs it) under ``torchrun
+--standalone``, and reads what each rank's threads spent (``/proc``, over the timed steps) next to
+what the model charges each stage: its micro-batches' compute measured here (``advisor.measure``,
+the ``stage_seconds`` of :func:`~lightning_strategies.advisor.advise.strategy_workload`) and the
+preset's ``chunk_overhead_us`` per chunk (2M chunks). Lines, per world P and rank r (medians over
+rounds):
+
+    pipeline_cpu_wall_s_per_step_P<P>                 the timed window's wall time over its steps
+    pipeline_cpu_predicted_step_s_P<P>                the advisor's step (the 2x2 preset's host figures,
+                                                      on one node of P processes)
+    pipeline_cpu_predicted_over_wall_P<P>
+    pipeline_cpu_main_s_per_step_P<P>_rank<r>         the main thread's CPU per step (chunks, the
+                                                      schedule's Python, Lightning)
+    pipeline_cpu_gloo_s_per_step_P<P>_rank<r>         gloo's threads' CPU per step (the transfers)
+    pipeline_cpu_model_work_s_per_step_P<P>_rank<r>   what the model charges rank r's stage per step
+    pipeline_cpu_main_over_model_P<P>_rank<r>         main thread's CPU over the model's work
+    pipeline_cpu_all_over_cores_P<P>                  every thread's CPU of every rank over (cores x wall):
+                                                      near 1, the step is CPU-bound on this machine
+
+CPU seconds come from ``/proc`` in clock ticks (10 ms): over 40 timed steps a line is good to 0.25 ms.
+
+    python benchmarks/pipeline_cpu.py              # P = 2 and 4, 2 rounds (~2 min); writes results/pipeline_cpu.txt
+    python benchmarks/pipeline_cpu.py --quick      # P = 2, 1 round, 8 steps; writes nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import header, line, load_average, load_line, median
+from benchmarks.emulated._fit import IN, MLP, OUT
+from lightning_strategies.advisor import load_cluster, measure
+from lightning_strategies.advisor.advise import strategy_workload
+from lightning_strategies.advisor.model import predict
+
+RESULTS = Path(__file__).resolve().parent / "results"
+FIT = Path(__file__).resolve().parent / "emulated" / "_fit.py"
+PRESET = "emulated_2x2_1gbit"  # its host figures (wake-ups for up to 4 processes, chunk overhead, cores)
+
+
+def run_fit(world: int, steps: int, warmup: int, timeout: float) -> list[dict]:
+    """One ``torchrun --standalone`` fit of the pipeline on ``world`` processes: every rank's record."""
+    with tempfile.TemporaryDirectory(prefix="pipeline-cpu-") as tmp:
+        out = Path(tmp) / "out"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                str(FIT), "--strategy", "pipeline", "--steps", str(steps), "--warmup", str(warmup),
+                "--out", str(out)]  # fmt: skip
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp)
+        if proc.returncode != 0:
+            raise RuntimeError(f"pipeline fit on {world} processes: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def split_cpu(record: dict) -> tuple[float, float, float]:
+    """(main thread, gloo's threads, every thread) CPU seconds per timed step of one rank's record."""
+    steps = record["window"]["steps"]
+    threads: dict[str, float] = record["thread_cpu_s"]
+    gloo = sum(v for k, v in threads.items() if k.startswith(("gloo", "pt_gloo")))
+    main = max(v for k, v in threads.items() if not k.startswith(("gloo", "pt_gloo")))
+    return main / steps, gloo / steps, sum(threads.values()) / steps
+
+
+def model_work(world: int) -> tuple[list[float], float]:
+    """Per rank, the seconds of work the advisor charges its stage per step; and its predicted step."""
+    torch.set_num_threads(1)
+    m = measure(MLP(1024, 2), (torch.randn(32, IN), torch.randn(32, OUT)), repeats=5)
+    preset = load_cluster(PRESET)
+    cluster = dataclasses.replace(preset, nodes=1, per_node=world, name=f"loopback_{world}")
+    costs = cluster.costs(m.step_s)
+    work = strategy_workload(m, "pipeline", 32, num_stages=world, microbatches=4 * world)
+    stages = work.stage_seconds or ()
+    per_rank = [work.microbatches * s + 2 * work.microbatches * costs.chunk_overhead_s for s in stages]
+    return per_rank, predict("pipeline", costs, world, work).step_s
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=45)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="P = 2, 1 round, 8 steps; writes nothing (CI)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.worlds, args.rounds, args.steps, args.warmup = [2], 1, 8, 3
+    text = [header("pipeline_cpu: each pipeline rank's CPU per step against the advisor's work, on loopback")]
+    text.append(load_line("start"))
+    text.append(f"# fit: _fit.py MLP, K = P stages, M = 4K, 1F1B, batch 32 x P; {args.steps} steps, "
+                f"{args.warmup} untimed; model: preset {PRESET} on 1 node of P; {args.rounds} round(s)")  # fmt: skip
+    print("\n".join(text), flush=True)
+    rows: dict[int, list[list[dict]]] = {w: [] for w in args.worlds}
+    for r in range(args.rounds):
+        for world in args.worlds if r % 2 == 0 else reversed(args.worlds):  # interleaved
+            rows[world].append(run_fit(world, args.steps, args.warmup, timeout=600.0))
+            wall = rows[world][-1][0]["window"]["wall"] / rows[world][-1][0]["window"]["steps"]
+            text.append(f"# round {r} P={world}: {1e3 * wall:.1f} ms wall/step (load {load_average()})")
+            print(text[-1], flush=True)
+    cores = len(os.sched_getaffinity(0))
+    for world in args.worlds:
+        work, predicted = model_work(world)
+        walls = [median([rec["window"]["wall"] / rec["window"]["steps"] for rec in run]) for run in rows[world]]
+        wall = median(walls)
+        text.append(line(f"pipeline_cpu_wall_s_per_step_P{world}", wall, "s"))
+        text.append(line(f"pipeline_cpu_predicted_step_s_P{world}", predicted, "s"))
+        text.append(line(f"pipeline_cpu_predicted_over_wall_P{world}", predicted / wall, "x"))
+        every = []
+        for rank in range(world):
+            cpu = [split_cpu(run[rank]) for run in rows[world]]
+            main_s, gloo_s = median([c[0] for c in cpu]), median([c[1] for c in cpu])
+            every.append(median([c[2] for c in cpu]))
+            text.append(line(f"pipeline_cpu_main_s_per_step_P{world}_rank{rank}", main_s, "cpu_s"))
+            text.append(line(f"pipeline_cpu_gloo_s_per_step_P{world}_rank{rank}", gloo_s, "cpu_s"))
+            text.append(line(f"pipeline_cpu_model_work_s_per_step_P{world}_rank{rank}", work[rank], "s"))
+            text.append(line(f"pipeline_cpu_main_over_model_P{world}_rank{rank}", main_s / work[rank], "x"))
+        text.append(line(f"pipeline_cpu_all_over_cores_P{world}", sum(every) / (min(cores, world) * wall), "x"))
+    text.append(load_line("end"))
+    if not args.quick:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "pipeline_cpu.txt").write_text("\n".join(text) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
