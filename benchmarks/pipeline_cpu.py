@@ -17,21 +17,35 @@ rounds):
     pipeline_cpu_main_s_per_step_P<P>_rank<r>         the main thread's CPU per step (chunks, the
                                                       schedule's Python, Lightning)
     pipeline_cpu_gloo_s_per_step_P<P>_rank<r>         gloo's threads' CPU per step (the transfers)
+    pipeline_cpu_main_training_step_s_P<P>_rank<r>    of the main thread's: the training step (the whole
+                                                      schedule: chunks, transfers' Python, the broadcast)
+    pipeline_cpu_main_rest_s_P<P>_rank<r>             the rest (backward hook to the next step: gradients'
+                                                      hand-off, optimizer step, Lightning's loop, data);
+                                                      both per step, medians, from ``time.thread_time``
     pipeline_cpu_model_work_s_per_step_P<P>_rank<r>   what the model charges rank r's stage per step
     pipeline_cpu_main_over_model_P<P>_rank<r>         main thread's CPU over the model's work
+    pipeline_cpu_fit_beyond_compute_us_per_chunk_P<P>_rank<r>   the training step's main-thread CPU beyond the
+                                                      stage's compute measured alone, per chunk (2M): the
+                                                      runtime's and the strategy's work per chunk in the fit,
+                                                      and whatever the compute itself costs more there
+    pipeline_cpu_bare_us_per_chunk_w<W>_<schedule>_rank<r>   the runtime alone (``_pipeline_tiny.py``: 2
+                                                      stages of 2 blocks W wide, M = 8 of 8 rows, no Lightning):
+                                                      main-thread CPU per chunk; W = 8 is the runtime's own work
+    pipeline_cpu_bare_wall_s_w<W>_<schedule>          its wall time per step (the slower rank)
     pipeline_cpu_all_over_cores_P<P>                  every thread's CPU of every rank over (cores x wall):
                                                       near 1, the step is CPU-bound on this machine
 
 CPU seconds come from ``/proc`` in clock ticks (10 ms): over 40 timed steps a line is good to 0.25 ms.
 
     python benchmarks/pipeline_cpu.py              # P = 2 and 4, 2 rounds (~2 min); writes results/pipeline_cpu.txt
-    python benchmarks/pipeline_cpu.py --quick      # P = 2, 1 round, 8 steps; writes nothing
+    python benchmarks/pipeline_cpu.py --quick      # P = 2, 1 round, 8 steps, bare 8 wide; writes nothing
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -52,6 +66,8 @@ from lightning_strategies.advisor.model import predict
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FIT = Path(__file__).resolve().parent / "emulated" / "_fit.py"
+TINY = Path(__file__).resolve().parent / "_pipeline_tiny.py"
+TINY_CHUNKS = 16  # _pipeline_tiny.py: M = 8 micro-batches, a forward and a backward chunk each
 PRESET = "emulated_2x2_1gbit"  # its host figures (wake-ups for up to 4 processes, chunk overhead, cores)
 
 
@@ -69,6 +85,19 @@ def run_fit(world: int, steps: int, warmup: int, timeout: float) -> list[dict]:
         return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+def bare_runtime(width: int, steps: int, timeout: float) -> list[dict[str, dict[str, float]]]:
+    """``_pipeline_tiny.py`` on 2 processes: per rank, per schedule, the bare runtime's CPU and wall per step."""
+    with tempfile.TemporaryDirectory(prefix="pipeline-tiny-") as tmp:
+        out = Path(tmp) / "tiny.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(TINY),
+                "--width", str(width), "--steps", str(steps), "--out", str(out)]  # fmt: skip
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp)
+        if proc.returncode != 0:
+            raise RuntimeError(f"bare pipeline runtime: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+        return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
+
+
 def split_cpu(record: dict) -> tuple[float, float, float]:
     """(main thread, gloo's threads, every thread) CPU seconds per timed step of one rank's record."""
     steps = record["window"]["steps"]
@@ -78,8 +107,20 @@ def split_cpu(record: dict) -> tuple[float, float, float]:
     return main / steps, gloo / steps, sum(threads.values()) / steps
 
 
-def model_work(world: int) -> tuple[list[float], float]:
-    """Per rank, the seconds of work the advisor charges its stage per step; and its predicted step."""
+def phase_cpu(record: dict) -> tuple[float, float]:
+    """(the training step's, the rest's) main-thread CPU seconds of one rank, medians over its timed steps: the
+    training step holds the pipeline's whole schedule (its chunks, transfers' Python, the outputs' broadcast);
+    the rest runs from the backward hook to the next step's start (the gradients' hand-off, the optimizer
+    step, Lightning's loop and the data)."""
+    phases = record["phases"][record["warmup"] :]
+    step = [p["cpu_backward"] - p["cpu_start"] for p in phases]
+    rest = [b["cpu_start"] - a["cpu_backward"] for a, b in itertools.pairwise(phases)]
+    return median(step), median(rest)
+
+
+def model_work(world: int) -> tuple[list[float], list[float], float]:
+    """Per rank, the seconds of work the advisor charges its stage per step and of that its compute; and the
+    predicted step."""
     torch.set_num_threads(1)
     m = measure(MLP(1024, 2), (torch.randn(32, IN), torch.randn(32, OUT)), repeats=5)
     preset = load_cluster(PRESET)
@@ -88,7 +129,7 @@ def model_work(world: int) -> tuple[list[float], float]:
     work = strategy_workload(m, "pipeline", 32, num_stages=world, microbatches=4 * world)
     stages = work.stage_seconds or ()
     per_rank = [work.microbatches * s + 2 * work.microbatches * costs.chunk_overhead_s for s in stages]
-    return per_rank, predict("pipeline", costs, world, work).step_s
+    return per_rank, [work.microbatches * s for s in stages], predict("pipeline", costs, world, work).step_s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -97,7 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=45)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="P = 2, 1 round, 8 steps; writes nothing (CI)")
+    parser.add_argument("--no-bare", dest="bare", action="store_false", help="skip the bare runtime's runs")
+    parser.add_argument("--quick", action="store_true", help="P = 2, 8 steps; bare: 8 wide, 5 steps; writes nothing")
     args = parser.parse_args(argv)
     if args.quick:
         args.worlds, args.rounds, args.steps, args.warmup = [2], 1, 8, 3
@@ -115,7 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(text[-1], flush=True)
     cores = len(os.sched_getaffinity(0))
     for world in args.worlds:
-        work, predicted = model_work(world)
+        work, compute, predicted = model_work(world)
+        chunks = 2 * 4 * world
         walls = [median([rec["window"]["wall"] / rec["window"]["steps"] for rec in run]) for run in rows[world]]
         wall = median(walls)
         text.append(line(f"pipeline_cpu_wall_s_per_step_P{world}", wall, "s"))
@@ -128,9 +171,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             every.append(median([c[2] for c in cpu]))
             text.append(line(f"pipeline_cpu_main_s_per_step_P{world}_rank{rank}", main_s, "cpu_s"))
             text.append(line(f"pipeline_cpu_gloo_s_per_step_P{world}_rank{rank}", gloo_s, "cpu_s"))
+            step_s, rest_s = (median(v) for v in zip(*(phase_cpu(run[rank]) for run in rows[world]), strict=True))
+            text.append(line(f"pipeline_cpu_main_training_step_s_P{world}_rank{rank}", step_s, "cpu_s"))
+            text.append(line(f"pipeline_cpu_main_rest_s_P{world}_rank{rank}", rest_s, "cpu_s"))
             text.append(line(f"pipeline_cpu_model_work_s_per_step_P{world}_rank{rank}", work[rank], "s"))
+            beyond = (step_s - compute[rank]) / chunks
+            text.append(line(f"pipeline_cpu_fit_beyond_compute_us_per_chunk_P{world}_rank{rank}", 1e6 * beyond, "us"))
             text.append(line(f"pipeline_cpu_main_over_model_P{world}_rank{rank}", main_s / work[rank], "x"))
         text.append(line(f"pipeline_cpu_all_over_cores_P{world}", sum(every) / (min(cores, world) * wall), "x"))
+    if args.bare:
+        for width in (8,) if args.quick else (8, 1024):
+            ranks = bare_runtime(width, 5 if args.quick else 40, timeout=300.0)
+            for schedule in ranks[0]:
+                for rank, got in enumerate(ranks):
+                    per_chunk = 1e6 * got[schedule]["cpu_s"] / TINY_CHUNKS
+                    text.append(line(f"pipeline_cpu_bare_us_per_chunk_w{width}_{schedule}_rank{rank}", per_chunk, "us"))
+                wall = max(got[schedule]["wall_s"] for got in ranks)
+                text.append(line(f"pipeline_cpu_bare_wall_s_w{width}_{schedule}", wall, "s"))
     text.append(load_line("end"))
     if not args.quick:
         RESULTS.mkdir(exist_ok=True)

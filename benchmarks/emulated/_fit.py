@@ -13,7 +13,8 @@ step exclude set-up (rendezvous, the first broadcast, RPC start); under ps, whos
 forward, the values in flight land and the ranks meet before each reading, so no other step's replies are
 counted. Each record also holds, over the timed steps, their wall and CPU seconds (``window``: the time
 between steps included) and each thread's CPU seconds, and per step the forward's and backward's ends
-(``phases``) and the overlapped push's timestamps (``push_timeline``): where a step's time goes. Global
+(``phases``, with the main thread's CPU clock at each: ``cpu_start``, ``cpu_backward``, ``cpu_optimizer``)
+and the overlapped push's timestamps (``push_timeline``): where a step's time goes. Global
 rank 0 writes the step count to ``$EMULATED_CLUSTER_STEPS_FILE`` for the launcher.
 
 ``--slow-node-factor k`` (with ``--base-ms``) makes the last node's ranks ``k`` times slower, as
@@ -164,12 +165,20 @@ class Measure(pl.Callback):
                 self.nic["start"] = nic_counters()
         self.start = time.perf_counter()
         self.phases.append({"t0": self.start})
+        self._cpu_mark("start")
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: Any, loss: Any) -> None:
         self.phases[-1]["backward"] = time.perf_counter() - self.start
+        self._cpu_mark("backward")
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: Any) -> None:
         self.phases[-1]["optimizer"] = time.perf_counter() - self.start
+        self._cpu_mark("optimizer")
+
+    def _cpu_mark(self, at: str) -> None:
+        """The main thread's CPU seconds (hooks run on it) at ``at``: per step, the training step's (forward, or
+        a pipeline's whole schedule), the backward's, and the optimizer step's and the loop's to the next step."""
+        self.phases[-1][f"cpu_{at}"] = time.thread_time()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
         if self.base_ms > 0:

@@ -144,8 +144,9 @@ def _work(m: Measurement, batch: int, **kw: Any) -> Workload:
 def _pipeline_work(m: Measurement, batch: int, k: int, micro: int) -> Workload:
     mb = k * batch / micro
     stages = pipeline_stages(m, k)
-    fwd = [sum(m.blocks[i].forward_s for i in s) * mb / m.batch_size for s in stages]
-    bwd = [sum(m.blocks[i].backward_s for i in s) * mb / m.batch_size for s in stages]
+    times = [m.block_seconds(i, mb) for i in range(len(m.blocks))]  # a micro-batch's, not the batch's share
+    fwd = [sum(times[i][0] for i in s) for s in stages]
+    bwd = [sum(times[i][1] for i in s) for s in stages]
     total = sum(fwd) + sum(bwd)
     boundary = max((m.blocks[s[-1]].output_bytes for s in stages[:-1]), default=0) * mb / m.batch_size
     # PipelineStrategy's default schedule (1F1B), each stage its own blocks' time

@@ -2,7 +2,12 @@
 
 Blocks are the module's ``pipeline_layers()`` (:class:`~lightning_strategies.PipelineModule`), run
 one after the other on a detached copy of the previous block's output, so each block's forward and
-backward are timed alone; a module without them is one block, run through ``training_step``.
+backward are timed alone; a module without them is one block, run through ``training_step``. A block's
+time is not proportional to its rows: a small matmul reads its whole weight whatever the rows, and every
+call has its fixed cost. So blocks are timed twice, on the batch and on a quarter of it, and a
+micro-batch's time comes from the line through both (:meth:`Measurement.block_seconds`): scaled down
+in proportion, a pipeline's micro-batches would look several times cheaper than they run
+(``benchmarks/results/pipeline_cpu.txt``).
 Activation bytes are what autograd saves for the backward pass (parameters excluded), counted once
 per storage; the bytes saved between a column- and a row-parallel layer of the tensor plan
 (:func:`~lightning_strategies.comm.tensor.auto_plan`) are split by the tensor-parallel group.
@@ -51,6 +56,8 @@ class Block:
         split_saved_bytes: the part of ``saved_bytes`` the tensor plan splits.
         forward_s, backward_s: seconds, alone (the stated throughput's when ``tflops`` was given).
         flops: forward + backward, counted.
+        forward_fixed_s, backward_fixed_s: the part of ``forward_s`` / ``backward_s`` that does not
+            shrink with the rows (from the times at the batch and at a quarter of it; 0 from FLOPs).
     """
 
     name: str
@@ -61,6 +68,8 @@ class Block:
     forward_s: float
     backward_s: float
     flops: float
+    forward_fixed_s: float = 0.0
+    backward_fixed_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,18 @@ class Measurement:
     @property
     def step_s(self) -> float:
         return sum(b.forward_s + b.backward_s for b in self.blocks)
+
+    def block_seconds(self, index: int, rows: float) -> tuple[float, float]:
+        """Forward and backward seconds of block ``index`` on ``rows`` samples: its fixed part plus the rest
+        in proportion to the rows (``rows = batch_size`` gives the measured times)."""
+        b = self.blocks[index]
+        share = rows / self.batch_size
+
+        def at(total: float, fixed: float) -> float:
+            fixed = min(fixed, total)
+            return fixed + (total - fixed) * share
+
+        return at(b.forward_s, b.forward_fixed_s), at(b.backward_s, b.backward_fixed_s)
 
     @property
     def saved_bytes(self) -> int:
@@ -315,23 +336,36 @@ def _flops(fn: Callable[[], Any]) -> float:
     return float(counter.get_total_flops())
 
 
-def _measure_blocks(module: Any, batch: Any, saved: _Saved, tflops: float | None, repeats: int) -> list[Block]:
+def _head(batch: Any, rows: int) -> Any:
+    """The first ``rows`` samples of a ``(inputs, targets, ...)`` batch (tensors sliced on their first dim)."""
+    size = len(batch[0])
+    return type(batch)(t[:rows] if isinstance(t, Tensor) and t.dim() and len(t) == size else t for t in batch)
+
+
+def _block_runs(
+    module: Any, batch: Any, saved: _Saved | None = None
+) -> Iterator[tuple[int, Callable[[], None], Callable[[], None], Tensor, tuple[int, int]]]:
+    """Each block, last first: its forward and backward on ``batch`` as calls, its output and (when ``saved``
+    counts) the bytes it saves and of those the split ones. Each backward uses the gradient of the block after it."""
     layers: nn.Sequential = module.pipeline_layers()
     x: Any = batch[0]
     leaves, outs = [], []
-    for i, layer in enumerate(layers):  # one counted run: saved bytes, outputs, the plan's collectives
+    for i, layer in enumerate(layers):  # one run: outputs (and, counted, saved bytes and the plan's collectives)
         leaf = x.detach().requires_grad_(i > 0 and x.is_floating_point())  # no gradient for the data
-        with saved.counting():
+        if saved is not None:
+            with saved.counting():
+                out = layer(leaf)
+            outs.append((out, (saved.total, saved.split)))
+        else:
             out = layer(leaf)
+            outs.append((out, (0, 0)))
         leaves.append(leaf)
-        outs.append((out, saved.total, saved.split))
         x = out
     loss = _loss(module, outs[-1][0], batch)
     grads: list[Any] = [None] * len(outs)
     grads[-1] = torch.autograd.grad(loss, outs[-1][0], retain_graph=True)[0]
-    blocks = []
-    for i in reversed(range(len(layers))):  # each backward needs the gradient of the block after it
-        layer, leaf, (out, nsaved, nsplit) = layers[i], leaves[i], outs[i]
+    for i in reversed(range(len(layers))):
+        layer, leaf, (out, counted) = layers[i], leaves[i], outs[i]
 
         def fwd(layer: nn.Module = layer, leaf: Tensor = leaf) -> None:
             layer(leaf)
@@ -340,13 +374,38 @@ def _measure_blocks(module: Any, batch: Any, saved: _Saved, tflops: float | None
             if out.requires_grad:  # a block before the first weight (a pooling of the data) has no backward
                 torch.autograd.backward(out, grads[i], retain_graph=True)
 
-        fwd_flops, bwd_flops = _flops(fwd), _flops(bwd)
         if i > 0 and out.requires_grad:
             grads[i - 1] = torch.autograd.grad(out, leaf, grads[i], retain_graph=True)[0]
+        yield i, fwd, bwd, out, counted
+
+
+def _fixed(rows: int, seconds: float, small_rows: int, small_seconds: float) -> float:
+    """The intercept at 0 rows of the line through (small_rows, small_seconds) and (rows, seconds), within
+    [0, seconds]: a block timed slower on fewer rows (noise) is all fixed, one faster in proportion none."""
+    slope = (seconds - small_seconds) / (rows - small_rows)
+    return min(seconds, max(0.0, seconds - slope * rows))
+
+
+def _measure_blocks(module: Any, batch: Any, saved: _Saved, tflops: float | None, repeats: int) -> list[Block]:
+    layers: nn.Sequential = module.pipeline_layers()
+    size = len(batch[0])
+    small = max(1, size // 4)
+    fixed: dict[int, tuple[float, float]] = {}
+    if not tflops and small < size:  # the quarter batch first: the batch's run leaves the gradients as they were
+        for i, fwd, bwd, _out, _ in _block_runs(module, _head(batch, small)):
+            fixed[i] = (_time(fwd, repeats), _time(bwd, repeats))
+    blocks = []
+    for i, fwd, bwd, out, (nsaved, nsplit) in _block_runs(module, batch, saved):
+        fwd_flops, bwd_flops = _flops(fwd), _flops(bwd)
         if tflops:
             f_s, b_s = fwd_flops / (tflops * 1e12), bwd_flops / (tflops * 1e12)
         else:
             f_s, b_s = _time(fwd, repeats), _time(bwd, repeats)
+        f_fixed, b_fixed = 0.0, 0.0
+        if i in fixed:
+            f_fixed = _fixed(size, f_s, small, fixed[i][0])
+            b_fixed = _fixed(size, b_s, small, fixed[i][1])
+        layer = layers[i]
         blocks.append(
             Block(
                 f"{i}:{type(layer).__name__}",
@@ -357,6 +416,8 @@ def _measure_blocks(module: Any, batch: Any, saved: _Saved, tflops: float | None
                 f_s,
                 b_s,
                 fwd_flops + bwd_flops,
+                f_fixed,
+                b_fixed,
             )
         )
     for p in module.parameters():

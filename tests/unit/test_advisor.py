@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -23,6 +24,8 @@ from lightning_strategies.advisor import (
     to_json,
     write_png,
 )
+from lightning_strategies.advisor.advise import strategy_workload
+from lightning_strategies.advisor.measure import Block, Measurement
 from lightning_strategies.advisor.memory import pipeline_memory
 from lightning_strategies.advisor.report import JSON_KEYS
 
@@ -87,6 +90,53 @@ def test_a_stated_throughput_gives_counted_flops_over_it() -> None:
     fwd = 2 * 32 * (8 * 16 + 16 * 16 + 16 * 4)
     assert m.flops == pytest.approx(3 * fwd - 2 * 32 * 8 * 16, rel=0.02)  # + the loss's and ReLUs' few FLOPs
     assert m.step_s == pytest.approx(m.flops / 1e12, rel=1e-9) and "toy" in m.timed_on
+    # counted FLOPs are in proportion to the rows: no fixed part
+    assert all(b.forward_fixed_s == b.backward_fixed_s == 0.0 for b in m.blocks)
+
+
+class _Sleepy(nn.Module):
+    """A block whose forward takes ``fixed_s + per_row_s x rows`` (sleeps): a known line through 0 rows."""
+
+    def __init__(self, fixed_s: float, per_row_s: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+        self.fixed_s, self.per_row_s = fixed_s, per_row_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.fixed_s + self.per_row_s * len(x))
+        return x * self.weight
+
+
+class SleepyPipe(Toy):
+    def __init__(self) -> None:
+        super().__init__("sgd")
+        self.net = nn.Sequential(_Sleepy(0.020, 0.001), nn.Linear(4, 4))
+
+
+def test_a_blocks_time_is_its_fixed_part_plus_the_rest_in_proportion_to_the_rows() -> None:
+    # forward 20 ms + 1 ms a row: 52 ms at 32 rows, 28 ms at 8 (the quarter batch). A sleep overshoots by a
+    # scheduler's wake-up (< 1 ms on a quiet machine; the median of 3 keeps a loaded moment's few ms out),
+    # which moves the line's intercept by 4/3 of the overshoot at 8 rows: 20 ms +- 5 ms holds it.
+    m = measure(SleepyPipe(), (torch.randn(32, 4), torch.randn(32, 4)))
+    sleepy = m.blocks[0]
+    assert sleepy.forward_s == pytest.approx(0.052, abs=0.005)
+    assert sleepy.forward_fixed_s == pytest.approx(0.020, abs=0.005)
+    assert m.block_seconds(0, 8)[0] == pytest.approx(0.028, abs=0.005)  # the line, not 52 / 4 = 13 ms
+    assert m.block_seconds(0, 32) == (sleepy.forward_s, sleepy.backward_s)  # at the batch: as measured
+
+
+def test_block_seconds_and_the_pipelines_micro_batches_by_hand() -> None:
+    blocks = tuple(
+        Block(f"{i}", 0, 64, 0, 0, forward_s=f, backward_s=b, flops=0.0, forward_fixed_s=ff, backward_fixed_s=bf)
+        for i, (f, b, ff, bf) in enumerate([(4.0, 8.0, 1.0, 2.0), (2.0, 4.0, 0.0, 0.0), (1.0, 2.0, 3.0, 0.5)])
+    )
+    m = Measurement(32, (), 0, blocks, True, "SGD", (), 0, 0.0, 0, "test")
+    assert m.block_seconds(0, 8) == (1.0 + 3.0 / 4, 2.0 + 6.0 / 4)  # fixed + the rest x 8/32
+    assert m.block_seconds(1, 8) == (0.5, 1.0)  # no fixed part: in proportion
+    assert m.block_seconds(2, 8) == (1.0, 0.5 + 1.5 / 4)  # a fixed part above the time: all of it fixed
+    # K = 3 stages of one block each, M = 12 micro-batches of K x batch / M = 3 x 32 / 12 = 8 rows
+    work = strategy_workload(m, "pipeline", 32, num_stages=3, microbatches=12)
+    assert work.stage_seconds == pytest.approx((1.75 + 3.5, 0.5 + 1.0, 1.0 + 0.875))
 
 
 def test_memory_per_strategy_by_hand() -> None:
