@@ -1,7 +1,8 @@
 """Where a pipeline step's time goes on this machine: each rank's CPU against the advisor's work (#30).
 
-The advisor's worst cells are the pipeline's (``advisor_validation.txt``: 0.48-0.63 under-predicted at
-1gbit, where the link costs next to nothing). This runs the same fit on loopback, no link at all: the
+The advisor's pipeline cells were its worst (0.48-0.63 under-predicted at 1gbit, where the link costs
+next to nothing, before a micro-batch's compute was timed rather than scaled). This runs the same fit on
+loopback, no link at all: the
 emulated cluster's MLP under ``PipelineStrategy`` at K = P stages, M = 4K micro-batches, 1F1B, batch
 32 x P (``benchmarks/emulated/_fit.py``, as ``advisor_cluster.py`` runs it) under ``torchrun
 --standalone``, and reads what each rank's threads spent (``/proc``, over the timed steps) next to
@@ -62,6 +63,7 @@ from benchmarks._common import header, line, load_average, load_line, median
 from benchmarks.emulated._fit import IN, MLP, OUT
 from lightning_strategies.advisor import load_cluster, measure
 from lightning_strategies.advisor.advise import strategy_workload
+from lightning_strategies.advisor.measure import Measurement
 from lightning_strategies.advisor.model import predict
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -71,17 +73,23 @@ TINY_CHUNKS = 16  # _pipeline_tiny.py: M = 8 micro-batches, a forward and a back
 PRESET = "emulated_2x2_1gbit"  # its host figures (wake-ups for up to 4 processes, chunk overhead, cores)
 
 
+def _torchrun(script: Path, nproc: int, args: Sequence[str], what: str, timeout: float, **env: str) -> None:
+    """``torchrun --standalone`` of ``script`` on ``nproc`` processes (one torch thread each) from ``cwd=tmp``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
+            *args]  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="pipeline-cpu-") as tmp:
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+
+
 def run_fit(world: int, steps: int, warmup: int, timeout: float) -> list[dict]:
-    """One ``torchrun --standalone`` fit of the pipeline on ``world`` processes: every rank's record."""
+    """One fit of the pipeline on ``world`` processes: every rank's record."""
     with tempfile.TemporaryDirectory(prefix="pipeline-cpu-") as tmp:
         out = Path(tmp) / "out"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                str(FIT), "--strategy", "pipeline", "--steps", str(steps), "--warmup", str(warmup),
-                "--out", str(out)]  # fmt: skip
-        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp)
-        if proc.returncode != 0:
-            raise RuntimeError(f"pipeline fit on {world} processes: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+        args = ["--strategy", "pipeline", "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
+        _torchrun(FIT, world, args, f"pipeline fit on {world} processes", timeout, GLOO_SOCKET_IFNAME="lo")
         return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -89,12 +97,8 @@ def bare_runtime(width: int, steps: int, timeout: float) -> list[dict[str, dict[
     """``_pipeline_tiny.py`` on 2 processes: per rank, per schedule, the bare runtime's CPU and wall per step."""
     with tempfile.TemporaryDirectory(prefix="pipeline-tiny-") as tmp:
         out = Path(tmp) / "tiny.json"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(TINY),
-                "--width", str(width), "--steps", str(steps), "--out", str(out)]  # fmt: skip
-        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp)
-        if proc.returncode != 0:
-            raise RuntimeError(f"bare pipeline runtime: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+        _torchrun(TINY, 2, ["--width", str(width), "--steps", str(steps), "--out", str(out)], "bare pipeline runtime",
+                  timeout)  # fmt: skip
         return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
 
 
@@ -118,11 +122,9 @@ def phase_cpu(record: dict) -> tuple[float, float]:
     return median(step), median(rest)
 
 
-def model_work(world: int) -> tuple[list[float], list[float], float]:
+def model_work(m: Measurement, world: int) -> tuple[list[float], list[float], float]:
     """Per rank, the seconds of work the advisor charges its stage per step and of that its compute; and the
-    predicted step."""
-    torch.set_num_threads(1)
-    m = measure(MLP(1024, 2), (torch.randn(32, IN), torch.randn(32, OUT)), repeats=5)
+    predicted step, for the MLP measured as ``m``."""
     preset = load_cluster(PRESET)
     cluster = dataclasses.replace(preset, nodes=1, per_node=world, name=f"loopback_{world}")
     costs = cluster.costs(m.step_s)
@@ -156,8 +158,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             text.append(f"# round {r} P={world}: {1e3 * wall:.1f} ms wall/step (load {load_average()})")
             print(text[-1], flush=True)
     cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(1)  # after the fits: as every rank of them, one thread
+    m = measure(MLP(1024, 2), (torch.randn(32, IN), torch.randn(32, OUT)), repeats=5)
     for world in args.worlds:
-        work, compute, predicted = model_work(world)
+        work, compute, predicted = model_work(m, world)
         chunks = 2 * 4 * world
         walls = [median([rec["window"]["wall"] / rec["window"]["steps"] for rec in run]) for run in rows[world]]
         wall = median(walls)
