@@ -110,6 +110,7 @@ def slower(costs: Costs, factor: float) -> Costs:
         ps_client_s_per_tensor=costs.ps_client_s_per_tensor * factor,
         ps_average_s_per_tensor=costs.ps_average_s_per_tensor * factor,
         ps_update_s_per_tensor=costs.ps_update_s_per_tensor * factor,
+        tensor_layer_s=costs.tensor_layer_s * factor,
     )
 
 

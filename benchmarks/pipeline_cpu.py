@@ -45,11 +45,8 @@ CPU seconds come from ``/proc`` in clock ticks (10 ms): over 40 timed steps a li
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import itertools
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -60,74 +57,31 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import header, line, load_average, load_line, median
+from benchmarks._rank_cpu import PRESET, loopback, phase_cpu, run_fit, split_cpu, torchrun, wall_per_step
 from benchmarks.emulated._fit import IN, MLP, OUT
-from lightning_strategies.advisor import load_cluster, measure
+from lightning_strategies.advisor import measure
 from lightning_strategies.advisor.advise import strategy_workload
 from lightning_strategies.advisor.measure import Measurement
 from lightning_strategies.advisor.model import predict
 
 RESULTS = Path(__file__).resolve().parent / "results"
-FIT = Path(__file__).resolve().parent / "emulated" / "_fit.py"
 TINY = Path(__file__).resolve().parent / "_pipeline_tiny.py"
 TINY_CHUNKS = 16  # _pipeline_tiny.py: M = 8 micro-batches, a forward and a backward chunk each
-PRESET = "emulated_2x2_1gbit"  # its host figures (wake-ups for up to 4 processes, chunk overhead, cores)
-
-
-def _torchrun(script: Path, nproc: int, args: Sequence[str], what: str, timeout: float, **env: str) -> None:
-    """``torchrun --standalone`` of ``script`` on ``nproc`` processes (one torch thread each) from ``cwd=tmp``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
-            *args]  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="pipeline-cpu-") as tmp:
-        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{what}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
-
-
-def run_fit(world: int, steps: int, warmup: int, timeout: float) -> list[dict]:
-    """One fit of the pipeline on ``world`` processes: every rank's record."""
-    with tempfile.TemporaryDirectory(prefix="pipeline-cpu-") as tmp:
-        out = Path(tmp) / "out"
-        args = ["--strategy", "pipeline", "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
-        _torchrun(FIT, world, args, f"pipeline fit on {world} processes", timeout, GLOO_SOCKET_IFNAME="lo")
-        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 def bare_runtime(width: int, steps: int, timeout: float) -> list[dict[str, dict[str, float]]]:
     """``_pipeline_tiny.py`` on 2 processes: per rank, per schedule, the bare runtime's CPU and wall per step."""
     with tempfile.TemporaryDirectory(prefix="pipeline-tiny-") as tmp:
         out = Path(tmp) / "tiny.json"
-        _torchrun(TINY, 2, ["--width", str(width), "--steps", str(steps), "--out", str(out)], "bare pipeline runtime",
+        torchrun(TINY, 2, ["--width", str(width), "--steps", str(steps), "--out", str(out)], "bare pipeline runtime",
                   timeout)  # fmt: skip
         return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
-
-
-def split_cpu(record: dict) -> tuple[float, float, float]:
-    """(main thread, gloo's threads, every thread) CPU seconds per timed step of one rank's record."""
-    steps = record["window"]["steps"]
-    threads: dict[str, float] = record["thread_cpu_s"]
-    gloo = sum(v for k, v in threads.items() if k.startswith(("gloo", "pt_gloo")))
-    main = max(v for k, v in threads.items() if not k.startswith(("gloo", "pt_gloo")))
-    return main / steps, gloo / steps, sum(threads.values()) / steps
-
-
-def phase_cpu(record: dict) -> tuple[float, float]:
-    """(the training step's, the rest's) main-thread CPU seconds of one rank, medians over its timed steps: the
-    training step holds the pipeline's whole schedule (its chunks, transfers' Python, the outputs' broadcast);
-    the rest runs from the backward hook to the next step's start (the gradients' hand-off, the optimizer
-    step, Lightning's loop and the data)."""
-    phases = record["phases"][record["warmup"] :]
-    step = [p["cpu_backward"] - p["cpu_start"] for p in phases]
-    rest = [b["cpu_start"] - a["cpu_backward"] for a, b in itertools.pairwise(phases)]
-    return median(step), median(rest)
 
 
 def model_work(m: Measurement, world: int) -> tuple[list[float], list[float], float]:
     """Per rank, the seconds of work the advisor charges its stage per step and of that its compute; and the
     predicted step, for the MLP measured as ``m``."""
-    preset = load_cluster(PRESET)
-    cluster = dataclasses.replace(preset, nodes=1, per_node=world, name=f"loopback_{world}")
-    costs = cluster.costs(m.step_s)
+    costs = loopback(world).costs(m.step_s)
     work = strategy_workload(m, "pipeline", 32, num_stages=world, microbatches=4 * world)
     stages = work.stage_seconds or ()
     per_rank = [work.microbatches * s + 2 * work.microbatches * costs.chunk_overhead_s for s in stages]
@@ -153,8 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: dict[int, list[list[dict]]] = {w: [] for w in args.worlds}
     for r in range(args.rounds):
         for world in args.worlds if r % 2 == 0 else reversed(args.worlds):  # interleaved
-            rows[world].append(run_fit(world, args.steps, args.warmup, timeout=600.0))
-            wall = rows[world][-1][0]["window"]["wall"] / rows[world][-1][0]["window"]["steps"]
+            rows[world].append(run_fit("pipeline", world, args.steps, args.warmup, timeout=600.0))
+            wall = wall_per_step(rows[world][-1])
             text.append(f"# round {r} P={world}: {1e3 * wall:.1f} ms wall/step (load {load_average()})")
             print(text[-1], flush=True)
     cores = len(os.sched_getaffinity(0))

@@ -159,7 +159,8 @@ def _pipeline_work(m: Measurement, batch: int, k: int, micro: int) -> Workload:
 def _tensor_work(m: Measurement, batch: int, t: int) -> Workload:
     scale = t * batch / m.batch_size
     return _work(m, batch, tensor_size=t, tensor_collectives=tuple(x * scale for x in m.tensor_payloads),
-                 tensor_split_share=m.tensor_split_share)  # fmt: skip
+                 tensor_split_share=m.tensor_split_share, tensor_layers=m.tensor_split_layers,
+                 tensor_replicated_bytes=float(m.tensor_replicated_bytes))  # fmt: skip
 
 
 def _reason(name: str, pred: Prediction, mem: Memory, cluster: Cluster, options: dict[str, Any]) -> str:

@@ -41,6 +41,7 @@ class Cluster:
         rpc_overhead_us: host work of one RPC message (ps, async).
         ring_overhead_us: host work of one ``comm.ring`` message on top of the link's.
         chunk_overhead_us: the pipeline runtime's work per micro-batch chunk.
+        tensor_overhead_us: the tensor strategy's host work per split layer and step (DTensor's dispatch).
         ps_overhead_us_per_tensor: a ps worker's and shard's Python work per tensor and step.
         wake_us: a pipeline hop's latency at the receiver (its wake-up) while 0, 1, ... other
             processes are busy (measured: ``benchmarks/scale.py``'s ``calib_wake_us_busy<b>``); ``()``:
@@ -66,6 +67,7 @@ class Cluster:
     rpc_overhead_us: float = 0.0
     ring_overhead_us: float = 0.0
     chunk_overhead_us: float = 0.0
+    tensor_overhead_us: float = 0.0
     ps_overhead_us_per_tensor: float = 0.0
     wake_us: tuple[float, ...] = ()
     ft_protocol_us: float = 0.0
@@ -132,6 +134,7 @@ class Cluster:
             ps_average_s_per_tensor=per_tensor,
             ps_update_s_per_tensor=per_tensor,
             chunk_overhead_s=self.chunk_overhead_us * 1e-6,
+            tensor_layer_s=self.tensor_overhead_us * 1e-6,
             cores=self.cores,
             cpu_links=self.nodes == 1,  # between nodes a network's wire, not memory copies
             min_chunk_bytes=float(256 << 10),  # comm.ring.MIN_CHUNK_BYTES

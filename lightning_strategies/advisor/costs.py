@@ -60,6 +60,8 @@ class Costs:
         ps_protocol_s: what ps's protocol adds per remote peer and step on top of its transport and
             host work (the barrier's future, the RPC threads' hand-offs); with a measured transport.
         chunk_overhead_s: the pipeline runtime's host work per micro-batch chunk (forward or backward).
+        tensor_layer_s: the tensor strategy's host work per split layer and step besides its compute and
+            its collectives (DTensor's dispatch of the layer's forward, backward and optimizer step).
         hop_s: latency of a pipeline hop (an activation's ``isend`` to the next stage) when b = 0, 1, ...
             processes other than the receiver are busy (the last entry for more), measured at the
             run's activation size; ``()``: the link's latency and bandwidth.
@@ -108,6 +110,7 @@ class Costs:
     rpc_gather_s: float | None = None
     ps_protocol_s: float = 0.0
     chunk_overhead_s: float = 0.0
+    tensor_layer_s: float = 0.0
     hop_s: tuple[float, ...] = ()
     cores: float | None = None
     bucket_bytes: float = 25 * MIB
@@ -160,6 +163,10 @@ class Workload:
         tensor_collectives: bytes of each activation all-reduce of a tensor-parallel step (forward
             and backward, at the group's batch).
         tensor_split_share: the share of compute and of gradient bytes in the split layers.
+        tensor_layers: the layers the plan splits (``Costs.tensor_layer_s`` each).
+        tensor_replicated_bytes: gradient bytes left whole on every rank of a group (the unsplit layers,
+            a row-split layer's bias), all-reduced over every process each step; ``None``: the unsplit
+            layers' share, ``(1 - tensor_split_share) x grad_bytes``.
         schedule: the pipeline's schedule, ``gpipe`` or ``1f1b``
             (:func:`~lightning_strategies.advisor.schedule.pipeline_order`).
         stage_seconds: forward + backward of each stage on one micro-batch (stages differ); ``()``:
@@ -176,6 +183,8 @@ class Workload:
     tensor_size: int = 0
     tensor_collectives: tuple[float, ...] = ()
     tensor_split_share: float = 1.0
+    tensor_layers: int = 0
+    tensor_replicated_bytes: float | None = None
     schedule: str = "gpipe"
     stage_seconds: tuple[float, ...] = ()
 

@@ -89,6 +89,10 @@ class Measurement:
         tensor_split_flops: their forward + backward FLOPs at the measured batch.
         tensor_split_gcd: the greatest common divisor of their split dimensions (0: no plan).
         timed_on: where the times come from.
+        tensor_split_layers: the layers the tensor plan splits (each adds DTensor's host work per step).
+        tensor_replicated_bytes: parameter bytes the plan leaves whole on every rank of a group (the
+            unsplit layers, a row-split layer's bias): their gradients are all-reduced over every
+            process each step.
     """
 
     batch_size: int
@@ -102,6 +106,8 @@ class Measurement:
     tensor_split_flops: float
     tensor_split_gcd: int
     timed_on: str
+    tensor_split_layers: int = 0
+    tensor_replicated_bytes: int = 0
 
     @property
     def param_bytes(self) -> int:
@@ -313,6 +319,8 @@ def measure(
     plan = auto_plan(module)
     modules = dict(module.named_modules())
     split = sum(_nbytes(p) for n in plan for p in modules[n].parameters())
+    # a row-split layer keeps its bias whole (RowwiseParallel); the other planned layers shard every parameter
+    whole = sum(_nbytes(modules[n].bias) for n, st in plan.items() if st == "rowwise" and modules[n].bias is not None)
     dims = [getattr(modules[n], "in_features" if st == "rowwise" else "out_features") for n, st in plan.items()]
     timed_on = f"{device or 'device'} at {tflops:g} TFLOPS (counted FLOPs)" if tflops else "this machine, timed"
     return Measurement(
@@ -327,6 +335,8 @@ def measure(
         tensor_split_flops=saved.split_flops,
         tensor_split_gcd=math.gcd(*dims) if dims else 0,
         timed_on=timed_on,
+        tensor_split_layers=len(plan),
+        tensor_replicated_bytes=max(0, sum(t.param for t in tensors) - split + whole),
     )
 
 

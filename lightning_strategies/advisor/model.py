@@ -71,7 +71,10 @@ B bytes in ``latency + B / bandwidth``.
     tensor     T = P / R processes split every planned layer (share s of the compute and of D) and
                take T x the data-parallel batch: s + T(1 - s) of a worker's compute per device,
                a ring all-reduce over T of each activation payload (``Workload.tensor_collectives``,
-               forward and backward), and with R > 1 a ring of D (s/T + 1 - s) over the replicas
+               forward and backward); a rank's shards ((D - W) / T) in a ring over the R replicas,
+               the gradients left whole on every rank (W: the unsplit layers, a row-split layer's
+               bias; ``Workload.tensor_replicated_bytes``) in a ring over all P; and DTensor's host
+               work, ``tensor_layer_s`` per split layer (``Workload.tensor_layers``)
 """
 
 from __future__ import annotations
@@ -391,18 +394,26 @@ def _tensor(costs: Costs, world: int, work: Workload) -> Prediction:
         "bandwidth": costs.wire(world) * bandwidth,
         "reduce": k * reduce,
     }
-    held = work.grad_bytes * (share / group + 1 - share)
+    if work.tensor_layers and costs.tensor_layer_s:  # DTensor's dispatch, every split layer
+        phases["dispatch"] = k * work.tensor_layers * costs.tensor_layer_s
+    whole = (1 - share) * work.grad_bytes if work.tensor_replicated_bytes is None else work.tensor_replicated_bytes
+    sharded = (work.grad_bytes - whole) / group  # a rank's shards, averaged over the replicas holding them
     dp = 0.0
     if replicas > 1:
         sub = costs.with_(local_size=max(1, costs.local_size // group))
-        lat, bw, red = _ring(sub, replicas, costs.buckets(held), segment=costs.gloo_segment_bytes, overhead=0.0,
+        lat, bw, red = _ring(sub, replicas, costs.buckets(sharded), segment=costs.gloo_segment_bytes, overhead=0.0,
                              rings=group)  # fmt: skip
         phases["allreduce"] = k * (lat + bw + red)
-        dp = 2 * (replicas - 1) / replicas * held
+        dp = 2 * (replicas - 1) / replicas * sharded
+    if whole > 0 and world > 1:  # the whole gradients over every process (TensorParallelStrategy._average_gradients)
+        lat, bw, red = _ring(costs, world, costs.buckets(whole), segment=costs.gloo_segment_bytes, overhead=0.0)
+        phases["replicated"] = k * (lat + red) + costs.wire(world) * bw
+        dp += 2 * (world - 1) / world * whole
     act = sum(2 * (group - 1) / group * x for x in work.tensor_collectives) if group > 1 else 0.0
     nodes = math.ceil(world / costs.local_size)
     nic = act if group > costs.local_size else (group * dp if nodes > 1 else 0.0)
     messages = 2 * (group - 1) * len(work.tensor_collectives) if group > 1 else 0
+    messages += 2 * (world - 1) * len(costs.buckets(whole)) if whole > 0 and world > 1 else 0
     return Prediction(sum(phases.values()), phases, act + dp, max(act, dp), nic, messages, inter_sent_bytes=nic)
 
 

@@ -259,6 +259,16 @@ GOALS["pipeline_cpu.py"] = [
     # the bare runtime 8 wide: its own work per chunk, 208-258 us in results/pipeline_cpu.txt; not 0 (nothing timed)
     (r"pipeline_cpu_bare_us_per_chunk_w8_(gpipe|1f1b)_rank[01]", 10.0, 20000.0),
 ]
+# tensor_cpu.py --quick: the MLP whole and split over a one-process mesh (2 rounds), then ddp and tensor fits at
+# P = 2, 5 timed steps. DTensor's dispatch costs every split layer host work (585.7 us in
+# results/tensor_cpu.txt): at or below 0 the split model was not the one timed. The MLP leaves one tensor whole
+# on every rank of a group, its row-split layer's bias: 1024 float32.
+GOALS["tensor_cpu.py"] = [
+    (r"tensor_cpu_dtensor_us_per_layer", 20.0, 20000.0),
+    (r"tensor_cpu_replicated_bytes", 4096, 4096),
+    (r"tensor_cpu_wall_s_per_step_(ddp|tensor)_P2", 0.001, 60.0),
+    (r"tensor_cpu_predicted_over_wall_(ddp|tensor)_P2", 0.01, 100.0),
+]
 # cluster_diloco.py --quick: diloco alone for 2 steps (H = 1) on 2 nodes at 50mbit, the Lighthouse in
 # node 0 and replica 1 healing from replica 0 across the link: that it trains and validates (an
 # accuracy in (0, 1], a step time); its time and accuracy goals need the full run's 80 steps.

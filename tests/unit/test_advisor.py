@@ -82,6 +82,10 @@ def test_measure_counts_the_toy_models_bytes_per_tensor_and_per_block() -> None:
     # net.2's output all-reduce, net.4's input-gradient all-reduce and its output gathered (half an all-reduce)
     assert m.tensor_payloads == (32 * 16 * 4, 32 * 16 * 4, 32 * 4 * 4 / 2)
     assert m.tensor_split_gcd == 4 and m.pipeline and m.step_s > 0
+    # three split layers; left whole on every rank of a group: net.2's bias only (rowwise), 16 float32
+    assert m.tensor_split_layers == 3 and m.tensor_replicated_bytes == 16 * 4
+    tp = strategy_workload(m, "tensor", 32, tp_size=2)
+    assert (tp.tensor_layers, tp.tensor_replicated_bytes) == (3, 16 * 4)
 
 
 def test_a_stated_throughput_gives_counted_flops_over_it() -> None:

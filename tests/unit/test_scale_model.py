@@ -117,17 +117,35 @@ def test_tensor_parallel_splits_compute_and_all_reduces_each_activation_over_the
     got = predict("tensor", c, 4, work)
     compute = 0.1 * (0.75 + 4 * 0.25)  # 4x the batch; the split 3/4 on a quarter of the weights
     comm = 2 * (2 * 3 * 1e-3 + 2 * 3 * (2 * MIB) / 1e9)  # two rings of 2(T-1) steps of 8 MiB / 4
-    assert got.step_s == pytest.approx(compute + comm, rel=REL)
-    assert got.busiest_sent_bytes == pytest.approx(2 * 2 * 3 / 4 * 8 * MIB, rel=REL)
-    assert got.messages == 12 and got.nic_bytes == 0.0
-    # 2 groups of 2 over 2 nodes of 2: the activations stay in the node, the replicas' ring of the
-    # held gradient (D (s/T + 1 - s)) crosses it
+    whole = 2 * 3 * 1e-3 + 2 * 3 * (0.25 * D / 4) / 1e9  # the unsplit quarter of D: a ring over all 4, one bucket
+    assert got.step_s == pytest.approx(compute + comm + whole, rel=REL)
+    assert got.busiest_sent_bytes == pytest.approx(2 * 2 * 3 / 4 * 8 * MIB + 2 * 3 / 4 * 0.25 * D, rel=REL)
+    assert got.messages == 12 + 6 and got.nic_bytes == 0.0
+    # 2 groups of 2 over 2 nodes of 2: the activations stay in the node; a rank's shards (3/4 D / T) in the
+    # replicas' ring, which crosses it, and the gradients left whole (1 - s of D) in a ring over all 4
     two = predict("tensor", c.with_(local_size=2, inter=Link(0.0, 1e9), inter_shared=True), 4, Workload(
         grad_bytes=D, tensor_size=2, tensor_collectives=(8 * MIB,), tensor_split_share=0.75))  # fmt: skip
-    held = D * (0.75 / 2 + 0.25)
-    assert two.phases["allreduce"] == pytest.approx(2 * 1 * 2 * (held / 2) / 1e9, rel=REL)  # 2 rings share the NIC
+    shards, whole = 0.75 * D / 2, 0.25 * D
+    assert two.phases["allreduce"] == pytest.approx(2 * 1 * 2 * (shards / 2) / 1e9, rel=REL)  # 2 rings share the NIC
+    # 16 MiB whole in one bucket: 2(P-1) = 6 steps of a quarter of it across the inter-node link (latency 0, 1 GB/s)
+    assert two.phases["replicated"] == pytest.approx(6 * whole / 4 / 1e9, rel=REL)
+    assert two.busiest_sent_bytes == pytest.approx(2 * 1 / 2 * 8 * MIB + 2 * 1 / 2 * shards + 2 * 3 / 4 * whole,
+                                                   rel=REL)  # fmt: skip
     with pytest.raises(ValueError, match="multiple of T=3"):
         predict("tensor", c, 4, Workload(grad_bytes=D, tensor_size=3))
+
+
+def test_tensor_parallel_pays_dtensor_dispatch_per_split_layer_and_reduces_the_whole_gradients_over_all() -> None:
+    # T = P = 2 on one node of 2 cores: 3 split layers at 0.5 ms each; 4 KiB left whole (a row layer's bias)
+    c = costs(compute_s=0.01, intra=Link(1e-4, 1e9), gloo_segment_bytes=math.inf, cores=2.0, tensor_layer_s=5e-4)
+    work = Workload(grad_bytes=D, tensor_collectives=(MIB,), tensor_layers=3, tensor_replicated_bytes=4096.0)
+    got = predict("tensor", c, 2, work)
+    assert got.phases["dispatch"] == pytest.approx(3 * 5e-4, rel=REL)
+    # the whole gradients: one bucket, 2(P-1) = 2 messages of half of it, over both processes (no replicas)
+    assert got.phases["replicated"] == pytest.approx(2 * 1e-4 + 2 * 2048 / 1e9, rel=REL)
+    assert "allreduce" not in got.phases and got.messages == 2 + 2
+    bare = predict("tensor", c.with_(tensor_layer_s=0.0), 2, Workload(grad_bytes=D, tensor_collectives=(MIB,)))
+    assert got.step_s - bare.step_s == pytest.approx(3 * 5e-4 + 2 * 1e-4 + 2 * 2048 / 1e9, rel=1e-9)
 
 
 def test_ddp_buckets_are_1_mib_then_25_mib() -> None:
