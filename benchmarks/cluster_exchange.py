@@ -13,6 +13,9 @@ over every round's repetitions):
                                                     and a2a (the same exchange on gloo's collectives)
     exchange_<pattern>_over_wire_<layout>_<rate>    that over the bytes' time at the link rate (push
                                                     (P-1)/P x D, every other pattern 2(P-1)/P x D)
+    exchange_allreduce_share_<layout>_<rate>        gloo's all-reduce's goodput per direction over one stream's
+                                                    (``inter_gbps`` of the preset), its messages' latency
+                                                    taken out: the presets' ``ring_share``
     exchange_two_phase_over_allreduce_<layout>_<rate>   ps's transport over ddp's: the floor of
                                                     cluster_ps_over_ddp (#28) on these links
     exchange_echo_over_allreduce_<layout>_<rate>    the same without the shard's barrier
@@ -22,6 +25,7 @@ over every round's repetitions):
 
     python benchmarks/cluster_exchange.py                       # 4x1 at 50mbit, 200mbit, 1gbit, 2 rounds
     python benchmarks/cluster_exchange.py --rates 50mbit --rounds 1
+    python benchmarks/cluster_exchange.py --layouts 4x1 2x2 --name cluster_exchange_ring   # the presets' ring_share
     python benchmarks/cluster_exchange.py --quick               # 4x1 at 1gbit, 1 round of 2 reps; writes nothing
 """
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
@@ -41,6 +46,7 @@ from benchmarks._common import line, load_average, load_line, median
 from benchmarks.emulated import EmulatedCluster
 from benchmarks.emulated.cluster import parse_rate
 from benchmarks.emulated.launch import launch, report_start
+from lightning_strategies.advisor import load_cluster
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORKER = Path(__file__).resolve().parent / "emulated" / "_exchange.py"
@@ -63,6 +69,19 @@ def run_one(cluster: EmulatedCluster, per_node: int, reps: int) -> dict[str, lis
         return times
 
 
+def allreduce_share(seconds: float, layout: str, rate: str) -> float:
+    """The bare all-reduce's goodput per direction of a node's link over one stream's (the preset
+    ``emulated_<layout>_<rate>``'s ``inter_gbps``): 2(P-1)/P x D each way in ``seconds`` less its messages'
+    latency (2(P-1) per gloo segment of a D/P chunk, at the preset's latency between nodes, which the advisor
+    charges apart). The presets' ``ring_share``."""
+    nodes, per_node = LAYOUTS[layout]
+    p = nodes * per_node
+    costs = load_cluster(f"emulated_{layout}_{rate}").costs(0.0)
+    messages = 2 * (p - 1) * math.ceil(D_BYTES / p / costs.gloo_segment_bytes)
+    moving = seconds - messages * costs.inter.latency_s
+    return 2 * (p - 1) / p * D_BYTES / moving / costs.inter.bandwidth
+
+
 def report(runs: dict[str, dict[str, list[float]]]) -> list[str]:
     """The lines from ``{"layout|rate": {pattern: seconds}}``."""
     out = []
@@ -76,6 +95,8 @@ def report(runs: dict[str, dict[str, list[float]]]) -> list[str]:
             out.append(line(f"exchange_s_{name}_{layout}_{rate}", med[name], "s"))
             out.append(line(f"exchange_{name}_over_wire_{layout}_{rate}",
                             med[name] / (wire / 2 if name == "push" else wire), "x"))  # fmt: skip
+        share = allreduce_share(med["allreduce"], layout, rate)
+        out.append(line(f"exchange_allreduce_share_{layout}_{rate}", share, "x"))
         out.append(line(f"exchange_two_phase_over_allreduce_{layout}_{rate}", med["two_phase"] / med["allreduce"], "x"))
         out.append(line(f"exchange_echo_over_allreduce_{layout}_{rate}", med["echo"] / med["allreduce"], "x"))
         for name in ("rs_ag", "a2a"):

@@ -51,6 +51,9 @@ class Cluster:
         all_to_all_share: each direction's goodput of a node's link while the flat ps / async exchange
             runs (every process pushing to every shard on other nodes at once, and answering theirs), over
             one stream's (``inter_gbps``); 1: as one stream. Measured by ``benchmarks/cluster_exchange.py``.
+        ring_share: each direction's goodput of a node's link under a ring all-reduce between nodes (gloo's
+            steps, its messages' latency taken out), over one stream's; 1: as one stream. From
+            ``benchmarks/cluster_exchange.py``'s bare all-reduce.
     """
 
     nodes: int
@@ -72,6 +75,7 @@ class Cluster:
     wake_us: tuple[float, ...] = ()
     ft_protocol_us: float = 0.0
     all_to_all_share: float = 1.0
+    ring_share: float = 1.0
 
     def __post_init__(self) -> None:
         for key in ("nodes", "per_node"):
@@ -91,11 +95,12 @@ class Cluster:
                 f"Cluster {self.name!r}: found latency_us={self.latency_us}, tflops={self.tflops}: "
                 "expected latency >= 0 and tflops > 0 (or null). Fix: correct the preset"
             )
-        if not 0 < self.all_to_all_share <= 1:
-            raise ValueError(
-                f"Cluster {self.name!r}: found all_to_all_share={self.all_to_all_share}: expected a share of one "
-                "stream's goodput in (0, 1]. Fix: measure it (benchmarks/cluster_exchange.py) or leave it at 1"
-            )
+        for key in ("all_to_all_share", "ring_share"):
+            if not 0 < getattr(self, key) <= 1:
+                raise ValueError(
+                    f"Cluster {self.name!r}: found {key}={getattr(self, key)}: expected a share of one stream's "
+                    "goodput in (0, 1]. Fix: measure it (benchmarks/cluster_exchange.py) or leave it at 1"
+                )
 
     @property
     def world(self) -> int:
@@ -141,6 +146,7 @@ class Cluster:
             hop_s=tuple(w * 1e-6 for w in self.wake_us),
             ft_protocol_s=self.ft_protocol_us * 1e-6,
             all_to_all_share=self.all_to_all_share,
+            ring_share=self.ring_share,
         )
 
     def with_(self, **changes: Any) -> Cluster:

@@ -117,18 +117,20 @@ def _ring(
 
     Across nodes every step waits for the slowest hop, the inter-node one; the ring enters and
     leaves each node once, so one flow per node crosses it (``rings`` flows when that many rings
-    run at once and the node's NIC is shared: ``Costs.inter_shared``).
+    run at once and the node's NIC is shared: ``Costs.inter_shared``), at ``Costs.ring_share`` of the
+    link's goodput.
     """
     if world <= 1:
         return 0.0, 0.0, 0.0
     across = world > costs.local_size
     link = costs.inter if across else costs.intra
+    rate = link.bandwidth * (costs.ring_share if across else 1.0)
     flows = rings if across and costs.inter_shared else 1
     latency = bandwidth = reduce = 0.0
     for b in buckets:
         chunk = b / world
         latency += 2 * (world - 1) * _segments(chunk, segment) * (link.latency_s + overhead)
-        bandwidth += 2 * (world - 1) * flows * chunk / link.bandwidth
+        bandwidth += 2 * (world - 1) * flows * chunk / rate
         reduce += (world - 1) * chunk * costs.reduce_s_per_byte
     return latency, bandwidth, reduce
 
@@ -180,7 +182,7 @@ def _hier_ring(costs: Costs, world: int, work: Workload) -> Prediction:
             piece = b / local / nodes
             n = 2 * (nodes - 1) * _segments(piece, seg)
             latency += n * (costs.inter.latency_s + over)
-            bandwidth += 2 * (nodes - 1) * flows * piece / costs.inter.bandwidth
+            bandwidth += 2 * (nodes - 1) * flows * piece / (costs.inter.bandwidth * costs.ring_share)
             reduce += (nodes - 1) * piece * costs.reduce_s_per_byte
             messages += n
     k, bw = contention(world, costs.cores), costs.wire(world)
@@ -381,11 +383,12 @@ def _tensor(costs: Costs, world: int, work: Workload) -> Prediction:
         raise ValueError(f"tensor: P={world} is not a multiple of T={group} processes per group")
     replicas, share = world // group, work.tensor_split_share
     link = costs.intra if group <= costs.local_size else costs.inter
+    rate = link.bandwidth * (costs.ring_share if group > costs.local_size else 1.0)
     latency = bandwidth = reduce = 0.0
     for x in work.tensor_collectives if group > 1 else ():
         chunk = x / group
         latency += 2 * (group - 1) * _segments(chunk, costs.gloo_segment_bytes) * link.latency_s
-        bandwidth += 2 * (group - 1) * chunk / link.bandwidth
+        bandwidth += 2 * (group - 1) * chunk / rate
         reduce += (group - 1) * chunk * costs.reduce_s_per_byte
     k = contention(world, costs.cores)
     phases = {

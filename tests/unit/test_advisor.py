@@ -322,6 +322,8 @@ def test_presets_load_with_every_figure_and_bad_input_is_refused(tmp_path: Path)
     assert a100.costs(0.1).all_to_all_share == 1.0
     with pytest.raises(ValueError, match="found all_to_all_share=0"):
         Cluster(nodes=2, per_node=1, intra_gbps=1, inter_gbps=1, latency_us=1, device_memory_gib=1, all_to_all_share=0)
+    with pytest.raises(ValueError, match=r"found ring_share=1.5: expected a share of one stream's goodput in \(0, 1\]"):
+        Cluster(nodes=2, per_node=1, intra_gbps=1, inter_gbps=1, latency_us=1, device_memory_gib=1, ring_share=1.5)
 
 
 def test_the_report_json_has_every_strategy_and_key_and_the_png_is_written(tmp_path: Path) -> None:

@@ -294,6 +294,27 @@ def test_the_flat_exchange_runs_at_its_all_to_all_share_of_the_link_and_the_hier
     assert predict("ps", hier, 32, one_bucket()).step_s == pytest.approx(2 * 3 / 4 * D / beta, rel=REL)
 
 
+def test_rings_between_nodes_run_at_their_ring_share_of_the_link_and_inside_a_node_at_its_rate() -> None:
+    beta, share = 1e9, 0.8
+    # 4 nodes of 1, one bucket: a ring of 2(P-1) steps of D/4 between nodes, at share x beta
+    across = costs(local_size=1, inter=Link(0.0, beta), gloo_segment_bytes=math.inf, ring_share=share)
+    for strategy in ("ddp", "ring"):
+        want = 2 * 3 / 4 * D / (share * beta)
+        assert predict(strategy, across, 4, one_bucket()).step_s == pytest.approx(want, rel=REL)
+    # ring_hier on 2 nodes of 2: inside the node at the intra rate (L-1 = 1 step each way of D/2), between the
+    # nodes one ring per local rank on D/4, both leaving the node at once: 2 flows at share x beta
+    hier = costs(local_size=2, intra=Link(0.0, beta), inter=Link(0.0, beta), inter_shared=True,
+                 ring_segment_bytes=math.inf, ring_share=share)  # fmt: skip
+    got = predict("ring_hier", hier, 4, one_bucket())
+    assert got.phases["bandwidth"] == pytest.approx(2 * (D / 2) / beta + 2 * 2 * (D / 4) / (share * beta), rel=REL)
+    # tensor T = 4 over 4 nodes: its activation rings cross the link at the share; a group inside a node does not
+    work = Workload(grad_bytes=D, tensor_collectives=(8 * MIB,))
+    assert predict("tensor", across, 4, work).phases["bandwidth"] == pytest.approx(
+        2 * 3 * 2 * MIB / (share * beta), rel=REL)  # fmt: skip
+    inside = costs(intra=Link(0.0, beta), ring_share=share)
+    assert predict("tensor", inside, 4, work).phases["bandwidth"] == pytest.approx(2 * 3 * 2 * MIB / beta, rel=REL)
+
+
 # -- the hierarchical push (issue 28): reduce-scatter in the node, 1/L of it pushed across nodes --------
 
 
