@@ -10,9 +10,15 @@ over every round's repetitions):
     exchange_s_<pattern>_<layout>_<rate>            s; patterns: allreduce (gloo), push (one direction of
                                                     ps's exchange), two_phase (push, barrier, pull: ps's
                                                     exchange), echo (each push answered at once), rs_ag
-                                                    and a2a (the same exchange on gloo's collectives)
+                                                    and a2a (the same exchange on gloo's collectives),
+                                                    hier_push (the hierarchical push's flows between nodes)
     exchange_<pattern>_over_wire_<layout>_<rate>    that over the bytes' time at the link rate (push
-                                                    (P-1)/P x D, every other pattern 2(P-1)/P x D)
+                                                    (P-1)/P x D, hier_push 2(N-1)/N x D, every other
+                                                    pattern 2(P-1)/P x D)
+    exchange_hier_push_share_<layout>_<rate>        hier_push (ps's hierarchical push between nodes: local rank j
+                                                    to local rank j of every other node, a barrier, the pull
+                                                    back) per direction of a node's link over one stream's: the
+                                                    2x2 presets' ``hier_push_share`` (nodes of more than one)
     exchange_allreduce_share_<layout>_<rate>        gloo's all-reduce's goodput per direction over one stream's
                                                     (``inter_gbps`` of the preset), its messages' latency
                                                     taken out: the presets' ``ring_share``
@@ -26,6 +32,7 @@ over every round's repetitions):
     python benchmarks/cluster_exchange.py                       # 4x1 at 50mbit, 200mbit, 1gbit, 2 rounds
     python benchmarks/cluster_exchange.py --rates 50mbit --rounds 1
     python benchmarks/cluster_exchange.py --layouts 4x1 2x2 --name cluster_exchange_ring   # the presets' ring_share
+    python benchmarks/cluster_exchange.py --layouts 2x2 --name cluster_exchange_hier       # ... and hier_push_share
     python benchmarks/cluster_exchange.py --quick               # 4x1 at 1gbit, 1 round of 2 reps; writes nothing
 """
 
@@ -51,7 +58,7 @@ from lightning_strategies.advisor import load_cluster
 RESULTS = Path(__file__).resolve().parent / "results"
 WORKER = Path(__file__).resolve().parent / "emulated" / "_exchange.py"
 LAYOUTS = {"4x1": (4, 1), "2x2": (2, 2)}
-PATTERNS = ("allreduce", "push", "two_phase", "echo", "rs_ag", "a2a")
+PATTERNS = ("allreduce", "push", "two_phase", "echo", "rs_ag", "a2a", "hier_push")
 D_BYTES = 5_316_672
 
 
@@ -82,6 +89,15 @@ def allreduce_share(seconds: float, layout: str, rate: str) -> float:
     return 2 * (p - 1) / p * D_BYTES / moving / costs.inter.bandwidth
 
 
+def hier_push_share(seconds: float, layout: str, rate: str) -> float:
+    """The hierarchical push's goodput per direction of a node's link over one stream's (the preset's
+    ``inter_gbps``): 2(N-1)/N x D each way in ``seconds`` less a push's and a pull's latency between nodes
+    (what the advisor charges apart). The 2x2 presets' ``hier_push_share``."""
+    nodes, _ = LAYOUTS[layout]
+    costs = load_cluster(f"emulated_{layout}_{rate}").costs(0.0)
+    return 2 * (nodes - 1) / nodes * D_BYTES / (seconds - 2 * costs.rpc_inter.latency_s) / costs.rpc_inter.bandwidth
+
+
 def report(runs: dict[str, dict[str, list[float]]]) -> list[str]:
     """The lines from ``{"layout|rate": {pattern: seconds}}``."""
     out = []
@@ -91,10 +107,14 @@ def report(runs: dict[str, dict[str, list[float]]]) -> list[str]:
         p = nodes * per_node
         wire = 2 * (p - 1) / p * D_BYTES * 8 / parse_rate(rate)  # s for 2(P-1)/P x D through one link
         med = {name: median(times[name]) for name in PATTERNS}
+        node_wire = 2 * (nodes - 1) / nodes * D_BYTES * 8 / parse_rate(rate)  # hier_push: through a node's link
         for name in PATTERNS:
             out.append(line(f"exchange_s_{name}_{layout}_{rate}", med[name], "s"))
             out.append(line(f"exchange_{name}_over_wire_{layout}_{rate}",
-                            med[name] / (wire / 2 if name == "push" else wire), "x"))  # fmt: skip
+                            med[name] / {"push": wire / 2, "hier_push": node_wire}.get(name, wire), "x"))  # fmt: skip
+        if per_node > 1:
+            share = hier_push_share(med["hier_push"], layout, rate)
+            out.append(line(f"exchange_hier_push_share_{layout}_{rate}", share, "x"))
         share = allreduce_share(med["allreduce"], layout, rate)
         out.append(line(f"exchange_allreduce_share_{layout}_{rate}", share, "x"))
         out.append(line(f"exchange_two_phase_over_allreduce_{layout}_{rate}", med["two_phase"] / med["allreduce"], "x"))

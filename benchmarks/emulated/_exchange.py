@@ -16,6 +16,10 @@ pattern is timed ``--reps`` times, between two barriers, after one untimed run:
                  (shard s's sum lands on rank s, then every shard's values on every rank)
     a2a          gloo's all-to-all of D (D/P to every peer), then of D/P back: the two phases' pattern,
                  every flow at once, on gloo's transport instead of TensorPipe's
+    hier_push    what crosses the links in ps's hierarchical push (N nodes of L): local rank j sends D/P to
+                 local rank j of every other node at once, a barrier, then pulls D/P back from each: one flow
+                 per local rank and remote node each way, 2(N-1)/N x D each way through a node's link (the
+                 node's own collectives, on loopback, left out)
 
 Global rank 0 writes ``{pattern: [seconds, ...]}`` to ``--out``.
 """
@@ -39,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_strategies.comm.rpc import init_rpc, rendezvous_store, shutdown_rpc, worker_name
 
 D_BYTES = 5_316_672  # the MLP of benchmarks/emulated/_fit.py: 1,329,168 fp32 parameters
-PATTERNS = ("allreduce", "push", "two_phase", "echo", "rs_ag", "a2a")
+PATTERNS = ("allreduce", "push", "two_phase", "echo", "rs_ag", "a2a", "hier_push")
 _CHUNK: list[torch.Tensor] = []
 
 
@@ -74,6 +78,11 @@ def main() -> int:
     _CHUNK.append(torch.ones(chunk))
     full = torch.ones(numel)
     peers = [worker_name(j) for j in range(world) if j != rank]
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if world % local or int(os.environ.get("LOCAL_RANK", "0")) != rank % local:
+        raise RuntimeError(f"rank {rank}: expected nodes of {local} consecutive ranks (torchrun's static rendezvous)")
+    node, j = divmod(rank, local)
+    remote = [worker_name(n * local + j) for n in range(world // local) if n != node]  # this local rank's shards
 
     def allreduce() -> None:
         dist.all_reduce(full)
@@ -86,6 +95,13 @@ def main() -> int:
         push()
         dist.barrier()
         for f in [rpc.rpc_async(p, _values, args=(chunk,)) for p in peers]:
+            f.wait()
+
+    def hier_push() -> None:
+        for f in [rpc.rpc_async(p, _ack, args=(_CHUNK[0],)) for p in remote]:
+            f.wait()
+        dist.barrier()
+        for f in [rpc.rpc_async(p, _values, args=(chunk,)) for p in remote]:
             f.wait()
 
     def echo() -> None:
@@ -105,7 +121,8 @@ def main() -> int:
         dist.all_to_all_single(whole, received)
 
     fns: dict[str, Callable[[], None]] = {
-        "allreduce": allreduce, "push": push, "two_phase": two_phase, "echo": echo, "rs_ag": rs_ag, "a2a": a2a
+        "allreduce": allreduce, "push": push, "two_phase": two_phase, "echo": echo, "rs_ag": rs_ag, "a2a": a2a,
+        "hier_push": hier_push,
     }  # fmt: skip
     times: dict[str, list[float]] = {name: [] for name in PATTERNS}
     for rep in range(args.reps + 1):

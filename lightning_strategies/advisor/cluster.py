@@ -54,6 +54,9 @@ class Cluster:
         ring_share: each direction's goodput of a node's link under a ring all-reduce between nodes (gloo's
             steps, its messages' latency taken out), over one stream's; 1: as one stream. From
             ``benchmarks/cluster_exchange.py``'s bare all-reduce.
+        hier_push_share: the same under ps's hierarchical push between nodes (one flow per local rank and
+            remote node each way: a push, a barrier, a pull). From ``benchmarks/cluster_exchange.py``'s
+            ``hier_push``.
     """
 
     nodes: int
@@ -76,6 +79,7 @@ class Cluster:
     ft_protocol_us: float = 0.0
     all_to_all_share: float = 1.0
     ring_share: float = 1.0
+    hier_push_share: float = 1.0
 
     def __post_init__(self) -> None:
         for key in ("nodes", "per_node"):
@@ -95,7 +99,7 @@ class Cluster:
                 f"Cluster {self.name!r}: found latency_us={self.latency_us}, tflops={self.tflops}: "
                 "expected latency >= 0 and tflops > 0 (or null). Fix: correct the preset"
             )
-        for key in ("all_to_all_share", "ring_share"):
+        for key in ("all_to_all_share", "ring_share", "hier_push_share"):
             if not 0 < getattr(self, key) <= 1:
                 raise ValueError(
                     f"Cluster {self.name!r}: found {key}={getattr(self, key)}: expected a share of one stream's "
@@ -147,6 +151,7 @@ class Cluster:
             ft_protocol_s=self.ft_protocol_us * 1e-6,
             all_to_all_share=self.all_to_all_share,
             ring_share=self.ring_share,
+            hier_push_share=self.hier_push_share,
         )
 
     def with_(self, **changes: Any) -> Cluster:

@@ -86,6 +86,9 @@ class Costs:
         all_to_all_share: the flat ps / async exchange's goodput per direction of a node's link (every
             process pushing to and answering every shard on other nodes at once: many flows through the
             link's queue) over ``rpc_inter``'s; 1: as one stream each way.
+        hier_push_share: the hierarchical ps / async exchange's goodput per direction of a node's link (one
+            flow per local rank and remote node each way, push, barrier, pull) over ``rpc_inter``'s; 1: as
+            one stream each way.
         ring_share: a ring all-reduce's goodput per direction of a node's link (its step-by-step sends and
             receives, less the messages' latency, which ``inter.latency_s`` charges) over ``inter``'s; 1: as
             one stream each way.
@@ -126,6 +129,7 @@ class Costs:
     duplex_share: float = 1.0
     all_to_all_share: float = 1.0
     ring_share: float = 1.0
+    hier_push_share: float = 1.0
 
     def wire(self, world: int) -> float:
         """The contention factor of a bandwidth term."""

@@ -198,16 +198,21 @@ def _hier_ring(costs: Costs, world: int, work: Workload) -> Prediction:
 
 
 def _rpc_bytes_seconds(
-    costs: Costs, world: int, per_peer: float, peers_off_node: float, peers_on_node: float, *, all_to_all: bool = False
+    costs: Costs, world: int, per_peer: float, peers_off_node: float, peers_on_node: float, *, share: float = 1.0
 ) -> float:
     """Seconds for one process to send ``per_peer`` bytes to each of its peers, inside and across
     nodes at once (the larger of the two), the node's NIC shared by its L processes when
-    ``inter_shared``; ``all_to_all``: the flat exchange, at ``all_to_all_share`` of the link's goodput."""
+    ``inter_shared``, at ``share`` of the link's goodput (the exchange's own: ``all_to_all_share`` for the
+    flat push, ``hier_push_share`` for the hierarchical one)."""
     intra = peers_on_node * per_peer / costs.rpc_intra.bandwidth
     flows = min(costs.local_size, world) if costs.inter_shared else 1
-    share = costs.all_to_all_share if all_to_all else 1.0
     inter = flows * peers_off_node * per_peer / (costs.rpc_inter.bandwidth * share)
     return max(intra, inter)
+
+
+def _push_share(costs: Costs, hierarchical: bool) -> float:
+    """The ps / async exchange's share of the link's goodput: the hierarchical push's or the flat one's."""
+    return costs.hier_push_share if hierarchical else costs.all_to_all_share
 
 
 def _client_host(costs: Costs, work: Workload) -> float:
@@ -244,7 +249,7 @@ def _ps(costs: Costs, world: int, work: Workload, *, hierarchical: bool = True) 
     elif t.messages:
         link = costs.rpc_inter if t.nodes > 1 else costs.rpc_intra
         wire = 2 * _rpc_bytes_seconds(costs, p, t.message_bytes, t.peers_off_node, t.peers_on_node,
-                                      all_to_all=not t.hierarchical)  # fmt: skip
+                                      share=_push_share(costs, t.hierarchical))  # fmt: skip
         phases.update(messages=k * t.messages * costs.rpc_overhead_s, bandwidth=costs.wire(p) * wire,
                       latency=2 * link.latency_s)  # a push and its reply  # fmt: skip
     return Prediction(_overlapped(phases, costs), phases, t.sent_bytes, t.link_bytes, t.nic_bytes, t.messages,
@@ -309,7 +314,7 @@ def _async(costs: Costs, world: int, work: Workload) -> Prediction:
     else:
         link = costs.rpc_inter if t.nodes > 1 else costs.rpc_intra
         wire = 2 * _rpc_bytes_seconds(costs, p, t.message_bytes, t.peers_off_node, t.peers_on_node,
-                                      all_to_all=not t.hierarchical)  # fmt: skip
+                                      share=_push_share(costs, t.hierarchical))  # fmt: skip
         phases.update(
             messages=k * messages * costs.rpc_overhead_s,
             bandwidth=costs.wire(p) * wire,

@@ -279,7 +279,7 @@ def test_flat_ps_is_todays_term_and_ps_on_one_node_is_flat() -> None:
     assert predict("ps", c1, 4, one_bucket()).step_s == predict("ps_flat", c1, 4, one_bucket()).step_s
 
 
-def test_the_flat_exchange_runs_at_its_all_to_all_share_of_the_link_and_the_hierarchical_push_does_not() -> None:
+def test_the_flat_exchange_runs_at_its_all_to_all_share_of_the_link_and_the_hierarchical_push_at_its_own() -> None:
     beta, share = 1e9, 0.8
     # 4 nodes of 1: each worker pushes 3 x D/4 and its shard answers 3 x D/4, at share x beta each way
     flat = costs(local_size=1, rpc_inter=Link(0.0, beta), inter_shared=True, all_to_all_share=share)
@@ -289,9 +289,15 @@ def test_the_flat_exchange_runs_at_its_all_to_all_share_of_the_link_and_the_hier
         assert predict(strategy, flat.with_(all_to_all_share=1.0), 4, one_bucket()).step_s == pytest.approx(
             2 * 3 / 4 * D / beta, rel=REL
         )
-    # the hierarchical push (nodes of 8) crosses the link as before: one flow per local rank and remote node
+    # the hierarchical push (nodes of 8) does not run at the flat exchange's share: one flow per local rank and
+    # remote node, at hier_push_share (1: as one stream each way)
     hier = costs(local_size=8, rpc_inter=Link(0.0, beta), inter_shared=True, all_to_all_share=share)
     assert predict("ps", hier, 32, one_bucket()).step_s == pytest.approx(2 * 3 / 4 * D / beta, rel=REL)
+    for strategy in ("ps", "async"):
+        got = predict(strategy, hier.with_(hier_push_share=0.5), 32, one_bucket())
+        assert got.phases["bandwidth"] == pytest.approx(2 * 3 / 4 * D / (0.5 * beta), rel=REL)
+    assert predict("ps_flat", hier.with_(hier_push_share=0.5), 32, one_bucket()).phases["bandwidth"] == pytest.approx(
+        predict("ps_flat", hier, 32, one_bucket()).phases["bandwidth"], rel=REL)  # fmt: skip
 
 
 def test_rings_between_nodes_run_at_their_ring_share_of_the_link_and_inside_a_node_at_its_rate() -> None:
