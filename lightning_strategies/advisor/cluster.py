@@ -152,6 +152,7 @@ class Cluster:
             all_to_all_share=self.all_to_all_share,
             ring_share=self.ring_share,
             hier_push_share=self.hier_push_share,
+            node_all_reduce=not self.gpu,  # comm.ps.hierarchy: on gloo the node all-reduces the whole buffer
         )
 
     def with_(self, **changes: Any) -> Cluster:

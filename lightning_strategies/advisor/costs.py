@@ -89,6 +89,8 @@ class Costs:
         hier_push_share: the hierarchical ps / async exchange's goodput per direction of a node's link (one
             flow per local rank and remote node each way, push, barrier, pull) over ``rpc_inter``'s; 1: as
             one stream each way.
+        node_all_reduce: the hierarchical push sums a node's gradients with an all-reduce of the whole buffer
+            (gloo, whose reduce-scatter is slower) rather than a reduce-scatter (NCCL): 2(L-1) steps, not L-1.
         ring_share: a ring all-reduce's goodput per direction of a node's link (its step-by-step sends and
             receives, less the messages' latency, which ``inter.latency_s`` charges) over ``inter``'s; 1: as
             one stream each way.
@@ -130,6 +132,7 @@ class Costs:
     all_to_all_share: float = 1.0
     ring_share: float = 1.0
     hier_push_share: float = 1.0
+    node_all_reduce: bool = False
 
     def wire(self, world: int) -> float:
         """The contention factor of a bandwidth term."""

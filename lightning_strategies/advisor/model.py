@@ -210,6 +210,23 @@ def _rpc_bytes_seconds(
     return max(intra, inter)
 
 
+def _node_collectives(costs: Costs, world: int, local: int, buckets: Sequence[float]) -> float:
+    """The hierarchical push's collectives inside a node (``comm.ps.hierarchy``), per bucket: the node's sum,
+    a reduce-scatter (L-1 steps of b/L), or on gloo an all-reduce of the whole buffer (2(L-1) steps: gloo's
+    reduce-scatter took 1.7 x it, ``Costs.node_all_reduce``), then an all-gather of the chunks (L-1 steps)."""
+    if local <= 1:
+        return 0.0
+    link, seg = costs.intra, costs.gloo_segment_bytes
+    steps = (2 if costs.node_all_reduce else 1) * (local - 1) + (local - 1)
+    latency = bandwidth = reduce = 0.0
+    for b in buckets:
+        chunk = b / local
+        latency += steps * _segments(chunk, seg) * link.latency_s
+        bandwidth += steps * chunk / link.bandwidth
+        reduce += (local - 1) * chunk * costs.reduce_s_per_byte
+    return contention(world, costs.cores) * (latency + reduce) + costs.wire(world) * bandwidth
+
+
 def _push_share(costs: Costs, hierarchical: bool) -> float:
     """The ps / async exchange's share of the link's goodput: the hierarchical push's or the flat one's."""
     return costs.hier_push_share if hierarchical else costs.all_to_all_share
@@ -239,10 +256,8 @@ def _ps(costs: Costs, world: int, work: Workload, *, hierarchical: bool = True) 
         "compute": k * costs.compute_s,
         "host": k * (_client_host(costs, work) + _shard_host(costs, work, 1 / p, t.pushers, averaged=True)),
     }
-    if t.hierarchical:  # the backend's reduce-scatter before the pushes and all-gather after the replies
-        latency, bandwidth, reduce = _ring(costs, t.local, costs.buckets(d), segment=costs.gloo_segment_bytes,
-                                           overhead=0.0)  # fmt: skip
-        phases["node"] = k * (latency + reduce) + costs.wire(p) * bandwidth
+    if t.hierarchical:  # the node's sum before the pushes and its all-gather after the replies, per bucket
+        phases["node"] = _node_collectives(costs, p, t.local, costs.buckets(d))
     if costs.rpc_exchange_s is not None and p > 1 and not t.hierarchical:  # measured at these sizes and peers
         phases["transport"] = costs.rpc_exchange_s
         phases["protocol"] = (p - 1) * costs.ps_protocol_s
@@ -302,9 +317,7 @@ def _async(costs: Costs, world: int, work: Workload) -> Prediction:
         "host": k * (_client_host(costs, work) + _shard_host(costs, work, 1 / p, t.pushers, averaged=False)),
     }
     if t.hierarchical:  # the node's sum before the pushes, its all-gather after, the leader's draw shared
-        latency, bandwidth, reduce = _ring(costs, t.local, costs.buckets(d), segment=costs.gloo_segment_bytes,
-                                           overhead=0.0)  # fmt: skip
-        phases["node"] = k * (latency + reduce) + costs.wire(p) * bandwidth
+        phases["node"] = _node_collectives(costs, p, t.local, [d])  # one push per step: the whole gradient
         phases["node_control"] = k * 2 * math.ceil(math.log2(t.local)) * costs.rpc_intra.latency_s
     if costs.rpc_exchange_s is not None and p > 1 and not t.hierarchical:
         # a push to every shard and its reply, as ps's transport; no barrier, but the same RPC

@@ -324,6 +324,22 @@ def test_rings_between_nodes_run_at_their_ring_share_of_the_link_and_inside_a_no
 # -- the hierarchical push (issue 28): reduce-scatter in the node, 1/L of it pushed across nodes --------
 
 
+def test_the_hierarchical_push_on_gloo_sums_the_node_with_a_whole_all_reduce_then_all_gathers() -> None:
+    # 2 nodes of 2, one bucket (DDP's caps at infinity), the node's link 1 GB/s and 1 ms a message, one segment:
+    # NCCL: a reduce-scatter and an all-gather, (L-1) + (L-1) = 2 steps of D/2; gloo: an all-reduce of the
+    # whole buffer (2(L-1) = 2 steps) and the all-gather, 3 steps
+    c = costs(local_size=2, intra=Link(1e-3, 1e9), gloo_segment_bytes=math.inf)
+    nccl = predict("ps", c, 4, one_bucket()).phases["node"]
+    gloo = predict("ps", c.with_(node_all_reduce=True), 4, one_bucket()).phases["node"]
+    assert nccl == pytest.approx(2 * (1e-3 + (D / 2) / 1e9), rel=REL)
+    assert gloo == pytest.approx(3 * (1e-3 + (D / 2) / 1e9), rel=REL)
+    # async pushes once per step: the whole gradient in one buffer, whatever DDP's buckets
+    bucketed = c.with_(node_all_reduce=True, bucket_bytes=D / 4, first_bucket_bytes=D / 4)
+    assert predict("async", bucketed, 4, one_bucket()).phases["node"] == pytest.approx(gloo, rel=REL)
+    assert predict("ps", bucketed, 4, one_bucket()).phases["node"] == pytest.approx(
+        gloo + 3 * 3e-3, rel=REL)  # ps pushes per bucket: 4 of D/4, a message per step each  # fmt: skip
+
+
 @pytest.mark.parametrize(("nodes", "local"), [(2, 2), (4, 8), (32, 8), (128, 8)])
 def test_hierarchical_ps_puts_the_hierarchical_rings_bytes_on_the_nic(nodes: int, local: int) -> None:
     world = nodes * local
