@@ -4,6 +4,7 @@ of its threads, the main thread's ``time.thread_time`` at each step phase)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import json
@@ -14,10 +15,11 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks._common import median
+from benchmarks._common import load_line, median
 from lightning_strategies.advisor import Cluster, load_cluster
 
 FIT = Path(__file__).resolve().parent / "emulated" / "_fit.py"
+RESULTS = Path(__file__).resolve().parent / "results"
 PRESET = "emulated_2x2_1gbit"  # its host figures (wake-ups for up to 4 processes, overheads, cores)
 
 
@@ -70,3 +72,26 @@ def phase_cpu(record: dict) -> tuple[float, float]:
 def loopback(world: int) -> Cluster:
     """The 2x2 preset's host figures on one node of ``world`` processes (loopback)."""
     return dataclasses.replace(load_cluster(PRESET), nodes=1, per_node=world, name=f"loopback_{world}")
+
+
+def finish(text: list[str], name: str, quick: bool) -> int:
+    """The load at the end, then ``results/<name>.txt`` unless ``quick``; the script's exit status."""
+    text.append(load_line("end"))
+    if not quick:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / f"{name}.txt").write_text("\n".join(text) + "\n")
+    return 0
+
+
+def parse_fit_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None, *, steps: int) -> argparse.Namespace:
+    """``parser``'s arguments with the loopback fits' own: ``--worlds`` (2 4), ``--rounds`` (2), ``--steps``,
+    ``--warmup`` (5) and ``--quick`` (P = 2, 1 round, 8 steps of which 3 untimed; writes nothing)."""
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="P = 2, 1 round, 8 steps; writes nothing")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.worlds, args.rounds, args.steps, args.warmup = [2], 1, 8, 3
+    return args

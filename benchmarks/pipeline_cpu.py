@@ -57,14 +57,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import header, line, load_average, load_line, median
-from benchmarks._rank_cpu import PRESET, loopback, phase_cpu, run_fit, split_cpu, torchrun, wall_per_step
+from benchmarks._rank_cpu import (
+    PRESET,
+    finish,
+    loopback,
+    parse_fit_args,
+    phase_cpu,
+    run_fit,
+    split_cpu,
+    torchrun,
+    wall_per_step,
+)
 from benchmarks.emulated._fit import IN, MLP, OUT
 from lightning_strategies.advisor import measure
 from lightning_strategies.advisor.advise import strategy_workload
 from lightning_strategies.advisor.measure import Measurement
 from lightning_strategies.advisor.model import predict
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TINY = Path(__file__).resolve().parent / "_pipeline_tiny.py"
 TINY_CHUNKS = 16  # _pipeline_tiny.py: M = 8 micro-batches, a forward and a backward chunk each
 
@@ -90,15 +99,8 @@ def model_work(m: Measurement, world: int) -> tuple[list[float], list[float], fl
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=45)
-    parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--no-bare", dest="bare", action="store_false", help="skip the bare runtime's runs")
-    parser.add_argument("--quick", action="store_true", help="P = 2, 8 steps; bare: 8 wide, 5 steps; writes nothing")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.worlds, args.rounds, args.steps, args.warmup = [2], 1, 8, 3
+    args = parse_fit_args(parser, argv, steps=45)  # --quick: the bare runtime 8 wide, 5 steps
     text = [header("pipeline_cpu: each pipeline rank's CPU per step against the advisor's work, on loopback")]
     text.append(load_line("start"))
     text.append(f"# fit: _fit.py MLP, K = P stages, M = 4K, 1F1B, batch 32 x P; {args.steps} steps, "
@@ -146,11 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     text.append(line(f"pipeline_cpu_bare_us_per_chunk_w{width}_{schedule}_rank{rank}", per_chunk, "us"))
                 wall = max(got[schedule]["wall_s"] for got in ranks)
                 text.append(line(f"pipeline_cpu_bare_wall_s_w{width}_{schedule}", wall, "s"))
-    text.append(load_line("end"))
-    if not args.quick:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "pipeline_cpu.txt").write_text("\n".join(text) + "\n")
-    return 0
+    return finish(text, "pipeline_cpu", args.quick)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import header, line, load_average, load_line, median
-from benchmarks._rank_cpu import PRESET, loopback, run_fit, split_cpu, wall_per_step
+from benchmarks._rank_cpu import PRESET, finish, loopback, parse_fit_args, run_fit, split_cpu, wall_per_step
 from benchmarks.emulated._fit import IN, MLP, OUT
 from lightning_strategies.advisor import measure
 from lightning_strategies.advisor.advise import strategy_workload
@@ -64,7 +64,6 @@ from lightning_strategies.advisor.measure import Measurement
 from lightning_strategies.advisor.model import predict
 from lightning_strategies.comm.tensor import auto_plan, parallelize
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PHASES = ("forward", "backward", "optimizer")
 STRATEGIES = ("ddp", "tensor")
 
@@ -122,14 +121,7 @@ def predicted(m: Measurement, strategy: str, world: int, *, layer_s: float, befo
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="P = 2, 1 round, 8 steps; writes nothing")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.worlds, args.rounds, args.steps, args.warmup = [2], 1, 8, 3
+    args = parse_fit_args(parser, argv, steps=40)
     text = [header("tensor_cpu: DTensor's host work per split layer, and the tensor fit against the advisor")]
     text.append(load_line("start"))
     text.append(f"# fits: _fit.py MLP, T = P, batch 32 x P (ddp: 32 per process); {args.steps} steps, {args.warmup} "
@@ -164,11 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             text.append(line(f"tensor_cpu_predicted_over_wall_{tag}_before", before / wall, "x"))
         main_s = median([split_cpu(rec)[0] for run in runs for rec in run])
         text.append(line(f"tensor_cpu_main_s_per_step_{tag}", main_s, "cpu_s"))
-    text.append(load_line("end"))
-    if not args.quick:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "tensor_cpu.txt").write_text("\n".join(text) + "\n")
-    return 0
+    return finish(text, "tensor_cpu", args.quick)
 
 
 if __name__ == "__main__":
