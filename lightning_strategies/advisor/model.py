@@ -23,7 +23,9 @@ B bytes in ``latency + B / bandwidth``.
 
     ddp        the backend's ring all-reduce per bucket (gloo's on CPU, NCCL's ring on GPUs):
                2(P-1) steps of D_b / P, in segments; every rank sends 2(P-1)/P x D; across nodes a
-               flat ring's every step waits for the inter-node hop
+               flat ring's every step waits for the inter-node hop, whose bytes move at
+               ``Costs.ring_share`` of the link's goodput (measured: a ring's steps use the link less
+               well than one stream; every ring between nodes below, ring_hier's and tensor's too)
     ring       the same schedule run by ``comm.ring`` (Python send/recv per segment: its own
                per-message cost)
     ring_bf16  the ring on bf16 copies of fp32 buckets: half the bytes, the same messages
@@ -38,12 +40,14 @@ B bytes in ``latency + B / bandwidth``.
                every peer at once; the protocol on top (the barrier, the RPC threads' hand-offs)
                costs ``ps_protocol_s`` per remote peer
     ps         ps_flat on one node; on N > 1 nodes of L > 1 the hierarchical push (``advisor.push``):
-               the backend's reduce-scatter and all-gather of D in the node (ring_hier's in-node
-               ring, without its Python overhead) around 2(N-1) RPC messages per rank of D/P (each
-               barrier waits for N pushers): a node's NIC carries 2(N-1)/N x D, ring_hier's; the
+               the backend's reduce-scatter and all-gather of D in the node, per bucket (ring_hier's
+               in-node ring, without its Python overhead; on gloo, ``Costs.node_all_reduce``, a whole
+               all-reduce in place of the reduce-scatter) around 2(N-1) RPC messages per rank of D/P
+               (each barrier waits for N pushers): a node's NIC carries 2(N-1)/N x D, ring_hier's; the
                client still packs and copies back D; the links' formula (``rpc_exchange_s`` is a
-               flat exchange). The flat push's bytes between nodes move at ``Costs.all_to_all_share`` of
-               the link's goodput (measured: many flows through a node's link at once). Both ps: pushes
+               flat exchange). Bytes between nodes move at the exchange's measured share of the link's
+               goodput: ``Costs.all_to_all_share`` for the flat push (many flows through a node's link at
+               once), ``Costs.hier_push_share`` for the hierarchical one. Both ps: pushes
                per bucket during backward,
                hidden up to ``overlap_s`` as ddp's; the pull's overlap with the next forward is not
                modelled (nothing measured yet)
@@ -56,7 +60,7 @@ B bytes in ``latency + B / bandwidth``.
     async      each push applied alone on arrival, no barrier (no overlap: a push waits for its
                reply). On one node (or L = 1): ps_flat's messages, P asynchronous workers. On N > 1
                nodes of L > 1 the node is the worker (``comm.async_hierarchy``): ps's hierarchical
-               traffic (the backend's reduce-scatter and all-gather of D in the node, 2(N-1) RPC
+               traffic (the node's sum and all-gather of D, one buffer per step, 2(N-1) RPC
                messages of D/P per rank, a node's NIC 2(N-1)/N x D), a shard applying N pushes per
                round, and the leader's draw shared in the node (a broadcast of its size and its
                bytes: 2 ceil(log2 L) hops of ``rpc_intra``'s latency). Batches from a local lease of
