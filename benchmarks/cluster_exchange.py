@@ -22,6 +22,9 @@ over every round's repetitions):
     exchange_allreduce_share_<layout>_<rate>        gloo's all-reduce's goodput per direction over one stream's
                                                     (``inter_gbps`` of the preset), its messages' latency
                                                     taken out: the presets' ``ring_share``
+    exchange_{kernel,user}_cpu_s_<pattern>_<layout>_<rate>   the whole machine's CPU seconds per repetition in
+                                                    the kernel (system, irq, softirq: the emulated links' veth
+                                                    pairs, bridge and HTB among them) and in user space
     exchange_two_phase_over_allreduce_<layout>_<rate>   ps's transport over ddp's: the floor of
                                                     cluster_ps_over_ddp (#28) on these links
     exchange_echo_over_allreduce_<layout>_<rate>    the same without the shard's barrier
@@ -121,6 +124,11 @@ def report(runs: dict[str, dict[str, list[float]]]) -> list[str]:
         out.append(line(f"exchange_echo_over_allreduce_{layout}_{rate}", med["echo"] / med["allreduce"], "x"))
         for name in ("rs_ag", "a2a"):
             out.append(line(f"exchange_{name}_over_allreduce_{layout}_{rate}", med[name] / med["allreduce"], "x"))
+        for name in PATTERNS:  # the machine's CPU per repetition, means (10 ms ticks: medians would round)
+            for kind in ("kernel", "user"):
+                if f"{name}:{kind}_cpu" in times:
+                    cpu = times[f"{name}:{kind}_cpu"]
+                    out.append(line(f"exchange_{kind}_cpu_s_{name}_{layout}_{rate}", sum(cpu) / len(cpu), "cpu_s"))
     return out
 
 
@@ -149,8 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 key = f"{layout}|{rate}"
                 for name, values in times.items():
                     runs.setdefault(key, {}).setdefault(name, []).extend(values)
-                text.append(f"# round {r} {layout} {rate}: " + ", ".join(
-                    f"{n} {median(v):.3f} s" for n, v in times.items()) + f" (load {load_average()})")  # fmt: skip
+                timed = ", ".join(f"{n} {median(v):.3f} s" for n, v in times.items() if ":" not in n)
+                text.append(f"# round {r} {layout} {rate}: {timed} (load {load_average()})")
                 print(text[-1], flush=True)
     lines = report(runs)
     tail = [load_line("end"), f"# {time.monotonic() - start:.0f} s in all; {args.rounds} round(s) x {args.reps} reps"]

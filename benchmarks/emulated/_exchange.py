@@ -21,7 +21,10 @@ pattern is timed ``--reps`` times, between two barriers, after one untimed run:
                  per local rank and remote node each way, 2(N-1)/N x D each way through a node's link (the
                  node's own collectives, on loopback, left out)
 
-Global rank 0 writes ``{pattern: [seconds, ...]}`` to ``--out``.
+Global rank 0 writes ``{pattern: [seconds, ...]}`` to ``--out``, and per pattern ``<pattern>:kernel_cpu`` and
+``<pattern>:user_cpu``: the whole machine's CPU seconds in the kernel (system, irq, softirq: the emulated links'
+veth pairs, bridge and HTB queues among them) and in user space during each repetition (``/proc/stat``, 10 ms
+ticks; every process on the machine counts, other jobs' too).
 """
 
 from __future__ import annotations
@@ -57,6 +60,15 @@ def _echo(chunk: torch.Tensor) -> torch.Tensor:
 
 def _values(numel: int) -> torch.Tensor:
     return _CHUNK[0] if _CHUNK and _CHUNK[0].numel() == numel else torch.ones(numel)
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(kernel, user) CPU seconds of the whole machine so far: ``/proc/stat``'s first line (not per namespace)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:8]]
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    tick = os.sysconf("SC_CLK_TCK")
+    return (system + irq + softirq) / tick, (user + nice) / tick
 
 
 def main() -> int:
@@ -124,16 +136,21 @@ def main() -> int:
         "allreduce": allreduce, "push": push, "two_phase": two_phase, "echo": echo, "rs_ag": rs_ag, "a2a": a2a,
         "hier_push": hier_push,
     }  # fmt: skip
-    times: dict[str, list[float]] = {name: [] for name in PATTERNS}
+    times: dict[str, list[float]] = {key: [] for name in PATTERNS for key in (name, f"{name}:kernel_cpu",
+                                                                               f"{name}:user_cpu")}  # fmt: skip
     for rep in range(args.reps + 1):
         order = PATTERNS[rep % len(PATTERNS) :] + PATTERNS[: rep % len(PATTERNS)]  # interleaved, rotated
         for name in order:
             dist.barrier()
+            kernel, user = machine_cpu()
             t0 = time.perf_counter()
             fns[name]()
             dist.barrier()
             if rep > 0:  # the first repetition warms connections up
                 times[name].append(time.perf_counter() - t0)
+                k1, u1 = machine_cpu()
+                times[f"{name}:kernel_cpu"].append(k1 - kernel)
+                times[f"{name}:user_cpu"].append(u1 - user)
     if rank == 0:
         args.out.write_text(json.dumps(times))
     dist.barrier()
