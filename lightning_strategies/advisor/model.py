@@ -254,7 +254,7 @@ def _shard_host(costs: Costs, work: Workload, share: float, pushes: int, average
 
 def _ps(costs: Costs, world: int, work: Workload, *, hierarchical: bool = True) -> Prediction:
     d, p = work.grad_bytes, world
-    t = push_traffic(p, costs.local_size, d, hierarchical=hierarchical)
+    t = push_traffic(p, costs.local_size, d, hierarchical=hierarchical, node_all_reduce=costs.node_all_reduce)
     k = contention(p, costs.cores)
     phases = {
         "compute": k * costs.compute_s,
@@ -312,7 +312,7 @@ def _async(costs: Costs, world: int, work: Workload) -> Prediction:
     is the worker: ps's hierarchical traffic and node collectives, N pushes per shard and round, the
     leader's draw shared in the node; else ps_flat's traffic with P workers."""
     d, p = work.grad_bytes, world
-    t = push_traffic(p, costs.local_size, d, hierarchical=True)
+    t = push_traffic(p, costs.local_size, d, hierarchical=True, node_all_reduce=costs.node_all_reduce)
     k = contention(p, costs.cores)
     refill = 4 / costs.async_lease if p > 1 else 0.0  # 2 messages per refill, one refill per lease/2 steps
     messages = t.messages + refill

@@ -41,7 +41,8 @@ class PushTraffic:
         peers_off_node: RPC peers on other nodes (P-L flat, N-1 hierarchical).
         message_bytes: one push or one reply (D/P).
         node_bytes: what a worker sends inside its node through the collective backend (the
-            reduce-scatter and the all-gather, 2(L-1)/L x D hierarchical; 0 flat).
+            reduce-scatter and the all-gather, 2(L-1)/L x D hierarchical; on gloo an all-reduce and the
+            all-gather, 3(L-1)/L x D; 0 flat).
     """
 
     hierarchical: bool
@@ -81,7 +82,9 @@ class PushTraffic:
         return max(2 * self.message_bytes, self.node_bytes, self.nic_bytes)
 
 
-def push_traffic(world: int, local_size: int, grad_bytes: float, *, hierarchical: bool = True) -> PushTraffic:
+def push_traffic(
+    world: int, local_size: int, grad_bytes: float, *, hierarchical: bool = True, node_all_reduce: bool = False
+) -> PushTraffic:
     """The traffic of a ps step at ``world`` processes, ``local_size`` per node.
 
     Args:
@@ -91,6 +94,8 @@ def push_traffic(world: int, local_size: int, grad_bytes: float, *, hierarchical
         hierarchical: reduce inside each node before pushing, where there is more than one node of
             more than one process (the ps strategy's default); ``False``: every worker pushes to
             every shard (``ps_flat``, async on one node).
+        node_all_reduce: the node sums with an all-reduce of the whole buffer (gloo, ``comm.ps.hierarchy``)
+            rather than a reduce-scatter: a worker sends 3(L-1)/L x D inside its node, not 2(L-1)/L x D.
 
     Raises:
         ValueError: hierarchical on nodes that are not whole (P not a multiple of L).
@@ -107,5 +112,5 @@ def push_traffic(world: int, local_size: int, grad_bytes: float, *, hierarchical
             f"hierarchical ps needs whole nodes: found P={world} with {local} per node. "
             "Fix: a multiple of the node's processes, or the flat push (ps_flat)"
         )
-    node_bytes = 2 * (local - 1) / local * grad_bytes
+    node_bytes = (3 if node_all_reduce else 2) * (local - 1) / local * grad_bytes
     return PushTraffic(True, local, nodes, nodes, 0, nodes - 1, share, node_bytes)

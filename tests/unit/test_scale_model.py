@@ -333,6 +333,11 @@ def test_the_hierarchical_push_on_gloo_sums_the_node_with_a_whole_all_reduce_the
     gloo = predict("ps", c.with_(node_all_reduce=True), 4, one_bucket()).phases["node"]
     assert nccl == pytest.approx(2 * (1e-3 + (D / 2) / 1e9), rel=REL)
     assert gloo == pytest.approx(3 * (1e-3 + (D / 2) / 1e9), rel=REL)
+    # and the bytes a worker sends: 2(L-1)/L x D inside the node (NCCL), 3(L-1)/L x D (gloo), plus its push and
+    # reply to the one remote shard of its chunk, D/P each
+    assert predict("ps", c, 4, one_bucket()).busiest_sent_bytes == pytest.approx(2 / 2 * D + 2 * D / 4, rel=REL)
+    got = predict("ps", c.with_(node_all_reduce=True), 4, one_bucket()).busiest_sent_bytes
+    assert got == pytest.approx(3 / 2 * D + 2 * D / 4, rel=REL)
     # async pushes once per step: the whole gradient in one buffer, whatever DDP's buckets
     bucketed = c.with_(node_all_reduce=True, bucket_bytes=D / 4, first_bucket_bytes=D / 4)
     assert predict("async", bucketed, 4, one_bucket()).phases["node"] == pytest.approx(gloo, rel=REL)
