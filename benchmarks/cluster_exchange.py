@@ -79,26 +79,29 @@ def run_one(cluster: EmulatedCluster, per_node: int, reps: int) -> dict[str, lis
         return times
 
 
+def _link_share(layout: str, rate: str, moved: float, seconds: float, messages: int, rpc: bool) -> float:
+    """``moved`` bytes each way through a node's link in ``seconds`` less ``messages`` messages' latency between
+    nodes (which the advisor charges apart), over one stream's goodput: the preset ``emulated_<layout>_<rate>``'s
+    link (``rpc``: its RPC link, ``inter_gbps`` either way)."""
+    costs = load_cluster(f"emulated_{layout}_{rate}").costs(0.0)
+    link = costs.rpc_inter if rpc else costs.inter
+    return moved / (seconds - messages * link.latency_s) / link.bandwidth
+
+
 def allreduce_share(seconds: float, layout: str, rate: str) -> float:
-    """The bare all-reduce's goodput per direction of a node's link over one stream's (the preset
-    ``emulated_<layout>_<rate>``'s ``inter_gbps``): 2(P-1)/P x D each way in ``seconds`` less its messages'
-    latency (2(P-1) per gloo segment of a D/P chunk, at the preset's latency between nodes, which the advisor
-    charges apart). The presets' ``ring_share``."""
+    """The bare all-reduce's share of the link: 2(P-1)/P x D each way, 2(P-1) messages per gloo segment of a
+    D/P chunk. The presets' ``ring_share``."""
     nodes, per_node = LAYOUTS[layout]
     p = nodes * per_node
-    costs = load_cluster(f"emulated_{layout}_{rate}").costs(0.0)
-    messages = 2 * (p - 1) * math.ceil(D_BYTES / p / costs.gloo_segment_bytes)
-    moving = seconds - messages * costs.inter.latency_s
-    return 2 * (p - 1) / p * D_BYTES / moving / costs.inter.bandwidth
+    segments = math.ceil(D_BYTES / p / load_cluster(f"emulated_{layout}_{rate}").costs(0.0).gloo_segment_bytes)
+    return _link_share(layout, rate, 2 * (p - 1) / p * D_BYTES, seconds, 2 * (p - 1) * segments, rpc=False)
 
 
 def hier_push_share(seconds: float, layout: str, rate: str) -> float:
-    """The hierarchical push's goodput per direction of a node's link over one stream's (the preset's
-    ``inter_gbps``): 2(N-1)/N x D each way in ``seconds`` less a push's and a pull's latency between nodes
-    (what the advisor charges apart). The 2x2 presets' ``hier_push_share``."""
+    """The hierarchical push's share of the link: 2(N-1)/N x D each way, a push's and a pull's latency. The
+    2x2 presets' ``hier_push_share``."""
     nodes, _ = LAYOUTS[layout]
-    costs = load_cluster(f"emulated_{layout}_{rate}").costs(0.0)
-    return 2 * (nodes - 1) / nodes * D_BYTES / (seconds - 2 * costs.rpc_inter.latency_s) / costs.rpc_inter.bandwidth
+    return _link_share(layout, rate, 2 * (nodes - 1) / nodes * D_BYTES, seconds, 2, rpc=True)
 
 
 def report(runs: dict[str, dict[str, list[float]]]) -> list[str]:

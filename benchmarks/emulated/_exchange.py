@@ -99,22 +99,18 @@ def main() -> int:
     def allreduce() -> None:
         dist.all_reduce(full)
 
-    def push() -> None:
-        for f in [rpc.rpc_async(p, _ack, args=(_CHUNK[0],)) for p in peers]:
+    def push(to: tuple[str, ...] = tuple(peers)) -> None:
+        for f in [rpc.rpc_async(p, _ack, args=(_CHUNK[0],)) for p in to]:
             f.wait()
 
-    def two_phase() -> None:
-        push()
+    def two_phase(to: tuple[str, ...] = tuple(peers)) -> None:  # push, a barrier (every push is in), pull
+        push(to)
         dist.barrier()
-        for f in [rpc.rpc_async(p, _values, args=(chunk,)) for p in peers]:
+        for f in [rpc.rpc_async(p, _values, args=(chunk,)) for p in to]:
             f.wait()
 
-    def hier_push() -> None:
-        for f in [rpc.rpc_async(p, _ack, args=(_CHUNK[0],)) for p in remote]:
-            f.wait()
-        dist.barrier()
-        for f in [rpc.rpc_async(p, _values, args=(chunk,)) for p in remote]:
-            f.wait()
+    def hier_push() -> None:  # two_phase between this local rank and its counterparts on the other nodes
+        two_phase(tuple(remote))
 
     def echo() -> None:
         for f in [rpc.rpc_async(p, _echo, args=(_CHUNK[0],)) for p in peers]:
