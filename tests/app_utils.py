@@ -57,7 +57,8 @@ def run_train(
     """``python train.py ARGS`` from ``cwd`` (outputs land there), one torch thread per process;
     ``extra_paths`` go on the PYTHONPATH (modules a config's ``_target_`` names), ``env`` on top."""
     # PYTHONFAULTHANDLER: a process that dies of a signal prints every thread's Python stack to stderr (an ft
-    # launcher died of SIGSEGV once in a full suite, before its Lighthouse started: cause not found yet)
+    # launcher died of SIGSEGV three times in full suites while torchft's Lighthouse server ran inside it; the
+    # Lighthouse now runs as its own process: start_lighthouse)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
            "PYTHONPATH": pythonpath(*extra_paths), **(env or {})}
     command = [sys.executable, str(ROOT / "train.py"), *args]

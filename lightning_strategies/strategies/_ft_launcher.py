@@ -3,12 +3,12 @@
 Lightning's ``popen`` launcher starts one process per device by re-running the script, then
 watches them with an observer that SIGKILLs every process as soon as one fails: the opposite of
 fault tolerance. This one starts the same children (Lightning's own
-``_call_children_scripts``) but, first, a torchft Lighthouse in this process (unless the strategy
+``_call_children_scripts``) but, first, a torchft Lighthouse as a child process (unless the strategy
 was given ``lighthouse="host:port"``), and instead of the observer a :class:`ReplicaSupervisor`
 thread that starts a child that died again, with the same local rank, up to ``max_restarts``
 times per replica. The restarted replica heals from a live one (see ``strategies/ft.py``).
 
-This process is replica 0 and hosts the Lighthouse and the supervisor: losing it ends the job
+This process is replica 0 and runs the supervisor; the Lighthouse ends with it: losing it ends the job
 (torchft's Lighthouse is a single point of failure anyway); the other replicas may die and come back.
 """
 

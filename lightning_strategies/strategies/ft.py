@@ -159,7 +159,7 @@ class FTStrategy(DDPStrategy):
         sync_buffers: average the floating buffers (BatchNorm's running statistics) at each sync of the
             last fragment; ``False``: each replica keeps its own (torchft's). Integer ones are left alone.
         lighthouse: ``"host:port"`` of a running ``torchft_lighthouse`` (multi-node); ``None``:
-            the launcher starts one in replica 0's process.
+            the launcher (replica 0) starts one as its child process.
         min_replicas: a step commits only with at least this many replicas.
         max_restarts: restarts of each lost replica by the launcher.
         heartbeat_timeout_s, join_timeout_s: the Lighthouse the launcher starts (a survivor

@@ -1,17 +1,24 @@
-"""The torchft Lighthouse: where it is, whether it answers, and starting one in this process.
+"""The torchft Lighthouse: where it is, whether it answers, and starting one as a child process.
 
 The Lighthouse is torchft's quorum service (a Rust server in the ``torchft`` wheel): every replica
 group's Manager heartbeats to it and asks it for the quorum of each step. It is the one process
-a torchft job cannot lose (quorum retries are off by default), so it runs in the launcher's
-process, or stands alone (``torchft_lighthouse``) on a host that outlives the replicas.
+a torchft job cannot lose (quorum retries are off by default), so the launcher starts it in a process of
+its own that ends with the launcher (:func:`start_lighthouse`), or it stands alone (``torchft_lighthouse``)
+on a host that outlives the replicas.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
 
 __all__ = [
     "LighthouseHandle",
@@ -21,6 +28,9 @@ __all__ = [
     "parse_lighthouse",
     "start_lighthouse",
 ]
+
+log = logging.getLogger(__name__)
+_LISTENING = re.compile(r"Lighthouse listening on: \S+:(\d+)")
 
 
 class LighthouseUnreachableError(RuntimeError):
@@ -77,27 +87,46 @@ def check_lighthouse(address: str, *, timeout_s: float, min_replicas: int = 1, h
         f"found no torchft Lighthouse at {host}:{port} ({error}) after {timeout_s:g} s: expected one listening "
         "there, since every replica asks it for the quorum of each step. Fix: start one on that host with "
         f"`{lighthouse_command(min_replicas, heartbeat_timeout_s, port)}`, or leave lighthouse=None so "
-        "that the launcher starts one in its own process (single node)."
+        "that the launcher starts one (single node)."
     )
 
 
 @dataclass
 class LighthouseHandle:
-    """A Lighthouse running in this process; :meth:`shutdown` stops it.
+    """A Lighthouse this process started (its own process); :meth:`shutdown` stops it.
 
     Attributes:
         address: the ``http://host:port`` URL replicas are given.
-        server: torchft's ``LighthouseServer``.
+        process: the Lighthouse's process (``None`` once shut down).
+        log_path: its output (torchft's log lines), kept when it ended on its own.
     """
 
     address: str
-    server: Any
+    process: subprocess.Popen[bytes] | None
+    log_path: Path
 
-    def shutdown(self) -> None:
-        """Stop the server (idempotent)."""
-        if self.server is not None:
-            self.server.shutdown()
-            self.server = None
+    def exit_code(self) -> int | None:
+        """``None`` while it runs (or after :meth:`shutdown`); else how its process ended."""
+        return None if self.process is None else self.process.poll()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the process (SIGTERM, then SIGKILL after ``timeout_s``) and remove its log (idempotent). Where it
+        had ended on its own, its log is kept and a warning names it with the exit code."""
+        proc, self.process = self.process, None
+        if proc is None:
+            return
+        code = proc.poll()
+        if code is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=timeout_s)
+            self.log_path.unlink(missing_ok=True)
+        else:
+            log.warning(f"ft: the Lighthouse at {self.address} had ended on its own (exit {code}) before its "
+                        f"shutdown: its log is {self.log_path}")  # fmt: skip
 
 
 def start_lighthouse(
@@ -108,8 +137,14 @@ def start_lighthouse(
     quorum_tick_ms: int = 10,
     host: str = "127.0.0.1",
     port: int = 0,
+    start_timeout_s: float = 60.0,
 ) -> LighthouseHandle:
-    """Start torchft's ``LighthouseServer`` in this process, listening on every interface.
+    """Start torchft's Lighthouse in a process of its own, listening on every interface.
+
+    Its own process, not a server in this one: a launcher died of SIGSEGV three times in full test suites while
+    the in-process server's threads ran next to its Python ones (in a pure-Python frame, cause unknown). The
+    process ends with the thread that called this (Linux: ``PR_SET_PDEATHSIG``), and :meth:`LighthouseHandle.shutdown`
+    ends it before.
 
     Args:
         min_replicas: the smallest quorum it forms.
@@ -120,15 +155,35 @@ def start_lighthouse(
         quorum_tick_ms: how often it checks for a quorum while waiting.
         host: the host name replicas reach it by (advertised, not bound).
         port: ``0``: any free port.
-    """
-    from torchft._torchft import LighthouseServer
+        start_timeout_s: how long to wait for it to listen.
 
-    server = LighthouseServer(
-        bind=f"[::]:{port}",
-        min_replicas=min_replicas,
-        join_timeout_ms=round(join_timeout_s * 1000),
-        quorum_tick_ms=quorum_tick_ms,
-        heartbeat_timeout_ms=round(heartbeat_timeout_s * 1000),
-    )
-    bound = parse_lighthouse(server.address())[1]
-    return LighthouseHandle(address=f"http://{host}:{bound}", server=server)
+    Raises:
+        RuntimeError: it ended, or did not say where it listens, within ``start_timeout_s``; the message
+            holds its output.
+    """
+    from lightning_strategies.comm.ft import _lighthouse_main
+
+    argv = [sys.executable, _lighthouse_main.__file__, "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}",
+            "--join_timeout_ms", str(round(join_timeout_s * 1000)), "--quorum_tick_ms", str(quorum_tick_ms),
+            "--heartbeat_timeout_ms", str(round(heartbeat_timeout_s * 1000))]  # fmt: skip
+    fd, name = tempfile.mkstemp(prefix="torchft-lighthouse-", suffix=".log")
+    log_path = Path(name)
+    env = dict(os.environ, **{_lighthouse_main.PARENT_ENV: str(os.getpid())})
+    with os.fdopen(fd, "wb") as out:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + start_timeout_s
+    while True:
+        found = _LISTENING.search(log_path.read_text(errors="replace"))
+        if found:
+            address = f"http://{host if ':' not in host else f'[{host}]'}:{found.group(1)}"
+            return LighthouseHandle(address=address, process=proc, log_path=log_path)
+        code = proc.poll()
+        if code is not None or time.monotonic() >= deadline:
+            if code is None:
+                proc.kill()
+                proc.wait(timeout=10.0)
+            text = log_path.read_text(errors="replace")[-3000:]
+            log_path.unlink(missing_ok=True)
+            what = f"ended with {code}" if code is not None else f"did not listen within {start_timeout_s:g} s"
+            raise RuntimeError(f"torchft's Lighthouse ({' '.join(argv[1:])}) {what}. Its output:\n{text}")
+        time.sleep(0.01)
