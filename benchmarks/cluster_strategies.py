@@ -70,6 +70,12 @@ compute, i.e. are 2x slower; ps waits for them every step, async does not.
     python benchmarks/cluster_strategies.py --quick    # 2x2 at 200mbit, ps, 1 round (< 1 min; CI)
     python benchmarks/cluster_strategies.py --from-raw benchmarks/results/cluster_strategies.json  # replot
     python benchmarks/cluster_strategies.py --strategies ddp ps --no-straggler --name cluster_ps  # ps vs ddp
+    python benchmarks/cluster_strategies.py --strategies ps ring_hier ddp --layouts 2x2 --no-straggler \
+        --link-sample-ms 4 --steps 8 --name cluster_link_timeline  # when each link carries bytes in a step
+
+``--link-sample-ms`` adds, per configuration, when each node's link carries bytes within a step and,
+under ps, the overlapped push's events (``link_*`` lines, ``results/<name>_link.png``;
+``benchmarks/_link_timeline.py`` says what each line is).
 
 The full run writes ``results/cluster_strategies.txt`` (this output), ``results/cluster_strategies.json``
 (every run's per-rank step durations and NIC counters) and ``results/cluster_strategies.png``.
@@ -90,9 +96,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import _link_timeline
 from benchmarks._common import line as emit
 from benchmarks._common import load_average, load_line, median, pyplot, save_figure
 from benchmarks.emulated import EmulatedCluster
+from benchmarks.emulated.cluster import parse_rate
 from benchmarks.emulated.launch import launch, report_start
 
 FIT = Path(__file__).parent / "emulated" / "_fit.py"
@@ -199,11 +207,12 @@ def measure(
             slow = ["--base-ms", str(args.base_ms), "--slow-node-factor", str(SLOW_FACTOR)]
             pair = STRAGGLER if r % 2 == 0 else STRAGGLER[::-1]
             cases += [(f"{s}_straggler", s, slow) for s in pair]
+        sample = ["--link-sample-ms", str(args.link_sample_ms)] if args.link_sample_ms > 0 else []
         with EmulatedCluster(nodes=nodes, rate=rate) as cluster:
             for name, strategy, extra in cases:
                 try:
                     run = run_one(cluster, strategy, per_node, steps=args.steps, warmup=args.warmup,
-                                  extra=extra)  # fmt: skip
+                                  extra=[*extra, *sample])  # fmt: skip
                 except RuntimeError as err:
                     # one strategy's failure is a result too: the others still get measured
                     log.append(f"# round {r} {name} {layout} {rate}: FAILED: " + str(err).replace("\n", "\n#   "))
@@ -273,13 +282,16 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, *, e
         ratio(f"cluster_async_hier_over_flat_2x2_{rate}", f"async|2x2|{rate}", f"async_flat|2x2|{rate}")
         # samples/s async over ps = step ps / step async (the same samples per step)
         ratio(f"cluster_async_over_sync_straggler_{rate}", f"ps_straggler|2x2|{rate}", f"async_straggler|2x2|{rate}")
-    return out
+    timeline = _link_timeline.report(runs, line)
+    if echo:
+        print("\n".join(t for t in timeline if t.startswith("#")), flush=True)
+    return out + timeline
 
 
 def plot(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, path: Path) -> None:
-    """Step time against link rate, one line per strategy, one panel per layout."""
-    from benchmarks.emulated.cluster import parse_rate
-
+    """Step time against link rate, one line per strategy, one panel per layout (and, for runs whose links were
+    sampled, ``<path stem>_link.png``: :func:`benchmarks._link_timeline.plot`)."""
+    _link_timeline.plot(runs, path.with_name(f"{path.stem}_link.png"))
     plt = pyplot()
     fig, axes = plt.subplots(1, len(args.layouts), figsize=(6 * len(args.layouts), 4.5), squeeze=False)
     for ax, layout in zip(axes[0], args.layouts, strict=True):
@@ -312,6 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--rates", nargs="+", default=list(RATES))
     parser.add_argument("--no-straggler", dest="straggler", action="store_false")
+    parser.add_argument("--link-sample-ms", type=float, default=0.0,
+                        help="> 0: each link's counters this often (the link_* lines)")  # fmt: skip
     parser.add_argument("--name", default="cluster_strategies", help="results/<name>.txt, .json and .png")
     parser.add_argument("--from-raw", type=Path, default=None,
                         help="measure nothing: the lines and the plot again from a stored results/*.json")  # fmt: skip
@@ -331,6 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # of the same 2x2 cluster are tests/integration/test_emulated_cluster.py's
         args.rounds, args.layouts, args.rates, args.strategies, args.straggler = 1, ["2x2"], ["200mbit"], [
             "ps"], False  # fmt: skip
+        args.link_sample_ms = args.link_sample_ms or 4.0  # the link timeline's machinery too
     started = report_start("cluster_strategies: every strategy on an emulated cluster (namespaces, HTB-shaped links)")
     if started is None:
         return 0

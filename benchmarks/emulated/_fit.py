@@ -17,6 +17,10 @@ between steps included) and each thread's CPU seconds, and per step the forward'
 and the overlapped push's timestamps (``push_timeline``): where a step's time goes. Global
 rank 0 writes the step count to ``$EMULATED_CLUSTER_STEPS_FILE`` for the launcher.
 
+``--link-sample-ms t`` (> 0) has each node's local rank 0 read its link's byte counters every ``t`` ms over
+the timed steps (a thread; ``link_samples``: ``[perf_counter, tx_bytes, rx_bytes]`` rows): when the link
+carries bytes and when it stands idle within a step (``benchmarks/cluster_link_timeline.py``).
+
 ``--slow-node-factor k`` (with ``--base-ms``) makes the last node's ranks ``k`` times slower, as
 ``benchmarks/stragglers.py`` does: every rank sleeps ``--base-ms`` before its optimizer step
 (standing in for a heavier model), and the slowed ranks then sleep ``k - 1`` times their own
@@ -31,7 +35,9 @@ import itertools
 import json
 import os
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -138,10 +144,68 @@ def nic_counters() -> dict[str, int]:
     return {k: int((base / k).read_text()) for k in ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")}
 
 
+_TCP_FIELDS = ("bytes_sent", "bytes_received", "busy", "rwnd_limited", "sndbuf_limited")
+
+
+def tcp_counters() -> dict[str, dict[str, float]]:
+    """This node's TCP connections to other nodes (``ss -tinH``; loopback and the node's own address left out): per
+    connection ``local>peer``, its cumulative bytes sent and received and ms busy sending, limited by the peer's
+    receive window, and limited by its own send buffer (``tcp_info``; a field the kernel leaves out is 0)."""
+    out: dict[str, dict[str, float]] = {}
+    text = subprocess.run(["ss", "-tinH", "state", "established"], capture_output=True, text=True, timeout=10).stdout
+    conn = None
+    for raw in text.splitlines():
+        if not raw[:1].isspace():  # "recv-q send-q local peer": a connection
+            parts = raw.split()
+            local, peer = parts[-2], parts[-1]
+            same = local.rsplit(":", 1)[0] == peer.rsplit(":", 1)[0]  # a peer in this node (its own address)
+            conn = None if same or peer.startswith(("127.", "[::1]", "[::ffff:127.")) else f"{local}>{peer}"
+            continue
+        if conn is None:
+            continue
+        info = dict(kv.split(":", 1) for kv in raw.split() if ":" in kv and not kv.startswith("("))
+        out[conn] = {k: float(info.get(k, "0").split("ms")[0].split("(")[0]) for k in _TCP_FIELDS}
+    return out
+
+
+class LinkSampler:
+    """This node's link counters every ``period_s`` seconds on a daemon thread, from :meth:`start` to :meth:`stop`:
+    rows of ``[time.perf_counter(), tx_bytes, rx_bytes]`` (the clock the other timestamps use), and its TCP
+    connections' counters at both ends (``tcp``: :func:`tcp_counters`)."""
+
+    def __init__(self, period_s: float) -> None:
+        self.period_s = period_s
+        self.rows: list[list[float]] = []
+        self.tcp: dict[str, dict[str, dict[str, float]]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        base = Path("/sys/class/net") / os.environ["GLOO_SOCKET_IFNAME"] / "statistics"
+        tx, rx = base / "tx_bytes", base / "rx_bytes"
+        self.tcp["start"] = tcp_counters()
+
+        def run() -> None:
+            while not self._stop.is_set():
+                self.rows.append([time.perf_counter(), int(tx.read_text()), int(rx.read_text())])
+                self._stop.wait(self.period_s)
+
+        self._thread = threading.Thread(target=run, name="link-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        self.tcp["end"] = tcp_counters()
+
+
 class Measure(pl.Callback):
     """Step durations; the node's NIC counters over steps ``warmup ..`` (local rank 0); a straggler."""
 
-    def __init__(self, *, steps: int, warmup: int, base_ms: float, slow_factor: float, slowed: bool) -> None:
+    def __init__(
+        self, *, steps: int, warmup: int, base_ms: float, slow_factor: float, slowed: bool, link_sample_ms: float = 0.0
+    ) -> None:
         self.steps, self.warmup = steps, warmup
         self.base_ms, self.slow_factor, self.slowed = base_ms, slow_factor, slowed
         self.start = 0.0
@@ -149,6 +213,7 @@ class Measure(pl.Callback):
         self.own: list[float] = []
         self.nic: dict[str, dict[str, int]] = {}
         self.local0 = int(os.environ.get("LOCAL_RANK", "0")) == 0
+        self.sampler = LinkSampler(link_sample_ms / 1000.0) if link_sample_ms > 0 and self.local0 else None
         #: per step, seconds from its start: forward's end (backward's start), backward's end
         self.phases: list[dict[str, float]] = []
         self.push_timeline: list[dict[str, Any]] = []
@@ -163,6 +228,8 @@ class Measure(pl.Callback):
             self.threads = thread_cpu()
             if self.local0:
                 self.nic["start"] = nic_counters()
+            if self.sampler is not None:
+                self.sampler.start()
         self.start = time.perf_counter()
         self.phases.append({"t0": self.start})
         self._cpu_mark("start")
@@ -225,6 +292,8 @@ class Measure(pl.Callback):
             self._quiesce(trainer)  # after the clocks: its barrier is no step's
         if self.local0:
             self.nic["end"] = nic_counters()
+        if self.sampler is not None:
+            self.sampler.stop()
 
 
 def main() -> int:
@@ -237,6 +306,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--base-ms", type=float, default=0.0)
     parser.add_argument("--slow-node-factor", type=float, default=1.0)
+    parser.add_argument("--link-sample-ms", type=float, default=0.0, help="> 0: the link's counters every this many ms")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if not 0 < args.warmup < args.steps:
@@ -254,7 +324,8 @@ def main() -> int:
     n = batch * args.steps * (world if asynchronous else 1)
     data = TensorDataset(torch.randn(n, IN, generator=g), torch.randn(n, OUT, generator=g))
     measure = Measure(steps=args.steps, warmup=args.warmup, base_ms=args.base_ms,
-                      slow_factor=args.slow_node_factor, slowed=node == nodes - 1)  # fmt: skip
+                      slow_factor=args.slow_node_factor, slowed=node == nodes - 1,
+                      link_sample_ms=args.link_sample_ms)  # fmt: skip
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=per_node,
@@ -287,6 +358,8 @@ def main() -> int:
         "window": measure.window,
         "thread_cpu_s": measure.threads,
         "push_timeline": measure.push_timeline,
+        "link_samples": measure.sampler.rows if measure.sampler is not None else [],
+        "link_tcp": measure.sampler.tcp if measure.sampler is not None else {},
         "params": sum(p.numel() for p in MLP(args.width, args.layers).parameters()),
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -241,6 +241,11 @@ GOALS["cluster_strategies.py"] = [
     # they caught part of the step before's replies (1.08-1.17 over 4 timed steps, #28)
     (r"cluster_nic_bytes_per_step_ps_2x2_200mbit_over_formula", 1.0, 1.03),
     (r"cluster_step_s_ps_2x2_200mbit", 0.01, 60.0),
+    # the link sampled every 4 ms (_link_timeline): the bytes a node's link moved over what its rate allows in
+    # the window cannot pass 1 (HTB shapes it; the veth's headers add 0.2-0.3%); under 0.05 the sampler read
+    # no traffic (a ps step at 200mbit moves D each way in ~0.3-0.5 s)
+    (r"link_util_ps_2x2_200mbit", 0.05, 1.05),
+    (r"link_busy_share_ps_2x2_200mbit", 0.01, 1.0),
 ]
 # cluster_exchange.py --quick: 4x1 at 1gbit, 2 repetitions. Every pattern moves its bytes through a link
 # shaped to 1 Gbit/s, so none can take less than the bytes' time at that rate (over_wire >= 1: 1.10-1.29 in
