@@ -180,8 +180,8 @@ def report(runs: dict[str, list[dict[str, Any]]], line: Callable[[str, float, st
         for name, field, unit in (
             ("link_util", "util", "x"),
             ("link_busy_share", "busy", "x"),
-            ("link_silent_ms_per_step", "silent_ms", "ms"),
-            ("link_one_way_ms_per_step", "one_way_ms", "ms"),
+            ("link_silent_ms_per_step", "silent_ms", "ms/step"),  # may be 0: not a positive unit
+            ("link_one_way_ms_per_step", "one_way_ms", "ms/step"),
             ("link_step_ms", "step_ms", "ms"),
         ):
             out.append(line(f"{name}_{tag}", median([x[field] for x in a]), unit))
