@@ -2,9 +2,8 @@
 
 A launcher died of SIGSEGV three times in full suites while the Lighthouse ran as a server inside it; the
 server now runs in a process of its own. These check what that process must do: listen where the handle
-says, take the settings it was given (a quorum forms only with ``min_replicas``), stop on shutdown without
-leaving its log behind, end when the process that started it dies (even of SIGKILL), and fail loudly with
-its output when it cannot start.
+says, take the settings it was given (a quorum forms through it), stop on shutdown, end when the process
+that started it dies (even of SIGKILL), and fail loudly, naming its command, when it cannot start.
 """
 
 from __future__ import annotations
@@ -44,13 +43,11 @@ def test_the_lighthouse_listens_in_its_own_process_and_stops() -> None:
         assert handle.process is not None and handle.process.pid != os.getpid()
         assert handle.exit_code() is None
         assert check_lighthouse(handle.address, timeout_s=10.0) == handle.address
-        assert handle.log_path.exists()
         assert "--min_replicas 1" in " ".join(handle.process.args)  # type: ignore[arg-type]
     finally:
         pid = handle.process.pid if handle.process else 0
         handle.shutdown()
     assert handle.process is None and _gone(pid, 10.0)
-    assert not handle.log_path.exists()  # a clean stop leaves nothing behind
     handle.shutdown()  # idempotent
 
 
@@ -85,5 +82,5 @@ def test_the_lighthouse_ends_with_the_process_that_started_it(tmp_path: Path) ->
 
 
 def test_a_lighthouse_that_cannot_start_says_why() -> None:
-    with pytest.raises(RuntimeError, match=r"Lighthouse .* ended with .*Its output"):
+    with pytest.raises(RuntimeError, match=r"Lighthouse \(.*--bind \[::\]:70000.*\) ended with 1"):
         start_lighthouse(min_replicas=1, heartbeat_timeout_s=1.0, join_timeout_s=0.1, port=70000)

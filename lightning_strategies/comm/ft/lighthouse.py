@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 __all__ = [
     "LighthouseHandle",
@@ -30,7 +27,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_LISTENING = re.compile(r"Lighthouse listening on: \S+:(\d+)")
 
 
 class LighthouseUnreachableError(RuntimeError):
@@ -98,35 +94,44 @@ class LighthouseHandle:
     Attributes:
         address: the ``http://host:port`` URL replicas are given.
         process: the Lighthouse's process (``None`` once shut down).
-        log_path: its output (torchft's log lines), kept when it ended on its own.
     """
 
     address: str
     process: subprocess.Popen[bytes] | None
-    log_path: Path
 
     def exit_code(self) -> int | None:
         """``None`` while it runs (or after :meth:`shutdown`); else how its process ended."""
         return None if self.process is None else self.process.poll()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the process (SIGTERM, then SIGKILL after ``timeout_s``) and remove its log (idempotent). Where it
-        had ended on its own, its log is kept and a warning names it with the exit code."""
+        """Stop the process (SIGTERM, then SIGKILL after ``timeout_s``; idempotent). Where it had ended on its
+        own, a warning says so with its exit code (its output went to this process's stderr)."""
         proc, self.process = self.process, None
         if proc is None:
             return
         code = proc.poll()
-        if code is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=timeout_s)
-            self.log_path.unlink(missing_ok=True)
-        else:
+        if code is not None:
             log.warning(f"ft: the Lighthouse at {self.address} had ended on its own (exit {code}) before its "
-                        f"shutdown: its log is {self.log_path}")  # fmt: skip
+                        "shutdown; its output is on stderr")  # fmt: skip
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=timeout_s)
+
+
+def _free_port() -> int:
+    """A port free now on every interface (the Lighthouse binds ``[::]``; IPv4 where the host has no IPv6)."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::", 0))
+            return int(s.getsockname()[1])
+    except OSError:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
 
 
 def start_lighthouse(
@@ -139,7 +144,8 @@ def start_lighthouse(
     port: int = 0,
     start_timeout_s: float = 60.0,
 ) -> LighthouseHandle:
-    """Start torchft's Lighthouse in a process of its own, listening on every interface.
+    """Start torchft's Lighthouse in a process of its own, listening on every interface; its log lines go to
+    this process's stderr, as the server's did when it ran inside it.
 
     Its own process, not a server in this one: a launcher died of SIGSEGV three times in full test suites while
     the in-process server's threads ran next to its Python ones (in a pure-Python frame, cause unknown). The
@@ -154,36 +160,36 @@ def start_lighthouse(
             yet (a starting or restarting one).
         quorum_tick_ms: how often it checks for a quorum while waiting.
         host: the host name replicas reach it by (advertised, not bound).
-        port: ``0``: any free port.
-        start_timeout_s: how long to wait for it to listen.
+        port: ``0``: a free port (picked here; taken meanwhile by another process, the next one is tried).
+        start_timeout_s: how long to wait for it to accept connections.
 
     Raises:
-        RuntimeError: it ended, or did not say where it listens, within ``start_timeout_s``; the message
-            holds its output.
+        RuntimeError: it ended, or did not accept connections, within ``start_timeout_s`` (its output is on
+            stderr).
     """
     from lightning_strategies.comm.ft import _lighthouse_main
 
-    argv = [sys.executable, _lighthouse_main.__file__, "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}",
-            "--join_timeout_ms", str(round(join_timeout_s * 1000)), "--quorum_tick_ms", str(quorum_tick_ms),
-            "--heartbeat_timeout_ms", str(round(heartbeat_timeout_s * 1000))]  # fmt: skip
-    fd, name = tempfile.mkstemp(prefix="torchft-lighthouse-", suffix=".log")
-    log_path = Path(name)
-    env = dict(os.environ, **{_lighthouse_main.PARENT_ENV: str(os.getpid())})
-    with os.fdopen(fd, "wb") as out:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + start_timeout_s
-    while True:
-        found = _LISTENING.search(log_path.read_text(errors="replace"))
-        if found:
-            address = f"http://{host if ':' not in host else f'[{host}]'}:{found.group(1)}"
-            return LighthouseHandle(address=address, process=proc, log_path=log_path)
+    env = dict(os.environ, **{_lighthouse_main.PARENT_ENV: str(os.getpid())})
+    for attempt in range(1 if port else 3):
+        chosen = port or _free_port()
+        argv = [sys.executable, _lighthouse_main.__file__, "--min_replicas", str(min_replicas), "--bind",
+                f"[::]:{chosen}", "--join_timeout_ms", str(round(join_timeout_s * 1000)), "--quorum_tick_ms",
+                str(quorum_tick_ms), "--heartbeat_timeout_ms", str(round(heartbeat_timeout_s * 1000))]  # fmt: skip
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env)
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", chosen), timeout=1.0):
+                    address = f"http://{host if ':' not in host else f'[{host}]'}:{chosen}"
+                    return LighthouseHandle(address=address, process=proc)
+            except OSError:
+                time.sleep(0.01)
         code = proc.poll()
-        if code is not None or time.monotonic() >= deadline:
-            if code is None:
-                proc.kill()
-                proc.wait(timeout=10.0)
-            text = log_path.read_text(errors="replace")[-3000:]
-            log_path.unlink(missing_ok=True)
-            what = f"ended with {code}" if code is not None else f"did not listen within {start_timeout_s:g} s"
-            raise RuntimeError(f"torchft's Lighthouse ({' '.join(argv[1:])}) {what}. Its output:\n{text}")
-        time.sleep(0.01)
+        if code is None:  # the deadline
+            proc.kill()
+            proc.wait(timeout=10.0)
+        if code is None or attempt == (0 if port else 2) or time.monotonic() >= deadline:
+            what = f"ended with {code}" if code is not None else f"accepted no connection within {start_timeout_s:g} s"
+            raise RuntimeError(f"torchft's Lighthouse ({' '.join(argv[1:])}) {what}; its output is on stderr")
+        # it ended at once: maybe the port picked here was taken before it bound it; another one
+    raise AssertionError("unreachable: the last attempt raises")
