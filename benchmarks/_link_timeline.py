@@ -136,6 +136,12 @@ def analyse(run: dict[str, Any], rate_bits: int) -> dict[str, Any]:
             })  # fmt: skip
         nodes.append({"node": rec["node"], "util": moved / (2 * rate * window), "busy": busy / window,
                       "steps": per_step, "tcp": tcp_limits(rec.get("link_tcp", {}))})  # fmt: skip
+    if not nodes or not all(n["steps"] for n in nodes):
+        raise ValueError(
+            f"link timeline: found {len(nodes)} sampled node(s), with {[len(n['steps']) for n in nodes]} whole timed "
+            "steps: expected every node's local rank 0 to sample at least 2 timed steps (a step ends where the next "
+            "begins). Fix: pass --link-sample-ms > 0 and --steps at least --warmup + 2"
+        )
     mean = lambda key: sum(median([s[key] for s in n["steps"]]) for n in nodes) / len(nodes)  # noqa: E731
     out: dict[str, Any] = {
         "util": sum(n["util"] for n in nodes) / len(nodes),

@@ -18,8 +18,9 @@ and the overlapped push's timestamps (``push_timeline``): where a step's time go
 rank 0 writes the step count to ``$EMULATED_CLUSTER_STEPS_FILE`` for the launcher.
 
 ``--link-sample-ms t`` (> 0) has each node's local rank 0 read its link's byte counters every ``t`` ms over
-the timed steps (a thread; ``link_samples``: ``[perf_counter, tx_bytes, rx_bytes]`` rows): when the link
-carries bytes and when it stands idle within a step (``benchmarks/cluster_link_timeline.py``).
+the timed steps (a thread; ``link_samples``: ``[perf_counter, tx_bytes, rx_bytes]`` rows) and its TCP
+connections to other nodes at both ends (``link_tcp``): when the link carries bytes and when it stands idle
+within a step, and what limited TCP (``cluster_strategies.py --link-sample-ms``, ``benchmarks/_link_timeline.py``).
 
 ``--slow-node-factor k`` (with ``--base-ms``) makes the last node's ranks ``k`` times slower, as
 ``benchmarks/stragglers.py`` does: every rank sleeps ``--base-ms`` before its optimizer step
@@ -152,7 +153,11 @@ def tcp_counters() -> dict[str, dict[str, float]]:
     connection ``local>peer``, its cumulative bytes sent and received and ms busy sending, limited by the peer's
     receive window, and limited by its own send buffer (``tcp_info``; a field the kernel leaves out is 0)."""
     out: dict[str, dict[str, float]] = {}
-    text = subprocess.run(["ss", "-tinH", "state", "established"], capture_output=True, text=True, timeout=10).stdout
+    try:
+        ss = subprocess.run(["ss", "-tinH", "state", "established"], capture_output=True, text=True, timeout=10)
+        text = ss.stdout
+    except (OSError, subprocess.SubprocessError):  # no ss (iproute2's): no TCP figures, the rest of the fit stands
+        return out
     conn = None
     for raw in text.splitlines():
         if not raw[:1].isspace():  # "recv-q send-q local peer": a connection

@@ -93,3 +93,9 @@ def test_ps_events_are_placed_in_the_step_whose_pushes_went_out() -> None:
     assert got["events"]["last_reply"] == pytest.approx(350.0)
     assert got["events"]["last_landed"] == pytest.approx(360.0)
     assert got["events"]["first_node_reduce"] == pytest.approx(5.0)
+
+
+def test_too_few_timed_steps_say_what_to_pass() -> None:
+    one = record(0, [10.0], [(0.4, RATE, RATE)])  # one timed step: it has no end
+    with pytest.raises(ValueError, match=r"at least 2 timed steps.*--steps at least --warmup \+ 2"):
+        analyse({"records": [one]}, int(8 * RATE))
