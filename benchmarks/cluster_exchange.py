@@ -57,6 +57,7 @@ from benchmarks.emulated import EmulatedCluster
 from benchmarks.emulated.cluster import parse_rate
 from benchmarks.emulated.launch import launch, report_start
 from lightning_strategies.advisor import load_cluster
+from lightning_strategies.advisor.costs import Costs, Link
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORKER = Path(__file__).resolve().parent / "emulated" / "_exchange.py"
@@ -79,13 +80,14 @@ def run_one(cluster: EmulatedCluster, per_node: int, reps: int) -> dict[str, lis
         return times
 
 
-def _link_share(layout: str, rate: str, moved: float, seconds: float, messages: int, rpc: bool) -> float:
+def _link_share(link: Link, moved: float, seconds: float, messages: int) -> float:
     """``moved`` bytes each way through a node's link in ``seconds`` less ``messages`` messages' latency between
-    nodes (which the advisor charges apart), over one stream's goodput: the preset ``emulated_<layout>_<rate>``'s
-    link (``rpc``: its RPC link, ``inter_gbps`` either way)."""
-    costs = load_cluster(f"emulated_{layout}_{rate}").costs(0.0)
-    link = costs.rpc_inter if rpc else costs.inter
+    nodes (which the advisor charges apart), over one stream's goodput: ``link``, the preset's (``inter_gbps``)."""
     return moved / (seconds - messages * link.latency_s) / link.bandwidth
+
+
+def _preset(layout: str, rate: str) -> Costs:
+    return load_cluster(f"emulated_{layout}_{rate}").costs(0.0)
 
 
 def allreduce_share(seconds: float, layout: str, rate: str) -> float:
@@ -93,15 +95,16 @@ def allreduce_share(seconds: float, layout: str, rate: str) -> float:
     D/P chunk. The presets' ``ring_share``."""
     nodes, per_node = LAYOUTS[layout]
     p = nodes * per_node
-    segments = math.ceil(D_BYTES / p / load_cluster(f"emulated_{layout}_{rate}").costs(0.0).gloo_segment_bytes)
-    return _link_share(layout, rate, 2 * (p - 1) / p * D_BYTES, seconds, 2 * (p - 1) * segments, rpc=False)
+    costs = _preset(layout, rate)
+    segments = math.ceil(D_BYTES / p / costs.gloo_segment_bytes)
+    return _link_share(costs.inter, 2 * (p - 1) / p * D_BYTES, seconds, 2 * (p - 1) * segments)
 
 
 def hier_push_share(seconds: float, layout: str, rate: str) -> float:
-    """The hierarchical push's share of the link: 2(N-1)/N x D each way, a push's and a pull's latency. The
-    2x2 presets' ``hier_push_share``."""
+    """The hierarchical push's share of the link (the preset's RPC link): 2(N-1)/N x D each way, a push's and a
+    pull's latency. The 2x2 presets' ``hier_push_share``."""
     nodes, _ = LAYOUTS[layout]
-    return _link_share(layout, rate, 2 * (nodes - 1) / nodes * D_BYTES, seconds, 2, rpc=True)
+    return _link_share(_preset(layout, rate).rpc_inter, 2 * (nodes - 1) / nodes * D_BYTES, seconds, 2)
 
 
 def report(runs: dict[str, dict[str, list[float]]]) -> list[str]:
