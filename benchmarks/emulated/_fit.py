@@ -138,10 +138,14 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
+def link_statistics() -> Path:
+    """The folder of this node's link counters in /sys (the link: GLOO_SOCKET_IFNAME, set by the launcher)."""
+    return Path("/sys/class/net") / os.environ["GLOO_SOCKET_IFNAME"] / "statistics"
+
+
 def nic_counters() -> dict[str, int]:
-    """This node's link counters (GLOO_SOCKET_IFNAME, set by the launcher), read from /sys."""
-    link = os.environ["GLOO_SOCKET_IFNAME"]
-    base = Path("/sys/class/net") / link / "statistics"
+    """This node's link counters, read from /sys."""
+    base = link_statistics()
     return {k: int((base / k).read_text()) for k in ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")}
 
 
@@ -186,7 +190,7 @@ class LinkSampler:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        base = Path("/sys/class/net") / os.environ["GLOO_SOCKET_IFNAME"] / "statistics"
+        base = link_statistics()
         tx, rx = base / "tx_bytes", base / "rx_bytes"
         self.tcp["start"] = tcp_counters()
 
@@ -229,12 +233,12 @@ class Measure(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if batch_idx == self.warmup:
             self._quiesce(trainer)
+            if self.sampler is not None:  # before the clocks: its first TCP reading runs ss (a process)
+                self.sampler.start()
             self.window = {"wall": time.perf_counter(), "cpu": time.process_time()}  # every thread's CPU
             self.threads = thread_cpu()
             if self.local0:
                 self.nic["start"] = nic_counters()
-            if self.sampler is not None:
-                self.sampler.start()
         self.start = time.perf_counter()
         self.phases.append({"t0": self.start})
         self._cpu_mark("start")
