@@ -29,6 +29,19 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+def _connect_error(host: str, port: int, *, timeout_s: float) -> OSError | None:
+    """``None`` where something at ``host:port`` accepts a TCP connection now; else why not."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as e:
+        return e
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+
+
 class LighthouseUnreachableError(RuntimeError):
     """No torchft Lighthouse answers at the address a replica was given."""
 
@@ -69,13 +82,10 @@ def check_lighthouse(address: str, *, timeout_s: float, min_replicas: int = 1, h
     """
     host, port = parse_lighthouse(address)
     deadline = time.monotonic() + max(0.0, timeout_s)
-    error: OSError | None = None
     while True:
-        try:
-            with socket.create_connection((host, port), timeout=min(2.0, max(0.1, timeout_s))):
-                return f"http://{host if ':' not in host else f'[{host}]'}:{port}"
-        except OSError as e:
-            error = e
+        error = _connect_error(host, port, timeout_s=min(2.0, max(0.1, timeout_s)))
+        if error is None:
+            return _url(host, port)
         if time.monotonic() >= deadline:
             break
         time.sleep(0.2)
@@ -171,24 +181,22 @@ def start_lighthouse(
 
     deadline = time.monotonic() + start_timeout_s
     env = dict(os.environ, **{_lighthouse_main.PARENT_ENV: str(os.getpid())})
-    for attempt in range(1 if port else 3):
+    attempts = 1 if port else 3
+    for attempt in range(attempts):
         chosen = port or _free_port()
         argv = [sys.executable, _lighthouse_main.__file__, "--min_replicas", str(min_replicas), "--bind",
                 f"[::]:{chosen}", "--join_timeout_ms", str(round(join_timeout_s * 1000)), "--quorum_tick_ms",
                 str(quorum_tick_ms), "--heartbeat_timeout_ms", str(round(heartbeat_timeout_s * 1000))]  # fmt: skip
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env)
         while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", chosen), timeout=1.0):
-                    address = f"http://{host if ':' not in host else f'[{host}]'}:{chosen}"
-                    return LighthouseHandle(address=address, process=proc)
-            except OSError:
-                time.sleep(0.01)
+            if _connect_error("127.0.0.1", chosen, timeout_s=1.0) is None:
+                return LighthouseHandle(address=_url(host, chosen), process=proc)
+            time.sleep(0.01)
         code = proc.poll()
         if code is None:  # the deadline
             proc.kill()
             proc.wait(timeout=10.0)
-        if code is None or attempt == (0 if port else 2) or time.monotonic() >= deadline:
+        if code is None or attempt == attempts - 1 or time.monotonic() >= deadline:
             what = f"ended with {code}" if code is not None else f"accepted no connection within {start_timeout_s:g} s"
             raise RuntimeError(f"torchft's Lighthouse ({' '.join(argv[1:])}) {what}; its output is on stderr")
         # it ended at once: maybe the port picked here was taken before it bound it; another one
