@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import median, pyplot, save_figure
+from benchmarks.emulated.cluster import parse_rate
 
 BUSY, SILENT = 0.5, 0.05  # of the shaped rate, per interval
 GSO_PACKETS = 4  # an interval's least length: this many 64 KiB packets' time at the rate
@@ -174,8 +175,6 @@ def describe(tag: str, node: dict[str, Any]) -> str:
 def report(runs: dict[str, list[dict[str, Any]]], line: Callable[[str, float, str], str]) -> list[str]:
     """The lines of every run key (``strategy|layout|rate``) whose runs' records hold link samples, through
     ``line(name, value, unit)``, and one comment line per key (:func:`describe`)."""
-    from benchmarks.emulated.cluster import parse_rate
-
     out = []
     for key, rs in runs.items():
         sampled = [r for r in rs if any(rec.get("link_samples") for rec in r.get("records", []))]
@@ -207,8 +206,6 @@ def report(runs: dict[str, list[dict[str, Any]]], line: Callable[[str, float, st
 
 def plot(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
     """Node 0's two directions over the timed steps of each sampled key's first run, as shares of the rate."""
-    from benchmarks.emulated.cluster import parse_rate
-
     keys = [k for k, rs in runs.items() if any(rec.get("link_samples") for rec in rs[0].get("records", []))]
     if not keys:
         return
