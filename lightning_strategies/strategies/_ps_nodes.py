@@ -1,4 +1,5 @@
-"""The parameter servers' side of the node layout: whether their push goes hierarchical, and its groups.
+"""The parameter servers' side of the node layout: whether their push goes hierarchical, and its groups;
+whether the workers align each step's pushes (:class:`PushAlignment`).
 
 Kept out of ``parameter_server.py`` so that the strategy file stays a list of the hooks it changes; the
 algorithm itself is :mod:`lightning_strategies.comm.ps.hierarchy`.
@@ -20,7 +21,16 @@ from lightning_strategies.comm.ps.plan import Slice
 from lightning_strategies.comm.ring.layout import NodeLayout, new_hierarchical_groups
 from lightning_strategies.strategies._nodes import gather_node_layout, wants_hierarchy
 
-__all__ = ["PushNodes", "check_hierarchical", "close_push_nodes", "plan_push_nodes"]
+__all__ = [
+    "PushAlignment",
+    "PushNodes",
+    "check_align_pushes",
+    "check_hierarchical",
+    "close_alignment",
+    "close_push_nodes",
+    "plan_alignment",
+    "plan_push_nodes",
+]
 
 
 @dataclass
@@ -118,3 +128,57 @@ def close_push_nodes(nodes: PushNodes | None, client: object, *, failed: bool) -
             group.abort()
         else:
             dist.destroy_process_group(group)
+
+
+def check_align_pushes(strategy_class: type, align_pushes: object) -> None:
+    """Raise for an ``align_pushes`` option the strategy cannot take (checked in the constructor)."""
+    name = strategy_class.__name__
+    if align_pushes is not None and type(align_pushes) is not bool:
+        raise ValueError(
+            f"{name}(align_pushes={align_pushes!r}): expected None (aligned where the flat push crosses nodes), "
+            "True or False."
+        )
+    if align_pushes and not getattr(strategy_class, "aligns_pushes", True):
+        raise ValueError(
+            f"{name}(align_pushes=True): expected None or False, because its workers push on their own schedules "
+            "(no step that every worker takes together to align). Fix: drop align_pushes, or use strategy='ps' "
+            "for the synchronous push."
+        )
+
+
+@dataclass
+class PushAlignment:
+    """A barrier of every worker before each step's first push (:attr:`ParameterServerClient.align
+    <lightning_strategies.comm.ps.ParameterServerClient.align>`), on a gloo group: the default group where
+    that is gloo, else one made for it (a host-side barrier: no device work and no stream sync per step).
+    Bounded by the group's timeout; a lost peer's connections are shut down by the peer watch, which fails it
+    at once."""
+
+    group: dist.ProcessGroup | None
+    owned: bool
+
+    def __call__(self) -> None:
+        dist.barrier(group=self.group)
+
+
+def plan_alignment(
+    strategy: DDPStrategy, align_pushes: bool | None, *, flat: bool, backend: str | None, timeout: timedelta | None
+) -> PushAlignment | None:
+    """The alignment of this fit's pushes, or ``None``. ``align_pushes=None`` aligns where the push is flat and
+    crosses nodes (measured: docs/measured/cluster.md); every rank decides alike, so a group made here is made
+    by all."""
+    if align_pushes is False or strategy.world_size < 2:
+        return None
+    if align_pushes is None and (not flat or strategy.num_nodes < 2):
+        return None
+    if backend == "gloo":
+        return PushAlignment(None, owned=False)
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    assert isinstance(group, dist.ProcessGroup)  # every rank is a member
+    return PushAlignment(group, owned=True)
+
+
+def close_alignment(alignment: PushAlignment | None) -> None:
+    """Destroy the group the alignment made (closing its connections: a peer blocked in it fails at once)."""
+    if alignment is not None and alignment.owned and alignment.group is not None and dist.is_initialized():
+        dist.destroy_process_group(alignment.group)

@@ -123,6 +123,7 @@ class AsyncParameterServerStrategy(NodeWorkerStrategy):
     # a push is one worker's step applied alone: the worker clips its own gradient, as on one device
     clips_on_servers: ClassVar[bool] = False
     overlap_supported: ClassVar[bool] = False  # no per-step barrier: pushes and pulls keep their own schedule
+    aligns_pushes: ClassVar[bool] = False  # the same: no step every worker takes together
     client_class: ClassVar[type[ParameterServerClient]] = AsyncParameterServerClient
     # on several nodes the node's processes step together (the node is the asynchronous worker)
     hierarchical_push: ClassVar[bool] = True

@@ -47,7 +47,6 @@ from lightning_strategies.comm.ps import (
     ParameterShard,
     Slice,
     broadcast_from_rank0,
-    local_shard,
     partition_loads,
     partition_parameters,
     register_shard,
@@ -59,17 +58,27 @@ from lightning_strategies.comm.ps import (
 from lightning_strategies.comm.ps.clip import ClipSpec, ShardClipping
 from lightning_strategies.comm.rpc import init_rpc, rendezvous_store, shutdown_rpc, worker_name
 from lightning_strategies.comm.stats import CommStats
-from lightning_strategies.strategies._base import StrategyBase, unwrap_optimizer
+from lightning_strategies.strategies._base import StrategyBase
 from lightning_strategies.strategies._ps_clipping import WorkerClippingOff, global_norm_max, server_clip_spec
-from lightning_strategies.strategies._ps_nodes import PushNodes, check_hierarchical, close_push_nodes, plan_push_nodes
+from lightning_strategies.strategies._ps_nodes import (
+    PushAlignment,
+    PushNodes,
+    check_align_pushes,
+    check_hierarchical,
+    close_alignment,
+    close_push_nodes,
+    plan_alignment,
+    plan_push_nodes,
+)
 from lightning_strategies.strategies._ps_overlap import OverlapHooks, PushOverlapMixin
+from lightning_strategies.strategies._ps_state import ShardStateMixin
 
 __all__ = ["ParameterServerStrategy"]
 
 log = logging.getLogger(__name__)
 
 
-class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
+class ParameterServerStrategy(ShardStateMixin, PushOverlapMixin, StrategyBase):
     """Synchronous data parallelism through sharded, co-located parameter servers.
 
     Each step every worker pushes its gradients to the shards, each shard averages them over all workers,
@@ -97,6 +106,11 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
         hierarchical: ``None``: the hierarchical push on more than one node with more than one process each
             (nodes as Lightning's cluster environment reports them, as the ``"ring"``'s); ``True``: the same,
             logging when nothing is left to split; ``False``: every worker pushes to every shard.
+        align_pushes: ``None``: where the push is flat and crosses nodes, every worker waits before each step's
+            first push until all have their values of the last step (a gloo barrier): a worker that got its values
+            first would otherwise push while its own shard still sends replies to the others over the same link
+            (on the emulated 4 x 1 cluster: 0.85 / 0.98 / 0.98 of the unaligned wall time per step at 50mbit /
+            200mbit / 1gbit; docs/measured/cluster.md); ``True``: always (more than one process); ``False``: never.
         overlap: push during backward and pull during the next forward; ``False``: push after the whole
             backward and wait for every shard in the optimizer step.
         bucket_cap_mb: the size of a push bucket under ``overlap`` (DDP's; the first bucket is 1 MiB).
@@ -126,6 +140,8 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
     hierarchical_push: ClassVar[bool] = True
     #: Whether ``overlap`` applies (a barrier per step: "async" pushes and pulls on its own schedule).
     overlap_supported: ClassVar[bool] = True
+    #: Whether ``align_pushes`` applies (a step every worker takes together: not "async"'s).
+    aligns_pushes: ClassVar[bool] = True
 
     wraps_ddp = False
 
@@ -135,12 +151,14 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
         num_servers: int | None = None,
         rpc_threads: int = 4,
         hierarchical: bool | None = None,
+        align_pushes: bool | None = None,
         overlap: bool = True,
         bucket_cap_mb: float = 25.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         check_hierarchical(type(self), hierarchical)
+        check_align_pushes(type(self), align_pushes)
         if not bucket_cap_mb > 0:
             raise ValueError(
                 f"ParameterServerStrategy(bucket_cap_mb={bucket_cap_mb}): expected a positive bucket size in MiB. "
@@ -160,6 +178,8 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
         self._rpc_threads = rpc_threads
         self._hierarchical = hierarchical if self.hierarchical_push else False
         self._push_nodes: PushNodes | None = None
+        self._align_pushes = align_pushes if self.aligns_pushes else False
+        self._alignment: PushAlignment | None = None
         self._rpc_started = False
         self._client: ParameterServerClient | None = None
         self._spec: OptimizerSpec | None = None
@@ -181,6 +201,12 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
     def is_hierarchical(self) -> bool:
         """Whether this fit's push is hierarchical (``False`` outside of fitting; ``hierarchical`` decides)."""
         return self._push_nodes is not None
+
+    @property
+    def is_aligned(self) -> bool:
+        """Whether this fit's workers align each step's pushes (``False`` outside of fitting; ``align_pushes``
+        decides)."""
+        return self._alignment is not None
 
     @property
     def ps_timeout(self) -> timedelta:
@@ -284,6 +310,10 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
         self._push_nodes = plan_push_nodes(
             self, self._hierarchical, num_servers=self.num_servers, backend=backend, timeout=timeout
         )
+        close_alignment(self._alignment)
+        self._alignment = plan_alignment(
+            self, self._align_pushes, flat=self._push_nodes is None, backend=backend, timeout=timeout
+        )
         rank = self.global_rank
         if rank < self.num_servers:
             mine = plan[rank]
@@ -298,6 +328,7 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
             self._client = self._push_nodes.client(self.global_rank, params, plan, timeout=self.ps_timeout)
         else:
             self._client = self.client_class(self.global_rank, params, plan, timeout=self.ps_timeout)
+        self._client.align = self._alignment
         if self._step_hook is not None:
             self._step_hook.remove()
         self._step_hook = self.optimizers[0].register_step_pre_hook(self._step_on_servers)
@@ -386,54 +417,6 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
         return super().training_step(*args, **kwargs)
 
     @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        """The servers' optimizer state, gathered on rank 0 over RPC in the worker optimizer's format (it
-        loads into a single-device optimizer too). Each group's ``lr`` is the worker's: the one its LR
-        scheduler set for the next step, which a resumed run must start with (a shard holds the last push's)."""
-        if self._client is None or self._spec is None:
-            kept = self._state_after_fit(optimizer)  # after fit: the servers are gone
-            return kept if kept is not None else super().optimizer_state(optimizer)
-        optimizer = unwrap_optimizer(optimizer)
-        self.wait_for_pulls()
-        if not self.is_global_zero:
-            return {}
-        state = self._client.gather_state_dict(self._spec, optimizer.param_groups)
-        for group, worker_group in zip(state["param_groups"], optimizer.param_groups, strict=True):
-            group["lr"] = worker_group["lr"]
-        return state
-
-    @override
-    def on_train_end(self) -> None:
-        # The shards and their state go with RPC at teardown, and the worker optimizer never steps: without
-        # this, a Trainer.save_checkpoint after fit would silently save no momentum / Adam moments.
-        if self._client is not None and self.optimizers:
-            self.wait_for_pulls()
-            self._keep_state_at_fit_end()
-            self.barrier("ps_state_at_fit_end")  # no shard leaves (teardown) before rank 0 has read it
-        super().on_train_end()
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Restore each shard's part of the state, and the worker's group options (the lr schedulers use).
-        No collective: a shard steps only once its own host's worker has pushed, after this returns."""
-        if self._client is None:
-            super().load_optimizer_state_dict(checkpoint)
-            return
-        states = checkpoint["optimizer_states"]
-        if len(states) != 1 or "param_groups" not in states[0]:
-            raise ValueError(
-                f"ParameterServerStrategy found {len(states)} optimizer states in the checkpoint (keys "
-                f"{[sorted(s) for s in states]}): expected one full optimizer state dict. Fix: resume from a "
-                "checkpoint written by a one-optimizer run (this strategy or a single device)."
-            )
-        full = states[0]
-        optimizer = self.optimizers[0]
-        optimizer.load_state_dict({"state": {}, "param_groups": full["param_groups"]})
-        shard = local_shard(self.global_rank)
-        if shard is not None:
-            shard.load_state_dict(full)
-
-    @override
     def on_exception(self, exception: BaseException) -> None:
         """Close this rank's shard with the failure's reason: peers in its barrier fail at once, naming the lost one;
         and its node's push groups, so that node peers waiting for it in the node's collective fail at once too."""
@@ -442,6 +425,8 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
             unregister_shard(self.global_rank, reason=failure_reason(exception))
         close_push_nodes(self._push_nodes, self._client, failed=True)
         self._push_nodes = None
+        close_alignment(self._alignment)
+        self._alignment = None
         super().on_exception(exception)
 
     @override
@@ -457,6 +442,8 @@ class ParameterServerStrategy(PushOverlapMixin, StrategyBase):
             unregister_shard(self.global_rank)
         close_push_nodes(self._push_nodes, self._client, failed=self.failed)
         self._push_nodes = None
+        close_alignment(self._alignment)
+        self._alignment = None
         if self._worker_clipping is not None:
             self._worker_clipping.restore()
             self._worker_clipping = None

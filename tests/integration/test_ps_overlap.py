@@ -1,10 +1,12 @@
 """``strategy="ps"`` with pushes overlapped with backward and pulls with the next forward, on 2 fork-started
 CPU processes: the overlap happens (the client's timestamps), the weights stay DDP's (also with gradient
-accumulation), and ``overlap=False`` still equals DDP."""
+accumulation), and ``overlap=False`` still equals DDP. With ``align_pushes=True`` no worker pushes a step before
+every worker's values of the last step have landed, and the weights are still DDP's."""
 
 from __future__ import annotations
 
 import json
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -52,7 +54,12 @@ class _Timeline(pl.Callback):
             for t in push.timeline
         ]
         params_bytes = sum(p.numel() * p.element_size() for p in push.client.params)
-        record = {"buckets": len(push.buckets), "params_bytes": params_bytes, "global_step": trainer.global_step}
+        record = {
+            "buckets": len(push.buckets),
+            "params_bytes": params_bytes,
+            "global_step": trainer.global_step,
+            "aligned": strategy.is_aligned,
+        }
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps({**record, "steps": steps}))
 
 
@@ -116,3 +123,50 @@ def test_without_overlap_equals_ddp() -> None:
     strategy = ps(overlap=False)
     got = fit_weights(strategy, 2, model=DeepRegressor())
     assert_ddp_weights(got, ddp(DeepRegressor()))
+
+
+class LateSecondRank(DeepRegressor):
+    """Rank 1 starts every step's forward 50 ms late, so its values of the last step land that much after rank 0's:
+    unaligned, rank 0 pushes the next step before them."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_rank == 1:
+            time.sleep(0.05)
+        return super().training_step(batch, batch_idx)
+
+
+class _Aligned(pl.Callback):
+    """Writes each rank's ``is_aligned`` at the fit's start to ``<dir>/aligned<r>.json``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, ParameterServerStrategy)
+        (self.out / f"aligned{trainer.global_rank}.json").write_text(json.dumps(strategy.is_aligned))
+
+
+def test_aligned_pushes_wait_for_every_workers_values_and_equal_ddp(tmp_path: Path) -> None:
+    got = fit_weights(
+        ps(bucket_cap_mb=BUCKET_CAP_MB, align_pushes=True),
+        2,
+        model=LateSecondRank(),
+        callbacks=[_Timeline(tmp_path)],
+        max_steps=6,
+    )
+    assert_ddp_weights(got, ddp(DeepRegressor()))
+    records = _timelines(tmp_path)
+    assert all(r["aligned"] for r in records), records
+    for k in range(1, 6):
+        # every worker's values of step k - 1 landed (rank 1's ~50 ms after rank 0's) before any push of step k
+        landed = max(max(r["steps"][k - 1]["pull_landed"]) for r in records)
+        for rank, r in enumerate(records):
+            t = r["steps"][k]
+            assert t["aligned"] is not None and landed <= t["aligned"] <= t["first_push"], (rank, k, landed, t)
+
+
+def test_aligned_without_overlap_equals_ddp(tmp_path: Path) -> None:
+    got = fit_weights(ps(overlap=False, align_pushes=True), 2, model=DeepRegressor(), callbacks=[_Aligned(tmp_path)])
+    assert_ddp_weights(got, ddp(DeepRegressor()))
+    assert [json.loads((tmp_path / f"aligned{r}.json").read_text()) for r in range(2)] == [True, True]

@@ -192,3 +192,41 @@ def test_an_ended_wait_leaves_nothing_on_the_abort() -> None:
     abort.set("another reason")  # the first reason stays
     assert woken == ["waiting", "later"]
     assert abort.reason == "a peer is gone"
+
+
+def test_the_alignment_runs_once_per_step_after_the_landing_and_before_the_first_push(
+    two_shards: tuple[list[torch.Tensor], list[list[Slice]]],
+) -> None:
+    # what each alignment saw: the values of the last step all landed, no push of this step out yet
+    params, plan = two_shards
+    client = _worker(params, plan)
+    push = OverlappedPush(client, lambda: [0.1], bucket_cap_mb=2e-5, first_bucket_mb=2e-5)  # a bucket per tensor
+    seen: list[tuple[int, int, bool]] = []
+    client.align = lambda: seen.append((client.step, client.stats.calls, bool(push._due_units())))
+    for step in range(4):
+        _set_grads(client, step)
+        calls = client.stats.calls
+        if step % 2 == 0:  # pushed as backward fills the buckets, after a forward that read every tensor
+            push.wait_for(range(len(params)))
+            for i in reversed(range(len(params))):
+                push.grad_ready(i)
+            push.end_backward()
+        push.flush()  # odd steps: everything pushed here, the last step's values landed here first
+        assert seen[-1] == (step, calls, False), seen
+        t = push.timeline[-1]
+        assert t.aligned is not None and t.first_push is not None and t.aligned <= t.first_push, t
+    assert len(seen) == 4
+    push.settle()
+    # the one-shot push aligns first too; without ``align`` nothing is recorded
+    _register_shards(params, plan)
+    one_shot = _worker(params, plan)
+    order: list[str] = []
+    one_shot.align = lambda: order.append(f"align at {one_shot.stats.calls} calls")
+    _set_grads(one_shot, 0)
+    one_shot.push_pull([0.1])
+    assert order == ["align at 0 calls"] and one_shot.stats.calls == 2
+    _register_shards(params, plan)
+    plain = OverlappedPush(_worker(params, plan), lambda: [0.1])
+    plain.flush()
+    plain.settle()
+    assert plain.timeline[-1].aligned is None

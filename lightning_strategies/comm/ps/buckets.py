@@ -108,6 +108,8 @@ class StepTimeline:
         pull_arrived: per shard, its values reply arrived.
         pull_landed: per shard (hierarchical push: per bucket), its values were written into the parameters.
         next_forward: the next step's first forward started (its first wait for values).
+        aligned: the step's alignment of the workers ended (``None``: none, see
+            :attr:`ParameterServerClient.align`); after every worker's values of the last step landed.
         bytes_pushed: push bytes of the step; ``bytes_before_backward_end``: those sent before it ended.
     """
 
@@ -118,6 +120,7 @@ class StepTimeline:
     pull_arrived: dict[int, float] = field(default_factory=dict)
     pull_landed: dict[int, float] = field(default_factory=dict)
     next_forward: float | None = None
+    aligned: float | None = None
     bytes_pushed: int = 0
     bytes_before_backward_end: int = 0
 
@@ -198,8 +201,7 @@ class OverlappedPush:
         if self._pushing is None:
             # what the forward read before its values landed: checked per tensor, as its gradient comes
             self._read_stale = set(self._stale)
-            self.settle()  # a shard takes step k + 1 only after answering step k
-            self._pushing = StepTimeline(self.client.step)
+            self._pushing = self._begin_step()
         self._check_fresh(index)
         b = self._bucket_of[index]
         if self._pushed[b] or index in self._ready[b]:
@@ -211,6 +213,13 @@ class OverlappedPush:
         self._ready[b].add(index)
         if len(self._ready[b]) == len(self.buckets[b].tensors):
             self._push(b)
+
+    def _begin_step(self, *, backward_ended: bool = False) -> StepTimeline:
+        """Land the last step's values (a shard takes step k + 1 only after answering step k), then align the
+        workers' pushes (the client's ``align``, if any)."""
+        self.settle()
+        backward_end = time.perf_counter() if backward_ended else None
+        return StepTimeline(self.client.step, backward_end=backward_end, aligned=self.client.align_step())
 
     def _check_fresh(self, index: int) -> None:
         if index in self._read_stale:
@@ -250,8 +259,7 @@ class OverlappedPush:
         """Push every bucket not pushed yet (a tensor without a gradient goes as ``None``), then return
         without waiting: the replies land in :meth:`wait_for` or :meth:`settle`."""
         if self._pushing is None:
-            self.settle()
-            self._pushing = StepTimeline(self.client.step, backward_end=time.perf_counter())
+            self._pushing = self._begin_step(backward_ended=True)
         for b in range(len(self.buckets)):
             if not self._pushed[b]:
                 self._push(b)

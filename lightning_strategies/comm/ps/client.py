@@ -77,6 +77,13 @@ class ParameterServerClient:
             its whole tensors (:func:`shard_parameters`); shard ``s`` is hosted by rank ``s``.
         timeout: the barrier timeout of the shards; the RPC timeout is a little longer so the
             shard's error, which names the missing workers, arrives first.
+
+    Attributes:
+        align: ``None``, or a barrier of every worker (bounded by its own timeout) that :meth:`align_step`
+            runs before each step's first push, once this worker's values of the last step have landed. A
+            worker whose values landed first then does not push while its co-located shard is still sending
+            its replies to the slower workers: on one link those pushes would slow the replies down, and so
+            the slower workers' next push (measured on the emulated 4 x 1 cluster, docs/measured/cluster.md).
     """
 
     def __init__(
@@ -95,21 +102,31 @@ class ParameterServerClient:
         self.step = 0
         self.last_wait_seconds = 0.0
         self.last_server_bytes = [0] * len(self.plan)
+        self.align: Callable[[], None] | None = None
 
     @property
     def num_servers(self) -> int:
         return len(self.plan)
+
+    def align_step(self) -> float | None:
+        """Run :attr:`align` (call it once per step, after the last step's values landed and before the first
+        push); returns when it ended (``time.perf_counter()``), or ``None`` without one."""
+        if self.align is None:
+            return None
+        self.align()
+        return time.perf_counter()
 
     def push_pull(self, lrs: Sequence[float]) -> None:
         """Push ``p.grad`` of every tensor to its shard, wait for all shards, copy the answers in.
 
         Each shard gets one payload with the worker's current learning rates (so LR schedulers on the
         worker keep working); all are in flight before any is waited on. This is the worker's only
-        synchronisation point of the step.
+        synchronisation point of the step, besides :attr:`align` (run first).
 
         Raises:
             RuntimeError: naming the shard and its host rank when a shard fails or times out.
         """
+        self.align_step()
         start = time.perf_counter()
         grads = [p.grad for p in self.params]
         replies = self._call_shards(
