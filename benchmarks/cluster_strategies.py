@@ -13,6 +13,8 @@ rates 1gbit, 200mbit, 50mbit (both directions of every node's link). Strategies:
     ps         ParameterServerStrategy: one shard per process; hierarchical push on 2x2 (one per node on 4x1: flat)
     ps_flat    ParameterServerStrategy(hierarchical=False): every process pushes to every shard (2x2 only)
     ps_one_shot ParameterServerStrategy(overlap=False): ps's push after the whole backward, its pull in the step
+    ps_aligned, ps_unaligned  ParameterServerStrategy(align_pushes=True / False): each step's pushes after every
+               worker's values landed, or not (ps aligns by default where its push is flat across nodes: 4x1)
     ps_local_sigterm  ps with Lightning's blocking SIGTERM broadcast before every step replaced by each rank's
                own check (what async does): what that broadcast costs ps (not a strategy users get: a SIGTERM
                to rank 0 alone would no longer stop the others)
@@ -48,6 +50,8 @@ not step together). Lines (``name value unit``; medians over rounds, the spread 
     cluster_ps_sigterm_broadcast_share_<layout>_<rate>  (wall ps - wall ps_local_sigterm) / wall ps: the share
                                                of ps's wall time Lightning's per-step broadcast takes
     cluster_ps_overlap_over_one_shot_<layout>_<rate>  step ps / ps_one_shot (the overlapped push's A/B)
+    cluster_<ps|ps_aligned>_over_unaligned_<layout>_<rate>  step over ps_unaligned's (the alignment's A/B);
+                                               ``..._wall_...``: the same of wall time per step
     cluster_async_over_ddp_<layout>_<rate>     step async / ddp (#28: the node as the worker)
     cluster_async_over_ddp_wall_<layout>_<rate>   wall per step async / ddp
     cluster_async_hier_over_flat_2x2_<rate>    step async / async_flat
@@ -107,7 +111,7 @@ FIT = Path(__file__).parent / "emulated" / "_fit.py"
 RESULTS = Path(__file__).parent / "results"
 STRATEGIES = (
     "ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_one_shot", "ps_local_sigterm", "ps1", "async",
-    "async_flat", "pipeline", "tensor",
+    "async_flat", "pipeline", "tensor", "ps_aligned", "ps_unaligned",
 )  # fmt: skip
 LAYOUTS = {"2x2": (2, 2), "4x1": (4, 1)}
 RATES = ("50mbit", "200mbit", "1gbit")  # slowest first: the goals are there
@@ -127,6 +131,8 @@ def formula_over_d(strategy: str, nodes: int, per_node: int) -> float | None:
         "ps": 2 * (n - 1) / n,
         "ps_one_shot": 2 * (n - 1) / n,
         "ps_local_sigterm": 2 * (n - 1) / n,
+        "ps_aligned": 2 * (n - 1) / n,
+        "ps_unaligned": 2 * (n - 1) / n,
         "ps_flat": 2 * local * (p - local) / p,
         "async": 2 * (n - 1) / n,  # the node as the worker (L = 1: the flat push's 2L(P-L)/P too)
         "async_flat": 2 * local * (p - local) / p,
@@ -270,10 +276,15 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, *, e
             ratio(f"cluster_ps_overlap_over_one_shot_{layout}_{rate}", f"ps|{layout}|{rate}",
                   f"ps_one_shot|{layout}|{rate}")  # fmt: skip
             ratio(f"cluster_async_over_ddp_{layout}_{rate}", f"async|{layout}|{rate}", f"ddp|{layout}|{rate}")
-            for s in ("ps", "async", "ps_local_sigterm"):
+            for s in ("ps", "async", "ps_local_sigterm", "ps_unaligned"):
                 a, b = f"{s}|{layout}|{rate}", f"ddp|{layout}|{rate}"
                 if a in wall and b in wall:
                     out.append(line(f"cluster_{s}_over_ddp_wall_{layout}_{rate}", wall[a] / wall[b], "x"))
+            for s in ("ps", "ps_aligned"):
+                a, b = f"{s}|{layout}|{rate}", f"ps_unaligned|{layout}|{rate}"
+                ratio(f"cluster_{s}_over_unaligned_{layout}_{rate}", a, b)
+                if a in wall and b in wall:
+                    out.append(line(f"cluster_{s}_over_unaligned_wall_{layout}_{rate}", wall[a] / wall[b], "x"))
             a, b = f"ps|{layout}|{rate}", f"ps_local_sigterm|{layout}|{rate}"
             if a in wall and b in wall:
                 out.append(
@@ -319,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--strategies",
         nargs="+",
         choices=STRATEGIES,
-        default=[s for s in STRATEGIES if s not in ("ps_one_shot", "ps_local_sigterm")],
+        default=[s for s in STRATEGIES if s not in ("ps_one_shot", "ps_local_sigterm", "ps_aligned", "ps_unaligned")],
     )
     parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--rates", nargs="+", default=list(RATES))

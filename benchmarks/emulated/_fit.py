@@ -62,7 +62,7 @@ from lightning_strategies.strategies._lightning_internals import per_rank_sigter
 
 STRATEGIES = (
     "ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_one_shot", "ps_local_sigterm", "ps1", "async",
-    "async_flat", "pipeline", "tensor",
+    "async_flat", "pipeline", "tensor", "ps_aligned", "ps_unaligned",
 )  # fmt: skip
 IN, OUT = 256, 16
 
@@ -107,6 +107,8 @@ def make_strategy(name: str) -> Any:
         )
     if name in ("ps", "ps_local_sigterm"):  # ps_local_sigterm: main() swaps Lightning's per-step broadcast out
         return ParameterServerStrategy()
+    if name in ("ps_aligned", "ps_unaligned"):  # every step's pushes aligned (default: where flat across nodes)
+        return ParameterServerStrategy(align_pushes=name == "ps_aligned")
     if name == "ps_flat":
         return ParameterServerStrategy(hierarchical=False)
     if name == "ps_one_shot":  # the push after the whole backward, the pull before the optimizer step returns
