@@ -110,7 +110,8 @@ class ParameterServerStrategy(ShardStateMixin, PushOverlapMixin, StrategyBase):
             first push until all have their values of the last step (a gloo barrier): a worker that got its values
             first would otherwise push while its own shard still sends replies to the others over the same link
             (on the emulated 4 x 1 cluster: 0.85 / 0.98 / 0.98 of the unaligned wall time per step at 50mbit /
-            200mbit / 1gbit; docs/measured/cluster.md); ``True``: always (more than one process); ``False``: never.
+            200mbit / 1gbit, a clear gain at 50mbit only; docs/measured/cluster.md); ``True``: always (more than
+            one process); ``False``: never.
         overlap: push during backward and pull during the next forward; ``False``: push after the whole
             backward and wait for every shard in the optimizer step.
         bucket_cap_mb: the size of a push bucket under ``overlap`` (DDP's; the first bucket is 1 MiB).
