@@ -266,6 +266,10 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, *, e
         if a in step and b in step:
             out.append(line(label, step[a] / step[b], "x"))
 
+    def wall_ratio(label: str, a: str, b: str) -> None:
+        if a in wall and b in wall:
+            out.append(line(label, wall[a] / wall[b], "x"))
+
     for rate in args.rates:
         ratio(f"cluster_ring_hier_over_flat_2x2_{rate}", f"ring_hier|2x2|{rate}", f"ring|2x2|{rate}")
         ratio(f"cluster_ring_bf16_over_ring_2x2_{rate}", f"ring_bf16|2x2|{rate}", f"ring|2x2|{rate}")
@@ -277,14 +281,11 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, *, e
                   f"ps_one_shot|{layout}|{rate}")  # fmt: skip
             ratio(f"cluster_async_over_ddp_{layout}_{rate}", f"async|{layout}|{rate}", f"ddp|{layout}|{rate}")
             for s in ("ps", "async", "ps_local_sigterm", "ps_unaligned"):
-                a, b = f"{s}|{layout}|{rate}", f"ddp|{layout}|{rate}"
-                if a in wall and b in wall:
-                    out.append(line(f"cluster_{s}_over_ddp_wall_{layout}_{rate}", wall[a] / wall[b], "x"))
+                wall_ratio(f"cluster_{s}_over_ddp_wall_{layout}_{rate}", f"{s}|{layout}|{rate}", f"ddp|{layout}|{rate}")
             for s in ("ps", "ps_aligned"):
                 a, b = f"{s}|{layout}|{rate}", f"ps_unaligned|{layout}|{rate}"
                 ratio(f"cluster_{s}_over_unaligned_{layout}_{rate}", a, b)
-                if a in wall and b in wall:
-                    out.append(line(f"cluster_{s}_over_unaligned_wall_{layout}_{rate}", wall[a] / wall[b], "x"))
+                wall_ratio(f"cluster_{s}_over_unaligned_wall_{layout}_{rate}", a, b)
             a, b = f"ps|{layout}|{rate}", f"ps_local_sigterm|{layout}|{rate}"
             if a in wall and b in wall:
                 out.append(
