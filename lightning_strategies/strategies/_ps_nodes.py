@@ -55,19 +55,30 @@ class PushNodes:
         )
 
 
+def _check_node_option(
+    strategy_class: type, option: str, value: object, *, none_means: str, supported: str, why_not: str, ps_push: str
+) -> None:
+    """Raise for a ``None`` / ``True`` / ``False`` option of the push that the strategy cannot take: not a bool or
+    ``None``, or ``True`` where the class attribute ``supported`` is false (``why_not`` says why)."""
+    name = strategy_class.__name__
+    if value is not None and type(value) is not bool:
+        raise ValueError(f"{name}({option}={value!r}): expected None ({none_means}), True or False.")
+    if value and not getattr(strategy_class, supported, True):
+        raise ValueError(
+            f"{name}({option}=True): expected None or False, because {why_not}. Fix: drop {option}, or use "
+            f"strategy='ps' for the {ps_push}."
+        )
+
+
 def check_hierarchical(strategy_class: type, hierarchical: object) -> None:
     """Raise for a ``hierarchical`` option the strategy cannot take (checked in the constructor)."""
-    name = strategy_class.__name__
-    if hierarchical is not None and type(hierarchical) is not bool:
-        raise ValueError(
-            f"{name}(hierarchical={hierarchical!r}): expected None (hierarchical on more than one node), True or False."
-        )
-    if hierarchical and not getattr(strategy_class, "hierarchical_push", True):
-        raise ValueError(
-            f"{name}(hierarchical=True): expected None or False, because its workers push without a barrier, so "
-            "there is no step at which a node's gradients could be summed first. Fix: drop hierarchical, or use "
-            "strategy='ps' for the synchronous, hierarchical push."
-        )
+    _check_node_option(
+        strategy_class, "hierarchical", hierarchical,
+        none_means="hierarchical on more than one node", supported="hierarchical_push",
+        why_not="its workers push without a barrier, so there is no step at which a node's gradients could be "
+        "summed first",
+        ps_push="synchronous, hierarchical push",
+    )  # fmt: skip
 
 
 def plan_push_nodes(
@@ -132,18 +143,12 @@ def close_push_nodes(nodes: PushNodes | None, client: object, *, failed: bool) -
 
 def check_align_pushes(strategy_class: type, align_pushes: object) -> None:
     """Raise for an ``align_pushes`` option the strategy cannot take (checked in the constructor)."""
-    name = strategy_class.__name__
-    if align_pushes is not None and type(align_pushes) is not bool:
-        raise ValueError(
-            f"{name}(align_pushes={align_pushes!r}): expected None (aligned where the flat push crosses nodes), "
-            "True or False."
-        )
-    if align_pushes and not getattr(strategy_class, "aligns_pushes", True):
-        raise ValueError(
-            f"{name}(align_pushes=True): expected None or False, because its workers push on their own schedules "
-            "(no step that every worker takes together to align). Fix: drop align_pushes, or use strategy='ps' "
-            "for the synchronous push."
-        )
+    _check_node_option(
+        strategy_class, "align_pushes", align_pushes,
+        none_means="aligned where the flat push crosses nodes", supported="aligns_pushes",
+        why_not="its workers push on their own schedules (no step that every worker takes together to align)",
+        ps_push="synchronous push",
+    )  # fmt: skip
 
 
 @dataclass
@@ -154,8 +159,12 @@ class PushAlignment:
     Bounded by the group's timeout; a lost peer's connections are shut down by the peer watch, which fails it
     at once."""
 
-    group: dist.ProcessGroup | None
-    owned: bool
+    group: dist.ProcessGroup | None  # None: the default group
+
+    @property
+    def owned(self) -> bool:
+        """Whether the group was made for the alignment (and is destroyed with it)."""
+        return self.group is not None
 
     def __call__(self) -> None:
         dist.barrier(group=self.group)
@@ -172,13 +181,13 @@ def plan_alignment(
     if align_pushes is None and (not flat or strategy.num_nodes < 2):
         return None
     if backend == "gloo":
-        return PushAlignment(None, owned=False)
+        return PushAlignment(None)
     group = dist.new_group(backend="gloo", timeout=timeout)
     assert isinstance(group, dist.ProcessGroup)  # every rank is a member
-    return PushAlignment(group, owned=True)
+    return PushAlignment(group)
 
 
 def close_alignment(alignment: PushAlignment | None) -> None:
     """Destroy the group the alignment made (closing its connections: a peer blocked in it fails at once)."""
-    if alignment is not None and alignment.owned and alignment.group is not None and dist.is_initialized():
+    if alignment is not None and alignment.group is not None and dist.is_initialized():
         dist.destroy_process_group(alignment.group)
