@@ -22,7 +22,7 @@ import lightning.pytorch as pl
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_strategies.comm.ps.shard import local_shard
+from lightning_strategies.comm.ps.hosting import local_shard
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 

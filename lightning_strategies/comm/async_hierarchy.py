@@ -34,7 +34,7 @@ from torch import Tensor
 from lightning_strategies.comm.async_.messages import DataPlan
 from lightning_strategies.comm.async_ps import AsyncParameterServerClient, AsyncReply, _rpc_async_pull, _rpc_async_push
 from lightning_strategies.comm.ps.hierarchy import HierarchicalParameterServerClient
-from lightning_strategies.comm.ps.shard import local_shard
+from lightning_strategies.comm.ps.hosting import local_shard
 from lightning_strategies.comm.ps.wire import pack, slice_of, write_slice
 from lightning_strategies.comm.rpc import call_host
 

@@ -1,5 +1,6 @@
 """The parameter servers' side of the node layout: whether their push goes hierarchical, and its groups;
-whether the workers align each step's pushes (:class:`PushAlignment`).
+whether the workers align each step's pushes (:class:`PushAlignment`); the checks of these push options
+(and of ``reply_per_bucket``'s).
 
 Kept out of ``parameter_server.py`` so that the strategy file stays a list of the hooks it changes; the
 algorithm itself is :mod:`lightning_strategies.comm.ps.hierarchy`.
@@ -26,6 +27,7 @@ __all__ = [
     "PushNodes",
     "check_align_pushes",
     "check_hierarchical",
+    "check_reply_per_bucket",
     "close_alignment",
     "close_push_nodes",
     "plan_alignment",
@@ -149,6 +151,23 @@ def check_align_pushes(strategy_class: type, align_pushes: object) -> None:
         why_not="its workers push on their own schedules (no step that every worker takes together to align)",
         ps_push="synchronous push",
     )  # fmt: skip
+
+
+def check_reply_per_bucket(strategy_class: type, reply_per_bucket: object, *, overlap: bool) -> None:
+    """Raise for a ``reply_per_bucket`` option the strategy cannot take (checked in the constructor): the
+    replies per bucket answer the overlapped push's buckets, so ``True`` needs ``overlap``."""
+    _check_node_option(
+        strategy_class, "reply_per_bucket", reply_per_bucket,
+        none_means="per bucket where the optimizer and options allow", supported="overlap_supported",
+        why_not="its workers push and pull on their own schedules, not in buckets during backward",
+        ps_push="synchronous, overlapped push",
+    )  # fmt: skip
+    if reply_per_bucket and not overlap:
+        raise ValueError(
+            f"{strategy_class.__name__}(reply_per_bucket=True, overlap=False): expected overlap=True, because the "
+            "shards answer the buckets the overlapped push sends during backward. Fix: drop overlap=False, or "
+            "pass reply_per_bucket=None."
+        )
 
 
 @dataclass

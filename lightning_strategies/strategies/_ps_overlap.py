@@ -8,8 +8,9 @@ import functools
 import logging
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
+import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from torch.nn import Module
@@ -18,14 +19,68 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_strategies.comm.ps import ParameterServerClient
-from lightning_strategies.comm.ps.buckets import DEFAULT_FIRST_BUCKET_MB, OverlappedPush
+from lightning_strategies.comm.ps.bucket_replies import BucketwisePush
+from lightning_strategies.comm.ps.buckets import DEFAULT_FIRST_BUCKET_MB, OverlappedPush, bucket_caps, bucket_groups
 from lightning_strategies.comm.ps.hierarchy import HierarchicalParameterServerClient
 from lightning_strategies.comm.ps.hierarchy_overlap import HierarchicalOverlappedPush
+from lightning_strategies.comm.ps.plan import Slice, partition_per_group
+from lightning_strategies.comm.ps.spec import OptimizerSpec
 from lightning_strategies.strategies._base import is_last_batch
 
-__all__ = ["OverlapHooks", "PushOverlapMixin"]
+__all__ = ["OverlapHooks", "PushOverlapMixin", "partition_per_bucket", "plan_reply_per_bucket"]
 
 log = logging.getLogger(__name__)
+
+
+def partition_per_bucket(params: Sequence[Tensor], num_servers: int, *, bucket_cap_mb: float) -> list[list[Slice]]:
+    """The shard plan of ``reply_per_bucket``: each of the overlapped push's buckets (as :class:`OverlapHooks` makes
+    them) split evenly over the shards, so every shard completes a bucket when the others do."""
+    nbytes = [p.numel() * p.element_size() for p in params]
+    groups = bucket_groups(nbytes, **bucket_caps(bucket_cap_mb, _first_bucket_mb(bucket_cap_mb)))
+    return partition_per_group([p.numel() for p in params], groups, num_servers)
+
+
+def _first_bucket_mb(bucket_cap_mb: float) -> float:
+    return min(DEFAULT_FIRST_BUCKET_MB, bucket_cap_mb)  # a smaller cap: every bucket that size
+
+
+def plan_reply_per_bucket(
+    strategy: str,
+    reply_per_bucket: bool | None,
+    *,
+    overlap: bool,
+    flat: bool,
+    spec: OptimizerSpec,
+    clipping: bool,
+    num_nodes: int,
+) -> bool:
+    """Whether the shards step and answer each bucket on its own (``reply_per_part`` of
+    :class:`~lightning_strategies.comm.ps.ParameterShard`), each bucket split over every shard. It needs the
+    overlapped push's buckets, a flat push (a hierarchical push lands its values through the node's all-gather
+    of whole shards), an optimizer of :attr:`OptimizerSpec.elementwise` and no clipping (a global norm needs
+    every slice). ``None`` turns it on where that holds and the push crosses nodes (``num_nodes > 1``): on one
+    node the extra slices and replies cost CPU that the loopback does not pay back (measured,
+    docs/measured/cluster.md).
+
+    Raises:
+        ValueError: under ``True``, naming what rules it out.
+    """
+    if reply_per_bucket is False or (reply_per_bucket is None and num_nodes < 2):
+        return False
+    blocked = [
+        *([] if overlap else ["no overlapped push (overlap=False, or 16-mixed: one push after the backward)"]),
+        *([] if flat else ["the hierarchical push (a node's values are all-gathered whole)"]),
+        *([] if spec.elementwise else [f"{spec.optimizer_class.__qualname__}, which is not elementwise"]),
+        *(["clipping (its global norm needs every gradient)"] if clipping else []),
+    ]
+    if blocked and reply_per_bucket:
+        raise ValueError(
+            f"{strategy}(reply_per_bucket=True) found {'; '.join(blocked)}: expected the overlapped, flat push of "
+            "an elementwise optimizer (torch.optim's SGD, Adam, AdamW, ...) without clipping, because each shard "
+            "then steps part of its tensors at a time. Fix: pass reply_per_bucket=None (per bucket where it "
+            "applies) or False."
+        )
+    return not blocked
 
 
 class OverlapHooks:
@@ -40,18 +95,28 @@ class OverlapHooks:
         optimizer: the worker's optimizer, whose current learning rates travel with each push.
         root: the model.
         bucket_cap_mb: as ``DDPStrategy``'s.
+        replies_per_bucket: the shards answer each bucket on its own: its values land per bucket
+            (:class:`BucketwisePush`).
     """
 
     def __init__(
-        self, client: ParameterServerClient, optimizer: Optimizer, root: Module, *, bucket_cap_mb: float
+        self,
+        client: ParameterServerClient,
+        optimizer: Optimizer,
+        root: Module,
+        *,
+        bucket_cap_mb: float,
+        replies_per_bucket: bool = False,
     ) -> None:
         hierarchical = isinstance(client, HierarchicalParameterServerClient)  # reduced in the node first
-        kind: type[OverlappedPush] = HierarchicalOverlappedPush if hierarchical else OverlappedPush
+        kind: type[OverlappedPush] = (
+            HierarchicalOverlappedPush if hierarchical else BucketwisePush if replies_per_bucket else OverlappedPush
+        )
         self.push = kind(
             client,
             lambda: [float(g["lr"]) for g in optimizer.param_groups],
             bucket_cap_mb=bucket_cap_mb,
-            first_bucket_mb=min(DEFAULT_FIRST_BUCKET_MB, bucket_cap_mb),  # a smaller cap: every bucket that size
+            first_bucket_mb=_first_bucket_mb(bucket_cap_mb),
         )
         index = {id(p): i for i, p in enumerate(client.params)}
         self._handles: list[RemovableHandle] = [
@@ -92,6 +157,37 @@ class PushOverlapMixin(DDPStrategy):
     request; accumulating micro-batches push nothing. Set ``_overlap`` when fitting with ``overlap``."""
 
     _overlap: OverlapHooks | None = None
+    _replies_per_bucket = False  # decided at setup (_plan_replies)
+    # set by the strategy: its options, whether overlap applies to the class, and the setup's decisions
+    _overlap_option: bool
+    _reply_per_bucket: bool | None
+    _bucket_cap_mb: float
+    overlap_supported: ClassVar[bool]
+
+    @property
+    def replies_per_bucket(self) -> bool:
+        """Whether this fit's shards step and answer each bucket on its own (``False`` outside of fitting;
+        ``reply_per_bucket`` decides)."""
+        return self._replies_per_bucket
+
+    def _overlaps(self) -> bool:
+        """Whether this fit pushes during backward: ``overlap``, but not under ``16-mixed`` (the scaler checks the
+        whole backward's gradients for an overflow before any may leave)."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return self._overlap_option and self.overlap_supported and not isinstance(scaler, torch.amp.GradScaler)
+
+    def _plan_replies(
+        self, spec: OptimizerSpec, params: Sequence[Tensor], plan: list[list[Slice]], *, flat: bool, clipping: bool
+    ) -> list[list[Slice]]:
+        """Decide ``reply_per_bucket`` (:func:`plan_reply_per_bucket`); the shard plan to use: ``plan``, or under
+        replies per bucket every bucket split over every shard (they complete it together)."""
+        self._replies_per_bucket = plan_reply_per_bucket(
+            type(self).__name__, self._reply_per_bucket, overlap=self._overlaps(), flat=flat, spec=spec,
+            clipping=clipping, num_nodes=self.num_nodes,
+        )  # fmt: skip
+        if not self._replies_per_bucket:
+            return plan
+        return partition_per_bucket(params, len(plan), bucket_cap_mb=self._bucket_cap_mb)
 
     @property
     def overlap(self) -> OverlapHooks | None:

@@ -65,6 +65,7 @@ from lightning_strategies.strategies._ps_nodes import (
     PushNodes,
     check_align_pushes,
     check_hierarchical,
+    check_reply_per_bucket,
     close_alignment,
     close_push_nodes,
     plan_alignment,
@@ -114,6 +115,14 @@ class ParameterServerStrategy(ShardStateMixin, PushOverlapMixin, StrategyBase):
             one process); ``False``: never.
         overlap: push during backward and pull during the next forward; ``False``: push after the whole
             backward and wait for every shard in the optimizer step.
+        reply_per_bucket: split every push bucket over every shard, and have a shard step and answer a bucket as
+            soon as every worker has pushed it, so the first buckets' values travel back while later ones are still
+            pushed (the same weights as one step per shard). It needs ``overlap``, the flat push, an elementwise
+            optimizer (:attr:`~lightning_strategies.comm.ps.OptimizerSpec.elementwise`) and no clipping.
+            ``None``: where those hold and the push crosses nodes (on the emulated 4 x 1 cluster 0.98 / 0.97 / 0.83
+            of one reply per shard's wall time per step at 50mbit / 200mbit / 1gbit; on one node it costs CPU:
+            1.10 x the step; docs/measured/cluster.md); ``True``: also on one node, raising where it cannot apply;
+            ``False``: one step and one reply per shard.
         bucket_cap_mb: the size of a push bucket under ``overlap`` (DDP's; the first bucket is 1 MiB).
         **kwargs: as for ``DDPStrategy``; ``timeout`` bounds the wait of collectives and a shard's barrier for a
             hung peer (default 30 minutes; RPCs wait ``timeout`` + max(5 s, 10%), so the shard's error comes first).
@@ -154,12 +163,14 @@ class ParameterServerStrategy(ShardStateMixin, PushOverlapMixin, StrategyBase):
         hierarchical: bool | None = None,
         align_pushes: bool | None = None,
         overlap: bool = True,
+        reply_per_bucket: bool | None = None,
         bucket_cap_mb: float = 25.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         check_hierarchical(type(self), hierarchical)
         check_align_pushes(type(self), align_pushes)
+        check_reply_per_bucket(type(self), reply_per_bucket, overlap=overlap)
         if not bucket_cap_mb > 0:
             raise ValueError(
                 f"ParameterServerStrategy(bucket_cap_mb={bucket_cap_mb}): expected a positive bucket size in MiB. "
@@ -191,6 +202,7 @@ class ParameterServerStrategy(ShardStateMixin, PushOverlapMixin, StrategyBase):
         self._norm_shards: list[int] = []
         self._worker_clipping: WorkerClippingOff | None = None
         self._overlap_option = overlap
+        self._reply_per_bucket = reply_per_bucket
         self._bucket_cap_mb = bucket_cap_mb
 
     @property
@@ -315,6 +327,8 @@ class ParameterServerStrategy(ShardStateMixin, PushOverlapMixin, StrategyBase):
         self._alignment = plan_alignment(
             self, self._align_pushes, flat=self._push_nodes is None, backend=backend, timeout=timeout
         )
+        clipping = self._server_clip is not None
+        plan = self._plan_replies(spec, params, plan, flat=self._push_nodes is None, clipping=clipping)
         rank = self.global_rank
         if rank < self.num_servers:
             mine = plan[rank]
@@ -335,11 +349,15 @@ class ParameterServerStrategy(ShardStateMixin, PushOverlapMixin, StrategyBase):
         self._step_hook = self.optimizers[0].register_step_pre_hook(self._step_on_servers)
         assert self.model is not None
         self._buffers = [b for b in self.model.buffers() if self.world_size > 1]
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        overlap = self._overlap_option and self.overlap_supported
-        if overlap and not isinstance(scaler, torch.amp.GradScaler):
+        if self._overlaps():
             cap = self._bucket_cap_mb
-            self._overlap = OverlapHooks(self._client, self.optimizers[0], self.model, bucket_cap_mb=cap)
+            self._overlap = OverlapHooks(
+                self._client,
+                self.optimizers[0],
+                self.model,
+                bucket_cap_mb=cap,
+                replies_per_bucket=self._replies_per_bucket,
+            )
 
     def _step_on_servers(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Step pre-hook: Lightning's closure, then push/pull; the local update that follows finds no gradient
@@ -374,7 +392,7 @@ class ParameterServerStrategy(ShardStateMixin, PushOverlapMixin, StrategyBase):
         width = self.world_size if pushers is None else len(pushers)
         return ParameterShard(
             shard_id, slices, params, spec, width, timeout=timeout, pusher_ranks=pushers, average=pushers is None,
-            clipping=clipping,
+            clipping=clipping, reply_per_part=self._replies_per_bucket,
         )  # fmt: skip
 
     def _push_pull(self, optimizer: Optimizer) -> None:

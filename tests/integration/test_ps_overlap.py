@@ -1,7 +1,8 @@
 """``strategy="ps"`` with pushes overlapped with backward and pulls with the next forward, on 2 fork-started
 CPU processes: the overlap happens (the client's timestamps), the weights stay DDP's (also with gradient
-accumulation), and ``overlap=False`` still equals DDP. With ``align_pushes=True`` no worker pushes a step before
-every worker's values of the last step have landed, and the weights are still DDP's."""
+accumulation, and with the shards answering each bucket alone), and ``overlap=False`` still equals DDP.
+With ``align_pushes=True`` no worker pushes a step before every worker's values of the last step have landed,
+and the weights are still DDP's."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ STEPS_PER_EPOCH = 4  # fit_weights: 64 samples, 8 per device on 2 devices
 
 
 class DeepRegressor(TinyRegressor):
-    """Four layers: shard 0 (the first 1266 floats) holds the first layer and most of the second, shard 1
-    the rest, so the first forward needs shard 0 alone."""
+    """Four layers in three buckets: shard 0 (the first 1266 floats) holds the first layer and most of the second,
+    shard 1 the rest, so the first forward needs shard 0 alone; with replies per bucket each bucket is split over
+    both shards, and the first forward needs the last bucket alone."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -59,6 +61,7 @@ class _Timeline(pl.Callback):
             "params_bytes": params_bytes,
             "global_step": trainer.global_step,
             "aligned": strategy.is_aligned,
+            "replies_per_bucket": strategy.replies_per_bucket,
         }
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps({**record, "steps": steps}))
 
@@ -83,12 +86,15 @@ def _timelines(out: Path) -> list[dict[str, Any]]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def test_pushes_overlap_backward_and_pulls_overlap_the_next_forward(tmp_path: Path) -> None:
-    got = fit_weights(
-        ps(bucket_cap_mb=BUCKET_CAP_MB), 2, model=DeepRegressor(), callbacks=[_Timeline(tmp_path)], max_steps=6
-    )
+@pytest.mark.parametrize("per_bucket", [None, True], ids=["one_reply_per_shard", "replies_per_bucket"])
+def test_pushes_overlap_backward_and_pulls_overlap_the_next_forward(tmp_path: Path, per_bucket: bool | None) -> None:
+    # on one node the default is one step and one reply per shard; True: each bucket split over both shards and
+    # answered alone, its values landing per bucket
+    strategy = ps(bucket_cap_mb=BUCKET_CAP_MB, reply_per_bucket=per_bucket)
+    got = fit_weights(strategy, 2, model=DeepRegressor(), callbacks=[_Timeline(tmp_path)], max_steps=6)
     assert_ddp_weights(got, ddp(DeepRegressor()))
     for rank, record in enumerate(_timelines(tmp_path)):
+        assert record["replies_per_bucket"] is bool(per_bucket), record
         assert record["buckets"] >= 3, record
         steps = record["steps"]
         assert len(steps) == 6, steps
@@ -97,12 +103,13 @@ def test_pushes_overlap_backward_and_pulls_overlap_the_next_forward(tmp_path: Pa
             assert t["first_push"] < t["backward_end"], (rank, t)
             # every tensor has a gradient, so every bucket filled (and left) during backward
             assert t["bytes_before_backward_end"] == t["bytes_pushed"] == record["params_bytes"], (rank, t)
-            assert len(t["pull_landed"]) == 2, (rank, t)
+            # values land per shard, or per bucket with replies per bucket
+            assert len(t["pull_landed"]) == (record["buckets"] if per_bucket else 2), (rank, t)
         for i, t in enumerate(steps[:-1]):  # the last step's values land at the fit's end: no next forward
             if (i + 1) % STEPS_PER_EPOCH == 0:  # an epoch's last step lands its values in the optimizer step
                 assert t["next_forward"] is None, (rank, i, t)
                 continue
-            # the first layer's forward started on shard 0's values while shard 1's were not yet written in
+            # the first layer's forward started on its own bucket's values while the others were not yet written in
             assert t["next_forward"] is not None and t["next_forward"] < max(t["pull_landed"]), (rank, i, t)
 
 
@@ -119,10 +126,24 @@ def test_accumulation_pushes_only_on_the_stepping_micro_batch(tmp_path: Path) ->
         assert [t["bytes_pushed"] for t in record["steps"]] == [record["params_bytes"]] * 3
 
 
+def test_replies_per_bucket_with_accumulation_and_adam_equal_ddp(tmp_path: Path) -> None:
+    # Adam's per-tensor state (a step count, two moments) stepped bucket by bucket, over accumulated micro-batches
+    options = {"accumulate_grad_batches": 2, "max_steps": 3}
+    strategy = ps(bucket_cap_mb=BUCKET_CAP_MB, reply_per_bucket=True)
+    got = fit_weights(strategy, 2, model=AdamRegressor(), callbacks=[_Timeline(tmp_path)], **options)
+    assert_ddp_weights(got, ddp(AdamRegressor(), **options))
+    assert [r["replies_per_bucket"] for r in _timelines(tmp_path)] == [True, True]
+
+
 def test_without_overlap_equals_ddp() -> None:
     strategy = ps(overlap=False)
     got = fit_weights(strategy, 2, model=DeepRegressor())
     assert_ddp_weights(got, ddp(DeepRegressor()))
+
+
+class AdamRegressor(DeepRegressor):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
 
 
 class LateSecondRank(DeepRegressor):

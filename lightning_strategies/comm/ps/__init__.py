@@ -4,14 +4,15 @@ Rank ``r`` hosts shard ``r`` (``r < num_servers``): its slices of the flattened 
 (:mod:`.plan`) and the user's optimizer rebuilt over them (:mod:`.spec`), so the optimizer runs on the
 servers. Workers (:mod:`.client`) push gradients and pull values, one payload per shard each way
 (:mod:`.wire`); on several nodes they push through their node (:mod:`.hierarchy`). The synchronous
-shard (:mod:`.shard`) is a barrier, which takes a worker's step in parts when its pushes overlap
-backward (:mod:`.buckets`); the asynchronous one (:mod:`lightning_strategies.comm.async_ps`) builds on
-the same pieces.
+shard (:mod:`.shard`; hosted, and reached by RPC, through :mod:`.hosting`) is a barrier, which takes a
+worker's step in parts when its pushes overlap backward (:mod:`.buckets`); the asynchronous one
+(:mod:`lightning_strategies.comm.async_ps`) builds on the same pieces.
 """
 
 from lightning_strategies.comm.ps.buckets import Bucket, OverlappedPush, StepTimeline, plan_buckets
 from lightning_strategies.comm.ps.client import ParameterServerClient, broadcast_from_rank0
 from lightning_strategies.comm.ps.hierarchy import HierarchicalParameterServerClient, PushLayout, node_nic_bytes
+from lightning_strategies.comm.ps.hosting import hosted_shard, local_shard, register_shard, unregister_shard
 from lightning_strategies.comm.ps.plan import (
     PARTITION_ALIGN,
     Slice,
@@ -21,14 +22,7 @@ from lightning_strategies.comm.ps.plan import (
     shard_parameters,
     whole_tensor_slices,
 )
-from lightning_strategies.comm.ps.shard import (
-    ParameterShard,
-    ShardReply,
-    hosted_shard,
-    local_shard,
-    register_shard,
-    unregister_shard,
-)
+from lightning_strategies.comm.ps.shard import ParameterShard, ShardReply
 from lightning_strategies.comm.ps.spec import OptimizerSpec
 from lightning_strategies.comm.ps.wire import Packed, pack, payload_bytes, slice_of, unpack
 

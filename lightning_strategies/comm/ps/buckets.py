@@ -32,7 +32,15 @@ from lightning_strategies.comm.ps.client import ParameterServerClient, WaitAbort
 from lightning_strategies.comm.ps.plan import Slice
 from lightning_strategies.comm.rpc import is_failure
 
-__all__ = ["DEFAULT_FIRST_BUCKET_MB", "Bucket", "OverlappedPush", "StepTimeline", "plan_buckets"]
+__all__ = [
+    "DEFAULT_FIRST_BUCKET_MB",
+    "Bucket",
+    "OverlappedPush",
+    "StepTimeline",
+    "bucket_caps",
+    "bucket_groups",
+    "plan_buckets",
+]
 
 #: DDP's first bucket (``torch.distributed``'s default first bucket bytes): small, so a push leaves early.
 DEFAULT_FIRST_BUCKET_MB = 1.0
@@ -52,19 +60,16 @@ class Bucket:
     parts: dict[int, tuple[int, ...]]
 
 
-def plan_buckets(
-    nbytes: Sequence[int],
-    plan: Sequence[Sequence[Slice]],
-    *,
-    cap_bytes: int,
-    first_cap_bytes: int = int(DEFAULT_FIRST_BUCKET_MB * _MIB),
-) -> list[Bucket]:
-    """Buckets over the tensors in reverse flat order, each closed once it holds ``cap_bytes`` or more
-    (the first ``first_cap_bytes``), as DDP's ``compute_bucket_assignment_by_size``.
+def bucket_caps(bucket_cap_mb: float, first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB) -> dict[str, int]:
+    """``bucket_cap_mb`` and the first bucket's cap in bytes (at least 1), as :func:`bucket_groups` takes them."""
+    return {"cap_bytes": max(1, int(bucket_cap_mb * _MIB)), "first_cap_bytes": max(1, int(first_bucket_mb * _MIB))}
 
-    Args:
-        nbytes: gradient bytes of each tensor, in the optimizer's flat order.
-        plan: per shard, its slices (:func:`~lightning_strategies.comm.ps.partition_parameters`).
+
+def bucket_groups(
+    nbytes: Sequence[int], *, cap_bytes: int, first_cap_bytes: int = int(DEFAULT_FIRST_BUCKET_MB * _MIB)
+) -> list[list[int]]:
+    """The tensors of each bucket, in reverse flat order, each closed once it holds ``cap_bytes`` or more
+    (the first ``first_cap_bytes``), as DDP's ``compute_bucket_assignment_by_size``: consecutive indices.
 
     Raises:
         ValueError: for a cap below one byte.
@@ -82,12 +87,33 @@ def plan_buckets(
         if size >= (first_cap_bytes if len(groups) == 1 else cap_bytes):
             groups.append([])
             size = 0
+    return [g for g in groups if g]
+
+
+def plan_buckets(
+    nbytes: Sequence[int],
+    plan: Sequence[Sequence[Slice]],
+    *,
+    cap_bytes: int,
+    first_cap_bytes: int = int(DEFAULT_FIRST_BUCKET_MB * _MIB),
+) -> list[Bucket]:
+    """Buckets over the tensors in reverse flat order, each closed once it holds ``cap_bytes`` or more
+    (the first ``first_cap_bytes``), as DDP's ``compute_bucket_assignment_by_size``.
+
+    Args:
+        nbytes: gradient bytes of each tensor, in the optimizer's flat order.
+        plan: per shard, its slices (:func:`~lightning_strategies.comm.ps.partition_parameters`).
+
+    Raises:
+        ValueError: for a cap below one byte.
+    """
+    groups = bucket_groups(nbytes, cap_bytes=cap_bytes, first_cap_bytes=first_cap_bytes)
     where: dict[int, list[tuple[int, int]]] = {}  # tensor -> (shard, index in the shard's plan)
     for s, slices in enumerate(plan):
         for k, sl in enumerate(slices):
             where.setdefault(sl.tensor, []).append((s, k))
     buckets = []
-    for group in (g for g in groups if g):
+    for group in groups:
         parts: dict[int, list[int]] = {}
         for i in group:
             for s, k in where.get(i, []):
@@ -106,7 +132,8 @@ class StepTimeline:
         first_node_reduce: the hierarchical push's first in-node reduce-scatter of the step was launched.
         backward_end: the step's backward ended (the optimizer step began).
         pull_arrived: per shard, its values reply arrived.
-        pull_landed: per shard (hierarchical push: per bucket), its values were written into the parameters.
+        pull_landed: per shard (hierarchical push, replies per bucket: per bucket), its values were written into
+            the parameters.
         next_forward: the next step's first forward started (its first wait for values).
         aligned: the step's alignment of the workers ended (``None``: none, see
             :attr:`ParameterServerClient.align`); after every worker's values of the last step landed.
@@ -158,8 +185,7 @@ class OverlappedPush:
         self.client = client
         self._lrs = lrs
         nbytes = [p.numel() * p.element_size() for p in client.params]
-        caps = {"cap_bytes": max(1, int(bucket_cap_mb * _MIB)), "first_cap_bytes": max(1, int(first_bucket_mb * _MIB))}
-        self.buckets = plan_buckets(nbytes, client.plan, **caps)
+        self.buckets = plan_buckets(nbytes, client.plan, **bucket_caps(bucket_cap_mb, first_bucket_mb))
         self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.tensors}
         self._shards_of: list[set[int]] = [set() for _ in client.params]
         for s, slices in enumerate(client.plan):
@@ -330,8 +356,10 @@ class OverlappedPush:
             self.drop()
             raise
         timeline = self.timeline[-1]
-        for s, reply in replies.items():
-            self.client._apply_reply(s, reply)
+        for s, parts in replies.items():
+            for reply in parts:  # one with values, or (per-part replies) one per part
+                self.client._apply_reply(s, reply, reply.part)
+            self.client.last_server_bytes[s] = max(reply.step_bytes for reply in parts)
             del self._in_flight[s]
             timeline.pull_landed[s] = time.perf_counter()
         self._stale = {i for i in self._stale if self._shards_of[i] & self._in_flight.keys()}
@@ -355,8 +383,9 @@ add_abort_hook(_abort_waits)
 
 
 def _last_of(futures: list[Future[Any]], arrived: dict[int, float], s: int) -> Future[Any]:
-    """One future for a shard's parts of a step: the first failure among them, else the reply with its
-    values; the arrival time of that reply goes into ``arrived``."""
+    """One future for a shard's parts of a step: the first failure among them, else every part's reply (one
+    holds the shard's values, or, when the shard answers each part, each its own); the arrival time of the
+    last goes into ``arrived``."""
     out: Future[Any] = Future()
     lock = threading.Lock()
     left = [len(futures)]
@@ -369,10 +398,8 @@ def _last_of(futures: list[Future[Any]], arrived: dict[int, float], s: int) -> F
                 return
             if not failed:
                 arrived[s] = time.perf_counter()
-            # RPC threads may take a worker's parts out of order: the values go with whichever came last
-            source = fut if failed else next((f for f in futures if f.value().values is not None), futures[-1])
         try:
-            out.set_result(source.value())
+            out.set_result(fut.value() if failed else [f.value() for f in futures])
         except Exception as err:  # the RPC itself failed: the waiter re-raises it, naming the shard
             out.set_exception(err)
 

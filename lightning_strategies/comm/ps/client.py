@@ -16,8 +16,8 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.futures import Future
 
+from lightning_strategies.comm.ps.hosting import _rpc_push, _rpc_state_dict, local_shard
 from lightning_strategies.comm.ps.plan import Slice, as_slice
-from lightning_strategies.comm.ps.shard import _rpc_push, _rpc_state_dict, local_shard
 from lightning_strategies.comm.ps.spec import OptimizerSpec, hyperparameters
 from lightning_strategies.comm.ps.wire import Packed, pack, slice_of, unpack, write_slice
 from lightning_strategies.comm.rpc import call_host, is_failure, wait_reply, worker_name
@@ -169,11 +169,13 @@ class ParameterServerClient:
             local=local_shard(s) is not None, timeout=self.rpc_timeout,
         )  # fmt: skip
 
-    def _apply_reply(self, s: int, reply: Any) -> None:
-        self.last_server_bytes[s] = reply.step_bytes
+    def _apply_reply(self, s: int, reply: Any, part: Sequence[int] | None = None) -> None:
+        """Write a shard's values into the parameters: every slice of its plan, or those of ``part``
+        (indices into the plan: a :class:`~lightning_strategies.comm.ps.ShardReply`'s ``part``)."""
         if reply.values is None:
             return
-        slices = self.plan[s]
+        self.last_server_bytes[s] = reply.step_bytes
+        slices = self.plan[s] if part is None else [self.plan[s][k] for k in part]
         values = unpack(reply.values, [slice_of(self.params[sl.tensor], sl) for sl in slices])
         with torch.no_grad():
             for sl, v in zip(slices, values, strict=True):

@@ -32,8 +32,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_strategies.comm.ps.client import ParameterServerClient
+from lightning_strategies.comm.ps.hosting import _rpc_push, local_shard
 from lightning_strategies.comm.ps.plan import Slice
-from lightning_strategies.comm.ps.shard import ShardReply, _rpc_push, local_shard
+from lightning_strategies.comm.ps.shard import ShardReply
 from lightning_strategies.comm.ps.wire import Packed, pack, slice_of, unpack, write_slice
 from lightning_strategies.comm.ring.layout import NodeLayout
 from lightning_strategies.comm.rpc import call_host

@@ -34,8 +34,8 @@ from torch import Tensor
 
 from lightning_strategies.comm.ps.buckets import OverlappedPush
 from lightning_strategies.comm.ps.hierarchy import HierarchicalParameterServerClient
+from lightning_strategies.comm.ps.hosting import _rpc_push, local_shard
 from lightning_strategies.comm.ps.plan import Slice
-from lightning_strategies.comm.ps.shard import _rpc_push, local_shard
 from lightning_strategies.comm.ps.wire import pack, slice_of, unpack, write_slice
 from lightning_strategies.comm.rpc import call_host
 
@@ -238,8 +238,9 @@ class HierarchicalOverlappedPush(OverlappedPush):
         replies = client._wait_all(self._in_flight, abort=self._aborted)
         self._in_flight = {}
         with torch.no_grad():
-            for s, reply in replies.items():
-                assert reply.values is not None  # a node's last part is answered with the shard's values
+            for s, parts in replies.items():
+                # a node's last part is answered with the shard's values (these shards answer no part alone)
+                reply = next(r for r in parts if r.values is not None)
                 client.last_server_bytes[s] = reply.step_bytes
                 slices = client.plan[s]
                 values = unpack(reply.values, [slice_of(client.params[sl.tensor], sl) for sl in slices])

@@ -1,6 +1,7 @@
 """The sharding plan: which elements of the flattened parameters each shard holds.
 
-Elementwise optimizers get equal contiguous ranges (:func:`partition_parameters`, BytePS-style);
+Elementwise optimizers get equal contiguous ranges (:func:`partition_parameters`), or equal ranges of each
+push bucket (:func:`partition_per_group`, BytePS-style);
 a layer-wise optimizer (LAMB, LARS) gets whole tensors (:func:`shard_parameters`). A plan depends
 only on the sizes, so every rank computes the same one without talking.
 """
@@ -18,6 +19,7 @@ __all__ = [
     "as_slice",
     "partition_loads",
     "partition_parameters",
+    "partition_per_group",
     "shard_loads",
     "shard_parameters",
     "whole_tensor_slices",
@@ -90,6 +92,40 @@ def partition_parameters(sizes: Sequence[int], num_servers: int, *, align: int =
             if a < b:
                 plan[s].append(Slice(i, a - lo, b - lo))
     return plan
+
+
+def partition_per_group(
+    sizes: Sequence[int], groups: Sequence[Sequence[int]], num_servers: int, *, align: int = PARTITION_ALIGN
+) -> list[list[Slice]]:
+    """:func:`partition_parameters` applied to each group of tensors on its own: every shard holds about
+    ``1/num_servers`` of every group. With the overlapped push's buckets as the groups, every shard gets
+    its part of a bucket at the same time, so all shards complete a bucket together (BytePS' partition of
+    every tensor over the servers) instead of one shard waiting for the last bucket alone.
+
+    Args:
+        sizes: elements of each tensor, in the optimizer's parameter order.
+        groups: the tensor indices of each group; together every index exactly once.
+
+    Returns:
+        For each shard, its slices in flat order.
+
+    Raises:
+        ValueError: when the groups do not cover every tensor exactly once, or for the arguments
+            :func:`partition_parameters` refuses.
+    """
+    _check_plan_args(sizes, num_servers)
+    flat = sorted(i for group in groups for i in group)
+    if flat != list(range(len(sizes))):
+        raise ValueError(
+            f"groups {[list(g) for g in groups]} over {len(sizes)} tensors: expected every tensor index in "
+            f"[0, {len(sizes)}) in exactly one group"
+        )
+    plan: list[list[Slice]] = [[] for _ in range(num_servers)]
+    for group in groups:
+        members = sorted(group)
+        for s, slices in enumerate(partition_parameters([sizes[i] for i in members], num_servers, align=align)):
+            plan[s] += [Slice(members[sl.tensor], sl.start, sl.stop) for sl in slices]
+    return [sorted(slices) for slices in plan]
 
 
 def whole_tensor_slices(plan: Sequence[Sequence[int]], sizes: Sequence[int]) -> list[list[Slice]]:

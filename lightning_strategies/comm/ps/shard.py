@@ -1,8 +1,7 @@
-"""One parameter server shard (a barrier), the registry of the shards this process hosts, and their
-RPC entry points.
+"""One parameter server shard: a barrier over the workers' pushes, and the optimizer over its slices (its
+state: :mod:`.shard_state`; the shards this process hosts and their RPC entry points: :mod:`.hosting`).
 
-The push handler runs under :func:`~lightning_strategies.comm.rpc.async_execution`: a blocking
-handler deadlocks once the waiting pushes occupy every RPC thread. On a GPU the step runs on the
+On a GPU the step runs on the
 shard's own stream and every reply is a snapshot handed out through a stream-aware future
 (:class:`~lightning_strategies.comm.streams.StreamOrder`), chosen over staging through pinned CPU
 buffers (a device-to-host copy and a host wait per push); ``benchmarks/ps_snapshot.py`` measures it.
@@ -13,33 +12,23 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
-import torch
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_strategies.comm.heartbeat import PeerDiagnosis, add_abort_hook
 from lightning_strategies.comm.ps.clip import ShardClipping
 from lightning_strategies.comm.ps.plan import Slice, as_slice
-from lightning_strategies.comm.ps.spec import OptimizerSpec, hyperparameters
+from lightning_strategies.comm.ps.shard_state import ShardState
+from lightning_strategies.comm.ps.spec import OptimizerSpec
 from lightning_strategies.comm.ps.wire import Packed, pack, payload_bytes, unpack
-from lightning_strategies.comm.rpc import ShardError, async_execution, completed, current_name
+from lightning_strategies.comm.rpc import ShardError, completed
 from lightning_strategies.comm.stats import CommStats
 from lightning_strategies.comm.streams import StreamBackend, StreamOrder
 
-__all__ = [
-    "ParameterShard",
-    "ShardReply",
-    "hosted_shard",
-    "local_shard",
-    "register_shard",
-    "stop_hosted_shards",
-    "unregister_shard",
-]
+__all__ = ["ParameterShard", "ShardReply"]
 
 
 @dataclass
@@ -52,12 +41,16 @@ class ShardReply:
             multiply with the number of parts).
         version: optimizer steps the shard has taken (the workers' step count).
         step_bytes: payload bytes the shard received plus sent for this step (all workers), so every
-            worker can log the busiest shard without an extra collective.
+            worker can log the busiest shard without an extra collective. A reply per part carries the
+            step's bytes so far: the largest of a step's replies is the step's total.
+        part: the slices (indices into the shard's plan) ``values`` holds, in that order, when the shard
+            answers each part on its own (``reply_per_part``); ``None``: every slice.
     """
 
     values: Packed | None
     version: int
     step_bytes: int
+    part: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -69,9 +62,72 @@ class _PendingStep:
     lrs: list[float] | None = None
     bytes_in: int = 0
     deadline: float | None = None  # time.monotonic() by which the last push must arrive
+    # reply_per_part: per slice, the workers' pushes of it so far; the slices stepped; the parts not answered
+    counts: dict[int, int] = field(default_factory=dict)
+    stepped: set[int] = field(default_factory=set)
+    waiting: list[tuple[int, tuple[int, ...], Future[ShardReply | ShardError]]] = field(default_factory=list)
+    bytes_out: int = 0
+
+    def open_futures(self) -> list[tuple[int, Future[ShardReply | ShardError]]]:
+        """The (worker, future) pairs not answered yet."""
+        return [*self.futures.items(), *((w, f) for w, _, f in self.waiting)]
+
+    def count(self, slices: Sequence[int], num_workers: int) -> list[int]:
+        """One more push of each of ``slices``; returns those every worker has now pushed."""
+        complete = []
+        for k in slices:
+            self.counts[k] = self.counts.get(k, 0) + 1
+            if self.counts[k] == num_workers:
+                complete.append(k)
+        return complete
+
+    def stepped_now(self, slices: Sequence[int]) -> dict[tuple[int, ...], list[Future[ShardReply | ShardError]]]:
+        """``slices`` stepped: drop their pushed gradients, and take the waiting parts whose every slice has
+        stepped (their futures, by part)."""
+        for grads in self.grads.values():
+            for k in slices:
+                grads[k] = None
+        self.stepped.update(slices)
+        ready: dict[tuple[int, ...], list[Future[ShardReply | ShardError]]] = {}
+        waiting = []
+        for worker, part, fut in self.waiting:
+            if self.stepped.issuperset(part):
+                ready.setdefault(part, []).append(fut)
+            else:
+                waiting.append((worker, part, fut))
+        self.waiting = waiting
+        return ready
+
+    def replies(
+        self,
+        ready: dict[tuple[int, ...], list[Future[ShardReply | ShardError]]],
+        params: Sequence[Tensor],
+        version: int,
+    ) -> list[tuple[list[Future[ShardReply | ShardError]], ShardReply]]:
+        """The answer of each ready part: a snapshot of its slices' values (one for every worker waiting for it,
+        as the whole step's reply), carrying the step's bytes so far."""
+        answers = []
+        for part, futures in ready.items():
+            values = pack([params[k] for k in part])
+            self.bytes_out += len(futures) * values.nbytes
+            whole = part == tuple(range(len(params)))
+            answers.append(
+                (futures, ShardReply(values, version, self.bytes_in + self.bytes_out, None if whole else part))
+            )
+        return answers
 
 
-class ParameterShard:
+def _check_reply_per_part(shard_id: int, spec: OptimizerSpec, clipping: ShardClipping | None) -> None:
+    if clipping is not None or not spec.elementwise:
+        raise ValueError(
+            f"parameter server shard {shard_id}: reply_per_part steps part of the shard's tensors at a time, "
+            f"found {'clipping (a global norm over every tensor)' if clipping is not None else ''}"
+            f"{'' if spec.elementwise else spec.optimizer_class.__qualname__ + ' (not elementwise)'}. Expected "
+            "no clipping and an optimizer of OptimizerSpec.elementwise. Fix: pass reply_per_part=False."
+        )
+
+
+class ParameterShard(ShardState):
     """One server shard: slices of the flattened parameters and the optimizer over them, each slice a
     parameter of its own in its tensor's param group.
 
@@ -94,6 +150,14 @@ class ParameterShard:
         average: divide each push by the number of pushers before summing (DDP's mean of the workers).
         clipping: what to clip of the averaged gradient before the step (:mod:`~lightning_strategies.comm.ps.clip`:
             by value, or by the global norm the shards agree on); ``None``: nothing.
+        reply_per_part: step each slice as soon as every worker has pushed it, and answer each part of a
+            worker's push with its own slices' new values once they are stepped, instead of one step and
+            one reply per shard after every slice is in: the first buckets' values travel back while the
+            later buckets are still being pushed. Exact only for an optimizer that updates each tensor
+            from its own gradient and state (:attr:`OptimizerSpec.elementwise`), without clipping.
+
+    Raises:
+        ValueError: for ``reply_per_part`` with clipping or with an optimizer that is not elementwise.
     """
 
     def __init__(
@@ -109,7 +173,10 @@ class ParameterShard:
         pusher_ranks: Sequence[int] | None = None,
         average: bool = True,
         clipping: ShardClipping | None = None,
+        reply_per_part: bool = False,
     ) -> None:
+        if reply_per_part:
+            _check_reply_per_part(shard_id, spec, clipping)
         if len(slices) != len(params):
             raise ValueError(f"{len(slices)} slices for {len(params)} tensors")
         if num_workers < 1:
@@ -147,6 +214,7 @@ class ParameterShard:
         self._pending = _PendingStep()
         self._failure: str | None = None
         self.clipping = clipping
+        self.reply_per_part = reply_per_part
 
     # -- pushes -------------------------------------------------------------------------------
 
@@ -160,7 +228,8 @@ class ParameterShard:
     ) -> Future[ShardReply | ShardError]:
         """Take worker ``worker``'s gradients for step ``step``, all at once or in parts (as its backward
         produces them); the future of the worker's last part holds the new values, an earlier part's an
-        ack without values (or a :class:`ShardError`).
+        ack without values (or a :class:`ShardError`). Under ``reply_per_part`` every part's future holds
+        the new values of its own slices, once every worker has pushed them.
 
         Args:
             step: the worker's step count: every worker pushes every slice of the shard's current step
@@ -192,17 +261,25 @@ class ParameterShard:
                 # wake-up per step cost a context switch and a hand-over of the GIL, on the training thread too
                 if self._watch_until > pending.deadline:
                     self._cond.notify()
-            if len(pending.received[worker]) < len(self.params):
+            if self.reply_per_part:
+                answers = self._step_parts(pending, worker, part, fut)
+                stepped = None
+            elif len(pending.received[worker]) < len(self.params):
                 fut.set_result(ShardReply(None, self.version, 0))  # an earlier part: an ack at once
                 return fut
-            pending.futures[worker] = fut
-            if len(pending.futures) < self.num_workers:
-                return fut
-            self._pending = _PendingStep()  # the watchdog finds no deadline: nothing to fail
-            sent = self.num_workers * self._values_bytes
-            self.stats.bytes_sent += sent
-            with self._order.running():
-                stepped = self._step([pending.grads[w] for w in range(self.num_workers)], pending.lrs)
+            else:
+                pending.futures[worker] = fut
+                if len(pending.futures) < self.num_workers:
+                    return fut
+                self._pending = _PendingStep()  # the watchdog finds no deadline: nothing to fail
+                sent = self.num_workers * self._values_bytes
+                self.stats.bytes_sent += sent
+                with self._order.running():
+                    stepped = self._step([pending.grads[w] for w in range(self.num_workers)], pending.lrs)
+        if stepped is None:
+            for futures, reply in answers:
+                self._order.complete(futures, reply)
+            return fut
         # the step ends now, or once the shards agree on the gradient norm (outside the lock: see clip.py)
         stepped.add_done_callback(lambda done: self._reply(pending, sent, done))
         return fut
@@ -229,13 +306,48 @@ class ParameterShard:
     def _take_part(
         self, pending: _PendingStep, worker: int, grads: list[Tensor | None], part: Sequence[int] | None
     ) -> None:
-        if part is None:
-            pending.grads[worker], pending.received[worker] = grads, set(range(len(self.params)))
+        if part is None:  # a copy: reply_per_part drops each slice's gradient once stepped
+            pending.grads[worker], pending.received[worker] = list(grads), set(range(len(self.params)))
             return
         mine = pending.grads.setdefault(worker, [None] * len(self.params))
         for k, g in zip(part, grads, strict=True):
             mine[k] = g
         pending.received.setdefault(worker, set()).update(part)
+
+    def _step_parts(
+        self,
+        pending: _PendingStep,
+        worker: int,
+        part: Sequence[int] | None,
+        fut: Future[ShardReply | ShardError],
+    ) -> Sequence[tuple[list[Future[ShardReply | ShardError]], ShardReply | ShardError]]:
+        """``reply_per_part``, under the lock: step the slices every worker has now pushed, and return the
+        answers of the parts whose slices have all stepped (completed outside the lock)."""
+        ks = tuple(range(len(self.params))) if part is None else tuple(part)
+        pending.waiting.append((worker, ks, fut))
+        complete = pending.count(ks, self.num_workers)
+        if not complete:
+            return []
+        with self._order.running():
+            try:
+                if self.optimizer is not None:
+                    self._average([pending.grads[w] for w in range(self.num_workers)], complete)
+                    self._set_lrs(pending.lrs)
+                    # the tensors without a gradient (every slice but these) are left alone by the optimizer
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+            except Exception as err:  # every waiting worker gets the error, and so does every later push
+                self._failure = f"parameter server shard {self.shard_id} failed in step {self.version}: {err!r}"
+                self._pending = _PendingStep()
+                return [([f for _, f in pending.open_futures()], ShardError(self._failure))]
+            ready = pending.stepped_now(complete)
+            if len(pending.stepped) == len(self.params):
+                self.version += 1
+                self._pending = _PendingStep()  # the watchdog finds no deadline: nothing to fail
+            before = pending.bytes_out
+            answers = pending.replies(ready, self.params, self.version)
+        self.stats.bytes_sent += pending.bytes_out - before
+        return answers
 
     def _check_push(
         self, worker: int, grads: list[Tensor | None], lrs: list[float], part: Sequence[int] | None = None
@@ -303,17 +415,22 @@ class ParameterShard:
             # the remote workers' errors first: once the co-located worker (index == shard_id)
             # wakes up it fails and shuts RPC down, which would drop replies not yet on the wire
             assert self._failure is not None
-            for w in sorted(pending.futures, key=lambda w: (self.pusher_ranks[w] == self.shard_id, w)):
-                pending.futures[w].set_result(ShardError(self._failure, timed_out=True))
+            co_located_last = sorted(
+                pending.open_futures(), key=lambda x: (self.pusher_ranks[x[0]] == self.shard_id, x[0])
+            )
+            for _, fut in co_located_last:
+                fut.set_result(ShardError(self._failure, timed_out=True))
 
     def _expire(self) -> _PendingStep:
         """Fail the open step (under the lock); the caller completes its futures outside the lock."""
         pending = self._pending
-        missing = [self.pusher_ranks[w] for w in range(self.num_workers) if w not in pending.futures]
+        # a worker is in once it pushed every slice (its last part)
+        complete = [w for w in range(self.num_workers) if len(pending.received.get(w, ())) == len(self.params)]
+        missing = [self.pusher_ranks[w] for w in range(self.num_workers) if w not in complete]
         self._failure = (
             f"parameter server shard {self.shard_id} waited {self.timeout.total_seconds():.0f}s for "
             f"the gradients of step {self.version} from worker(s) {missing} (received from "
-            f"{sorted(self.pusher_ranks[w] for w in pending.futures)}). Worker(s) {missing} died or are stuck; "
+            f"{sorted(self.pusher_ranks[w] for w in complete)}). Worker(s) {missing} died or are stuck; "
             "check their logs. "
             "To wait longer for slow workers, raise the strategy's `timeout`."
         )
@@ -321,7 +438,8 @@ class ParameterShard:
         return pending
 
     def close(self, reason: str | None = None) -> str | None:
-        """Stop the watchdog thread: the shard is being dropped.
+        """Stop the watchdog thread (and wait, a few seconds at most, until it has ended): the shard is being
+        dropped.
 
         Args:
             reason: why, when the host failed (the failure's first line): the workers waiting in the
@@ -336,14 +454,18 @@ class ParameterShard:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-            if reason is None:
-                return None
-            if self._failure is None:
-                self._failure = f"parameter server shard {self.shard_id} stopped because its host failed: {reason}"
-            pending, self._pending = self._pending, _PendingStep()
-            failure = self._failure
-        for w in sorted(pending.futures):
-            pending.futures[w].set_result(ShardError(failure))
+            if reason is not None:
+                if self._failure is None:
+                    self._failure = f"parameter server shard {self.shard_id} stopped because its host failed: {reason}"
+                pending, self._pending = self._pending, _PendingStep()
+                failure = self._failure
+        # a thread left to end on its own may still be ending when the interpreter exits, which aborts it
+        if self._watchdog is not None and self._watchdog is not threading.current_thread():
+            self._watchdog.join(timeout=5.0)
+        if reason is None:
+            return None
+        for _, fut in sorted(pending.open_futures(), key=lambda x: x[0]):
+            fut.set_result(ShardError(failure))
         return failure
 
     # -- optimizer ----------------------------------------------------------------------------
@@ -357,21 +479,8 @@ class ParameterShard:
         if self.optimizer is None:
             self.version += 1
             return completed(None)
-        n = len(grads_by_worker) if self.average else 1
-        for i, p in enumerate(self.params):
-            avg: Tensor | None = None
-            for grads in grads_by_worker:
-                g = grads[i]
-                if g is None:
-                    continue
-                # divide then sum in worker order: DDP's reducer divides each rank's gradient by
-                # the world size before the sum-all-reduce, so the rounding matches for P=2
-                part = g.to(p.device, p.dtype).div(n) if n > 1 else g.to(p.device, p.dtype)
-                avg = part if avg is None else avg.add_(part)
-            p.grad = avg
-        if lrs is not None:  # the workers' lr of each group (LR schedulers run on the workers)
-            for group, worker_group in zip(self.optimizer.param_groups, self._group_ids, strict=True):
-                group["lr"] = lrs[worker_group]
+        self._average(grads_by_worker, range(len(self.params)))
+        self._set_lrs(lrs)
         agreed: float | None = None
         if self.clipping is not None:
             norm = self.clipping.start(self.version, self.params)
@@ -382,6 +491,28 @@ class ParameterShard:
         self._apply(agreed)
         return completed(None)
 
+    def _average(self, grads_by_worker: list[list[Tensor | None]], slices: Iterable[int]) -> None:
+        """The workers' mean gradient (their sum without ``average``) of each of ``slices``, as its ``grad``."""
+        n = len(grads_by_worker) if self.average else 1
+        for i in slices:
+            p = self.params[i]
+            avg: Tensor | None = None
+            for grads in grads_by_worker:
+                g = grads[i]
+                if g is None:
+                    continue
+                # divide then sum in worker order: DDP's reducer divides each rank's gradient by
+                # the world size before the sum-all-reduce, so the rounding matches for P=2
+                part = g.to(p.device, p.dtype).div(n) if n > 1 else g.to(p.device, p.dtype)
+                avg = part if avg is None else avg.add_(part)
+            p.grad = avg
+
+    def _set_lrs(self, lrs: Sequence[float] | None) -> None:
+        """The workers' lr of each group (LR schedulers run on the workers)."""
+        if lrs is not None and self.optimizer is not None:
+            for group, worker_group in zip(self.optimizer.param_groups, self._group_ids, strict=True):
+                group["lr"] = lrs[worker_group]
+
     def _apply(self, norm: float | None) -> None:
         """The optimizer's step on the averaged gradient (clipped by the agreed global ``norm``, if any)."""
         assert self.optimizer is not None
@@ -390,171 +521,8 @@ class ParameterShard:
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
 
-    # -- state ---------------------------------------------------------------------------------
-
-    def values(self) -> list[Tensor]:
-        """Copies of the shard's current tensors, ordered for the caller's stream."""
-        with self._lock:
-            with self._order.running():
-                copies = [p.detach().clone() for p in self.params]
-            self._order.give(copies)
-        return copies
+    # -- payloads ------------------------------------------------------------------------------
 
     def unpack(self, packed: Packed, part: Sequence[int] | None = None) -> list[Tensor | None]:
         """A pushed payload as one gradient (or ``None``) per slice (of ``part``, when given)."""
         return unpack(packed, self.params if part is None else [self.params[k] for k in part])
-
-    def state_dict(self) -> dict[str, Any]:
-        """This shard's optimizer state: ``{"state": {slice: its state}, "param_groups": {group: options},
-        "version": steps}`` (:meth:`ParameterServerClient.gather_state_dict` joins the shards')."""
-        with self._lock:
-            if self.optimizer is None:
-                return {"state": {}, "param_groups": {}, "version": self.version}
-            with self._order.running():
-                sd = self.optimizer.state_dict()
-                # copies, like the replies: the caller reads (or an RPC sends) them after the lock
-                state = {self.slices[i]: _copy_state(st) for i, st in sd["state"].items()}
-            self._order.give(v for st in state.values() for v in st.values() if isinstance(v, Tensor))
-            return {
-                "state": state,
-                "param_groups": {
-                    g: hyperparameters(group) for g, group in zip(self._group_ids, sd["param_groups"], strict=True)
-                },
-                "version": self.version,
-            }
-
-    def load_state_dict(self, full_state: Mapping[str, Any], version: int | None = None) -> None:
-        """Load this shard's part of a full optimizer state dict (worker optimizer format).
-
-        Args:
-            full_state: as :meth:`ParameterServerClient.gather_state_dict` returns (or a plain
-                optimizer's ``state_dict()`` of the same model).
-            version: the step count to resume at (the barrier needs the workers' step).
-        """
-        with self._lock:
-            if version is not None:
-                self.version = version
-            if self.optimizer is None:
-                return
-            groups = []
-            for g in self._group_ids:
-                options = hyperparameters(full_state["param_groups"][g])
-                groups.append({**options, "params": [k for k, gk in enumerate(self._groups) if gk == g]})
-            by_tensor = {int(f): s for f, s in full_state["state"].items()}
-            self._order.take(v for st in by_tensor.values() for v in st.values() if isinstance(v, Tensor))
-            with self._order.running():
-                state = {
-                    k: _slice_state(by_tensor[sl.tensor], sl, p)
-                    for k, (sl, p) in enumerate(zip(self.slices, self.params, strict=True))
-                    if sl.tensor in by_tensor
-                }
-                self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-    def load_values(self, values: Sequence[Tensor]) -> None:
-        """Overwrite the shard's tensors (e.g. with the weights of a restored checkpoint)."""
-        with self._lock, torch.no_grad():
-            self._order.take(values)
-            with self._order.running():
-                for p, v in zip(self.params, values, strict=True):
-                    p.copy_(v.reshape(p.shape))
-
-
-def _copy_state(state: Mapping[str, Any]) -> dict[str, Any]:
-    return {key: v.clone() if isinstance(v, Tensor) else v for key, v in state.items()}
-
-
-def _slice_state(state: Mapping[str, Any], sl: Slice, param: Tensor) -> dict[str, Any]:
-    """A slice's part of its tensor's optimizer state (per-element state: a tensor larger than the slice).
-
-    Copied: ``Optimizer.load_state_dict`` keeps a ``step`` tensor as given, and slices of one tensor
-    sharing it would each increment it.
-    """
-    return {
-        key: (
-            v.reshape(-1)[sl.start : sl.stop].clone().view(param.shape)
-            if v.dim() >= 1 and v.numel() > param.numel()
-            else v.clone()
-        )
-        if isinstance(v, Tensor)
-        else v
-        for key, v in state.items()
-    }
-
-
-# -- what this process hosts: RPC entry points find their shard here --------------------------
-
-_SHARDS: dict[int, ParameterShard] = {}
-# shards dropped because their host failed, with the error late pushes get: a survivor's push
-# that arrives after the drop must name the failure, not suggest disagreeing sharding plans
-_STOPPED: dict[int, str] = {}
-
-
-def register_shard(shard: ParameterShard) -> None:
-    """Make ``shard`` reachable by RPC in this process (one process may host several)."""
-    _STOPPED.pop(shard.shard_id, None)
-    _SHARDS[shard.shard_id] = shard
-
-
-def unregister_shard(shard_id: int, *, reason: str | None = None) -> None:
-    """Forget the shard (at teardown), so a later fit in this process starts clean.
-
-    Args:
-        reason: why, when this process failed: pushes waiting in the shard's barrier, and any that
-            arrive until RPC shuts down, get an error carrying it.
-    """
-    shard = _SHARDS.pop(shard_id, None)
-    if shard is not None:
-        failure = shard.close(reason)  # its watchdog thread ends
-        if failure is not None:
-            _STOPPED[shard_id] = failure
-
-
-def stop_hosted_shards(diagnosis: PeerDiagnosis | None) -> None:
-    """Drop every hosted shard, answering the workers waiting in its barrier with the loss: the
-    heartbeat's abort hook (a frozen worker's push never comes, and no connection ends that wait)."""
-    text = diagnosis.describe("parameter_server") if diagnosis is not None else None
-    reason = f"PeerLostError: {text.splitlines()[0]}" if text else "PeerLostError: a peer is gone"
-    for shard_id in list(_SHARDS):
-        unregister_shard(shard_id, reason=reason)
-
-
-add_abort_hook(stop_hosted_shards)
-
-
-def local_shard(shard_id: int) -> ParameterShard | None:
-    """The shard ``shard_id`` when this process hosts it."""
-    return _SHARDS.get(shard_id)
-
-
-def hosted_shard(shard_id: int) -> ParameterShard:
-    """The shard ``shard_id``, which this process must host (RPC entry points call this).
-
-    Raises:
-        RuntimeError: when this process does not host it.
-    """
-    shard = _SHARDS.get(shard_id)
-    if shard is None and shard_id in _STOPPED:
-        raise RuntimeError(_STOPPED[shard_id])
-    if shard is None:
-        raise RuntimeError(
-            f"parameter server shard {shard_id} is not hosted by {current_name()} "
-            f"(this process hosts {sorted(_SHARDS)}); the sharding plans of the workers disagree"
-        )
-    return shard
-
-
-@async_execution
-def _rpc_push(
-    shard_id: int, worker: int, step: int, grads: Packed, lrs: list[float], part: list[int] | None = None
-) -> Future[ShardReply | ShardError]:
-    # returns the barrier's future at once: the RPC thread is free while the step waits
-    shard = hosted_shard(shard_id)
-    try:
-        unpacked = shard.unpack(grads, part)
-    except (ValueError, IndexError) as err:
-        return completed(ShardError(f"parameter server shard {shard_id}: worker {worker} pushed {err}"))
-    return shard.push(worker, step, unpacked, lrs, part)
-
-
-def _rpc_state_dict(shard_id: int) -> dict[str, Any]:
-    return hosted_shard(shard_id).state_dict()
