@@ -9,6 +9,7 @@ worker's step in parts when its pushes overlap backward (:mod:`.buckets`); the a
 (:mod:`lightning_strategies.comm.async_ps`) builds on the same pieces.
 """
 
+from lightning_strategies.comm.ps.bucket_replies import BucketwisePush
 from lightning_strategies.comm.ps.buckets import Bucket, OverlappedPush, StepTimeline, plan_buckets
 from lightning_strategies.comm.ps.client import ParameterServerClient, broadcast_from_rank0
 from lightning_strategies.comm.ps.hierarchy import HierarchicalParameterServerClient, PushLayout, node_nic_bytes
@@ -18,6 +19,7 @@ from lightning_strategies.comm.ps.plan import (
     Slice,
     partition_loads,
     partition_parameters,
+    partition_per_group,
     shard_loads,
     shard_parameters,
     whole_tensor_slices,
@@ -29,6 +31,7 @@ from lightning_strategies.comm.ps.wire import Packed, pack, payload_bytes, slice
 __all__ = [
     "PARTITION_ALIGN",
     "Bucket",
+    "BucketwisePush",
     "HierarchicalParameterServerClient",
     "OptimizerSpec",
     "OverlappedPush",
@@ -46,6 +49,7 @@ __all__ = [
     "pack",
     "partition_loads",
     "partition_parameters",
+    "partition_per_group",
     "payload_bytes",
     "plan_buckets",
     "register_shard",
