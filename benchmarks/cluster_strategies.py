@@ -15,6 +15,9 @@ rates 1gbit, 200mbit, 50mbit (both directions of every node's link). Strategies:
     ps_one_shot ParameterServerStrategy(overlap=False): ps's push after the whole backward, its pull in the step
     ps_aligned, ps_unaligned  ParameterServerStrategy(align_pushes=True / False): each step's pushes after every
                worker's values landed, or not (ps aligns by default where its push is flat across nodes: 4x1)
+    ps_one_reply, ps_bucket_replies  ParameterServerStrategy(reply_per_bucket=False / True): a shard steps and
+               answers once every bucket of every worker is in (the contiguous plan), or every bucket is split over
+               every shard and each answered as soon as every worker pushed it
     ps_local_sigterm  ps with Lightning's blocking SIGTERM broadcast before every step replaced by each rank's
                own check (what async does): what that broadcast costs ps (not a strategy users get: a SIGTERM
                to rank 0 alone would no longer stop the others)
@@ -52,6 +55,9 @@ not step together). Lines (``name value unit``; medians over rounds, the spread 
     cluster_ps_overlap_over_one_shot_<layout>_<rate>  step ps / ps_one_shot (the overlapped push's A/B)
     cluster_<ps|ps_aligned>_over_unaligned_<layout>_<rate>  step over ps_unaligned's (the alignment's A/B);
                                                ``..._wall_...``: the same of wall time per step
+    cluster_<ps|ps_bucket_replies>_over_one_reply_<layout>_<rate>  step over ps_one_reply's (the replies per
+                                               bucket's A/B); ``..._wall_...``: the same of wall time per step
+    cluster_ps_bucket_replies_over_ddp[_wall]_<layout>_<rate>  step (wall per step) ps_bucket_replies / ddp
     cluster_async_over_ddp_<layout>_<rate>     step async / ddp (#28: the node as the worker)
     cluster_async_over_ddp_wall_<layout>_<rate>   wall per step async / ddp
     cluster_async_hier_over_flat_2x2_<rate>    step async / async_flat
@@ -76,6 +82,9 @@ compute, i.e. are 2x slower; ps waits for them every step, async does not.
     python benchmarks/cluster_strategies.py --strategies ddp ps --no-straggler --name cluster_ps  # ps vs ddp
     python benchmarks/cluster_strategies.py --strategies ps ring_hier ddp --layouts 2x2 --no-straggler \
         --link-sample-ms 4 --steps 8 --name cluster_link_timeline  # when each link carries bytes in a step
+
+``--backward-ms t`` makes every fit's backward t ms longer (each linear layer sleeps its share; ``_fit.py``): a
+heavier model, whose backward an overlapped push can hide communication behind.
 
 ``--link-sample-ms`` adds, per configuration, when each node's link carries bytes within a step and,
 under ps, the overlapped push's events (``link_*`` lines, ``results/<name>_link.png``;
@@ -111,8 +120,11 @@ FIT = Path(__file__).parent / "emulated" / "_fit.py"
 RESULTS = Path(__file__).parent / "results"
 STRATEGIES = (
     "ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_one_shot", "ps_local_sigterm", "ps1", "async",
-    "async_flat", "pipeline", "tensor", "ps_aligned", "ps_unaligned",
+    "async_flat", "pipeline", "tensor", "ps_aligned", "ps_unaligned", "ps_one_reply",
+    "ps_bucket_replies",
 )  # fmt: skip
+# variants of ps for an A/B of one option: run when named (--strategies)
+AB_ONLY = ("ps_one_shot", "ps_local_sigterm", "ps_aligned", "ps_unaligned", "ps_one_reply", "ps_bucket_replies")
 LAYOUTS = {"2x2": (2, 2), "4x1": (4, 1)}
 RATES = ("50mbit", "200mbit", "1gbit")  # slowest first: the goals are there
 STRAGGLER = ("ps", "async")
@@ -133,6 +145,8 @@ def formula_over_d(strategy: str, nodes: int, per_node: int) -> float | None:
         "ps_local_sigterm": 2 * (n - 1) / n,
         "ps_aligned": 2 * (n - 1) / n,
         "ps_unaligned": 2 * (n - 1) / n,
+        "ps_one_reply": 2 * (n - 1) / n,
+        "ps_bucket_replies": 2 * (n - 1) / n,
         "ps_flat": 2 * local * (p - local) / p,
         "async": 2 * (n - 1) / n,  # the node as the worker (L = 1: the flat push's 2L(P-L)/P too)
         "async_flat": 2 * local * (p - local) / p,
@@ -214,6 +228,7 @@ def measure(
             pair = STRAGGLER if r % 2 == 0 else STRAGGLER[::-1]
             cases += [(f"{s}_straggler", s, slow) for s in pair]
         sample = ["--link-sample-ms", str(args.link_sample_ms)] if args.link_sample_ms > 0 else []
+        sample += ["--backward-ms", str(args.backward_ms)] if args.backward_ms > 0 else []
         with EmulatedCluster(nodes=nodes, rate=rate) as cluster:
             for name, strategy, extra in cases:
                 try:
@@ -286,6 +301,14 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, *, e
                 a, b = f"{s}|{layout}|{rate}", f"ps_unaligned|{layout}|{rate}"
                 ratio(f"cluster_{s}_over_unaligned_{layout}_{rate}", a, b)
                 wall_ratio(f"cluster_{s}_over_unaligned_wall_{layout}_{rate}", a, b)
+            for s in ("ps", "ps_bucket_replies"):
+                a, b = f"{s}|{layout}|{rate}", f"ps_one_reply|{layout}|{rate}"
+                ratio(f"cluster_{s}_over_one_reply_{layout}_{rate}", a, b)
+                wall_ratio(f"cluster_{s}_over_one_reply_wall_{layout}_{rate}", a, b)
+            wall_ratio(f"cluster_ps_bucket_replies_over_ddp_wall_{layout}_{rate}", f"ps_bucket_replies|{layout}|{rate}",
+                       f"ddp|{layout}|{rate}")  # fmt: skip
+            ratio(f"cluster_ps_bucket_replies_over_ddp_{layout}_{rate}", f"ps_bucket_replies|{layout}|{rate}",
+                  f"ddp|{layout}|{rate}")  # fmt: skip
             a, b = f"ps|{layout}|{rate}", f"ps_local_sigterm|{layout}|{rate}"
             if a in wall and b in wall:
                 out.append(
@@ -327,11 +350,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6, help="steps per fit, warm-up included")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--base-ms", type=float, default=100.0, help="the straggler runs' per-step compute")
+    parser.add_argument("--backward-ms", type=float, default=0.0,
+                        help="every fit's backward sleeps this long, over its layers (a heavier model)")  # fmt: skip
     parser.add_argument(
         "--strategies",
         nargs="+",
         choices=STRATEGIES,
-        default=[s for s in STRATEGIES if s not in ("ps_one_shot", "ps_local_sigterm", "ps_aligned", "ps_unaligned")],
+        default=[s for s in STRATEGIES if s not in AB_ONLY],
     )
     parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--rates", nargs="+", default=list(RATES))
@@ -369,7 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         tail = [f"# failed runs: {', '.join(args.failed)}"] if args.failed else []
         tail += [load_line("end" if final else "now"),
                  f"# {time.monotonic() - start:.0f} s in all; {args.rounds} round(s), {args.steps} steps per fit "
-                 f"({args.warmup} warm-up)" + ("" if final else "; PARTIAL: the run was still going")]  # fmt: skip
+                 f"({args.warmup} warm-up)" + (f"; backward {args.backward_ms:g} ms longer" if args.backward_ms else "")
+                 + ("" if final else "; PARTIAL: the run was still going")]  # fmt: skip
         if not args.quick:
             RESULTS.mkdir(exist_ok=True)
             (RESULTS / f"{args.name}.txt").write_text("\n".join([*text, *lines, *tail]) + "\n")

@@ -34,12 +34,13 @@ for ResNet-50's 161 tensors at S = 8, 64, 256 servers. A shard's bytes per step 
 Part 2, time: ``ps_over_ddp_step`` = median step time of ``strategy="ps"`` (pushes overlapped with
 backward, pulls with the next forward: the default) / ``strategy="ddp"`` for a small MLP fitted by
 Lightning on 2 fork-started CPU processes (goal <= 1.0), ``ps_no_overlap_over_ddp_step`` the same for
-``overlap=False`` (push after the whole backward, wait for every shard), the three in interleaved
-rounds, with the raw medians; ``ps_overlap_share`` is the share of ps's push bytes sent before
-backward ended (the client's own count, rank 0, median over rounds). A shared machine is noisy: read
-the ratio of interleaved runs, not the milliseconds. ``{ps,ps_no_overlap,ddp}_cpu_ms_per_step``: the
-median CPU seconds per step of rank 0's process, every thread (``time.process_time``): on 2 shared cores
-CPU per step bounds the step.
+``overlap=False`` (push after the whole backward, wait for every shard), ``ps_bucket_replies_over_ddp_step``
+for ``reply_per_bucket=True`` (each bucket split over the shards and answered alone; off by default on one
+node) and ``ps_bucket_replies_over_ps_step`` that over ps's, the four in interleaved rounds, with the raw
+medians; ``ps_overlap_share`` is the share of ps's push bytes sent before backward ended (the client's own
+count, rank 0, median over rounds). A shared machine is noisy: read the ratio of interleaved runs, not the
+milliseconds. ``{ps,ps_bucket_replies,ps_no_overlap,ddp}_cpu_ms_per_step``: the median CPU seconds per step of
+rank 0's process, every thread (``time.process_time``): on 2 shared cores CPU per step bounds the step.
 
 Part 3, the floor (#28): the CPU per step of the transport alone, without Lightning, a model or the
 overlap: ``ParameterServerClient.push_pull`` of the step-time MLP's N floats (SGD with momentum on the
@@ -279,7 +280,12 @@ def _timed_fit(strategy_name: str, steps: int, width: int, rpc_threads: int) -> 
     strategy: Any = (
         DDPStrategy(start_method="fork")
         if strategy_name == "ddp"
-        else ParameterServerStrategy(start_method="fork", rpc_threads=rpc_threads, overlap=strategy_name == "ps")
+        else ParameterServerStrategy(
+            start_method="fork",
+            rpc_threads=rpc_threads,
+            overlap=strategy_name != "ps_no_overlap",
+            reply_per_bucket=True if strategy_name == "ps_bucket_replies" else None,
+        )
     )
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -303,12 +309,12 @@ def step_time(rounds: int, steps: int, width: int, rpc_threads: int = 4) -> None
         logging.getLogger(name).setLevel(logging.WARNING)
     params = 256 * width + width + width * width + width + width * 10 + 10
     line("mlp_params", params, "floats")
-    names = ("ps", "ps_no_overlap", "ddp")
+    names = ("ps", "ps_bucket_replies", "ps_no_overlap", "ddp")
     times: dict[str, list[float]] = {name: [] for name in names}
     cpus: dict[str, list[float]] = {name: [] for name in names}
     shares: list[float] = []
     for r in range(rounds):
-        order = names[r % 3 :] + names[: r % 3]  # none always runs first
+        order = names[r % len(names) :] + names[: r % len(names)]  # none always runs first
         for name in order:
             seconds, share, cpu = _timed_fit(name, steps, width, rpc_threads)
             times[name].append(seconds)
@@ -319,9 +325,11 @@ def step_time(rounds: int, steps: int, width: int, rpc_threads: int = 4) -> None
         line(f"{name}_step_ms", median(times[name]) * 1e3, "ms")
     for name in names:
         line(f"{name}_cpu_ms_per_step", median(cpus[name]) * 1e3, "ms")
-    for name in names[:2]:
+    for name in names[:3]:
         ratios = [p / d for p, d in zip(times[name], times["ddp"], strict=True)]
         line(f"{name}_over_ddp_step", median(ratios), "x")
+    bucket_replies = [b / p for b, p in zip(times["ps_bucket_replies"], times["ps"], strict=True)]
+    line("ps_bucket_replies_over_ps_step", median(bucket_replies), "x")
     line("ps_overlap_share", median(shares), "x")
 
 

@@ -22,6 +22,9 @@ the timed steps (a thread; ``link_samples``: ``[perf_counter, tx_bytes, rx_bytes
 connections to other nodes at both ends (``link_tcp``): when the link carries bytes and when it stands idle
 within a step, and what limited TCP (``cluster_strategies.py --link-sample-ms``, ``benchmarks/_link_timeline.py``).
 
+``--backward-ms t`` has every linear layer's backward sleep its share of ``t`` ms (a heavier model's backward, with
+no core taken from the other processes: what an overlapped push can hide behind).
+
 ``--slow-node-factor k`` (with ``--base-ms``) makes the last node's ranks ``k`` times slower, as
 ``benchmarks/stragglers.py`` does: every rank sleeps ``--base-ms`` before its optimizer step
 (standing in for a heavier model), and the slowed ranks then sleep ``k - 1`` times their own
@@ -62,15 +65,18 @@ from lightning_strategies.strategies._lightning_internals import per_rank_sigter
 
 STRATEGIES = (
     "ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_one_shot", "ps_local_sigterm", "ps1", "async",
-    "async_flat", "pipeline", "tensor", "ps_aligned", "ps_unaligned",
+    "async_flat", "pipeline", "tensor", "ps_aligned", "ps_unaligned", "ps_one_reply",
+    "ps_bucket_replies",
 )  # fmt: skip
 IN, OUT = 256, 16
 
 
 class MLP(pl.LightningModule):
-    """``IN -> width x layers -> OUT`` with ReLUs; the pipeline's two methods included."""
+    """``IN -> width x layers -> OUT`` with ReLUs; the pipeline's two methods included. ``backward_ms`` > 0: each
+    linear layer's backward sleeps its share of that many ms (standing in for a heavier model's backward, which
+    an overlapped push or all-reduce can hide communication behind; a sleep takes no core from the others)."""
 
-    def __init__(self, width: int, layers: int) -> None:
+    def __init__(self, width: int, layers: int, backward_ms: float = 0.0) -> None:
         super().__init__()
         torch.manual_seed(0)
         dims = [IN, *[width] * layers, OUT]
@@ -78,6 +84,10 @@ class MLP(pl.LightningModule):
         for a, b in itertools.pairwise(dims):
             mods += [nn.Linear(a, b), nn.ReLU()]
         self.net = nn.Sequential(*mods[:-1])
+        linears = [m for m in self.net if isinstance(m, nn.Linear)]
+        share = backward_ms / 1000 / len(linears)
+        for m in linears if backward_ms > 0 else []:
+            m.register_full_backward_pre_hook(lambda *_: time.sleep(share))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -109,6 +119,8 @@ def make_strategy(name: str) -> Any:
         return ParameterServerStrategy()
     if name in ("ps_aligned", "ps_unaligned"):  # every step's pushes aligned (default: where flat across nodes)
         return ParameterServerStrategy(align_pushes=name == "ps_aligned")
+    if name in ("ps_one_reply", "ps_bucket_replies"):  # one step and reply per shard, or per bucket (every
+        return ParameterServerStrategy(reply_per_bucket=name == "ps_bucket_replies")  # bucket over every shard)
     if name == "ps_flat":
         return ParameterServerStrategy(hierarchical=False)
     if name == "ps_one_shot":  # the push after the whole backward, the pull before the optimizer step returns
@@ -316,6 +328,7 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--base-ms", type=float, default=0.0)
+    parser.add_argument("--backward-ms", type=float, default=0.0, help="the backward's sleep (MLP)")
     parser.add_argument("--slow-node-factor", type=float, default=1.0)
     parser.add_argument("--link-sample-ms", type=float, default=0.0, help="> 0: the link's counters every this many ms")
     parser.add_argument("--out", type=Path, required=True)
@@ -326,7 +339,7 @@ def main() -> int:
     world, per_node = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
     nodes = world // per_node
     rank, node = int(os.environ["RANK"]), int(os.environ["GROUP_RANK"])
-    model = MLP(args.width, args.layers)
+    model = MLP(args.width, args.layers, args.backward_ms)
     # Data-parallel replicas each take --batch; the pipeline's one replica and a tensor-parallel
     # group (the whole world here) take the global batch, so every strategy steps the same samples.
     batch = args.batch * world if args.strategy in ("pipeline", "tensor") else args.batch
