@@ -18,6 +18,8 @@ rates 1gbit, 200mbit, 50mbit (both directions of every node's link). Strategies:
     ps_one_reply, ps_bucket_replies  ParameterServerStrategy(reply_per_bucket=False / True): a shard steps and
                answers once every bucket of every worker is in (the contiguous plan), or every bucket is split over
                every shard and each answered as soon as every worker pushed it
+    ps_bucket_plan  ps_bucket_replies' plan (every bucket split over every shard) with one step and one reply per
+               shard (not a mode users get: which half of reply_per_bucket does what)
     ps_local_sigterm  ps with Lightning's blocking SIGTERM broadcast before every step replaced by each rank's
                own check (what async does): what that broadcast costs ps (not a strategy users get: a SIGTERM
                to rank 0 alone would no longer stop the others)
@@ -55,8 +57,8 @@ not step together). Lines (``name value unit``; medians over rounds, the spread 
     cluster_ps_overlap_over_one_shot_<layout>_<rate>  step ps / ps_one_shot (the overlapped push's A/B)
     cluster_<ps|ps_aligned>_over_unaligned_<layout>_<rate>  step over ps_unaligned's (the alignment's A/B);
                                                ``..._wall_...``: the same of wall time per step
-    cluster_<ps|ps_bucket_replies>_over_one_reply_<layout>_<rate>  step over ps_one_reply's (the replies per
-                                               bucket's A/B); ``..._wall_...``: the same of wall time per step
+    cluster_<ps|ps_bucket_replies|ps_bucket_plan>_over_one_reply_<layout>_<rate>  step over ps_one_reply's (the
+                                               replies per bucket's A/B); ``..._wall_...``: of wall time per step
     cluster_ps_bucket_replies_over_ddp[_wall]_<layout>_<rate>  step (wall per step) ps_bucket_replies / ddp
     cluster_async_over_ddp_<layout>_<rate>     step async / ddp (#28: the node as the worker)
     cluster_async_over_ddp_wall_<layout>_<rate>   wall per step async / ddp
@@ -121,10 +123,18 @@ RESULTS = Path(__file__).parent / "results"
 STRATEGIES = (
     "ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_one_shot", "ps_local_sigterm", "ps1", "async",
     "async_flat", "pipeline", "tensor", "ps_aligned", "ps_unaligned", "ps_one_reply",
-    "ps_bucket_replies",
+    "ps_bucket_replies", "ps_bucket_plan",
 )  # fmt: skip
 # variants of ps for an A/B of one option: run when named (--strategies)
-AB_ONLY = ("ps_one_shot", "ps_local_sigterm", "ps_aligned", "ps_unaligned", "ps_one_reply", "ps_bucket_replies")
+AB_ONLY = (
+    "ps_one_shot",
+    "ps_local_sigterm",
+    "ps_aligned",
+    "ps_unaligned",
+    "ps_one_reply",
+    "ps_bucket_replies",
+    "ps_bucket_plan",
+)
 LAYOUTS = {"2x2": (2, 2), "4x1": (4, 1)}
 RATES = ("50mbit", "200mbit", "1gbit")  # slowest first: the goals are there
 STRAGGLER = ("ps", "async")
@@ -147,6 +157,7 @@ def formula_over_d(strategy: str, nodes: int, per_node: int) -> float | None:
         "ps_unaligned": 2 * (n - 1) / n,
         "ps_one_reply": 2 * (n - 1) / n,
         "ps_bucket_replies": 2 * (n - 1) / n,
+        "ps_bucket_plan": 2 * (n - 1) / n,
         "ps_flat": 2 * local * (p - local) / p,
         "async": 2 * (n - 1) / n,  # the node as the worker (L = 1: the flat push's 2L(P-L)/P too)
         "async_flat": 2 * local * (p - local) / p,
@@ -301,7 +312,7 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, *, e
                 a, b = f"{s}|{layout}|{rate}", f"ps_unaligned|{layout}|{rate}"
                 ratio(f"cluster_{s}_over_unaligned_{layout}_{rate}", a, b)
                 wall_ratio(f"cluster_{s}_over_unaligned_wall_{layout}_{rate}", a, b)
-            for s in ("ps", "ps_bucket_replies"):
+            for s in ("ps", "ps_bucket_replies", "ps_bucket_plan"):
                 a, b = f"{s}|{layout}|{rate}", f"ps_one_reply|{layout}|{rate}"
                 ratio(f"cluster_{s}_over_one_reply_{layout}_{rate}", a, b)
                 wall_ratio(f"cluster_{s}_over_one_reply_wall_{layout}_{rate}", a, b)

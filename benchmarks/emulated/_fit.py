@@ -66,7 +66,7 @@ from lightning_strategies.strategies._lightning_internals import per_rank_sigter
 STRATEGIES = (
     "ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_one_shot", "ps_local_sigterm", "ps1", "async",
     "async_flat", "pipeline", "tensor", "ps_aligned", "ps_unaligned", "ps_one_reply",
-    "ps_bucket_replies",
+    "ps_bucket_replies", "ps_bucket_plan",
 )  # fmt: skip
 IN, OUT = 256, 16
 
@@ -106,6 +106,16 @@ class MLP(pl.LightningModule):
         return nn.functional.mse_loss(outputs, targets)
 
 
+class BucketPlanOneReply(ParameterServerStrategy):
+    """ps with ``reply_per_bucket``'s plan (every bucket split over every shard) but one step and one reply per
+    shard: which half of that option does what (not a mode users get)."""
+
+    def _plan_replies(self, *args: Any, **kwargs: Any) -> Any:
+        plan = super()._plan_replies(*args, **kwargs)
+        self._replies_per_bucket = False  # the shards step once, and the values land per shard
+        return plan
+
+
 def make_strategy(name: str) -> Any:
     """The strategy the benchmark calls ``name`` (one of :data:`STRATEGIES`)."""
     if name == "ddp":
@@ -121,6 +131,8 @@ def make_strategy(name: str) -> Any:
         return ParameterServerStrategy(align_pushes=name == "ps_aligned")
     if name in ("ps_one_reply", "ps_bucket_replies"):  # one step and reply per shard, or per bucket (every
         return ParameterServerStrategy(reply_per_bucket=name == "ps_bucket_replies")  # bucket over every shard)
+    if name == "ps_bucket_plan":
+        return BucketPlanOneReply(reply_per_bucket=True)
     if name == "ps_flat":
         return ParameterServerStrategy(hierarchical=False)
     if name == "ps_one_shot":  # the push after the whole backward, the pull before the optimizer step returns

@@ -21,6 +21,7 @@ EXPECTED = {
         "ps_local_sigterm": 2 * 1 / 2,  # ps with each rank checking its own SIGTERM: the same bytes
         "ps_aligned": 2 * 1 / 2, "ps_unaligned": 2 * 1 / 2,  # ps with its pushes aligned or not: the same bytes
         "ps_one_reply": 2 * 1 / 2, "ps_bucket_replies": 2 * 1 / 2,  # one reply per shard, or per bucket: the same
+        "ps_bucket_plan": 2 * 1 / 2,  # the plan per bucket, one reply per shard: the same bytes
         "async": 2 * 1 / 2,  # the node as the worker: ps's 2(N-1)/N
         "ps_flat": 2 * 2 * 2 / 4, "async_flat": 2 * 2 * 2 / 4,  # 2L(P-L)/P
         "ps1": 2.0,  # P - L remote workers' gradients in, parameters out
@@ -29,7 +30,7 @@ EXPECTED = {
     "4x1": {
         "ddp": 1.5, "ring": 1.5, "ring_bf16": 0.75, "ring_hier": 1.5, "ps": 1.5, "ps_one_shot": 1.5, "ps_flat": 1.5,
         "ps_local_sigterm": 1.5, "ps_aligned": 1.5, "ps_unaligned": 1.5, "ps_one_reply": 1.5,
-        "ps_bucket_replies": 1.5,
+        "ps_bucket_replies": 1.5, "ps_bucket_plan": 1.5,
         "async": 1.5, "async_flat": 1.5,
         "ps1": 3.0, "pipeline": None, "tensor": None,
     },
