@@ -158,7 +158,7 @@ def check_reply_per_bucket(strategy_class: type, reply_per_bucket: object, *, ov
     replies per bucket answer the overlapped push's buckets, so ``True`` needs ``overlap``."""
     _check_node_option(
         strategy_class, "reply_per_bucket", reply_per_bucket,
-        none_means="per bucket where the optimizer and options allow", supported="overlap_supported",
+        none_means="per bucket where the flat push crosses nodes", supported="overlap_supported",
         why_not="its workers push and pull on their own schedules, not in buckets during backward",
         ps_push="synchronous, overlapped push",
     )  # fmt: skip

@@ -162,17 +162,21 @@ def test_it_is_refused_where_a_part_alone_cannot_step(make_shard: Callable[..., 
         make_shard(params, _spec(params), clipping=clipping, reply_per_part=True)
 
 
-@pytest.fixture
-def per_part_shards() -> Iterator[tuple[list[torch.Tensor], list[list[Slice]]]]:
-    """Two co-located shards answering per part, over :func:`_params` split in flat order, for one worker."""
+def _per_part_shards(plan: list[list[Slice]], workers: int) -> Iterator[tuple[list[torch.Tensor], list[list[Slice]]]]:
+    """Co-located shards answering per part over :func:`_params` as ``plan`` splits them, unregistered after."""
     params = _params()
-    plan = partition_parameters([p.numel() for p in params], 2, align=1)
     for s, slices in enumerate(plan):
         shard_params = [slice_of(params[sl.tensor], sl) for sl in slices]
-        register_shard(ParameterShard(s, slices, shard_params, _spec(params), 1, reply_per_part=True))
+        register_shard(ParameterShard(s, slices, shard_params, _spec(params), workers, reply_per_part=True))
     yield params, plan
-    for s in range(2):
+    for s in range(len(plan)):
         unregister_shard(s)
+
+
+@pytest.fixture
+def per_part_shards() -> Iterator[tuple[list[torch.Tensor], list[list[Slice]]]]:
+    """Two shards answering per part, over :func:`_params` split in flat order, for one worker."""
+    yield from _per_part_shards(partition_parameters([p.numel() for p in _params()], 2, align=1), 1)
 
 
 def test_the_overlapped_push_lands_part_replies_like_one_step_per_shard(
@@ -286,15 +290,8 @@ def test_the_plan_per_bucket_gives_every_shard_part_of_every_bucket() -> None:
 
 @pytest.fixture
 def two_workers_two_shards() -> Iterator[tuple[list[torch.Tensor], list[list[Slice]]]]:
-    """Two co-located shards answering per part, for two workers, each bucket (one tensor) split over both."""
-    params = _params()
-    plan = partition_per_group([p.numel() for p in params], [[2], [1], [0]], 2, align=1)
-    for s, slices in enumerate(plan):
-        shard_params = [slice_of(params[sl.tensor], sl) for sl in slices]
-        register_shard(ParameterShard(s, slices, shard_params, _spec(params), 2, reply_per_part=True))
-    yield params, plan
-    for s in range(2):
-        unregister_shard(s)
+    """Two shards answering per part, for two workers, each bucket (one tensor) split over both."""
+    yield from _per_part_shards(partition_per_group([p.numel() for p in _params()], [[2], [1], [0]], 2, align=1), 2)
 
 
 def test_a_module_waits_only_for_its_own_buckets_replies(
