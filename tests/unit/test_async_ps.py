@@ -183,3 +183,21 @@ def test_push_every_mean_leaves_out_the_steps_the_gradient_scaler_skipped() -> N
     assert strategy._accumulated.add(None, take=False) is None
     assert strategy._accumulated.add(None, take=True) is None
     torch.testing.assert_close(strategy._accumulated.add(g, take=True)[0], g[0], rtol=0, atol=0)  # type: ignore[index]
+
+
+def test_a_push_without_pull_still_reports_the_shards_bytes() -> None:
+    # ps/server_bytes_max comes from each reply's step_bytes: a push that pulls nothing carries its bytes in too
+    from lightning_strategies.comm.async_ps import AsyncParameterServerClient
+    from lightning_strategies.comm.ps import register_shard, unregister_shard
+
+    shard = _shard(workers=1)
+    register_shard(shard)
+    try:
+        client = AsyncParameterServerClient(0, [p.detach().clone() for p in shard.params], [[0]])
+        grads = [torch.ones_like(p) for p in shard.params]
+        client.push(grads, [0.1], pull=False)
+        assert client.last_server_bytes == [4 * shard.params[0].numel()]  # the gradient in, no values out
+        client.push(grads, [0.1], pull=True)
+        assert client.last_server_bytes == [2 * 4 * shard.params[0].numel()]
+    finally:
+        unregister_shard(0)

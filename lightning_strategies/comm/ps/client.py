@@ -172,9 +172,9 @@ class ParameterServerClient:
     def _apply_reply(self, s: int, reply: Any, part: Sequence[int] | None = None) -> None:
         """Write a shard's values into the parameters: every slice of its plan, or those of ``part``
         (indices into the plan: a :class:`~lightning_strategies.comm.ps.ShardReply`'s ``part``)."""
+        self.last_server_bytes[s] = reply.step_bytes
         if reply.values is None:
             return
-        self.last_server_bytes[s] = reply.step_bytes
         slices = self.plan[s] if part is None else [self.plan[s][k] for k in part]
         values = unpack(reply.values, [slice_of(self.params[sl.tensor], sl) for sl in slices])
         with torch.no_grad():
