@@ -1,5 +1,6 @@
 """Resume is exact: a fit stopped after k steps and resumed from its checkpoint ends where an
-uninterrupted fit ends, for ddp, ring, ps (sync) and pipeline on 2 fork-started CPU processes.
+uninterrupted fit ends, for ddp, ring, ps (sync; also with replies per bucket) and pipeline on 2 fork-started CPU
+processes.
 
 Each case runs three fits of the tiny regressor (64 samples, global batch 16: 4 steps per
 epoch, 3 epochs) with SGD + momentum and a per-step :class:`~lightning_strategies.LinearWarmup`
@@ -75,6 +76,10 @@ def make_strategy(name: str) -> pl.strategies.Strategy:
         return RingAllReduceStrategy(start_method="fork", timeout=TIMEOUT)
     if name == "ps":
         return ParameterServerStrategy(start_method="fork", timeout=TIMEOUT)
+    if name == "ps_bucket_replies":  # 256-byte buckets, each split over both shards and answered alone
+        return ParameterServerStrategy(
+            start_method="fork", timeout=TIMEOUT, reply_per_bucket=True, bucket_cap_mb=256 / 2**20
+        )
     if name == "pipeline":
         return PipelineStrategy(start_method="fork", timeout=TIMEOUT)
     raise ValueError(name)
@@ -185,7 +190,7 @@ def _reference(name: str, root: Path) -> tuple[Path, dict[str, Any]]:
 
 
 @pytest.mark.parametrize("stop", sorted(STOPS))
-@pytest.mark.parametrize("name", ["ddp", "ring", "ps", "pipeline"])
+@pytest.mark.parametrize("name", ["ddp", "ring", "ps", "ps_bucket_replies", "pipeline"])
 def test_resume_equals_the_uninterrupted_run(name: str, stop: str, reference_dir: Path, tmp_path: Path) -> None:
     ref_prefix, ref_final = _reference(name, reference_dir)
     where, k = STOPS[stop]
