@@ -16,7 +16,8 @@ last finished epoch left off. ``--die-rank R --die-at-step S --die-marker M`` ma
 SIGKILL itself at the start of global step ``S`` unless ``M`` exists (it creates ``M`` first),
 so it dies in the first attempt only. Each attempt's rank 0 appends ``restart=<n> start_step=<k>
 checkpoint_io=<class> env=<cluster environment class>`` to ``<out>.attempts``, which tells the test
-where each attempt began and which launcher's environment Lightning recognised.
+where each attempt began and which launcher's environment Lightning recognised. Under ``ps`` and
+``ps1`` rank 0 also writes ``replies_per_bucket=<bool>`` to ``<out>.replies`` (what setup decided).
 
 The tests also import :func:`fit` to run the same fit fork-started as the reference.
 """
@@ -44,8 +45,9 @@ from lightning_strategies import (
     RingAllReduceStrategy,
 )
 
-STRATEGIES = ("ring", "ps", "pipeline", "async", "ddp")
+STRATEGIES = ("ring", "ps", "ps1", "pipeline", "async", "ddp")
 BATCH_PER_REPLICA = 8  # global batch 16 at 2 processes (ring, ps); the pipeline's one replica gets 16
+PS1_BUCKET_BYTES = 256  # ps1's push buckets: the regressor's 4 tensors (64-576 bytes) in 4 buckets
 
 
 class PipeTinyRegressor(TinyRegressor):
@@ -64,6 +66,8 @@ def make_strategy(name: str, start_method: str = "popen") -> pl.strategies.Strat
         return RingAllReduceStrategy(start_method=start_method)
     if name == "ps":
         return ParameterServerStrategy(start_method=start_method)
+    if name == "ps1":  # one server, every tensor its own bucket: across nodes each bucket is answered alone
+        return ParameterServerStrategy(start_method=start_method, num_servers=1, bucket_cap_mb=PS1_BUCKET_BYTES / 2**20)
     if name == "pipeline":
         return PipelineStrategy(start_method=start_method)
     if name == "async":
@@ -107,6 +111,18 @@ class _RecordStart(Callback):
                 io = type(trainer.strategy.checkpoint_io).__name__
                 env = type(trainer.strategy.cluster_environment).__name__
                 f.write(f"restart={restart} start_step={trainer.global_step} checkpoint_io={io} env={env}\n")
+
+
+class _RecordReplies(Callback):
+    """Rank 0 writes ``replies_per_bucket=<bool>`` to ``path``: whether this fit's shards answered each
+    bucket alone (:attr:`ParameterServerStrategy.replies_per_bucket`, decided at setup); ps only."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero and isinstance(trainer.strategy, ParameterServerStrategy):
+            self.path.write_text(f"replies_per_bucket={trainer.strategy.replies_per_bucket}\n")
 
 
 def fit(
@@ -167,7 +183,10 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    callbacks: list[Callback] = [_RecordStart(Path(f"{args.out}.attempts"))]
+    callbacks: list[Callback] = [
+        _RecordStart(Path(f"{args.out}.attempts")),
+        _RecordReplies(Path(f"{args.out}.replies")),
+    ]
     if args.die_rank is not None:
         assert args.die_at_step is not None and args.die_marker is not None, "--die-* go together"
         callbacks.append(_DieOnce(args.die_rank, args.die_at_step, args.die_marker))

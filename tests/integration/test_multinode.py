@@ -1,10 +1,15 @@
 """Two "nodes" on one machine: ``torchrun --nnodes 2 --nproc-per-node 1`` twice, static rendezvous
-on 127.0.0.1, trains ``ring``, ``ps`` and ``pipeline`` to the weights of the 2-process single-node run;
-so do two tasks of a simulated ``srun --nodes 2 --ntasks-per-node 1`` (the variables SLURM sets,
+on 127.0.0.1, trains ``ring``, ``ps``, ``ps1`` and ``pipeline`` to the weights of the 2-process
+single-node run; so do two tasks of a simulated ``srun --nodes 2 --ntasks-per-node 1`` (the variables SLURM sets,
 read by Lightning's ``SLURMEnvironment``). ``async`` runs through both launchers too; its
 updates depend on arrival order, so it is held to training (loss down), not to equal weights.
 
-Nothing in our strategies looks at nodes (Lightning's ``TorchElasticEnvironment`` turns
+Across nodes (one process each) ``ps`` and ``ps1`` (one server, a bucket per tensor) answer every
+bucket alone (``reply_per_bucket=None`` decides it on), while the one-node reference answers once per
+shard and step: the weights must not tell the two apart (each tensor's update reads only its own
+gradient and state), and the test checks that the two-node run did answer per bucket.
+
+Nothing else that looks at nodes changes what a step computes (Lightning's ``TorchElasticEnvironment`` turns
 torchrun's ``GROUP_RANK``/``RANK``/``WORLD_SIZE`` into node and global ranks), so the same two
 processes must compute the same thing whether one torchrun or two started them.
 
@@ -39,10 +44,12 @@ def _two_node_args(name: str, out: Path) -> list[str]:
     return ["--strategy", name, "--num-nodes", "2", "--devices", "1", *length, "--out", str(out)]
 
 
-@pytest.mark.parametrize("name", ["ring", "ps", "pipeline"])
+@pytest.mark.parametrize("name", ["ring", "ps", "ps1", "pipeline"])
 def test_two_nodes_train_like_one_node(name: str, tmp_path: Path) -> None:
     out = tmp_path / "weights.pt"
     run_torchrun_nodes(_two_node_args(name, out), nnodes=2, nproc_per_node=1, log_dir=tmp_path)
+    if name.startswith("ps"):  # one process per node: the flat push crosses nodes, each bucket answered alone
+        assert Path(f"{out}.replies").read_text().split() == ["replies_per_bucket=True"]
     _assert_like_one_node(name, torch.load(out, weights_only=True))
 
 
