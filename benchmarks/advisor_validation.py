@@ -70,6 +70,7 @@ busiest rank's peak RSS growth, not held to the goal:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -148,6 +149,15 @@ def run_costs(cluster: Cluster, m: Measurement, run: dict, probe_here_s: float, 
             costs = costs.with_(inter=Link(quiet.inter.latency_s, duplex), rpc_inter=Link(quiet.rpc_inter.latency_s,
                                 duplex), duplex_share=min(1.0, duplex / oneway))  # fmt: skip
     return costs.with_(cores=effective_cores(cluster.world, alone, together))
+
+
+def at_speed(m: Measurement, factor: float) -> Measurement:
+    """``m`` on a CPU ``factor`` times slower: every block's times (what the pipeline's stages take from the
+    measurement itself, where the other strategies take ``Costs.compute_s``) scaled alike."""
+    blocks = tuple(dataclasses.replace(b, forward_s=b.forward_s * factor, backward_s=b.backward_s * factor,
+                                       forward_fixed_s=b.forward_fixed_s * factor,
+                                       backward_fixed_s=b.backward_fixed_s * factor) for b in m.blocks)  # fmt: skip
+    return dataclasses.replace(m, blocks=blocks)
 
 
 def predicted(m: Measurement, strategy: str, layout: str, rate: str, costs: Costs | None = None) -> float:
@@ -243,6 +253,7 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
         if all("link" in r for r in session):  # each fresh cluster's link probe, their median
             cpu["link"] = {k: median([r["link"][k] for r in session]) for k in ("oneway", "duplex_min")}
         costs = run_costs(cluster, m, cpu, here, floor_s)
+        m_run = at_speed(m, cpu["probe"][0] / here)  # the measurement at the session's CPU, as costs.compute_s
         if costs.all_to_all_share != 1.0:
             text.append(line(f"advisor_all_to_all_share_{layout}_{rate}", costs.all_to_all_share, "x"))
         text.append(line(f"advisor_probe_alone_ms_{layout}_{rate}", 1e3 * cpu["probe"][0], "ms"))
@@ -258,7 +269,7 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
                 continue
             key = ps_push(cell, layout) if strategy == "ps" else strategy
             got = median([measured_s(r) for r in cell])
-            p = predicted(m, key, layout, rate, costs)
+            p = predicted(m_run, key, layout, rate, costs)
             preset = predicted(m, key, layout, rate)
             err, floor = abs(p - got) / got, rounds_floor(cell)
             tag = f"{strategy}_{layout}_{rate}"
@@ -267,7 +278,7 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
             text.append(line(f"advisor_step_error_{tag}", err, "x"))
             text.append(line(f"advisor_step_error_{tag}_floor", floor, "x"))
             if costs.all_to_all_share != 1.0 and strategy in ("ps", "async"):  # as one stream each way
-                one = predicted(m, key, layout, rate, costs.with_(all_to_all_share=1.0))
+                one = predicted(m_run, key, layout, rate, costs.with_(all_to_all_share=1.0))
                 text.append(line(f"advisor_step_error_{tag}_one_stream", abs(one - got) / got, "x"))
             text.append(line(f"advisor_predicted_preset_step_s_{tag}", preset, "s"))
             text.append(line(f"advisor_probe_alone_ms_{tag}", 1e3 * median([r["probe"][0] for r in cell]), "ms"))

@@ -248,6 +248,26 @@ def test_the_validation_predicts_each_run_under_the_cpu_its_probe_found() -> Non
     assert linked.duplex_share == pytest.approx(0.75)
 
 
+def test_the_validation_moves_the_pipelines_stage_times_with_the_probe_as_the_compute() -> None:
+    from types import SimpleNamespace
+
+    from benchmarks.advisor_validation import at_speed, run_costs, workload
+
+    m = measure(Toy(), BATCH)
+    cluster = load_cluster("emulated_4x1_200mbit")
+    slow = at_speed(m, 3.0)
+    assert slow.step_s == pytest.approx(3 * m.step_s)
+    assert [b.forward_fixed_s for b in slow.blocks] == pytest.approx([3 * b.forward_fixed_s for b in m.blocks])
+    assert (slow.grad_bytes, slow.saved_bytes, slow.tensor_payloads) == (m.grad_bytes, m.saved_bytes, m.tensor_payloads)
+    # the run's probe 3 x the probe here: the costs' compute and the pipeline's stages (taken from the
+    # measurement's blocks, not from Costs.compute_s) move alike
+    costs = run_costs(cluster, SimpleNamespace(step_s=m.step_s), {"probe": (0.030, 0.060)}, 0.010, 0.005)  # type: ignore[arg-type]
+    assert costs.compute_s == pytest.approx(slow.step_s)
+    stages, got = workload(m, "pipeline", 4), workload(slow, "pipeline", 4)
+    assert got.stage_seconds == pytest.approx(tuple(3 * s for s in stages.stage_seconds or ()))
+    assert got.stage_compute_s == pytest.approx(3 * (stages.stage_compute_s or 0.0))
+
+
 def test_strategy_workload_is_what_each_strategy_steps_by_hand() -> None:
     from lightning_strategies.advisor.advise import model_key, strategy_workload
 
