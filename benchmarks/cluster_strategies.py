@@ -23,7 +23,10 @@ rates 1gbit, 200mbit, 50mbit (both directions of every node's link). Strategies:
     ps_local_sigterm  ps with Lightning's blocking SIGTERM broadcast before every step replaced by each rank's
                own check (what async does): what that broadcast costs ps (not a strategy users get: a SIGTERM
                to rank 0 alone would no longer stop the others)
-    ps1        ParameterServerStrategy(num_servers=1): one server, on rank 0 (node 0)
+    ps1        ParameterServerStrategy(num_servers=1): one server, on rank 0 (node 0); across nodes of one process
+               each bucket is answered alone (reply_per_bucket's default)
+    ps1_one_reply  ps1 with reply_per_bucket=False: the server steps and answers once every worker pushed every
+               bucket (the A/B of ps1's default)
     async      AsyncParameterServerStrategy (one shard per process, no staleness bound): the node is the
                asynchronous worker on 2x2 (sums in the node, pushes 1/L per process), flat on 4x1
     async_flat AsyncParameterServerStrategy(hierarchical=False): every process pushes to every shard (2x2 only)
@@ -60,6 +63,7 @@ not step together). Lines (``name value unit``; medians over rounds, the spread 
     cluster_<ps|ps_bucket_replies|ps_bucket_plan>_over_one_reply_<layout>_<rate>  step over ps_one_reply's (the
                                                replies per bucket's A/B); ``..._wall_...``: of wall time per step
     cluster_ps_bucket_replies_over_ddp[_wall]_<layout>_<rate>  step (wall per step) ps_bucket_replies / ddp
+    cluster_ps1_over_one_reply[_wall]_<layout>_<rate>  step (wall per step) ps1 / ps1_one_reply
     cluster_async_over_ddp_<layout>_<rate>     step async / ddp (#28: the node as the worker)
     cluster_async_over_ddp_wall_<layout>_<rate>   wall per step async / ddp
     cluster_async_hier_over_flat_2x2_<rate>    step async / async_flat
@@ -123,7 +127,7 @@ RESULTS = Path(__file__).parent / "results"
 STRATEGIES = (
     "ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_one_shot", "ps_local_sigterm", "ps1", "async",
     "async_flat", "pipeline", "tensor", "ps_aligned", "ps_unaligned", "ps_one_reply",
-    "ps_bucket_replies", "ps_bucket_plan",
+    "ps_bucket_replies", "ps_bucket_plan", "ps1_one_reply",
 )  # fmt: skip
 # variants of ps for an A/B of one option: run when named (--strategies)
 AB_ONLY = (
@@ -134,6 +138,7 @@ AB_ONLY = (
     "ps_one_reply",
     "ps_bucket_replies",
     "ps_bucket_plan",
+    "ps1_one_reply",
 )
 LAYOUTS = {"2x2": (2, 2), "4x1": (4, 1)}
 RATES = ("50mbit", "200mbit", "1gbit")  # slowest first: the goals are there
@@ -162,6 +167,7 @@ def formula_over_d(strategy: str, nodes: int, per_node: int) -> float | None:
         "async": 2 * (n - 1) / n,  # the node as the worker (L = 1: the flat push's 2L(P-L)/P too)
         "async_flat": 2 * local * (p - local) / p,
         "ps1": float(max(p - local, local)),
+        "ps1_one_reply": float(max(p - local, local)),
     }
     return table.get(strategy)
 
@@ -316,6 +322,9 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, *, e
                 a, b = f"{s}|{layout}|{rate}", f"ps_one_reply|{layout}|{rate}"
                 ratio(f"cluster_{s}_over_one_reply_{layout}_{rate}", a, b)
                 wall_ratio(f"cluster_{s}_over_one_reply_wall_{layout}_{rate}", a, b)
+            a, b = f"ps1|{layout}|{rate}", f"ps1_one_reply|{layout}|{rate}"
+            ratio(f"cluster_ps1_over_one_reply_{layout}_{rate}", a, b)
+            wall_ratio(f"cluster_ps1_over_one_reply_wall_{layout}_{rate}", a, b)
             wall_ratio(f"cluster_ps_bucket_replies_over_ddp_wall_{layout}_{rate}", f"ps_bucket_replies|{layout}|{rate}",
                        f"ddp|{layout}|{rate}")  # fmt: skip
             ratio(f"cluster_ps_bucket_replies_over_ddp_{layout}_{rate}", f"ps_bucket_replies|{layout}|{rate}",

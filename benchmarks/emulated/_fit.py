@@ -66,7 +66,7 @@ from lightning_strategies.strategies._lightning_internals import per_rank_sigter
 STRATEGIES = (
     "ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_one_shot", "ps_local_sigterm", "ps1", "async",
     "async_flat", "pipeline", "tensor", "ps_aligned", "ps_unaligned", "ps_one_reply",
-    "ps_bucket_replies", "ps_bucket_plan",
+    "ps_bucket_replies", "ps_bucket_plan", "ps1_one_reply",
 )  # fmt: skip
 IN, OUT = 256, 16
 
@@ -137,8 +137,8 @@ def make_strategy(name: str) -> Any:
         return ParameterServerStrategy(hierarchical=False)
     if name == "ps_one_shot":  # the push after the whole backward, the pull before the optimizer step returns
         return ParameterServerStrategy(overlap=False)
-    if name == "ps1":
-        return ParameterServerStrategy(num_servers=1)
+    if name in ("ps1", "ps1_one_reply"):  # one server; across nodes each bucket answered alone, or not
+        return ParameterServerStrategy(num_servers=1, reply_per_bucket=False if name == "ps1_one_reply" else None)
     if name == "async":  # the node is the worker on several nodes of more than one process
         return AsyncParameterServerStrategy()
     if name == "async_flat":
