@@ -4,7 +4,7 @@ single-node run; so do two tasks of a simulated ``srun --nodes 2 --ntasks-per-no
 read by Lightning's ``SLURMEnvironment``). ``async`` runs through both launchers too; its
 updates depend on arrival order, so it is held to training (loss down), not to equal weights.
 
-Across nodes (one process each) ``ps`` and ``ps1`` (one server, a bucket per tensor) answer every
+Across nodes (one process each) ``ps`` and ``ps1`` (one server, 256-byte buckets: two) answer every
 bucket alone (``reply_per_bucket=None`` decides it on), while the one-node reference answers once per
 shard and step: the weights must not tell the two apart (each tensor's update reads only its own
 gradient and state), and the test checks that the two-node run did answer per bucket.
