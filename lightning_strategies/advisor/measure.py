@@ -4,7 +4,8 @@ Blocks are the module's ``pipeline_layers()`` (:class:`~lightning_strategies.Pip
 one after the other on a detached copy of the previous block's output, so each block's forward and
 backward are timed alone; a module without them is one block, run through ``training_step``. A block's
 time is not proportional to its rows: a small matmul reads its whole weight whatever the rows, and every
-call has its fixed cost. So blocks are timed twice, on the batch and on a quarter of it, and a
+call has its fixed cost. So blocks are timed twice, on the batch and on a quarter of it (in turn, repeat
+by repeat, so both see the same moments of a shared machine), and a
 micro-batch's time comes from the line through both (:meth:`Measurement.block_seconds`): scaled down
 in proportion, a pipeline's micro-batches would look several times cheaper than they run
 (``benchmarks/results/pipeline_cpu.txt``).
@@ -229,12 +230,21 @@ def _step_loss(module: Any, batch: Any) -> Tensor:
 
 
 def _time(fn: Callable[[], Any], repeats: int) -> float:
-    times = []
+    return _time_each([fn], repeats)[0]
+
+
+def _time_each(fns: list[Callable[[], Any]], repeats: int) -> list[float]:
+    """The median seconds of each call, the calls taken in turn ``repeats`` times: each one's repeats spread
+    over the same window as the others', so on a shared machine whose speed moves within seconds their
+    ratio holds when each alone would wander (a block's quarter batch against its batch, timed one after
+    the other, gave a micro-batch 0.49-0.81 of the batch's time; in turn, one figure)."""
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, seconds in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            seconds.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def _optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, int]:
@@ -400,21 +410,22 @@ def _measure_blocks(module: Any, batch: Any, saved: _Saved, tflops: float | None
     layers: nn.Sequential = module.pipeline_layers()
     size = len(batch[0])
     small = max(1, size // 4)
-    fixed: dict[int, tuple[float, float]] = {}
-    if not tflops and small < size:  # the quarter batch first: the batch's run leaves the gradients as they were
-        for i, fwd, bwd, _out, _ in _block_runs(module, _head(batch, small)):
-            fixed[i] = (_time(fwd, repeats), _time(bwd, repeats))
+    # the quarter batch's runs in step with the batch's, block by block, each pair timed in turn
+    quarter = _block_runs(module, _head(batch, small)) if not tflops and small < size else None
     blocks = []
     for i, fwd, bwd, out, (nsaved, nsplit) in _block_runs(module, batch, saved):
         fwd_flops, bwd_flops = _flops(fwd), _flops(bwd)
+        f_fixed, b_fixed = 0.0, 0.0
         if tflops:
             f_s, b_s = fwd_flops / (tflops * 1e12), bwd_flops / (tflops * 1e12)
-        else:
+        elif quarter is None:
             f_s, b_s = _time(fwd, repeats), _time(bwd, repeats)
-        f_fixed, b_fixed = 0.0, 0.0
-        if i in fixed:
-            f_fixed = _fixed(size, f_s, small, fixed[i][0])
-            b_fixed = _fixed(size, b_s, small, fixed[i][1])
+        else:
+            j, small_fwd, small_bwd, _out, _ = next(quarter)
+            assert j == i, f"the quarter batch's block {j} against the batch's {i}"
+            f_s, small_f = _time_each([fwd, small_fwd], repeats)
+            b_s, small_b = _time_each([bwd, small_bwd], repeats)
+            f_fixed, b_fixed = _fixed(size, f_s, small, small_f), _fixed(size, b_s, small, small_b)
         layer = layers[i]
         blocks.append(
             Block(

@@ -25,7 +25,7 @@ from lightning_strategies.advisor import (
     write_png,
 )
 from lightning_strategies.advisor.advise import strategy_workload
-from lightning_strategies.advisor.measure import Block, Measurement
+from lightning_strategies.advisor.measure import Block, Measurement, _time_each
 from lightning_strategies.advisor.memory import pipeline_memory
 from lightning_strategies.advisor.report import JSON_KEYS
 
@@ -127,6 +127,24 @@ def test_a_blocks_time_is_its_fixed_part_plus_the_rest_in_proportion_to_the_rows
     assert sleepy.forward_fixed_s == pytest.approx(0.020, abs=0.005)
     assert m.block_seconds(0, 8)[0] == pytest.approx(0.028, abs=0.005)  # the line, not 52 / 4 = 13 ms
     assert m.block_seconds(0, 32) == (sleepy.forward_s, sleepy.backward_s)  # at the batch: as measured
+
+
+def test_the_quarter_batch_is_timed_in_turn_with_the_batch() -> None:
+    # the two sizes alternate, repeat by repeat, so both see the same moments of a shared machine (_Sleepy's
+    # forwards by rows)
+    rows: list[int] = []
+
+    class Logged(_Sleepy):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            rows.append(len(x))
+            return super().forward(x)
+
+    pipe = SleepyPipe()
+    pipe.net[0] = Logged(0.0, 0.0)
+    measure(pipe, (torch.randn(32, 4), torch.randn(32, 4)), repeats=3)
+    # the batch's run (its forward through every block), the quarter batch's, the FLOP count, the timed pairs
+    assert rows == [32, 8, 32, 32, 8, 32, 8, 32, 8]
+    assert _time_each([lambda: time.sleep(0.002), lambda: None], 3)[0] > 10 * _time_each([lambda: None], 3)[0]
 
 
 def test_block_seconds_and_the_pipelines_micro_batches_by_hand() -> None:
