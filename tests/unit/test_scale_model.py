@@ -649,7 +649,8 @@ def test_machine_costs_recover_the_links_from_the_calibration_figures() -> None:
     assert probed.intra.latency_s == pytest.approx(gloo)
     assert probed.rpc_overhead_s == pytest.approx(rpc_o)
     assert probed.ring_overhead_s == pytest.approx(40e-6)
-    assert probed.chunk_overhead_s == pytest.approx(1e-4)
+    # the runtime's work per chunk is work (the model's chunks; the waits are the hops'): it slows
+    assert probed.chunk_overhead_s == pytest.approx(1.5 * 1e-4)
     assert probed.rpc_exchange_s == pytest.approx(1.5 * 0.02)
     assert slower(got, 2.0).ps_update_s_per_byte == pytest.approx(6e-9)
 
