@@ -7,21 +7,22 @@ it measures of the MLP here (``advisor.measure``, timed on this machine) and the
 nothing is fitted to the stored steps. The pipeline and tensor runs are predicted as they ran
 (K = P stages, M = 4K micro-batches, 1F1B; T = P).
 
-The load. On this shared 2-vCPU machine other jobs take a share of the cores that changes from
-minute to minute: the MLP's step alone took 2.9-40 ms in the runs' probes at load 5-21,
-and a latency-bound step (the pipeline's 32 hops per stage) slows with it. The stored runs and this
-script run at different moments, so each run stores a probe taken right before its fit (the MLP's
-step alone and on P processes at once, ``_compute_probe``) and this script takes the same probe
-around its own measurement. A probe of 9 steps is shorter than the scheduler's time slices, so one
-alone is mostly noise: a cluster session's (one layout and rate, its ~9 fits) median probe stands for
-the CPU its runs had. Each session is predicted under it (:func:`run_costs`): the compute measured
-here moved to the session's moment (x its probe / the probe here), the cores its P processes shared
-(P x alone / together), the presets' host figures and wake-ups (a quiet machine's, ``scale.txt``)
-slowed by its probe over the least loaded probe of all (the floor; the machine was not quiet for
-long, so this under-slows rather than over-slows); a shaped link's rate is left as it is. The 4x1
-presets' ``all_to_all_share`` (``cluster_exchange.py``: the flat ps / async exchange's goodput over one
-stream's, 0.77-0.85) applies to the session's probed link; ``..._one_stream`` lines give the flat ps's and
-async's error without it (1: as one stream each way).
+The load. On this shared 2-vCPU machine other jobs take a share of the cores that changes from minute to
+minute: the MLP's step alone took 2.9-40 ms in the runs' probes at load 5-21, and a latency-bound step (the
+pipeline's 32 hops per stage) slows with it. The stored runs and this script run at different moments, so
+each run stores a probe taken right before its fit (the MLP's step alone and on P processes at once,
+``_compute_probe``) and this script takes the same probe around its own measurement: 5 times, each
+measurement between two probes, and predicts from the one whose ratio to its probe is the median
+(:func:`measure_here`). A probe of 9 steps is shorter than the scheduler's time slices, so one alone is
+mostly noise: a cluster session's (one layout and rate, its ~9 fits) median probe stands for the CPU its
+runs had. Each session is predicted under it (:func:`run_costs`): the compute measured here moved to the
+session's moment (x its probe / the probe here), the cores its P processes shared (P x alone / together),
+the presets' host figures and wake-ups (a quiet machine's, ``scale.txt``) slowed by its probe over the least
+loaded probe of all (the floor; the machine was not quiet for long, so this under-slows rather than
+over-slows); a shaped link's rate is left as it is. The 4x1 presets' ``all_to_all_share``
+(``cluster_exchange.py``: the flat ps / async exchange's goodput over one stream's, 0.77-0.85) applies to
+the session's probed link; ``..._one_stream`` lines give the flat ps's and async's error without it (1: as
+one stream each way).
 ``advisor_predicted_preset_step_s_*`` is the preset alone (2 cores, quiet host figures) with the
 compute measured here: what a user of ``ls-advise`` gets.
 
@@ -48,6 +49,10 @@ Lines:
     advisor_probe_alone_ms_*, advisor_probe_cores_*        the CPU: the probe alone (per run, and a session's
                                                            median), P x alone / together (a session's)
     advisor_predicted_preset_step_s_*, advisor_step_error_preset_max   the presets alone (no probe)
+    advisor_measured_over_probe_here, ..._spread           the measurement here over its probe (the one used;
+                                                           (max - min) / median over the 5)
+    advisor_measured_microbatch_share, ..._spread          a micro-batch of 8 rows over the batch, the stages'
+                                                           charge (the one used; the 5's spread)
 
     python benchmarks/advisor_validation.py          # writes results/advisor_validation.txt (~2 min)
     python benchmarks/advisor_validation.py --quick  # narrower models, nothing written (CI, ~1 min)
@@ -98,6 +103,8 @@ RESULTS = Path(__file__).parent / "results"
 STEP_GOAL, TAU_GOAL, MEMORY_GOAL = 0.15, 0.8, 0.10
 LAYOUTS = {"2x2": (2, 2), "4x1": (4, 1)}
 RATES = ("1gbit", "200mbit", "50mbit")
+MEASURE_ROUNDS = 5  # the measurement here, each between two probes (:func:`measure_here`)
+MEASURE_REPEATS = 15  # each block's timings in a measurement (medians; the quarter batch in turn with the batch)
 STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pipeline", "tensor")
 RUNS = "advisor_cluster_*.json"  # benchmarks/advisor_cluster.py's stored runs, one file per rate
 
@@ -158,6 +165,31 @@ def at_speed(m: Measurement, factor: float) -> Measurement:
                                        forward_fixed_s=b.forward_fixed_s * factor,
                                        backward_fixed_s=b.backward_fixed_s * factor) for b in m.blocks)  # fmt: skip
     return dataclasses.replace(m, blocks=blocks)
+
+
+def measure_here(rounds: int) -> tuple[Measurement, float, list[float], list[float]]:
+    """The MLP measured ``rounds`` times (``advisor.measure``), each between two probes (the probe the runs took,
+    longer: one figure). The stored runs are predicted from the measurement's ratio to its probe, and on this
+    shared machine other tenants' share of the CPU moves within seconds: the round whose ratio is the median,
+    with its probe, every round's ratio (the script's own spread) and its micro-batch share
+    (:func:`microbatch_share`: what the pipeline's stages are charged)."""
+    model = MLP(1024, 2)
+    batch = (torch.randn(32, IN), torch.randn(32, OUT))
+    got: list[tuple[float, Measurement, float]] = []
+    for _ in range(rounds):
+        before = mlp_step_s(31)
+        m = measure(model, batch, repeats=MEASURE_REPEATS)
+        here = (before + mlp_step_s(31)) / 2
+        got.append((m.step_s / here, m, here))
+    ordered = sorted(got, key=lambda g: g[0])
+    _, m, here = ordered[len(ordered) // 2]
+    return m, here, [g[0] for g in got], [microbatch_share(g[1]) for g in got]
+
+
+def microbatch_share(m: Measurement, rows: int = 8) -> float:
+    """A micro-batch of ``rows`` (the runs' pipeline: K x 32 / M = 8) over the batch: forward and backward of
+    every block on the line through the batch's and the quarter batch's times (what the stages are charged)."""
+    return sum(sum(m.block_seconds(i, rows)) for i in range(len(m.blocks))) / m.step_s
 
 
 def predicted(m: Measurement, strategy: str, layout: str, rate: str, costs: Costs | None = None) -> float:
@@ -355,14 +387,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     runs, headers = stored_runs()
     text.extend(f"# measured: {h}" for h in headers)
-    model = MLP(1024, 2)
-    batch = (torch.randn(32, IN), torch.randn(32, OUT))
-    before = mlp_step_s(31)
-    m = measure(model, batch, repeats=5)
-    here = (before + mlp_step_s(31)) / 2  # the probe the runs took (longer: one figure), around the measurement
+    m, here, ratios, shares = measure_here(MEASURE_ROUNDS)
     text.append(line("advisor_measured_compute_s_mlp_batch32", m.step_s, "s"))
     text.append(line("advisor_measured_grad_bytes_mlp", m.grad_bytes, "bytes"))
     text.append(line("advisor_probe_here_ms", 1e3 * here, "ms"))
+    text.append(line("advisor_measured_over_probe_here", m.step_s / here, "x"))
+    text.append(line("advisor_measured_over_probe_spread", (max(ratios) - min(ratios)) / median(ratios), "x"))
+    text.append(line("advisor_measured_microbatch_share", microbatch_share(m), "x"))
+    text.append(line("advisor_measured_microbatch_share_spread", (max(shares) - min(shares)) / median(shares), "x"))
+    text.append(f"# {len(ratios)} measurements here, each between two probes: measured over probe "
+                + " ".join(f"{r:.3f}" for r in ratios) + "; a micro-batch of 8 rows over the batch "
+                + " ".join(f"{r:.3f}" for r in shares) + " (the median ratio's measurement predicts)")  # fmt: skip
+    print(text[-1], flush=True)
     if not runs:
         text.append(f"# no stored runs ({RUNS}): run benchmarks/advisor_cluster.py; no step figures")
         print(text[-1], flush=True)

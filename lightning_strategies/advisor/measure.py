@@ -236,8 +236,8 @@ def _time(fn: Callable[[], Any], repeats: int) -> float:
 def _time_each(fns: list[Callable[[], Any]], repeats: int) -> list[float]:
     """The median seconds of each call, the calls taken in turn ``repeats`` times: each one's repeats spread
     over the same window as the others', so on a shared machine whose speed moves within seconds their
-    ratio holds when each alone would wander (a block's quarter batch against its batch, timed one after
-    the other, gave a micro-batch 0.49-0.81 of the batch's time; in turn, one figure)."""
+    ratio holds when each alone would wander (a block's quarter batch and its batch, timed one after the
+    other, saw two different CPUs: the line through them, a micro-batch's time, moved with them)."""
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for fn, seconds in zip(fns, times, strict=True):

@@ -286,6 +286,25 @@ def test_the_validation_moves_the_pipelines_stage_times_with_the_probe_as_the_co
     assert got.stage_compute_s == pytest.approx(3 * (stages.stage_compute_s or 0.0))
 
 
+def test_the_validation_predicts_from_the_measurement_whose_ratio_to_its_probe_is_the_median(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import benchmarks.advisor_validation as validation
+
+    m = measure(Toy(), BATCH)
+    # five measurements, each between two probes of 1 ms: the compute at 3, 1, 5, 2, 4 x the Toy's
+    made = iter(at_speed for at_speed in (3.0, 1.0, 5.0, 2.0, 4.0))
+    monkeypatch.setattr(validation, "mlp_step_s", lambda reps: 1e-3)
+    monkeypatch.setattr(validation, "measure", lambda *a, **k: validation.at_speed(m, next(made)))
+    got, here, ratios, shares = validation.measure_here(5)
+    assert here == 1e-3 and got.step_s == pytest.approx(3 * m.step_s)  # the median of 1 .. 5
+    assert ratios == pytest.approx([f * m.step_s / 1e-3 for f in (3, 1, 5, 2, 4)])
+    # a micro-batch's share of the batch does not move with the CPU's speed; by hand from the blocks' lines
+    by_hand = sum(sum(m.block_seconds(i, 8)) for i in range(len(m.blocks))) / m.step_s
+    assert shares == pytest.approx([by_hand] * 5)
+    assert 8 / 32 < by_hand < 1  # the fixed parts: more than the micro-batch's rows, less than the batch
+
+
 def test_strategy_workload_is_what_each_strategy_steps_by_hand() -> None:
     from lightning_strategies.advisor.advise import model_key, strategy_workload
 
