@@ -144,7 +144,8 @@ def test_the_quarter_batch_is_timed_in_turn_with_the_batch() -> None:
     measure(pipe, (torch.randn(32, 4), torch.randn(32, 4)), repeats=3)
     # the batch's run (its forward through every block), the quarter batch's, the FLOP count, the timed pairs
     assert rows == [32, 8, 32, 32, 8, 32, 8, 32, 8]
-    assert _time_each([lambda: time.sleep(0.002), lambda: None], 3)[0] > 10 * _time_each([lambda: None], 3)[0]
+    slept, _ = _time_each([lambda: time.sleep(0.002), lambda: None], 3)
+    assert slept >= 0.002  # each call's own figure (a sleep lasts at least its time)
 
 
 def test_block_seconds_and_the_pipelines_micro_batches_by_hand() -> None:
