@@ -56,6 +56,7 @@ Lines:
 
     python benchmarks/advisor_validation.py          # writes results/advisor_validation.txt (~2 min)
     python benchmarks/advisor_validation.py --quick  # narrower models, nothing written (CI, ~1 min)
+    python benchmarks/advisor_validation.py --name advisor_validation_again  # the same at another moment
 
 Memory (``_advisor_memory.py``): the digits ResNet and the wide MLP fitted under ddp, ps, pipeline
 (K = 2, 4) and tensor (T = 2), each rank's tensors read before every optimizer step and at the end
@@ -373,6 +374,7 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="write nothing (CI)")
+    parser.add_argument("--name", default="advisor_validation", help="results/<name>.txt (another moment's run)")
     args = parser.parse_args(argv)
     map_large_allocations()  # freed tensors leave the RSS (see _rank_memory)
     text = [header("advisor_validation: the advisor against results/advisor_cluster_*.json and real fits' memory")]
@@ -406,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         text.extend(step_lines(m, runs, here))
     text.append(load_line("end"))
     if not args.quick:
-        (RESULTS / "advisor_validation.txt").write_text("\n".join(text) + "\n")
+        (RESULTS / f"{args.name}.txt").write_text("\n".join(text) + "\n")
     return 0
 
 
