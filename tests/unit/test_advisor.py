@@ -294,7 +294,7 @@ def test_the_validation_predicts_from_the_measurement_whose_ratio_to_its_probe_i
 
     m = measure(Toy(), BATCH)
     # five measurements, each between two probes of 1 ms: the compute at 3, 1, 5, 2, 4 x the Toy's
-    made = iter(at_speed for at_speed in (3.0, 1.0, 5.0, 2.0, 4.0))
+    made = iter((3.0, 1.0, 5.0, 2.0, 4.0))
     monkeypatch.setattr(validation, "mlp_step_s", lambda reps: 1e-3)
     monkeypatch.setattr(validation, "measure", lambda *a, **k: validation.at_speed(m, next(made)))
     got, here, ratios, shares = validation.measure_here(5)
@@ -303,7 +303,6 @@ def test_the_validation_predicts_from_the_measurement_whose_ratio_to_its_probe_i
     # a micro-batch's share of the batch does not move with the CPU's speed; by hand from the blocks' lines
     by_hand = sum(sum(m.block_seconds(i, 8)) for i in range(len(m.blocks))) / m.step_s
     assert shares == pytest.approx([by_hand] * 5)
-    assert 8 / 32 < by_hand < 1  # the fixed parts: more than the micro-batch's rows, less than the batch
 
 
 def test_strategy_workload_is_what_each_strategy_steps_by_hand() -> None:
