@@ -36,6 +36,11 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
+def spread(values: Sequence[float]) -> float:
+    """(max - min) / median of ``values``: a measurement's own run-to-run spread; 0 for fewer than two."""
+    return (max(values) - min(values)) / median(values) if len(values) > 1 else 0.0
+
+
 def pyplot() -> Any:
     """``matplotlib.pyplot`` on the Agg backend (no display needed)."""
     import matplotlib

@@ -45,9 +45,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import line as emit
-from benchmarks._common import load_average, load_line, median
+from benchmarks._common import load_average, load_line, median, spread
 from benchmarks._compute_probe import ComputeProbe
-from benchmarks.cluster_strategies import LAYOUTS, RESULTS, run_one, schedule, spread
+from benchmarks.cluster_strategies import LAYOUTS, RESULTS, run_one, schedule
 from benchmarks.emulated import EmulatedCluster
 from benchmarks.emulated.launch import report_start
 

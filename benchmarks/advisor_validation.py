@@ -88,7 +88,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _advisor_memory
-from benchmarks._common import header, line, load_line, median
+from benchmarks._common import header, line, load_line, median, spread
 from benchmarks._compute_probe import mlp_step_s
 from benchmarks._rank_memory import map_large_allocations
 from benchmarks._scale_costs import effective_cores, slower
@@ -257,7 +257,7 @@ def rounds_floor(cell: Sequence[dict]) -> float:
     second half| / median of its slowest rank's timed steps (the step timer's: the wall time is one figure)."""
     values = [measured_s(r) for r in cell]
     if len(values) > 1:
-        return (max(values) - min(values)) / median(values)
+        return spread(values)
     a, b = halves(cell[0]["steps_s"])
     return abs(a - b) / median(cell[0]["steps_s"])
 
@@ -394,9 +394,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     text.append(line("advisor_measured_grad_bytes_mlp", m.grad_bytes, "bytes"))
     text.append(line("advisor_probe_here_ms", 1e3 * here, "ms"))
     text.append(line("advisor_measured_over_probe_here", m.step_s / here, "x"))
-    text.append(line("advisor_measured_over_probe_spread", (max(ratios) - min(ratios)) / median(ratios), "x"))
+    text.append(line("advisor_measured_over_probe_spread", spread(ratios), "x"))
     text.append(line("advisor_measured_microbatch_share", microbatch_share(m), "x"))
-    text.append(line("advisor_measured_microbatch_share_spread", (max(shares) - min(shares)) / median(shares), "x"))
+    text.append(line("advisor_measured_microbatch_share_spread", spread(shares), "x"))
     text.append(f"# {len(ratios)} measurements here, each between two probes: measured over probe "
                 + " ".join(f"{r:.3f}" for r in ratios) + "; a micro-batch of 8 rows over the batch "
                 + " ".join(f"{r:.3f}" for r in shares) + " (the median ratio's measurement predicts)")  # fmt: skip

@@ -117,7 +117,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _link_timeline
 from benchmarks._common import line as emit
-from benchmarks._common import load_average, load_line, median, pyplot, save_figure
+from benchmarks._common import load_average, load_line, median, pyplot, save_figure, spread
 from benchmarks.emulated import EmulatedCluster
 from benchmarks.emulated.cluster import parse_rate
 from benchmarks.emulated.launch import launch, report_start
@@ -210,10 +210,6 @@ def run_one(
     slowest = max(records, key=lambda r: median(r["durations"][warmup:]))
     return {"step_s": step_s, "wall_s": wall_s, "nic_bytes": busiest, "steps_s": slowest["durations"][warmup:],
             "D": records[0]["params"] * 4, "records": records, "seconds": result.seconds}  # fmt: skip
-
-
-def spread(values: Sequence[float]) -> float:
-    return (max(values) - min(values)) / median(values) if len(values) > 1 else 0.0
 
 
 def schedule(args: argparse.Namespace) -> Iterator[tuple[int, str, str, list[str]]]:

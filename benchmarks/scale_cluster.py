@@ -49,7 +49,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import header, line, load_line, median
+from benchmarks._common import header, line, load_line, median, spread
 from benchmarks._scale_cluster_model import (
     calibrate_compute,
     comm_seconds,
@@ -100,10 +100,6 @@ def measure_cells(args: argparse.Namespace, log: list[str]) -> dict[str, Any]:
         return raw
 
     return save(cluster_strategies.measure(ns, log, save))
-
-
-def spread(values: Sequence[float]) -> float:
-    return (max(values) - min(values)) / median(values) if len(values) > 1 else 0.0
 
 
 def model(raw: dict[str, Any], links: dict[str, dict[str, float]], rates: Sequence[str]) -> list[str]:
