@@ -85,7 +85,8 @@ def effective_cores(world: int, alone_s: float, together_s: float) -> float:
 def slower(costs: Costs, factor: float) -> Costs:
     """``costs`` on a machine ``factor`` times slower for every piece of CPU work: compute, copies (on
     loopback a link's bandwidth is memory copies), host work per byte and per tensor, the pipeline
-    runtime's work per chunk (its source is the main thread's CPU time, ``pipeline_tiny_cpu_s``) and
+    runtime's work per chunk (its source is the main thread's CPU time, ``pipeline_tiny_cpu_s``), the training
+    loop's host work per step (``loop_s``: ``benchmarks/loop_overhead.py``) and
     the pipeline's hops (a message to a waiting stage waits for a core, behind whatever else is
     runnable). Per-message latencies of the links are left as they are (see the module's
     docstring)."""
@@ -113,6 +114,7 @@ def slower(costs: Costs, factor: float) -> Costs:
         ps_update_s_per_tensor=costs.ps_update_s_per_tensor * factor,
         tensor_layer_s=costs.tensor_layer_s * factor,
         chunk_overhead_s=costs.chunk_overhead_s * factor,
+        loop_s=costs.loop_s * factor,
     )
 
 

@@ -161,11 +161,12 @@ def run_costs(cluster: Cluster, m: Measurement, run: dict, probe_here_s: float, 
 
 def at_speed(m: Measurement, factor: float) -> Measurement:
     """``m`` on a CPU ``factor`` times slower: every block's times (what the pipeline's stages take from the
-    measurement itself, where the other strategies take ``Costs.compute_s``) scaled alike."""
+    measurement itself, where the other strategies take ``Costs.compute_s``) and the optimizer step scaled
+    alike."""
     blocks = tuple(dataclasses.replace(b, forward_s=b.forward_s * factor, backward_s=b.backward_s * factor,
                                        forward_fixed_s=b.forward_fixed_s * factor,
                                        backward_fixed_s=b.backward_fixed_s * factor) for b in m.blocks)  # fmt: skip
-    return dataclasses.replace(m, blocks=blocks)
+    return dataclasses.replace(m, blocks=blocks, optimizer_s=m.optimizer_s * factor)
 
 
 def measure_here(rounds: int) -> tuple[Measurement, float, list[float], list[float]]:

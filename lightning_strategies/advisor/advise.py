@@ -134,11 +134,14 @@ def strategy_workload(
         return _pipeline_work(m, batch, num_stages, microbatches)
     if name == "tensor":
         return _tensor_work(m, batch, tp_size)
-    return _work(m, batch)
+    # ps and async: the shards step (the model's ps host work), not the workers
+    return _work(m, batch, optimizer_s=0.0 if model_key(name) in ("ps", "ps_flat", "ps_1", "async") else None)
 
 
-def _work(m: Measurement, batch: int, **kw: Any) -> Workload:
-    return Workload(grad_bytes=float(m.grad_bytes), tensors=len(m.tensors), **kw)
+def _work(m: Measurement, batch: int, *, optimizer_s: float | None = None, **kw: Any) -> Workload:
+    """``optimizer_s``: the process's optimizer step; ``None``: the whole model's (``m.optimizer_s``)."""
+    step = m.optimizer_s if optimizer_s is None else optimizer_s
+    return Workload(grad_bytes=float(m.grad_bytes), tensors=len(m.tensors), optimizer_s=step, **kw)
 
 
 def _pipeline_work(m: Measurement, batch: int, k: int, micro: int) -> Workload:
@@ -149,16 +152,25 @@ def _pipeline_work(m: Measurement, batch: int, k: int, micro: int) -> Workload:
     bwd = [sum(times[i][1] for i in s) for s in stages]
     total = sum(fwd) + sum(bwd)
     boundary = max((m.blocks[s[-1]].output_bytes for s in stages[:-1]), default=0) * mb / m.batch_size
+    # each stage steps its own blocks' parameters: the largest stage's share of the optimizer step
+    params = [sum(m.blocks[i].param_bytes for i in s) for s in stages]
+    owned = max(params) / sum(params) if sum(params) else 1.0
     # PipelineStrategy's default schedule (1F1B), each stage its own blocks' time
     return _work(m, batch, stages=k, microbatches=micro, activation_bytes=boundary, schedule=PIPELINE_SCHEDULE,
                  stage_compute_s=max(f + b for f, b in zip(fwd, bwd, strict=True)),
                  stage_seconds=tuple(f + b for f, b in zip(fwd, bwd, strict=True)),
-                 backward_share=sum(bwd) / total if total else 2 / 3)  # fmt: skip
+                 backward_share=sum(bwd) / total if total else 2 / 3,
+                 optimizer_s=owned * m.optimizer_s)  # fmt: skip
 
 
 def _tensor_work(m: Measurement, batch: int, t: int) -> Workload:
     scale = t * batch / m.batch_size
-    return _work(m, batch, tensor_size=t, tensor_collectives=tuple(x * scale for x in m.tensor_payloads),
+    # a rank steps its shards of the split layers and the whole tensors (DTensor's dispatch of the step:
+    # Costs.tensor_layer_s)
+    whole = min(float(m.tensor_replicated_bytes), float(m.param_bytes))
+    owned = (whole + (m.param_bytes - whole) / t) / m.param_bytes if m.param_bytes else 1.0
+    return _work(m, batch, optimizer_s=owned * m.optimizer_s, tensor_size=t,
+                 tensor_collectives=tuple(x * scale for x in m.tensor_payloads),
                  tensor_split_share=m.tensor_split_share, tensor_layers=m.tensor_split_layers,
                  tensor_replicated_bytes=float(m.tensor_replicated_bytes))  # fmt: skip
 

@@ -57,6 +57,9 @@ class Cluster:
         hier_push_share: the same under ps's hierarchical push between nodes (one flow per local rank and
             remote node each way: a push, a barrier, a pull). From ``benchmarks/cluster_exchange.py``'s
             ``hier_push``.
+        loop_us: the training loop's host work per step and process besides forward, backward and the
+            optimizer's arithmetic (Lightning's hooks and closure, the batch's fetch); 0: not charged.
+            Measured by ``benchmarks/loop_overhead.py``.
     """
 
     nodes: int
@@ -80,6 +83,7 @@ class Cluster:
     all_to_all_share: float = 1.0
     ring_share: float = 1.0
     hier_push_share: float = 1.0
+    loop_us: float = 0.0
 
     def __post_init__(self) -> None:
         for key in ("nodes", "per_node"):
@@ -94,6 +98,11 @@ class Cluster:
                     f"Cluster {self.name!r}: found {key}={getattr(self, key)!r}: expected a positive "
                     f"number. Fix: state the link's rate in Gb/s and the device's memory in GiB"
                 )
+        if self.loop_us < 0:
+            raise ValueError(
+                f"Cluster {self.name!r}: found loop_us={self.loop_us}: expected >= 0 (the training loop's host "
+                "work per step). Fix: measure it (benchmarks/loop_overhead.py) or leave it at 0"
+            )
         if self.latency_us < 0 or (self.tflops is not None and not self.tflops > 0):
             raise ValueError(
                 f"Cluster {self.name!r}: found latency_us={self.latency_us}, tflops={self.tflops}: "
@@ -153,6 +162,7 @@ class Cluster:
             ring_share=self.ring_share,
             hier_push_share=self.hier_push_share,
             node_all_reduce=not self.gpu,  # comm.ps.hierarchy: on gloo the node all-reduces the whole buffer
+            loop_s=self.loop_us * 1e-6,
         )
 
     def with_(self, **changes: Any) -> Cluster:

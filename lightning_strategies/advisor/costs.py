@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-__all__ = ["MIB", "Costs", "Link", "Prediction", "Workload", "contention", "ddp_buckets"]
+__all__ = ["MIB", "Costs", "Link", "Prediction", "Workload", "contention", "ddp_buckets", "with_loop"]
 
 MIB = 1 << 20
 
@@ -94,6 +94,9 @@ class Costs:
         ring_share: a ring all-reduce's goodput per direction of a node's link (its step-by-step sends and
             receives, less the messages' latency, which ``inter.latency_s`` charges) over ``inter``'s; 1: as
             one stream each way.
+        loop_s: the training loop's host work per step and process besides forward, backward and the
+            optimizer's arithmetic (Lightning's hooks and closure, the next batch's fetch, the optimizer
+            call's Python); every strategy pays it, with the processes' contention; 0: not charged.
     """
 
     compute_s: float
@@ -133,6 +136,7 @@ class Costs:
     ring_share: float = 1.0
     hier_push_share: float = 1.0
     node_all_reduce: bool = False
+    loop_s: float = 0.0
 
     def wire(self, world: int) -> float:
         """The contention factor of a bandwidth term."""
@@ -182,6 +186,9 @@ class Workload:
             (:func:`~lightning_strategies.advisor.schedule.pipeline_order`).
         stage_seconds: forward + backward of each stage on one micro-batch (stages differ); ``()``:
             every stage ``stage_compute_s``.
+        optimizer_s: the optimizer step on one process's parameters (a pipeline stage's, a tensor rank's
+            shards and whole tensors; 0 under ps and async, whose shards' update ``Costs.ps_update_s_per_*``
+            charges).
     """
 
     grad_bytes: float
@@ -198,6 +205,7 @@ class Workload:
     tensor_replicated_bytes: float | None = None
     schedule: str = "gpipe"
     stage_seconds: tuple[float, ...] = ()
+    optimizer_s: float = 0.0
 
 
 @dataclass
@@ -242,3 +250,12 @@ def ddp_buckets(grad_bytes: float, cap: float = 25 * MIB, first: float = MIB) ->
         left -= buckets[-1]
         size = cap
     return buckets
+
+
+def with_loop(pred: Prediction, costs: Costs, world: int, work: Workload) -> Prediction:
+    """``pred`` with the training loop's phase added (``loop``: each process's ``Costs.loop_s`` and its
+    optimizer step, ``Workload.optimizer_s``, under the processes' contention), when there is any."""
+    loop = contention(world, costs.cores) * (costs.loop_s + work.optimizer_s)
+    if loop <= 0:
+        return pred
+    return replace(pred, step_s=pred.step_s + loop, phases={**pred.phases, "loop": loop})

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 
-from lightning_strategies.advisor.costs import Costs, Prediction, Workload, contention
+from lightning_strategies.advisor.costs import Costs, Prediction, Workload, contention, with_loop
 from lightning_strategies.advisor.model import _ring, _segments
 
 __all__ = ["FT_STRATEGIES", "predict_ft"]
@@ -67,4 +67,5 @@ def predict_ft(strategy: str, costs: Costs, world: int, work: Workload, *, sync_
     messages = 2 * (world - 1) * _segments(d / world, costs.gloo_segment_bytes) / every if world > 1 else 0.0
     nodes = math.ceil(world / costs.local_size)
     across = sent if nodes > 1 else 0.0  # a flat ring: the rank before each node boundary sends it all across
-    return Prediction(sum(phases.values()), phases, sent, sent, across, messages, inter_sent_bytes=across)
+    pred = Prediction(sum(phases.values()), phases, sent, sent, across, messages, inter_sent_bytes=across)
+    return with_loop(pred, costs, world, work)

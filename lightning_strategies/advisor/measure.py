@@ -94,6 +94,8 @@ class Measurement:
         tensor_replicated_bytes: parameter bytes the plan leaves whole on every rank of a group (the
             unsplit layers, a row-split layer's bias): their gradients are all-reduced over every
             process each step.
+        optimizer_s: seconds of one ``optimizer.step()`` over every trainable tensor, timed here (at lr 0: the
+            weights stay as they are); 0 when the times come from a stated throughput.
     """
 
     batch_size: int
@@ -109,6 +111,7 @@ class Measurement:
     timed_on: str
     tensor_split_layers: int = 0
     tensor_replicated_bytes: int = 0
+    optimizer_s: float = 0.0
 
     @property
     def param_bytes(self) -> int:
@@ -247,8 +250,11 @@ def _time_each(fns: list[Callable[[], Any]], repeats: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def _optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, int]:
-    """Bytes of state per tensor after one step at lr 0 (the weights stay as they are)."""
+def _optimizer_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str], repeats: int
+) -> tuple[dict[str, int], float]:
+    """Bytes of state per tensor after one step at lr 0 (the weights stay as they are), and the median seconds of
+    ``repeats`` more steps (the first one creates the state; 0: not timed)."""
     lrs = [g.get("lr") for g in optimizer.param_groups]
     for g in optimizer.param_groups:
         if "lr" in g:
@@ -258,11 +264,12 @@ def _optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, names:
             p.grad = torch.zeros_like(p)
     optimizer.step()
     out = {names[id(p)]: sum(_nbytes(v) for v in s.values()) for p, s in optimizer.state.items() if id(p) in names}
+    seconds = _time(optimizer.step, repeats) if repeats > 0 else 0.0
     for g, lr in zip(optimizer.param_groups, lrs, strict=True):
         if lr is not None:
             g["lr"] = lr
     optimizer.state.clear()
-    return out
+    return out, seconds
 
 
 def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
@@ -300,7 +307,7 @@ def measure(
         tflops: a device's sustained throughput: block times are counted FLOPs over it instead
             of timed here.
         device: the name of that device (for the report).
-        repeats: timed runs per block (the median is kept).
+        repeats: timed runs per block and of the optimizer step (the median is kept).
     """
     module = copy.deepcopy(module)
     module.train()
@@ -322,7 +329,8 @@ def measure(
     finally:
         for h in hooks:
             h.remove()
-    state = _optimizer_state(module, opt, names)
+    # the optimizer's step is timed here only (no FLOP count stands for it: it reads and writes memory)
+    state, optimizer_s = _optimizer_state(module, opt, names, 0 if tflops else repeats)
     tensors = tuple(
         TensorBytes(n, _nbytes(p), _nbytes(p), state.get(n, 0)) for n, p in module.named_parameters() if p.requires_grad
     )
@@ -347,6 +355,7 @@ def measure(
         timed_on=timed_on,
         tensor_split_layers=len(plan),
         tensor_replicated_bytes=max(0, sum(t.param for t in tensors) - split + whole),
+        optimizer_s=optimizer_s,
     )
 
 

@@ -88,7 +88,16 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from lightning_strategies.advisor.costs import MIB, Costs, Link, Prediction, Workload, contention, ddp_buckets
+from lightning_strategies.advisor.costs import (
+    MIB,
+    Costs,
+    Link,
+    Prediction,
+    Workload,
+    contention,
+    ddp_buckets,
+    with_loop,
+)
 from lightning_strategies.advisor.push import push_traffic
 from lightning_strategies.advisor.schedule import pipeline_busy, pipeline_makespan
 
@@ -443,14 +452,15 @@ def _tensor(costs: Costs, world: int, work: Workload) -> Prediction:
 
 
 def predict(strategy: str, costs: Costs, world: int, work: Workload) -> Prediction:
-    """The step of ``strategy`` (one of :data:`STRATEGIES`) at ``world`` processes."""
+    """The step of ``strategy`` (one of :data:`STRATEGIES`) at ``world`` processes, the training loop's
+    phase included (:func:`~lightning_strategies.advisor.costs.with_loop`)."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, found {world}")
     if strategy in ("ddp", "ring", "ring_bf16"):
-        return _flat_ring(strategy, costs, world, work)
+        return with_loop(_flat_ring(strategy, costs, world, work), costs, world, work)
     others: dict[str, Callable[[Costs, int, Workload], Prediction]] = {
         "ring_hier": _hier_ring, "ps": _ps, "ps_flat": partial(_ps, hierarchical=False), "ps_1": _ps_1,
         "async": _async, "pipeline": _pipeline, "tensor": _tensor}  # fmt: skip
     if strategy not in others:
         raise ValueError(f"unknown strategy {strategy!r}: expected one of {list(STRATEGIES)}")
-    return others[strategy](costs, world, work)
+    return with_loop(others[strategy](costs, world, work), costs, world, work)
