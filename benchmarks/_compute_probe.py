@@ -2,7 +2,8 @@
 
 Kept alive between probes (``with ComputeProbe(P) as probe: alone, together = probe()``): P spawned
 processes, one torch thread each, time the forward + backward of ``benchmarks/emulated/_fit.py``'s
-MLP at batch 32 (median of ``reps``), one of them alone and then all P at once behind a barrier.
+MLP at batch 32, one of them alone (the median of ``reps`` steps) and then all P at once behind a barrier
+(each one's ``reps`` steps' wall time over their number: waits for a core included).
 ``alone`` is what a process's compute takes at this moment (other jobs on the machine included);
 ``P x alone / together`` the cores P processes share (``_scale_costs.effective_cores``).
 """
@@ -20,8 +21,9 @@ __all__ = ["ComputeProbe", "mlp_step_s"]
 IN, OUT = 256, 16  # benchmarks/emulated/_fit.py's
 
 
-def mlp_step_s(reps: int = 9, *, width: int = 1024, layers: int = 2, batch: int = 32) -> float:
-    """Median seconds of the MLP's forward + backward at ``batch`` (two untimed first)."""
+def mlp_step_s(reps: int = 9, *, width: int = 1024, layers: int = 2, batch: int = 32, whole: bool = False) -> float:
+    """Median seconds of the MLP's forward + backward at ``batch`` (two untimed first); ``whole``: the timed
+    steps' wall time over their number instead, the time the process spent waiting for a core included."""
     import torch  # only torch: a spawned probe process starts in seconds, not Lightning's tens of seconds
     from torch import nn
 
@@ -39,7 +41,9 @@ def mlp_step_s(reps: int = 9, *, width: int = 1024, layers: int = 2, batch: int 
         nn.functional.mse_loss(model(x), y).backward()
         if i >= 2:
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        if i == 1:
+            begin = time.perf_counter()
+    return (time.perf_counter() - begin) / reps if whole else statistics.median(times)
 
 
 def _worker(conn: Any, barrier: Any, reps: int) -> None:
@@ -49,13 +53,16 @@ def _worker(conn: Any, barrier: Any, reps: int) -> None:
             return
         if job == "together":
             barrier.wait()
-        conn.send(mlp_step_s(reps))
+        # together: the whole run's time per step. P processes on fewer cores take turns in time slices of
+        # several steps, so most single steps run at full speed and their median hid the sharing (P x alone /
+        # together gave up to 6.9 cores on this 2-core machine in results/advisor_cluster_*.json)
+        conn.send(mlp_step_s(reps, whole=job == "together"))
 
 
 class ComputeProbe:
     """``probe()`` -> (alone_s, together_s) of the MLP step on ``world`` processes."""
 
-    def __init__(self, world: int, reps: int = 9) -> None:
+    def __init__(self, world: int, reps: int = 31) -> None:
         ctx = mp.get_context("spawn")  # no fork of a process whose torch threads already run
         self.world = world
         self._barrier = ctx.Barrier(world)
@@ -67,6 +74,7 @@ class ComputeProbe:
             proc.start()
             self._pipes.append(mine)
             self._procs.append(proc)
+        self()  # one probe untimed: the first after the spawn can find P processes as fast as one alone
 
     def __call__(self) -> tuple[float, float]:
         self._pipes[0].send("alone")

@@ -76,10 +76,13 @@ LATENCY_KEYS = frozenset(
 RING_MIN_CHUNK_BYTES = 256 << 10  # comm.ring.MIN_CHUNK_BYTES: the ring strategy's buckets grow to P x this
 
 
-def effective_cores(world: int, alone_s: float, together_s: float) -> float:
+def effective_cores(world: int, alone_s: float, together_s: float, cpus: float | None = None) -> float:
     """Cores ``world`` processes get: P x (the stand-in alone) / (on all P at once), at least 1 (a lone
-    process's speed, whatever the other jobs leave it, is the unit)."""
-    return max(1.0, world * alone_s / together_s)
+    process's speed, whatever the other jobs leave it, is the unit) and at most ``cpus``, the machine's
+    (``None``: no bound). P processes never get more cores than the machine has: a probe that says so
+    timed steps between the processes' time slices (``benchmarks/_compute_probe.py``)."""
+    cores = max(1.0, world * alone_s / together_s)
+    return cores if cpus is None else min(cores, max(1.0, cpus))
 
 
 def slower(costs: Costs, factor: float) -> Costs:

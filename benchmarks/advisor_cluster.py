@@ -2,7 +2,9 @@
 
 ``cluster_strategies.py``'s fits (``run_one``: the MLP of ``benchmarks/emulated/_fit.py``, batch 32 per
 replica, every strategy of the validation, pipeline K = P with M = 4K, tensor T = P), and right before
-each fit a probe (``_compute_probe``): the MLP's forward + backward alone and on P processes at once.
+each fit a probe (``_compute_probe``): the MLP's forward + backward alone and on P processes at once,
+and the advisor's own measurement of the MLP (``_mlp_measurement``: ``advisor.measure``, its blocks at the
+batch and a quarter of it), which ``advisor_validation.py`` predicts the session from.
 On this shared 2-vCPU machine the other jobs' load changes from fit to fit, and with it every CPU
 cost of a step (compute, host work, a waiting process's wake-up); the probe says by how much, next to
 the fit it belongs to, so that ``advisor_validation.py`` predicts each fit under the CPU it had
@@ -47,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import line as emit
 from benchmarks._common import load_average, load_line, median, spread
 from benchmarks._compute_probe import ComputeProbe
+from benchmarks._mlp_measurement import mlp_measurement, to_json
 from benchmarks.cluster_strategies import LAYOUTS, RESULTS, run_one, schedule
 from benchmarks.emulated import EmulatedCluster
 from benchmarks.emulated.launch import report_start
@@ -175,6 +178,7 @@ def measure(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], tex
             print(text[-1], flush=True)
             for strategy in order:
                 alone, together = probe()
+                own = to_json(mlp_measurement())  # the advisor's own measurement, at the probe's moment
                 load = load_average()
                 try:
                     run = run_one(cluster, strategy, per_node, steps=args.steps, warmup=args.warmup,
@@ -185,7 +189,7 @@ def measure(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], tex
                     print(text[-1], flush=True)
                     failed.append(f"{strategy}|{layout}|{rate}")
                     continue
-                run.update(probe=(alone, together), load=load, link=link, round=r)
+                run.update(probe=(alone, together), measurement=own, load=load, link=link, round=r)
                 runs[f"{strategy}|{layout}|{rate}"].append(run)
                 text.append(f"# round {r} {strategy} {layout} {rate}: {run['step_s']:.4f} s/step, probe "
                             f"{1e3 * alone:.2f} ms alone, {1e3 * together:.2f} ms on {probe.world} at once, "

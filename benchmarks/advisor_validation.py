@@ -79,6 +79,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -90,10 +91,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import _advisor_memory
 from benchmarks._common import header, line, load_line, median, spread
 from benchmarks._compute_probe import mlp_step_s
+from benchmarks._mlp_measurement import REPEATS, from_json, mlp_measurement
 from benchmarks._rank_memory import map_large_allocations
 from benchmarks._scale_costs import effective_cores, slower
-from benchmarks.emulated._fit import IN, MLP, OUT
-from lightning_strategies.advisor import Cluster, load_cluster, measure
+from lightning_strategies.advisor import Cluster, load_cluster
 from lightning_strategies.advisor.advise import model_key, strategy_workload
 from lightning_strategies.advisor.costs import Costs, Link, Workload
 from lightning_strategies.advisor.measure import Measurement
@@ -105,7 +106,7 @@ STEP_GOAL, TAU_GOAL, MEMORY_GOAL = 0.15, 0.8, 0.10
 LAYOUTS = {"2x2": (2, 2), "4x1": (4, 1)}
 RATES = ("1gbit", "200mbit", "50mbit")
 MEASURE_ROUNDS = 5  # the measurement here, each between two probes (:func:`measure_here`)
-MEASURE_REPEATS = 15  # each block's timings in a measurement (medians; the quarter batch in turn with the batch)
+MEASURE_REPEATS = REPEATS  # each block's timings in a measurement (medians; the quarter batch in turn with the batch)
 STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pipeline", "tensor")
 RUNS = "advisor_cluster_*.json"  # benchmarks/advisor_cluster.py's stored runs, one file per rate
 
@@ -140,7 +141,8 @@ def run_costs(cluster: Cluster, m: Measurement, run: dict, probe_here_s: float, 
     next to ``measure`` (``h``) and the least loaded probe of all (``q``, the machine's floor).
 
     compute alone        m.step_s x a / h         (the advisor's measurement moved to the run's moment)
-    cores                P x a / t                (what the run's P processes shared, other jobs taken)
+    cores                P x a / t                (what the run's P processes shared, other jobs taken;
+                                                  at most the machine's cores, ``run["cpus"]``)
     host work, wake-ups  x a / q                  (the presets' figures are a quiet machine's: scale.txt)
     wire between nodes   unchanged                (a shaped link's rate is the network's, not CPU work),
                          or where the run has a link probe (``advisor_cluster.link_probe``): the slower
@@ -156,7 +158,7 @@ def run_costs(cluster: Cluster, m: Measurement, run: dict, probe_here_s: float, 
             duplex, oneway = run["link"]["duplex_min"], run["link"]["oneway"]
             costs = costs.with_(inter=Link(quiet.inter.latency_s, duplex), rpc_inter=Link(quiet.rpc_inter.latency_s,
                                 duplex), duplex_share=min(1.0, duplex / oneway))  # fmt: skip
-    return costs.with_(cores=effective_cores(cluster.world, alone, together))
+    return costs.with_(cores=effective_cores(cluster.world, alone, together, run.get("cpus")))
 
 
 def at_speed(m: Measurement, factor: float) -> Measurement:
@@ -175,17 +177,28 @@ def measure_here(rounds: int) -> tuple[Measurement, float, list[float], list[flo
     shared machine other tenants' share of the CPU moves within seconds: the round whose ratio is the median,
     with its probe, every round's ratio (the script's own spread) and its micro-batch share
     (:func:`microbatch_share`: what the pipeline's stages are charged)."""
-    model = MLP(1024, 2)
-    batch = (torch.randn(32, IN), torch.randn(32, OUT))
     got: list[tuple[float, Measurement, float]] = []
     for _ in range(rounds):
         before = mlp_step_s(31)
-        m = measure(model, batch, repeats=MEASURE_REPEATS)
+        m = mlp_measurement(MEASURE_REPEATS)
         here = (before + mlp_step_s(31)) / 2
         got.append((m.step_s / here, m, here))
     ordered = sorted(got, key=lambda g: g[0])
     _, m, here = ordered[len(ordered) // 2]
     return m, here, [g[0] for g in got], [microbatch_share(g[1]) for g in got]
+
+
+def session_measurement(session: Sequence[dict], m: Measurement, here: float) -> tuple[Measurement, float, str]:
+    """What a session's fits are predicted from, with the probe taken next to it: where every fit stored the
+    advisor's measurement taken with its probe (``advisor_cluster.py``), the one whose ratio to that probe is
+    the median (the session's own moment: no measurement here moved to it); else ``m`` and ``here``, the
+    measurement here (:func:`measure_here`)."""
+    own = [(from_json(r["measurement"]), r["probe"][0]) for r in session if "measurement" in r]
+    if not own or len(own) < len(session):
+        return m, here, "here"
+    ordered = sorted(own, key=lambda g: g[0].step_s / g[1])
+    chosen, probe = ordered[len(ordered) // 2]
+    return chosen, probe, "its fits'"
 
 
 def microbatch_share(m: Measurement, rows: int = 8) -> float:
@@ -203,15 +216,25 @@ def predicted(m: Measurement, strategy: str, layout: str, rate: str, costs: Cost
 
 
 def stored_runs() -> tuple[dict[str, list[dict]], list[str]]:
-    """Every stored run by ``strategy|layout|rate`` and the files' headers."""
+    """Every stored run by ``strategy|layout|rate`` and the files' headers; each run gets ``cpus``, the cores of
+    the machine it ran on (its file's header: ``x86_64, 2 cores``)."""
     runs: dict[str, list[dict]] = {}
     headers = []
     for path in sorted(RESULTS.glob(RUNS)):
         raw = json.loads(path.read_text())
         headers.append(f"{path.name}: {raw['header'].lstrip('# ')}")
+        cpus = header_cpus(raw["header"])
         for key, rs in raw["runs"].items():
-            runs.setdefault(key, []).extend(rs)
+            runs.setdefault(key, []).extend({**r, "cpus": cpus} for r in rs)
     return runs, headers
+
+
+def header_cpus(text: str) -> int:
+    """The cores a results header names (``benchmarks._common.header``: ``| x86_64, 2 cores, no GPU |``)."""
+    found = re.search(r", (\d+) cores,", text)
+    if not found:
+        raise ValueError(f"found no ', <n> cores,' in the header {text[:200]!r}: expected benchmarks._common.header's")
+    return int(found.group(1))
 
 
 def memory_lines(rows: list[_advisor_memory.Row]) -> list[str]:
@@ -286,8 +309,12 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
         cpu: dict = {"probe": (median([r["probe"][0] for r in session]), median([r["probe"][1] for r in session]))}
         if all("link" in r for r in session):  # each fresh cluster's link probe, their median
             cpu["link"] = {k: median([r["link"][k] for r in session]) for k in ("oneway", "duplex_min")}
-        costs = run_costs(cluster, m, cpu, here, floor_s)
-        m_run = at_speed(m, cpu["probe"][0] / here)  # the measurement at the session's CPU, as costs.compute_s
+        m_s, here_s, source = session_measurement(session, m, here)
+        costs = run_costs(cluster, m_s, cpu, here_s, floor_s)
+        m_run = at_speed(m_s, cpu["probe"][0] / here_s)  # the measurement at the session's CPU, as costs.compute_s
+        text.append(line(f"advisor_session_microbatch_share_{layout}_{rate}", microbatch_share(m_s), "x"))
+        text.append(f"# {layout} {rate}: predicted from {source} measurement ({1e3 * m_s.step_s:.2f} ms, its probe "
+                    f"{1e3 * here_s:.2f} ms)")  # fmt: skip
         if costs.all_to_all_share != 1.0:
             text.append(line(f"advisor_all_to_all_share_{layout}_{rate}", costs.all_to_all_share, "x"))
         text.append(line(f"advisor_probe_alone_ms_{layout}_{rate}", 1e3 * cpu["probe"][0], "ms"))

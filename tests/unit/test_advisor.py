@@ -259,12 +259,64 @@ def test_the_validation_predicts_each_run_under_the_cpu_its_probe_found() -> Non
     assert got.intra.bandwidth == pytest.approx(quiet.intra.bandwidth / f)  # loopback: copies, CPU work
     assert got.inter == quiet.inter and got.rpc_inter == quiet.rpc_inter  # a shaped link: the network's
     assert run_costs(cluster, m, {"probe": (0.005, 0.005)}, 0.010, 0.005).cores == 4.0  # type: ignore[arg-type]
+    # ... but never more cores than the machine the run ran on had (its file's header)
+    capped = run_costs(cluster, m, {"probe": (0.005, 0.005), "cpus": 2}, 0.010, 0.005)  # type: ignore[arg-type]
+    assert capped.cores == 2.0
     # a link probe: one stream 24e6 B/s alone, the slower of a stream each way at once 18e6 B/s
     linked = run_costs(cluster, m, {"probe": (0.030, 0.060), "link": {"oneway": 24e6, "duplex_min": 18e6}},
                        0.010, 0.005)  # type: ignore[arg-type]  # fmt: skip
     assert linked.inter.bandwidth == linked.rpc_inter.bandwidth == 18e6
     assert linked.inter.latency_s == quiet.inter.latency_s
     assert linked.duplex_share == pytest.approx(0.75)
+
+
+def test_the_validation_reads_each_runs_machine_cores_from_its_files_header() -> None:
+    from benchmarks._common import header
+    from benchmarks.advisor_validation import header_cpus, stored_runs
+
+    assert header_cpus("# advisor_cluster: x | x86_64, 2 cores, no GPU | torch 2.14.1 | 2026-12-03") == 2
+    assert header_cpus(header("t")) >= 1
+    with pytest.raises(ValueError, match="found no ', <n> cores,'"):
+        header_cpus("# a header without the machine")
+    runs, _ = stored_runs()
+    assert runs and all(r["cpus"] == 2 for rs in runs.values() for r in rs)  # every stored run: this machine
+
+
+def test_a_session_is_predicted_from_its_own_fits_measurement_where_each_stored_one() -> None:
+    from benchmarks._mlp_measurement import from_json, to_json
+    from benchmarks.advisor_validation import at_speed, session_measurement
+
+    m = measure(Toy(), BATCH)
+    assert from_json(json.loads(json.dumps(to_json(m)))) == m  # as advisor_cluster.py stores it
+    with pytest.raises(ValueError, match="a stored measurement with keys"):
+        from_json({**to_json(m), "nope": 1})
+    # three fits: their measurements at 2, 3 and 5 x the Toy's, their probes 1, 1 and 2 ms: ratios 2, 3, 2.5 x
+    fits = ((2, 1e-3), (3, 1e-3), (5, 2e-3))
+    session = [{"probe": (p, 0.0), "measurement": to_json(at_speed(m, f))} for f, p in fits]
+    got, probe, source = session_measurement(session, m, 7e-3)
+    assert got == at_speed(m, 5) and probe == 2e-3 and source == "its fits'"  # the median ratio, with its probe
+    # a fit without one (stored before): the measurement here and its probe
+    assert session_measurement([*session, {"probe": (1e-3, 0.0)}], m, 7e-3) == (m, 7e-3, "here")
+
+
+def test_the_together_probe_counts_the_waits_for_a_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    import benchmarks._compute_probe as probe
+
+    # a clock that moves 1 s per reading, and 50 s more inside the second timed step (a wait for a core)
+    ticks = iter(range(1, 100))
+    readings: list[float] = []
+
+    def clock() -> float:
+        readings.append(next(ticks) + (50.0 if len(readings) >= 6 else 0.0))
+        return readings[-1]
+
+    monkeypatch.setattr(probe.time, "perf_counter", clock)
+    assert probe.mlp_step_s(5, width=8, layers=1) == 1.0  # the median step: the wait hidden
+    readings.clear()
+    ticks = iter(range(1, 100))
+    # readings: 2 untimed steps' starts (1, 2), the timed steps' begin (3), then start, end per step (4-13),
+    # the end (14): (14 + 50 - 3) / 5 steps
+    assert probe.mlp_step_s(5, width=8, layers=1, whole=True) == pytest.approx(61 / 5)
 
 
 def test_the_validation_moves_the_pipelines_stage_times_with_the_probe_as_the_compute() -> None:
@@ -296,7 +348,7 @@ def test_the_validation_predicts_from_the_measurement_whose_ratio_to_its_probe_i
     # five measurements, each between two probes of 1 ms: the compute at 3, 1, 5, 2, 4 x the Toy's
     made = iter((3.0, 1.0, 5.0, 2.0, 4.0))
     monkeypatch.setattr(validation, "mlp_step_s", lambda reps: 1e-3)
-    monkeypatch.setattr(validation, "measure", lambda *a, **k: validation.at_speed(m, next(made)))
+    monkeypatch.setattr(validation, "mlp_measurement", lambda *a, **k: validation.at_speed(m, next(made)))
     got, here, ratios, shares = validation.measure_here(5)
     assert here == 1e-3 and got.step_s == pytest.approx(3 * m.step_s)  # the median of 1 .. 5
     assert ratios == pytest.approx([f * m.step_s / 1e-3 for f in (3, 1, 5, 2, 4)])

@@ -578,6 +578,10 @@ def test_contention_is_busy_processes_over_cores() -> None:
     assert contention(64, None) == 1.0  # one device each
     assert effective_cores(4, alone_s=0.1, together_s=0.2) == 2.0
     assert effective_cores(2, alone_s=0.1, together_s=0.5) == 1.0  # never below one lone process
+    # never above the machine's cores: 4 processes "as fast together as alone" on 2 cores is the probe's error
+    assert effective_cores(4, alone_s=0.0027, together_s=0.0026) == pytest.approx(4 * 27 / 26)
+    assert effective_cores(4, alone_s=0.0027, together_s=0.0026, cpus=2) == 2.0
+    assert effective_cores(4, alone_s=0.1, together_s=0.4, cpus=2) == 1.0
     c = costs(compute_s=0.1, cores=2.0)
     assert predict("ddp", c, 4, one_bucket()).step_s == pytest.approx(0.2, rel=REL)
 
