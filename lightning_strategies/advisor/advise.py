@@ -176,7 +176,8 @@ def _tensor_work(m: Measurement, batch: int, t: int) -> Workload:
 
 
 def _reason(name: str, pred: Prediction, mem: Memory, cluster: Cluster, options: dict[str, Any]) -> str:
-    comm = 1 - pred.phases.get("compute", 0.0) / pred.step_s if pred.step_s > 0 else 0.0
+    own = pred.phases.get("compute", 0.0) + pred.phases.get("loop", 0.0)  # the worker's compute and training loop
+    comm = 1 - own / pred.step_s if pred.step_s > 0 else 0.0
     pace = f"communication {comm:.0%} of the step, {pred.link_bytes / 1e6:.3g} MB on the busiest link"
     what = {
         "ddp": "the backend's ring all-reduce of every gradient",

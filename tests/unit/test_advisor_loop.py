@@ -102,3 +102,12 @@ def test_the_validation_slows_the_loop_and_the_optimizer_with_the_cpu() -> None:
     assert slower(_costs(1e-3), 3.0).loop_s == pytest.approx(3e-3)
     m = dataclasses.replace(measure(Toy(), BATCH), optimizer_s=2e-4)
     assert at_speed(m, 3.0).optimizer_s == pytest.approx(6e-4)
+
+
+def test_the_reason_does_not_count_the_loop_as_communication() -> None:
+    from lightning_strategies.advisor.advise import _reason
+    from lightning_strategies.advisor.costs import Prediction
+
+    pred = Prediction(1.0, {"compute": 0.5, "loop": 0.25, "bandwidth": 0.25}, 0.0, 2e6, 0.0, 2.0)
+    cluster = load_cluster("loopback")
+    assert "communication 25% of the step" in _reason("ddp", pred, None, cluster, {})  # type: ignore[arg-type]
