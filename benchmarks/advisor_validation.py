@@ -11,15 +11,16 @@ The load. On this shared 2-vCPU machine other jobs take a share of the cores tha
 minute: the MLP's step alone took 2.9-40 ms in the runs' probes at load 5-21, and a latency-bound step (the
 pipeline's 32 hops per stage) slows with it. The stored runs and this script run at different moments, so
 each run stores a probe taken right before its fit (the MLP's step alone and on P processes at once,
-``_compute_probe``) and this script takes the same probe around its own measurement: 5 times, each
-measurement between two probes, and predicts from the one whose ratio to its probe is the median
-(:func:`measure_here`). A probe of 9 steps is shorter than the scheduler's time slices, so one alone is
-mostly noise: a cluster session's (one layout and rate, its ~9 fits) median probe stands for the CPU its
-runs had. Each session is predicted under it (:func:`run_costs`): the compute measured here moved to the
-session's moment (x its probe / the probe here), the cores its P processes shared (P x alone / together),
-the presets' host figures and wake-ups (a quiet machine's, ``scale.txt``) slowed by its probe over the least
-loaded probe of all (the floor; the machine was not quiet for long, so this under-slows rather than
-over-slows); a shaped link's rate is left as it is. The 4x1 presets' ``all_to_all_share``
+``_compute_probe``) and the advisor's own measurement of the MLP taken with it (``_mlp_measurement``). A
+session (one layout and rate, its ~18 fits) is predicted from its fits' measurements, the one whose ratio to
+its probe is the median (:func:`session_measurement`); a session whose fits stored none (runs stored before)
+from a measurement here, taken 5 times between two probes each (:func:`measure_here`). One probe alone is
+mostly noise (a probe is shorter than the scheduler's time slices): the session's median probe stands for
+the CPU its runs had. Each session is predicted under it (:func:`run_costs`): the measurement moved to the
+session's moment (x its probe / the measurement's own probe), the cores its P processes shared (P x alone /
+together, at most the machine's cores), the presets' host figures and wake-ups (a quiet machine's,
+``scale.txt``) slowed by its probe over the quiet machine's (``QUIET_PROBE_S``, or a lower probe if one is
+stored); a shaped link's rate is left as it is. The 4x1 presets' ``all_to_all_share``
 (``cluster_exchange.py``: the flat ps / async exchange's goodput over one stream's, 0.77-0.85) applies to
 the session's probed link; ``..._one_stream`` lines give the flat ps's and async's error without it (1: as
 one stream each way).
@@ -108,6 +109,12 @@ RATES = ("1gbit", "200mbit", "50mbit")
 MEASURE_ROUNDS = 5  # the measurement here, each between two probes (:func:`measure_here`)
 MEASURE_REPEATS = REPEATS  # each block's timings in a measurement (medians; the quarter batch in turn with the batch)
 STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pipeline", "tensor")
+# The quiet machine the presets' host figures were calibrated on (scale.txt), in the probe's terms: the least loaded
+# session's median probe of all stored so far (2x2 at 1gbit, 2026-12-03: advisor_probe_floor_ms 2.679 in this
+# script's output of that day, results/advisor_validation.txt in git history at 0b92218). The calibration took no
+# probe of its own; without this floor, sessions that all ran on a slow CPU set the floor themselves and their
+# host work was not slowed at all.
+QUIET_PROBE_S = 2.679e-3
 RUNS = "advisor_cluster_*.json"  # benchmarks/advisor_cluster.py's stored runs, one file per rate
 
 
@@ -291,7 +298,7 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
     (the same fit's spread between rounds; for tau, round 0's order against round 1's)."""
     text: list[str] = []
     sessions = {k.split("|", 1)[1] for k in runs}
-    floor_s = min([here, *(median([r["probe"][0] for k, rs in runs.items() if k.endswith(c) for r in rs])
+    floor_s = min([QUIET_PROBE_S, here, *(median([r["probe"][0] for k, rs in runs.items() if k.endswith(c) for r in rs])
                            for c in sessions)])  # fmt: skip
     text.append(line("advisor_probe_floor_ms", 1e3 * floor_s, "ms"))
     errors: list[tuple[float, str]] = []
@@ -306,7 +313,8 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
             continue
         # a probe of 9 steps (45-400 ms) is shorter than the scheduler's slices: one alone is mostly
         # noise (3-40 ms alone at one load); the session's median (its fits' probes) is its CPU
-        cpu: dict = {"probe": (median([r["probe"][0] for r in session]), median([r["probe"][1] for r in session]))}
+        cpu: dict = {"probe": (median([r["probe"][0] for r in session]), median([r["probe"][1] for r in session])),
+                     "cpus": min(r["cpus"] for r in session)}  # fmt: skip
         if all("link" in r for r in session):  # each fresh cluster's link probe, their median
             cpu["link"] = {k: median([r["link"][k] for r in session]) for k in ("oneway", "duplex_min")}
         m_s, here_s, source = session_measurement(session, m, here)

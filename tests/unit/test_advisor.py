@@ -282,6 +282,17 @@ def test_the_validation_reads_each_runs_machine_cores_from_its_files_header() ->
     assert runs and all(r["cpus"] == 2 for rs in runs.values() for r in rs)  # every stored run: this machine
 
 
+def test_a_sessions_cores_are_bounded_by_its_machines() -> None:
+    from benchmarks._mlp_measurement import to_json
+    from benchmarks.advisor_validation import step_lines
+
+    m = measure(Toy(), BATCH)
+    # every fit's probe: as fast on 4 processes at once as alone, 4 cores, on a 2-core machine
+    run = {"probe": (1e-3, 1e-3), "cpus": 2, "wall_s": 0.1, "steps_s": [0.1, 0.1], "measurement": to_json(m)}
+    lines = step_lines(m, {f"{s}|2x2|1gbit": [run, run] for s in ("ddp", "ring")}, 1e-3)
+    assert "advisor_probe_cores_2x2_1gbit 2 cores" in lines
+
+
 def test_a_session_is_predicted_from_its_own_fits_measurement_where_each_stored_one() -> None:
     from benchmarks._mlp_measurement import from_json, to_json
     from benchmarks.advisor_validation import at_speed, session_measurement
