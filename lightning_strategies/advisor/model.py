@@ -17,6 +17,9 @@ Where processes do not work in lockstep (the pipeline) a phase is not a slot of 
 process blocked in ``recv`` reaching it ``Costs.hop_s[b]`` later, b the processes busy when it is
 sent: on an oversubscribed machine a message waits for a core on either side (measured, not assumed).
 
+Every strategy's step also pays the training loop (``costs.with_loop``: each process's ``Costs.loop_s`` and
+its own optimizer step, ``Workload.optimizer_s``, under contention), added by :func:`predict`.
+
 Notation: P processes, L per node (``Costs.local_size``), M = P / L nodes; D = gradient bytes
 (``Workload.grad_bytes``); buckets D_b (DDP's: 1 MiB first, then 25 MiB); a link moves a message of
 B bytes in ``latency + B / bandwidth``.
