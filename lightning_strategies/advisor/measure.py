@@ -244,10 +244,19 @@ def _time_each(fns: list[Callable[[], Any]], repeats: int) -> list[float]:
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for fn, seconds in zip(fns, times, strict=True):
+            _sync()
             start = time.perf_counter()
             fn()
+            _sync()
             seconds.append(time.perf_counter() - start)
     return [statistics.median(t) for t in times]
+
+
+def _sync() -> None:
+    """Wait for the GPU's queued work where this process uses CUDA: a call on a CUDA module returns once its
+    kernels are queued, and the time is the kernels' (a measurement, not a training step: one sync per call)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _optimizer_state(

@@ -148,6 +148,15 @@ def test_the_quarter_batch_is_timed_in_turn_with_the_batch() -> None:
     assert slept >= 0.002  # each call's own figure (a sleep lasts at least its time)
 
 
+def test_on_cuda_every_timed_call_waits_for_the_gpu_before_and_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: events.append("sync"))
+    _time_each([lambda: events.append("a"), lambda: events.append("b")], 2)
+    assert events == ["sync", "a", "sync", "sync", "b", "sync"] * 2  # the kernels inside the timed span
+
+
 def test_block_seconds_and_the_pipelines_micro_batches_by_hand() -> None:
     blocks = tuple(
         Block(f"{i}", 0, 64, 0, 0, forward_s=f, backward_s=b, flops=0.0, forward_fixed_s=ff, backward_fixed_s=bf)
