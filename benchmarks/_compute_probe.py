@@ -55,7 +55,8 @@ def _worker(conn: Any, barrier: Any, reps: int) -> None:
             barrier.wait()
         # together: the whole run's time per step. P processes on fewer cores take turns in time slices of
         # several steps, so most single steps run at full speed and their median hid the sharing (P x alone /
-        # together gave up to 6.9 cores on this 2-core machine in results/advisor_cluster_*.json)
+        # together gave up to 6.9 cores on this 2-core machine in the advisor_cluster runs stored before
+        # 2026-12-04, in git history)
         conn.send(mlp_step_s(reps, whole=job == "together"))
 
 
