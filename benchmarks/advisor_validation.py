@@ -92,7 +92,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import _advisor_memory
 from benchmarks._common import header, line, load_line, median, spread
 from benchmarks._compute_probe import mlp_step_s
-from benchmarks._mlp_measurement import REPEATS, from_json, mlp_measurement
+from benchmarks._mlp_measurement import from_json, mlp_measurement
 from benchmarks._rank_memory import map_large_allocations
 from benchmarks._scale_costs import effective_cores, slower
 from lightning_strategies.advisor import Cluster, load_cluster
@@ -107,7 +107,6 @@ STEP_GOAL, TAU_GOAL, MEMORY_GOAL = 0.15, 0.8, 0.10
 LAYOUTS = {"2x2": (2, 2), "4x1": (4, 1)}
 RATES = ("1gbit", "200mbit", "50mbit")
 MEASURE_ROUNDS = 5  # the measurement here, each between two probes (:func:`measure_here`)
-MEASURE_REPEATS = REPEATS  # each block's timings in a measurement (medians; the quarter batch in turn with the batch)
 STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pipeline", "tensor")
 # The quiet machine the presets' host figures were calibrated on (scale.txt), in the probe's terms: the least loaded
 # session's median probe of all stored so far (2x2 at 1gbit, 2026-12-03: advisor_probe_floor_ms 2.679 in this
@@ -184,15 +183,18 @@ def measure_here(rounds: int) -> tuple[Measurement, float, list[float], list[flo
     shared machine other tenants' share of the CPU moves within seconds: the round whose ratio is the median,
     with its probe, every round's ratio (the script's own spread) and its micro-batch share
     (:func:`microbatch_share`: what the pipeline's stages are charged)."""
-    got: list[tuple[float, Measurement, float]] = []
+    got: list[tuple[Measurement, float]] = []
     for _ in range(rounds):
         before = mlp_step_s(31)
-        m = mlp_measurement(MEASURE_REPEATS)
-        here = (before + mlp_step_s(31)) / 2
-        got.append((m.step_s / here, m, here))
-    ordered = sorted(got, key=lambda g: g[0])
-    _, m, here = ordered[len(ordered) // 2]
-    return m, here, [g[0] for g in got], [microbatch_share(g[1]) for g in got]
+        m = mlp_measurement()
+        got.append((m, (before + mlp_step_s(31)) / 2))
+    m, here = median_by_ratio(got)
+    return m, here, [g.step_s / p for g, p in got], [microbatch_share(g) for g, _ in got]
+
+
+def median_by_ratio(measured: Sequence[tuple[Measurement, float]]) -> tuple[Measurement, float]:
+    """Of (measurement, its probe) pairs, the one whose ratio of the two is the median (the upper of two middles)."""
+    return sorted(measured, key=lambda g: g[0].step_s / g[1])[len(measured) // 2]
 
 
 def session_measurement(session: Sequence[dict], m: Measurement, here: float) -> tuple[Measurement, float, str]:
@@ -203,9 +205,7 @@ def session_measurement(session: Sequence[dict], m: Measurement, here: float) ->
     own = [(from_json(r["measurement"]), r["probe"][0]) for r in session if "measurement" in r]
     if not own or len(own) < len(session):
         return m, here, "here"
-    ordered = sorted(own, key=lambda g: g[0].step_s / g[1])
-    chosen, probe = ordered[len(ordered) // 2]
-    return chosen, probe, "its fits'"
+    return *median_by_ratio(own), "its fits'"
 
 
 def microbatch_share(m: Measurement, rows: int = 8) -> float:
@@ -311,8 +311,8 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
         session = [r for s in STRATEGIES for r in runs.get(f"{s}|{layout}|{rate}", [])]
         if not session:
             continue
-        # a probe of 9 steps (45-400 ms) is shorter than the scheduler's slices: one alone is mostly
-        # noise (3-40 ms alone at one load); the session's median (its fits' probes) is its CPU
+        # a probe (9 steps in the runs stored before 2026-12-04, 31 since) is not much longer than the
+        # scheduler's slices: one alone is mostly noise; the session's median (its fits' probes) is its CPU
         cpu: dict = {"probe": (median([r["probe"][0] for r in session]), median([r["probe"][1] for r in session])),
                      "cpus": min(r["cpus"] for r in session)}  # fmt: skip
         if all("link" in r for r in session):  # each fresh cluster's link probe, their median
