@@ -459,11 +459,11 @@ def predict(strategy: str, costs: Costs, world: int, work: Workload) -> Predicti
     phase included (:func:`~lightning_strategies.advisor.costs.with_loop`)."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, found {world}")
-    if strategy in ("ddp", "ring", "ring_bf16"):
-        return with_loop(_flat_ring(strategy, costs, world, work), costs, world, work)
-    others: dict[str, Callable[[Costs, int, Workload], Prediction]] = {
-        "ring_hier": _hier_ring, "ps": _ps, "ps_flat": partial(_ps, hierarchical=False), "ps_1": _ps_1,
-        "async": _async, "pipeline": _pipeline, "tensor": _tensor}  # fmt: skip
-    if strategy not in others:
+    priced: dict[str, Callable[[Costs, int, Workload], Prediction]] = {
+        "ddp": partial(_flat_ring, "ddp"), "ring": partial(_flat_ring, "ring"),
+        "ring_bf16": partial(_flat_ring, "ring_bf16"), "ring_hier": _hier_ring, "ps": _ps,
+        "ps_flat": partial(_ps, hierarchical=False), "ps_1": _ps_1, "async": _async, "pipeline": _pipeline,
+        "tensor": _tensor}  # fmt: skip
+    if strategy not in priced:
         raise ValueError(f"unknown strategy {strategy!r}: expected one of {list(STRATEGIES)}")
-    return with_loop(others[strategy](costs, world, work), costs, world, work)
+    return with_loop(priced[strategy](costs, world, work), costs, world, work)
