@@ -8,7 +8,9 @@ batch and a quarter of it), which ``advisor_validation.py`` predicts the session
 On this shared 2-vCPU machine the other jobs' load changes from fit to fit, and with it every CPU
 cost of a step (compute, host work, a waiting process's wake-up); the probe says by how much, next to
 the fit it belongs to, so that ``advisor_validation.py`` predicts each fit under the CPU it had
-instead of the machine's quiet figures. Lines (medians over rounds):
+instead of the machine's quiet figures. Each fresh cluster also times one small message before its first fit
+and after its last (``message_probe``: gloo's and RPC's, inside a node and between nodes, as the calibration
+took them on loopback), the host's share of every message at the session's moment. Lines (medians over rounds):
 
     advisor_cluster_step_s_<strategy>_<layout>_<rate>           s; ``..._spread``: (max - min) / median
                                                                 over the rounds' runs (one round: its timed steps)
@@ -21,6 +23,10 @@ instead of the machine's quiet figures. Lines (medians over rounds):
                                                                 fresh cluster (median over rounds)
     advisor_cluster_link_duplex_{min,mean}_over_oneway_<layout>_<rate>   a stream each way at once: the slower
                                                                 direction's (the pair's mean) goodput over it
+    advisor_cluster_message_us_<kind>_<layout>_<rate>         one small message's latency (``message_probe``,
+                                                                before and after each cluster's fits, their median):
+                                                                ``gloo_{intra,inter}`` per message, ``rpc_...`` a
+                                                                4 KiB round trip; inside a node, between nodes
 
     flock /tmp/ls-timing.lock python benchmarks/advisor_cluster.py --rates 1gbit --layouts 2x2 --name NAME
     (NAME: advisor_cluster_<rate>_<layout>; one rate and layout per stored run: 2 rounds of 9 fits,
@@ -38,6 +44,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -52,11 +59,26 @@ from benchmarks._compute_probe import ComputeProbe
 from benchmarks._mlp_measurement import mlp_measurement, to_json
 from benchmarks.cluster_strategies import LAYOUTS, RESULTS, run_one, schedule
 from benchmarks.emulated import EmulatedCluster
-from benchmarks.emulated.launch import report_start
+from benchmarks.emulated.launch import launch, report_start
 
 STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pipeline", "tensor")
 PROBE = Path(__file__).with_name("_cluster_probe.py")
+MESSAGE_PROBE = Path(__file__).with_name("emulated") / "_latency.py"
 LINK_PROBE_S = 3.0
+
+
+def message_probe(cluster: EmulatedCluster, per_node: int, timeout: float = 120.0) -> dict[str, float]:
+    """One small message's latency on ``cluster`` now (``emulated/_latency.py``): gloo's per message and a
+    4 KiB RPC round trip, inside a node (``..._intra``, with 2 or more per node) and between nodes 0 and 1
+    (``..._inter``). Raises RuntimeError where the probe fails (its output in the message)."""
+    with tempfile.TemporaryDirectory(prefix="latency-") as tmp:
+        out = Path(tmp) / "latency.json"
+        result = launch(cluster, [sys.executable, str(MESSAGE_PROBE), "--out", str(out)], per_node=per_node,
+                        timeout=timeout, echo=False)  # fmt: skip
+        if result.returncode or not out.exists():
+            tail = "".join(result.outputs)[-2000:]
+            raise RuntimeError(f"the message probe exited with {result.returncode}:\n{tail}")
+        return {k: float(v) for k, v in json.loads(out.read_text()).items()}
 
 
 def link_probe(cluster: EmulatedCluster) -> dict[str, float]:
@@ -81,6 +103,20 @@ def link_probe(cluster: EmulatedCluster) -> dict[str, float]:
     oneway = streams([(a, b, 5101)])[0]
     duplex = streams([(a, b, 5102), (b, a, 5103)])
     return {"oneway": oneway, "duplex_min": min(duplex), "duplex_mean": statistics.fmean(duplex)}
+
+
+def probe_messages(cluster: EmulatedCluster, per_node: int, label: str, text: list[str]) -> dict[str, float]:
+    """:func:`message_probe`, its figures printed and noted in ``text``; ``{}`` where it failed (noted: the fits
+    go on without it, and the validation falls back to the presets' latencies)."""
+    try:
+        got = message_probe(cluster, per_node)
+    except RuntimeError as err:
+        text.append(f"# {label}: message probe FAILED: " + str(err).replace("\n", "\n#   "))
+        print(text[-1], flush=True)
+        return {}
+    text.append(f"# {label}: message probe, us: " + ", ".join(f"{k} {1e6 * v:.0f}" for k, v in sorted(got.items())))
+    print(text[-1], flush=True)
+    return got
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,6 +173,17 @@ def main(argv: list[str] | None = None) -> int:
                               median([x["duplex_min"] / x["oneway"] for x in links]), "x"))  # fmt: skip
             lines.append(line(f"advisor_cluster_link_duplex_mean_over_oneway_{tag}",
                               median([x["duplex_mean"] / x["oneway"] for x in links]), "x"))  # fmt: skip
+        probed: dict[str, list[dict[str, float]]] = defaultdict(list)  # every cluster's message probes, once
+        for key, rs in runs.items():
+            for r in rs:
+                for got in r.get("messages", []):
+                    if got and all(got is not x for x in probed[key.split("|", 1)[1]]):
+                        probed[key.split("|", 1)[1]].append(got)
+        for session, got in probed.items():
+            for kind in sorted({k for g in got for k in g}):
+                values = [g[kind] for g in got if kind in g]
+                lines.append(line(f"advisor_cluster_message_us_{kind}_{session.replace('|', '_')}",
+                                  1e6 * median(values), "us"))  # fmt: skip
         tail = [f"# failed runs: {', '.join(failed)}"] if failed else []
         tail += [load_line("end" if final else "now"),
                  f"# {time.monotonic() - start:.0f} s in all; {args.rounds} round(s), {args.steps} steps per fit "
@@ -176,6 +223,7 @@ def measure(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], tex
             text.append(f"# round {r} {layout} {rate}: link probe, one stream {link['oneway']:.4g} B/s; one each "
                         f"way at once: {link['duplex_min']:.4g} slower, {link['duplex_mean']:.4g} mean")  # fmt: skip
             print(text[-1], flush=True)
+            messages = [probe_messages(cluster, per_node, f"round {r} {layout} {rate} before the fits", text)]
             for strategy in order:
                 alone, together = probe()
                 own = to_json(mlp_measurement())  # the advisor's own measurement, at the probe's moment
@@ -189,13 +237,15 @@ def measure(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], tex
                     print(text[-1], flush=True)
                     failed.append(f"{strategy}|{layout}|{rate}")
                     continue
-                run.update(probe=(alone, together), measurement=own, load=load, link=link, round=r)
+                run.update(probe=(alone, together), measurement=own, load=load, link=link, round=r, messages=messages)
                 runs[f"{strategy}|{layout}|{rate}"].append(run)
                 text.append(f"# round {r} {strategy} {layout} {rate}: {run['step_s']:.4f} s/step, probe "
                             f"{1e3 * alone:.2f} ms alone, {1e3 * together:.2f} ms on {probe.world} at once, "
                             f"{run['wall_s']:.4f} s wall/step, {run['seconds']:.0f} s wall, load {load}")  # fmt: skip
                 print(text[-1], flush=True)
                 store(False)  # after every fit: a run cut short keeps what it measured
+            if not args.quick:  # (CI: one probe, ~20 s of torchrun on 2 cores)
+                messages.append(probe_messages(cluster, per_node, f"round {r} {layout} {rate} after the fits", text))
         store(False)
 
 
