@@ -12,6 +12,8 @@ barrier, ``--reps`` times after one untimed round (the pair's connections made),
     rpc_intra    rank 1 calls rank 0 (TensorPipe, as ``comm.rpc.init_rpc`` sets it up) with 4 KiB that come
                  back: a round trip
     rpc_inter    rank L calls rank 0 the same way
+    gloo_inter_busy  gloo_inter while every other rank computes (a matmul loop for ``BUSY_S``, from the same
+                 barrier): the P processes of a fit on the machine's cores, as the calibration's ``wake_<b>_s``
 
 Global rank 0 writes ``{pattern: seconds}`` to ``--out``: per message for gloo (the median repetition / 4 / 2),
 per round trip for RPC (/ 4), the calibration's units. A message's latency on this machine is mostly its
@@ -41,14 +43,24 @@ from lightning_strategies.comm.rpc import init_rpc, rendezvous_store, shutdown_r
 
 CALLS = 4  # per repetition, as the calibration's
 RPC_BYTES = 4096  # _scale_costs.CALIB_SMALL: the calibration's bare round trip
+BUSY_S = 0.03  # the others' compute per repetition: longer than the pair's 4 calls (~1-3 ms; 10 ms at worst seen)
 
 
 def _echo(payload: torch.Tensor) -> torch.Tensor:
     return payload
 
 
-def timed(fn: Callable[[], None], timing: bool, reps: int) -> float:
-    """The median seconds of ``fn`` on the ranks that time (``timing``), every rank in a barrier around each."""
+def spin(seconds: float) -> None:
+    """Compute (small matmuls, one thread) for ``seconds`` of wall time."""
+    a = torch.ones(64, 64)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = (a @ a).clamp_(max=1.0)
+
+
+def timed(fn: Callable[[], None], timing: bool, reps: int, busy: bool = False) -> float:
+    """The median seconds of ``fn`` on the ranks that time (``timing``), every rank in a barrier around each; the
+    others wait in the barrier, or compute for ``BUSY_S`` with ``busy``."""
     times = []
     for rep in range(reps + 1):
         dist.barrier()
@@ -57,6 +69,8 @@ def timed(fn: Callable[[], None], timing: bool, reps: int) -> float:
             fn()
             if rep:  # the first: connections made
                 times.append(time.perf_counter() - t0)
+        elif busy:
+            spin(BUSY_S)
         dist.barrier()
     return statistics.median(times) if times else 0.0
 
@@ -94,6 +108,11 @@ def main() -> int:
 
         out[f"gloo_{name}"] = timed(allreduce, rank in (a, b), args.reps) / CALLS / 2
         out[f"rpc_{name}"] = timed(call, rank == b, args.reps) / CALLS
+    def inter_allreduce() -> None:
+        for _ in range(CALLS):
+            dist.all_reduce(tiny, group=groups["inter"])
+
+    out["gloo_inter_busy"] = timed(inter_allreduce, rank in pairs["inter"], args.reps, busy=True) / CALLS / 2
     # rank 0 times the gloo pairs, rank b the RPC calls: every figure to rank 0
     gathered: list[dict[str, float] | None] = [None] * world
     dist.all_gather_object(gathered, out)
