@@ -77,7 +77,6 @@ busiest rank's peak RSS growth, not held to the goal:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import re
@@ -92,12 +91,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import _advisor_memory
 from benchmarks._common import header, line, load_line, median, spread
 from benchmarks._compute_probe import mlp_step_s
-from benchmarks._mlp_measurement import from_json, mlp_measurement
+from benchmarks._mlp_measurement import mlp_measurement
 from benchmarks._rank_memory import map_large_allocations
-from benchmarks._scale_costs import effective_cores, slower
-from lightning_strategies.advisor import Cluster, load_cluster
+from benchmarks._session_costs import (
+    QUIET_PROBE_S,
+    at_speed,
+    median_by_ratio,
+    quiet_rpc_round_trip_s,
+    run_costs,
+    session_cpu,
+    session_measurement,
+)
+from lightning_strategies.advisor import load_cluster
 from lightning_strategies.advisor.advise import model_key, strategy_workload
-from lightning_strategies.advisor.costs import Costs, Link, Workload
+from lightning_strategies.advisor.costs import Costs, Workload
 from lightning_strategies.advisor.measure import Measurement
 from lightning_strategies.advisor.model import predict
 from lightning_strategies.advisor.push import push_traffic
@@ -108,12 +115,6 @@ LAYOUTS = {"2x2": (2, 2), "4x1": (4, 1)}
 RATES = ("1gbit", "200mbit", "50mbit")
 MEASURE_ROUNDS = 5  # the measurement here, each between two probes (:func:`measure_here`)
 STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pipeline", "tensor")
-# The quiet machine the presets' host figures were calibrated on (scale.txt), in the probe's terms: the least loaded
-# session's median probe of all stored so far (2x2 at 1gbit, 2026-12-03: advisor_probe_floor_ms 2.679 in this
-# script's output of that day, results/advisor_validation.txt in git history at 0b92218). The calibration took no
-# probe of its own; without this floor, sessions that all ran on a slow CPU set the floor themselves and their
-# host work was not slowed at all.
-QUIET_PROBE_S = 2.679e-3
 RUNS = "advisor_cluster_*.json"  # benchmarks/advisor_cluster.py's stored runs, one file per rate
 
 
@@ -141,42 +142,6 @@ def workload(m: Measurement, strategy: str, world: int) -> Workload:
     return strategy_workload(m, strategy, 32, num_stages=world, microbatches=4 * world, tp_size=world)
 
 
-def run_costs(cluster: Cluster, m: Measurement, run: dict, probe_here_s: float, floor_s: float) -> Costs:
-    """The preset's costs under the CPU a run had, from its probe (``advisor_cluster.py``): the MLP's step
-    alone (``a``) and on P processes at once (``t``) right before the fit, against the same probe here
-    next to ``measure`` (``h``) and the least loaded probe of all (``q``, the machine's floor).
-
-    compute alone        m.step_s x a / h         (the advisor's measurement moved to the run's moment)
-    cores                P x a / t                (what the run's P processes shared, other jobs taken;
-                                                  at most the machine's cores, ``run["cpus"]``)
-    host work, wake-ups  x a / q                  (the presets' figures are a quiet machine's: scale.txt)
-    wire between nodes   unchanged                (a shaped link's rate is the network's, not CPU work),
-                         or where the run has a link probe (``advisor_cluster.link_probe``): the slower
-                         direction of a stream each way at once (most strategies send and receive at
-                         once), ``duplex_share`` that over one stream alone (ps1's one direction at a time)
-    """
-    alone, together = run["probe"]
-    quiet = cluster.costs(m.step_s * floor_s / probe_here_s)
-    costs = slower(quiet, alone / floor_s)
-    if cluster.nodes > 1:
-        costs = costs.with_(inter=quiet.inter, rpc_inter=quiet.rpc_inter)
-        if run.get("link"):  # the session's link probe: both directions at once, the slower one bounds a step
-            duplex, oneway = run["link"]["duplex_min"], run["link"]["oneway"]
-            costs = costs.with_(inter=Link(quiet.inter.latency_s, duplex), rpc_inter=Link(quiet.rpc_inter.latency_s,
-                                duplex), duplex_share=min(1.0, duplex / oneway))  # fmt: skip
-    return costs.with_(cores=effective_cores(cluster.world, alone, together, run.get("cpus")))
-
-
-def at_speed(m: Measurement, factor: float) -> Measurement:
-    """``m`` on a CPU ``factor`` times slower: every block's times (what the pipeline's stages take from the
-    measurement itself, where the other strategies take ``Costs.compute_s``) and the optimizer step scaled
-    alike."""
-    blocks = tuple(dataclasses.replace(b, forward_s=b.forward_s * factor, backward_s=b.backward_s * factor,
-                                       forward_fixed_s=b.forward_fixed_s * factor,
-                                       backward_fixed_s=b.backward_fixed_s * factor) for b in m.blocks)  # fmt: skip
-    return dataclasses.replace(m, blocks=blocks, optimizer_s=m.optimizer_s * factor)
-
-
 def measure_here(rounds: int) -> tuple[Measurement, float, list[float], list[float]]:
     """The MLP measured ``rounds`` times (``advisor.measure``), each between two probes (the probe the runs took,
     longer: one figure). The stored runs are predicted from the measurement's ratio to its probe, and on this
@@ -190,22 +155,6 @@ def measure_here(rounds: int) -> tuple[Measurement, float, list[float], list[flo
         got.append((m, (before + mlp_step_s(31)) / 2))
     m, here = median_by_ratio(got)
     return m, here, [g.step_s / p for g, p in got], [microbatch_share(g) for g, _ in got]
-
-
-def median_by_ratio(measured: Sequence[tuple[Measurement, float]]) -> tuple[Measurement, float]:
-    """Of (measurement, its probe) pairs, the one whose ratio of the two is the median (the upper of two middles)."""
-    return sorted(measured, key=lambda g: g[0].step_s / g[1])[len(measured) // 2]
-
-
-def session_measurement(session: Sequence[dict], m: Measurement, here: float) -> tuple[Measurement, float, str]:
-    """What a session's fits are predicted from, with the probe taken next to it: where every fit stored the
-    advisor's measurement taken with its probe (``advisor_cluster.py``), the one whose ratio to that probe is
-    the median (the session's own moment: no measurement here moved to it); else ``m`` and ``here``, the
-    measurement here (:func:`measure_here`)."""
-    own = [(from_json(r["measurement"]), r["probe"][0]) for r in session if "measurement" in r]
-    if not own or len(own) < len(session):
-        return m, here, "here"
-    return *median_by_ratio(own), "its fits'"
 
 
 def microbatch_share(m: Measurement, rows: int = 8) -> float:
@@ -303,6 +252,8 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
     text.append(line("advisor_probe_floor_ms", 1e3 * floor_s, "ms"))
     errors: list[tuple[float, str]] = []
     preset_errors: list[float] = []
+    unprobed_errors: list[float] = []  # the cells of sessions with a message probe, predicted without it
+    probed_errors: list[float] = []  # ... and with it
     taus: list[tuple[float, float, str]] = []
     floors: list[float] = []
     within = 0
@@ -313,12 +264,12 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
             continue
         # a probe (9 steps in the runs stored before 2026-12-04, 31 since) is not much longer than the
         # scheduler's slices: one alone is mostly noise; the session's median (its fits' probes) is its CPU
-        cpu: dict = {"probe": (median([r["probe"][0] for r in session]), median([r["probe"][1] for r in session])),
-                     "cpus": min(r["cpus"] for r in session)}  # fmt: skip
-        if all("link" in r for r in session):  # each fresh cluster's link probe, their median
-            cpu["link"] = {k: median([r["link"][k] for r in session]) for k in ("oneway", "duplex_min")}
+        cpu = session_cpu(session)
         m_s, here_s, source = session_measurement(session, m, here)
-        costs = run_costs(cluster, m_s, cpu, here_s, floor_s)
+        rpc_quiet = quiet_rpc_round_trip_s(cluster.world)
+        costs = run_costs(cluster, m_s, cpu, here_s, floor_s, rpc_quiet)
+        # the same without the message probe: the presets' latencies (the sessions stored before it, all of them)
+        unprobed = run_costs(cluster, m_s, {k: v for k, v in cpu.items() if k != "messages"}, here_s, floor_s)
         m_run = at_speed(m_s, cpu["probe"][0] / here_s)  # the measurement at the session's CPU, as costs.compute_s
         text.append(line(f"advisor_session_microbatch_share_{layout}_{rate}", microbatch_share(m_s), "x"))
         text.append(f"# {layout} {rate}: predicted from {source} measurement ({1e3 * m_s.step_s:.2f} ms, its probe "
@@ -330,6 +281,10 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
         if "link" in cpu:
             text.append(line(f"advisor_link_oneway_Bps_{layout}_{rate}", cpu["link"]["oneway"], "B/s"))
             text.append(line(f"advisor_link_duplex_share_{layout}_{rate}", costs.duplex_share, "x"))
+        for kind, value in sorted(cpu.get("messages", {}).items()):
+            text.append(line(f"advisor_message_us_{kind}_{layout}_{rate}", 1e6 * value, "us"))
+        if "messages" in cpu:
+            text.append(line(f"advisor_rpc_overhead_us_{layout}_{rate}", 1e6 * costs.rpc_overhead_s, "us"))
         pred, meas, cell_errors, names = [], [], [], []
         by_round: dict[int, dict[str, float]] = {}
         for strategy in STRATEGIES:
@@ -349,6 +304,11 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
             if costs.all_to_all_share != 1.0 and strategy in ("ps", "async"):  # as one stream each way
                 one = predicted(m_run, key, layout, rate, costs.with_(all_to_all_share=1.0))
                 text.append(line(f"advisor_step_error_{tag}_one_stream", abs(one - got) / got, "x"))
+            if "messages" in cpu:
+                without = abs(predicted(m_run, key, layout, rate, unprobed) - got) / got
+                text.append(line(f"advisor_step_error_{tag}_preset_latency", without, "x"))
+                unprobed_errors.append(without)
+                probed_errors.append(err)
             text.append(line(f"advisor_predicted_preset_step_s_{tag}", preset, "s"))
             text.append(line(f"advisor_probe_alone_ms_{tag}", 1e3 * median([r["probe"][0] for r in cell]), "ms"))
             floors.append(floor)
@@ -382,6 +342,13 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
     text.append(line("advisor_step_error_median_floor", median(floors), "x"))
     text.append(line("advisor_step_error_within_goal_or_floor", within / len(errors), "frac"))
     text.append(line("advisor_step_error_preset_max", max(preset_errors), "x"))
+    if probed_errors:  # the sessions with a message probe: their cells with it and with the presets' latencies
+        text.append(line("advisor_step_error_max_message_probed", max(probed_errors), "x"))
+        text.append(line("advisor_step_error_max_message_probed_preset_latency", max(unprobed_errors), "x"))
+        text.append(f"# the {len(probed_errors)} cells of sessions with a message probe: "
+                    f"{sum(e <= STEP_GOAL for e in probed_errors)} within {STEP_GOAL} with its latencies (median error "
+                    f"{median(probed_errors):.3f}), {sum(e <= STEP_GOAL for e in unprobed_errors)} with the presets' "
+                    f"(median {median(unprobed_errors):.3f})")  # fmt: skip
     lowest = min(taus)
     text.append(line("advisor_rank_kendall_tau_min", lowest[0], "tau"))
     text.append(line("advisor_rank_kendall_tau_min_floor", min(t[1] for t in taus), "tau"))

@@ -3,6 +3,7 @@ memory formulas and the ranking against hand-computed values, the presets, the r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -253,7 +254,7 @@ def test_the_validation_predicts_stored_ps_runs_with_the_push_they_made() -> Non
 def test_the_validation_predicts_each_run_under_the_cpu_its_probe_found() -> None:
     from types import SimpleNamespace
 
-    from benchmarks.advisor_validation import run_costs
+    from benchmarks._session_costs import run_costs
 
     cluster = load_cluster("emulated_4x1_200mbit")
     m = SimpleNamespace(step_s=0.02)  # the MLP's step as measured here, with the probe here at 10 ms
@@ -277,6 +278,53 @@ def test_the_validation_predicts_each_run_under_the_cpu_its_probe_found() -> Non
     assert linked.inter.bandwidth == linked.rpc_inter.bandwidth == 18e6
     assert linked.inter.latency_s == quiet.inter.latency_s
     assert linked.duplex_share == pytest.approx(0.75)
+
+
+def test_a_message_probe_sets_the_sessions_latencies_and_slows_rpcs_host_work_as_its_round_trip() -> None:
+    from types import SimpleNamespace
+
+    from benchmarks._session_costs import quiet_rpc_round_trip_s, run_costs
+
+    m = SimpleNamespace(step_s=0.02)
+    probe = {"probe": (0.030, 0.060), "link": {"oneway": 24e6, "duplex_min": 18e6}}
+    # 2 x 2: gloo 200 us per message inside a node, 300 us between nodes; RPC's round trip 1 ms inside a node,
+    # 2.5 x the calibration's 400 us
+    messages = {"gloo_intra": 200e-6, "gloo_inter": 300e-6, "rpc_intra": 1e-3, "rpc_inter": 1.2e-3}
+    cluster = load_cluster("emulated_2x2_1gbit")
+    quiet = cluster.costs(0.02)
+    got = run_costs(cluster, m, {**probe, "messages": messages}, 0.010, 0.005, 400e-6)  # type: ignore[arg-type]
+    unprobed = run_costs(cluster, m, probe, 0.010, 0.005, 400e-6)  # type: ignore[arg-type]
+    assert got.intra.latency_s == got.rpc_intra.latency_s == 200e-6
+    assert got.inter.latency_s == got.rpc_inter.latency_s == 300e-6
+    assert got.inter.bandwidth == 18e6  # the link probe's rate stays
+    assert got.intra.bandwidth == unprobed.intra.bandwidth  # loopback's copies: the CPU's
+    assert got.rpc_overhead_s == pytest.approx(quiet.rpc_overhead_s * 2.5)
+    assert unprobed.rpc_overhead_s == quiet.rpc_overhead_s and unprobed.inter.latency_s == quiet.inter.latency_s
+    assert dataclasses.replace(got, intra=unprobed.intra, inter=unprobed.inter, rpc_intra=unprobed.rpc_intra,
+                               rpc_inter=unprobed.rpc_inter, rpc_overhead_s=unprobed.rpc_overhead_s) == unprobed
+    # 4 x 1: no pair inside a node; the round trip between nodes less the wire's (2 x 48.6 us and 8 KiB at 18e6 B/s)
+    four = load_cluster("emulated_4x1_1gbit")
+    inter = {"gloo_inter": 300e-6, "rpc_inter": 1.2e-3}
+    got = run_costs(four, m, {**probe, "messages": inter}, 0.010, 0.005, 400e-6)  # type: ignore[arg-type]
+    host = 1.2e-3 - 2 * four.latency_us * 1e-6 - 2 * 4096 / 18e6
+    assert got.rpc_overhead_s == pytest.approx(four.costs(0.02).rpc_overhead_s * host / 400e-6)
+    assert got.inter.latency_s == 300e-6
+    # the calibration's bare 4 KiB round trip on the quiet machine: rpc/P4's repetitions in scale_raw.json, by
+    # hand: 379.2 308.8 375.0 389.4 309.5 308.7 us, median (309.5 + 375.0) / 2
+    assert quiet_rpc_round_trip_s(4) == pytest.approx(342.25e-6, abs=0.1e-6)
+
+
+def test_a_sessions_message_probes_count_once_per_cluster() -> None:
+    from benchmarks._session_costs import session_cpu
+
+    a, b, c = {"gloo_inter": 1.0, "rpc_inter": 4.0}, {"gloo_inter": 2.0, "rpc_inter": 5.0}, {"gloo_inter": 9.0}
+    # cluster 1's probes (a before, b after) stored with each of its 3 fits; cluster 2's (c; its after failed: {})
+    fits = [{"probe": (1.0, 2.0), "cpus": 2, "messages": [a, b]} for _ in range(3)]
+    fits += [{"probe": (3.0, 4.0), "cpus": 2, "messages": [c, {}]}]
+    cpu = session_cpu(json.loads(json.dumps(fits)))  # as stored: the clusters' probes no longer one object
+    assert cpu["messages"] == {"gloo_inter": 2.0, "rpc_inter": 4.5}  # medians of (1, 2, 9) and (4, 5)
+    assert cpu["probe"] == (1.0, 2.0) and "link" not in cpu  # every fit counts: (1, 1, 1, 3), (2, 2, 2, 4)
+    assert "messages" not in session_cpu([{"probe": (1.0, 2.0), "cpus": 2}])  # stored before the probe
 
 
 def test_the_validation_reads_each_runs_machine_cores_from_its_files_header() -> None:
@@ -304,7 +352,7 @@ def test_a_sessions_cores_are_bounded_by_its_machines() -> None:
 
 def test_a_session_is_predicted_from_its_own_fits_measurement_where_each_stored_one() -> None:
     from benchmarks._mlp_measurement import from_json, to_json
-    from benchmarks.advisor_validation import at_speed, session_measurement
+    from benchmarks._session_costs import at_speed, session_measurement
 
     m = measure(Toy(), BATCH)
     assert from_json(json.loads(json.dumps(to_json(m)))) == m  # as advisor_cluster.py stores it
@@ -342,7 +390,8 @@ def test_the_together_probe_counts_the_waits_for_a_core(monkeypatch: pytest.Monk
 def test_the_validation_moves_the_pipelines_stage_times_with_the_probe_as_the_compute() -> None:
     from types import SimpleNamespace
 
-    from benchmarks.advisor_validation import at_speed, run_costs, workload
+    from benchmarks._session_costs import at_speed, run_costs
+    from benchmarks.advisor_validation import workload
 
     m = measure(Toy(), BATCH)
     cluster = load_cluster("emulated_4x1_200mbit")
