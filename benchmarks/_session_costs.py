@@ -87,9 +87,12 @@ def run_costs(cluster: Cluster, m: Measurement, run: dict, probe_here_s: float, 
                          once), ``duplex_share`` that over one stream alone (ps1's one direction at a time)
     a message's latency  the presets' (a quiet machine's median), or where the run has a message probe
                          (``run["messages"]``, ``emulated/_latency.py``): gloo's per message inside a node
-                         (``gloo_intra``) and between nodes (``gloo_inter``: the wire's latency with it); an RPC
-                         message's host work (``rpc_overhead_s``) x the probe's 4 KiB round trip over the
-                         calibration's (``rpc_quiet_s``; between nodes, the wire's round trip taken out)
+                         (``gloo_intra``) and between nodes (``gloo_inter``: the wire's latency with it); with
+                         ``rpc_quiet_s`` also an RPC message's host work (``rpc_overhead_s``) x the probe's 4 KiB
+                         round trip over the calibration's (between nodes, the wire's round trip taken out). The
+                         validation predicts without it and prints what it gives: the ps protocol's work per
+                         message is not a bare RPC's, and at 4x1 1gbit the bare round trip's 3.1 x over-predicted
+                         flat ps and async by 0.4-0.5 (``docs/advisor.md``)
     """
     alone, together = run["probe"]
     quiet = cluster.costs(m.step_s * floor_s / probe_here_s)

@@ -20,7 +20,12 @@ the CPU its runs had. Each session is predicted under it (:func:`run_costs`): th
 session's moment (x its probe / the measurement's own probe), the cores its P processes shared (P x alone /
 together, at most the machine's cores), the presets' host figures and wake-ups (a quiet machine's,
 ``scale.txt``) slowed by its probe over the quiet machine's (``QUIET_PROBE_S``, or a lower probe if one is
-stored); a shaped link's rate is left as it is. The 4x1 presets' ``all_to_all_share``
+stored); a shaped link's rate is left as it is (``benchmarks/_session_costs.py``). Where a session's clusters
+took the message probe (``advisor_cluster.message_probe``, stored since 2026-12-04), a gloo message's latency
+inside a node and between nodes is the probes' median instead of the presets' (the same quantity the
+calibration timed on loopback); ``..._preset_latency`` lines give each such cell's error with the presets'
+latencies, and ``advisor_step_error_max_message_probed_rpc_round_trip`` what RPC's host work slowed as the
+probe's RPC round trip would give (not adopted). The 4x1 presets' ``all_to_all_share``
 (``cluster_exchange.py``: the flat ps / async exchange's goodput over one stream's, 0.77-0.85) applies to
 the session's probed link; ``..._one_stream`` lines give the flat ps's and async's error without it (1: as
 one stream each way).
@@ -49,6 +54,13 @@ Lines:
     advisor_rank_kendall_tau_min                                              goal >= 0.8
     advisor_probe_alone_ms_*, advisor_probe_cores_*        the CPU: the probe alone (per run, and a session's
                                                            median), P x alone / together (a session's)
+    advisor_message_us_<kind>_<layout>_<rate>              the message probe's medians (``gloo_intra``,
+                                                           ``gloo_inter``, ``gloo_inter_busy``: per message;
+                                                           ``rpc_*``: a 4 KiB round trip)
+    advisor_step_error_<cell>_preset_latency               a probed session's cell with the presets' latencies
+    advisor_step_error_max_message_probed[_preset_latency|_rpc_round_trip]   the probed sessions' cells: as
+                                                           predicted, with the presets' latencies, with RPC's
+                                                           host work x the probe's round trip / the quiet one
     advisor_predicted_preset_step_s_*, advisor_step_error_preset_max   the presets alone (no probe)
     advisor_measured_over_probe_here, ..._spread           the measurement here over its probe (the one used;
                                                            (max - min) / median over the 5)
@@ -252,8 +264,10 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
     text.append(line("advisor_probe_floor_ms", 1e3 * floor_s, "ms"))
     errors: list[tuple[float, str]] = []
     preset_errors: list[float] = []
-    unprobed_errors: list[float] = []  # the cells of sessions with a message probe, predicted without it
-    probed_errors: list[float] = []  # ... and with it
+    # the cells of sessions with a message probe: as predicted (its gloo latencies), with the presets' latencies,
+    # and with RPC's host work also slowed as the probe's RPC round trip (not adopted: see docs/advisor.md)
+    variants: dict[str, list[float]] = {"its gloo latencies": [], "the presets' latencies": [],
+                                        "RPC's host work x its round trip": []}  # fmt: skip
     taus: list[tuple[float, float, str]] = []
     floors: list[float] = []
     within = 0
@@ -266,10 +280,10 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
         # scheduler's slices: one alone is mostly noise; the session's median (its fits' probes) is its CPU
         cpu = session_cpu(session)
         m_s, here_s, source = session_measurement(session, m, here)
-        rpc_quiet = quiet_rpc_round_trip_s(cluster.world)
-        costs = run_costs(cluster, m_s, cpu, here_s, floor_s, rpc_quiet)
-        # the same without the message probe: the presets' latencies (the sessions stored before it, all of them)
-        unprobed = run_costs(cluster, m_s, {k: v for k, v in cpu.items() if k != "messages"}, here_s, floor_s)
+        costs = run_costs(cluster, m_s, cpu, here_s, floor_s)
+        # the same without the message probe (the presets' latencies), and with RPC's host work slowed as its round trip
+        others = (run_costs(cluster, m_s, {k: v for k, v in cpu.items() if k != "messages"}, here_s, floor_s),
+                  run_costs(cluster, m_s, cpu, here_s, floor_s, quiet_rpc_round_trip_s(cluster.world)))  # fmt: skip
         m_run = at_speed(m_s, cpu["probe"][0] / here_s)  # the measurement at the session's CPU, as costs.compute_s
         text.append(line(f"advisor_session_microbatch_share_{layout}_{rate}", microbatch_share(m_s), "x"))
         text.append(f"# {layout} {rate}: predicted from {source} measurement ({1e3 * m_s.step_s:.2f} ms, its probe "
@@ -283,8 +297,6 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
             text.append(line(f"advisor_link_duplex_share_{layout}_{rate}", costs.duplex_share, "x"))
         for kind, value in sorted(cpu.get("messages", {}).items()):
             text.append(line(f"advisor_message_us_{kind}_{layout}_{rate}", 1e6 * value, "us"))
-        if "messages" in cpu:
-            text.append(line(f"advisor_rpc_overhead_us_{layout}_{rate}", 1e6 * costs.rpc_overhead_s, "us"))
         pred, meas, cell_errors, names = [], [], [], []
         by_round: dict[int, dict[str, float]] = {}
         for strategy in STRATEGIES:
@@ -305,10 +317,10 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
                 one = predicted(m_run, key, layout, rate, costs.with_(all_to_all_share=1.0))
                 text.append(line(f"advisor_step_error_{tag}_one_stream", abs(one - got) / got, "x"))
             if "messages" in cpu:
-                without = abs(predicted(m_run, key, layout, rate, unprobed) - got) / got
-                text.append(line(f"advisor_step_error_{tag}_preset_latency", without, "x"))
-                unprobed_errors.append(without)
-                probed_errors.append(err)
+                errs = [err, *(abs(predicted(m_run, key, layout, rate, c) - got) / got for c in others)]
+                text.append(line(f"advisor_step_error_{tag}_preset_latency", errs[1], "x"))
+                for errors_of, e in zip(variants.values(), errs, strict=True):
+                    errors_of.append(e)
             text.append(line(f"advisor_predicted_preset_step_s_{tag}", preset, "s"))
             text.append(line(f"advisor_probe_alone_ms_{tag}", 1e3 * median([r["probe"][0] for r in cell]), "ms"))
             floors.append(floor)
@@ -342,13 +354,12 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
     text.append(line("advisor_step_error_median_floor", median(floors), "x"))
     text.append(line("advisor_step_error_within_goal_or_floor", within / len(errors), "frac"))
     text.append(line("advisor_step_error_preset_max", max(preset_errors), "x"))
-    if probed_errors:  # the sessions with a message probe: their cells with it and with the presets' latencies
-        text.append(line("advisor_step_error_max_message_probed", max(probed_errors), "x"))
-        text.append(line("advisor_step_error_max_message_probed_preset_latency", max(unprobed_errors), "x"))
-        text.append(f"# the {len(probed_errors)} cells of sessions with a message probe: "
-                    f"{sum(e <= STEP_GOAL for e in probed_errors)} within {STEP_GOAL} with its latencies (median error "
-                    f"{median(probed_errors):.3f}), {sum(e <= STEP_GOAL for e in unprobed_errors)} with the presets' "
-                    f"(median {median(unprobed_errors):.3f})")  # fmt: skip
+    if variants["its gloo latencies"]:
+        for suffix, errs in zip(("", "_preset_latency", "_rpc_round_trip"), variants.values(), strict=True):
+            text.append(line(f"advisor_step_error_max_message_probed{suffix}", max(errs), "x"))
+        text.append(f"# the {len(errs)} cells of the sessions with a message probe, within {STEP_GOAL} (median error): "
+                    + "; ".join(f"with {name} {sum(e <= STEP_GOAL for e in errs)} ({median(errs):.3f})"
+                                for name, errs in variants.items()))  # fmt: skip
     lowest = min(taus)
     text.append(line("advisor_rank_kendall_tau_min", lowest[0], "tau"))
     text.append(line("advisor_rank_kendall_tau_min_floor", min(t[1] for t in taus), "tau"))

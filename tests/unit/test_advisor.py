@@ -299,6 +299,8 @@ def test_a_message_probe_sets_the_sessions_latencies_and_slows_rpcs_host_work_as
     assert got.inter.bandwidth == 18e6  # the link probe's rate stays
     assert got.intra.bandwidth == unprobed.intra.bandwidth  # loopback's copies: the CPU's
     assert got.rpc_overhead_s == pytest.approx(quiet.rpc_overhead_s * 2.5)
+    # the validation's own prediction leaves RPC's host work at the preset's (no round trip given)
+    assert run_costs(cluster, m, {**probe, "messages": messages}, 0.010, 0.005).rpc_overhead_s == quiet.rpc_overhead_s  # type: ignore[arg-type]
     assert unprobed.rpc_overhead_s == quiet.rpc_overhead_s and unprobed.inter.latency_s == quiet.inter.latency_s
     assert dataclasses.replace(got, intra=unprobed.intra, inter=unprobed.inter, rpc_intra=unprobed.rpc_intra,
                                rpc_inter=unprobed.rpc_inter, rpc_overhead_s=unprobed.rpc_overhead_s) == unprobed
