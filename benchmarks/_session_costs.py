@@ -91,8 +91,8 @@ def run_costs(cluster: Cluster, m: Measurement, run: dict, probe_here_s: float, 
                          ``rpc_quiet_s`` also an RPC message's host work (``rpc_overhead_s``) x the probe's 4 KiB
                          round trip over the calibration's (between nodes, the wire's round trip taken out). The
                          validation predicts without it and prints what it gives: the ps protocol's work per
-                         message is not a bare RPC's, and at 4x1 1gbit the bare round trip's 3.1 x over-predicted
-                         flat ps and async by 0.4-0.5 (``docs/advisor.md``)
+                         message is not a bare RPC's, and at 4x1 1gbit the bare round trip's 3.0 x over-predicted
+                         flat ps and async by 0.38-0.41, against 0.01-0.02 without it (``docs/advisor.md``)
     """
     alone, together = run["probe"]
     quiet = cluster.costs(m.step_s * floor_s / probe_here_s)
