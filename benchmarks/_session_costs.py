@@ -71,6 +71,15 @@ def session_cpu(session: Sequence[dict]) -> dict:
     return cpu
 
 
+def busy_between_nodes(cpu: dict) -> dict:
+    """``cpu`` (``session_cpu``'s) with gloo's latency between nodes the message probe's ``gloo_inter_busy`` (the
+    exchange timed while the other ranks computed) where it has one; the validation prints what it would give."""
+    messages = cpu.get("messages") or {}
+    if "gloo_inter_busy" not in messages:
+        return cpu
+    return {**cpu, "messages": {**messages, "gloo_inter": messages["gloo_inter_busy"]}}
+
+
 def run_costs(cluster: Cluster, m: Measurement, run: dict, probe_here_s: float, floor_s: float,
               rpc_quiet_s: float | None = None) -> Costs:  # fmt: skip
     """The preset's costs under the CPU a run had, from its probe (``advisor_cluster.py``): the MLP's step

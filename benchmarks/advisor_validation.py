@@ -25,7 +25,8 @@ took the message probe (``advisor_cluster.message_probe``, stored since 2026-12-
 inside a node and between nodes is the probes' median instead of the presets' (the same quantity the
 calibration timed on loopback); ``..._preset_latency`` lines give each such cell's error with the presets'
 latencies, and ``advisor_step_error_max_message_probed_rpc_round_trip`` what RPC's host work slowed as the
-probe's RPC round trip would give (not adopted). The 4x1 presets' ``all_to_all_share``
+probe's RPC round trip would give and ``..._busy_latency`` gloo's latency between nodes timed while the other
+ranks computed (neither adopted). The 4x1 presets' ``all_to_all_share``
 (``cluster_exchange.py``: the flat ps / async exchange's goodput over one stream's, 0.77-0.85) applies to
 the session's probed link; ``..._one_stream`` lines give the flat ps's and async's error without it (1: as
 one stream each way).
@@ -58,9 +59,10 @@ Lines:
                                                            ``gloo_inter``, ``gloo_inter_busy``: per message;
                                                            ``rpc_*``: a 4 KiB round trip)
     advisor_step_error_<cell>_preset_latency               a probed session's cell with the presets' latencies
-    advisor_step_error_max_message_probed[_preset_latency|_rpc_round_trip]   the probed sessions' cells: as
-                                                           predicted, with the presets' latencies, with RPC's
-                                                           host work x the probe's round trip / the quiet one
+    advisor_step_error_{max,median}_message_probed[_preset_latency|_rpc_round_trip|_busy_latency]   the probed
+                                                           sessions' cells: as predicted, with the presets'
+                                                           latencies, with RPC's host work x the probe's round
+                                                           trip / the quiet one, with ``gloo_inter_busy``
     advisor_predicted_preset_step_s_*, advisor_step_error_preset_max   the presets alone (no probe)
     advisor_measured_over_probe_here, ..._spread           the measurement here over its probe (the one used;
                                                            (max - min) / median over the 5)
@@ -108,6 +110,7 @@ from benchmarks._rank_memory import map_large_allocations
 from benchmarks._session_costs import (
     QUIET_PROBE_S,
     at_speed,
+    busy_between_nodes,
     median_by_ratio,
     quiet_rpc_round_trip_s,
     run_costs,
@@ -254,6 +257,13 @@ def rounds_floor(cell: Sequence[dict]) -> float:
     return abs(a - b) / median(cell[0]["steps_s"])
 
 
+def variant_summary(name: str, pairs: Sequence[tuple[float, str]]) -> str:
+    """One way of predicting the probed cells: how many are within the goal, their median error, the 3 worst."""
+    worst = ", ".join(f"{t} {e:.2f}" for e, t in sorted(pairs, reverse=True)[:3])
+    within_goal = sum(e <= STEP_GOAL for e, _ in pairs)
+    return f"with {name} {within_goal} ({median([e for e, _ in pairs]):.3f}; {worst})"
+
+
 def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list[str]:
     """Predicted against measured wall time per step, per cell and in all, each next to its measured floor
     (the same fit's spread between rounds; for tau, round 0's order against round 1's)."""
@@ -265,9 +275,11 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
     errors: list[tuple[float, str]] = []
     preset_errors: list[float] = []
     # the cells of sessions with a message probe: as predicted (its gloo latencies), with the presets' latencies,
-    # and with RPC's host work also slowed as the probe's RPC round trip (not adopted: see docs/advisor.md)
-    variants: dict[str, list[float]] = {"its gloo latencies": [], "the presets' latencies": [],
-                                        "RPC's host work x its round trip": []}  # fmt: skip
+    # with RPC's host work also slowed as the probe's RPC round trip, and with the latency between nodes its
+    # other ranks computing (neither adopted: see docs/advisor.md); each variant's errors with their cells
+    variants: dict[str, list[tuple[float, str]]] = {
+        "its gloo latencies": [], "the presets' latencies": [], "RPC's host work x its round trip": [],
+        "the busy latency between nodes": []}  # fmt: skip
     taus: list[tuple[float, float, str]] = []
     floors: list[float] = []
     within = 0
@@ -281,9 +293,11 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
         cpu = session_cpu(session)
         m_s, here_s, source = session_measurement(session, m, here)
         costs = run_costs(cluster, m_s, cpu, here_s, floor_s)
-        # the same without the message probe (the presets' latencies), and with RPC's host work slowed as its round trip
+        # the same without the message probe (the presets' latencies), with RPC's host work slowed as its round
+        # trip, and with gloo's latency between nodes the one measured while the other ranks computed
         others = (run_costs(cluster, m_s, {k: v for k, v in cpu.items() if k != "messages"}, here_s, floor_s),
-                  run_costs(cluster, m_s, cpu, here_s, floor_s, quiet_rpc_round_trip_s(cluster.world)))  # fmt: skip
+                  run_costs(cluster, m_s, cpu, here_s, floor_s, quiet_rpc_round_trip_s(cluster.world)),
+                  run_costs(cluster, m_s, busy_between_nodes(cpu), here_s, floor_s))  # fmt: skip
         m_run = at_speed(m_s, cpu["probe"][0] / here_s)  # the measurement at the session's CPU, as costs.compute_s
         text.append(line(f"advisor_session_microbatch_share_{layout}_{rate}", microbatch_share(m_s), "x"))
         text.append(f"# {layout} {rate}: predicted from {source} measurement ({1e3 * m_s.step_s:.2f} ms, its probe "
@@ -320,7 +334,7 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
                 errs = [err, *(abs(predicted(m_run, key, layout, rate, c) - got) / got for c in others)]
                 text.append(line(f"advisor_step_error_{tag}_preset_latency", errs[1], "x"))
                 for errors_of, e in zip(variants.values(), errs, strict=True):
-                    errors_of.append(e)
+                    errors_of.append((e, tag))
             text.append(line(f"advisor_predicted_preset_step_s_{tag}", preset, "s"))
             text.append(line(f"advisor_probe_alone_ms_{tag}", 1e3 * median([r["probe"][0] for r in cell]), "ms"))
             floors.append(floor)
@@ -355,11 +369,12 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
     text.append(line("advisor_step_error_within_goal_or_floor", within / len(errors), "frac"))
     text.append(line("advisor_step_error_preset_max", max(preset_errors), "x"))
     if variants["its gloo latencies"]:
-        for suffix, errs in zip(("", "_preset_latency", "_rpc_round_trip"), variants.values(), strict=True):
-            text.append(line(f"advisor_step_error_max_message_probed{suffix}", max(errs), "x"))
-        text.append(f"# the {len(errs)} cells of the sessions with a message probe, within {STEP_GOAL} (median error): "
-                    + "; ".join(f"with {name} {sum(e <= STEP_GOAL for e in errs)} ({median(errs):.3f})"
-                                for name, errs in variants.items()))  # fmt: skip
+        suffixes = ("", "_preset_latency", "_rpc_round_trip", "_busy_latency")
+        for suffix, pairs in zip(suffixes, variants.values(), strict=True):
+            text.append(line(f"advisor_step_error_max_message_probed{suffix}", max(pairs)[0], "x"))
+            text.append(line(f"advisor_step_error_median_message_probed{suffix}", median([e for e, _ in pairs]), "x"))
+        text.append(f"# the {len(pairs)} cells of the sessions with a message probe, within {STEP_GOAL} (median error; "
+                    "the worst cells): " + "; ".join(variant_summary(n, p) for n, p in variants.items()))  # fmt: skip
     lowest = min(taus)
     text.append(line("advisor_rank_kendall_tau_min", lowest[0], "tau"))
     text.append(line("advisor_rank_kendall_tau_min_floor", min(t[1] for t in taus), "tau"))

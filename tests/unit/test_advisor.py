@@ -329,6 +329,21 @@ def test_a_sessions_message_probes_count_once_per_cluster() -> None:
     assert "messages" not in session_cpu([{"probe": (1.0, 2.0), "cpus": 2}])  # stored before the probe
 
 
+def test_the_busy_variant_takes_the_latency_between_nodes_timed_while_the_others_computed() -> None:
+    from types import SimpleNamespace
+
+    from benchmarks._session_costs import busy_between_nodes, run_costs
+
+    cpu = {"probe": (0.030, 0.060), "messages": {"gloo_intra": 2e-4, "gloo_inter": 3e-4, "gloo_inter_busy": 9e-4}}
+    busy = busy_between_nodes(cpu)
+    got = run_costs(load_cluster("emulated_2x2_1gbit"), SimpleNamespace(step_s=0.02), busy, 0.01, 0.005)  # type: ignore[arg-type]
+    assert got.inter.latency_s == got.rpc_inter.latency_s == 9e-4 and got.intra.latency_s == 2e-4
+    assert cpu["messages"]["gloo_inter"] == 3e-4  # the session's own figures are left as they were
+    # a probe stored before the busy exchange was timed, or no probe at all: nothing to swap
+    assert busy_between_nodes({"probe": (1.0, 2.0), "messages": {"gloo_inter": 3e-4}})["messages"]["gloo_inter"] == 3e-4
+    assert busy_between_nodes({"probe": (1.0, 2.0)}) == {"probe": (1.0, 2.0)}
+
+
 def test_the_validation_reads_each_runs_machine_cores_from_its_files_header() -> None:
     from benchmarks._common import header
     from benchmarks.advisor_validation import header_cpus, stored_runs
