@@ -43,7 +43,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_strategies.comm.rpc import init_rpc, rendezvous_store, shutdown_rpc, worker_name
+from benchmarks.emulated._rpc_world import gloo_and_rpc
+from lightning_strategies.comm.rpc import worker_name
 
 D_BYTES = 5_316_672  # the MLP of benchmarks/emulated/_fit.py: 1,329,168 fp32 parameters
 PATTERNS = ("allreduce", "push", "two_phase", "echo", "rs_ag", "a2a", "hier_push")
@@ -71,21 +72,11 @@ def machine_cpu() -> tuple[float, float]:
     return (system + irq + softirq) / tick, (user + nice) / tick
 
 
-def main() -> int:
+def measure(rank: int, world: int, nbytes: int, reps: int) -> dict[str, list[float]]:
+    """Every pattern's seconds per repetition and the machine's kernel and user CPU during it, on every rank."""
     from torch.distributed import rpc
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bytes", type=int, default=D_BYTES, help="D, fp32 bytes")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    timeout = timedelta(seconds=120)
-    dist.init_process_group("gloo", timeout=timeout)
-    store = rendezvous_store(rank, world, os.environ["MASTER_ADDR"], timeout=timeout)
-    init_rpc(rank, world, store, timeout=timeout)
-    numel = args.bytes // 4
+    numel = nbytes // 4
     chunk = numel // world
     _CHUNK.append(torch.ones(chunk))
     full = torch.ones(numel)
@@ -134,7 +125,7 @@ def main() -> int:
     }  # fmt: skip
     times: dict[str, list[float]] = {key: [] for name in PATTERNS for key in (name, f"{name}:kernel_cpu",
                                                                                f"{name}:user_cpu")}  # fmt: skip
-    for rep in range(args.reps + 1):
+    for rep in range(reps + 1):
         order = PATTERNS[rep % len(PATTERNS) :] + PATTERNS[: rep % len(PATTERNS)]  # interleaved, rotated
         for name in order:
             dist.barrier()
@@ -147,11 +138,20 @@ def main() -> int:
                 k1, u1 = machine_cpu()
                 times[f"{name}:kernel_cpu"].append(k1 - kernel)
                 times[f"{name}:user_cpu"].append(u1 - user)
-    if rank == 0:
-        args.out.write_text(json.dumps(times))
-    dist.barrier()
-    shutdown_rpc(failed=False, timeout=timeout)
-    dist.destroy_process_group()
+    return times
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bytes", type=int, default=D_BYTES, help="D, fp32 bytes")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with gloo_and_rpc(timedelta(seconds=120)) as (rank, world):
+        times = measure(rank, world, args.bytes, args.reps)
+        if rank == 0:
+            args.out.write_text(json.dumps(times))
     return 0
 
 

@@ -39,7 +39,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_strategies.comm.rpc import init_rpc, rendezvous_store, shutdown_rpc, worker_name
+from benchmarks.emulated._rpc_world import gloo_and_rpc
+from lightning_strategies.comm.rpc import worker_name
 
 CALLS = 4  # per repetition, as the calibration's
 RPC_BYTES = 4096  # _scale_costs.CALIB_SMALL: the calibration's bare round trip
@@ -75,22 +76,10 @@ def timed(fn: Callable[[], None], timing: bool, reps: int, busy: bool = False) -
     return statistics.median(times) if times else 0.0
 
 
-def main() -> int:
+def measure(rank: int, world: int, local: int, reps: int) -> dict[str, float]:
+    """Every figure of the module's docstring, on every rank (nodes of ``local`` consecutive ranks)."""
     from torch.distributed import rpc
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=25)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if world % local or world // local < 2:
-        raise RuntimeError(f"found {world} ranks in nodes of {local}: expected 2 or more nodes of equal size")
-    timeout = timedelta(seconds=60)
-    dist.init_process_group("gloo", timeout=timeout)
-    store = rendezvous_store(rank, world, os.environ["MASTER_ADDR"], timeout=timeout)
-    init_rpc(rank, world, store, timeout=timeout)
     pairs = {"intra": (0, 1), "inter": (0, local)} if local > 1 else {"inter": (0, local)}
     # every rank makes every group
     groups: dict[str, Any] = {name: dist.new_group(list(pair)) for name, pair in pairs.items()}
@@ -106,22 +95,33 @@ def main() -> int:
             for _ in range(CALLS):
                 rpc.rpc_sync(to, _echo, args=(payload,))
 
-        out[f"gloo_{name}"] = timed(allreduce, rank in (a, b), args.reps) / CALLS / 2
-        out[f"rpc_{name}"] = timed(call, rank == b, args.reps) / CALLS
+        out[f"gloo_{name}"] = timed(allreduce, rank in (a, b), reps) / CALLS / 2
+        out[f"rpc_{name}"] = timed(call, rank == b, reps) / CALLS
+
     def inter_allreduce() -> None:
         for _ in range(CALLS):
             dist.all_reduce(tiny, group=groups["inter"])
 
-    out["gloo_inter_busy"] = timed(inter_allreduce, rank in pairs["inter"], args.reps, busy=True) / CALLS / 2
+    out["gloo_inter_busy"] = timed(inter_allreduce, rank in pairs["inter"], reps, busy=True) / CALLS / 2
     # rank 0 times the gloo pairs, rank b the RPC calls: every figure to rank 0
     gathered: list[dict[str, float] | None] = [None] * world
     dist.all_gather_object(gathered, out)
-    if rank == 0:
-        merged = {k: max((g or {}).get(k, 0.0) for g in gathered) for k in out}
-        args.out.write_text(json.dumps(merged))
-    dist.barrier()
-    shutdown_rpc(failed=False, timeout=timeout)
-    dist.destroy_process_group()
+    return {k: max((g or {}).get(k, 0.0) for g in gathered) for k in out}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=25)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    world, local = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if world % local or world // local < 2:
+        raise RuntimeError(f"found {world} ranks in nodes of {local}: expected 2 or more nodes of equal size")
+    with gloo_and_rpc(timedelta(seconds=60)) as (rank, world):
+        figures = measure(rank, world, local, args.reps)
+        if rank == 0:
+            args.out.write_text(json.dumps(figures))
     return 0
 
 
