@@ -25,8 +25,10 @@ from lightning_strategies.advisor.measure import Measurement
 __all__ = [
     "QUIET_PROBE_S",
     "at_speed",
+    "busy_between_nodes",
     "median_by_ratio",
     "quiet_rpc_round_trip_s",
+    "rpc_host_s",
     "run_costs",
     "session_cpu",
     "session_measurement",
