@@ -126,6 +126,12 @@ from lightning_strategies.advisor.push import push_traffic
 
 RESULTS = Path(__file__).parent / "results"
 STEP_GOAL, TAU_GOAL, MEMORY_GOAL = 0.15, 0.8, 0.10
+# a message-probed session's cells predicted four ways, by their lines' suffix: as the validation predicts (its
+# gloo latencies), and three not adopted (docs/advisor.md): the presets' latencies, RPC's host work also slowed as
+# the probe's RPC round trip, gloo's latency between nodes the one timed while the other ranks computed
+MESSAGE_VARIANTS = {"": "its gloo latencies", "_preset_latency": "the presets' latencies",
+                    "_rpc_round_trip": "RPC's host work x its round trip",
+                    "_busy_latency": "the busy latency between nodes"}  # fmt: skip
 LAYOUTS = {"2x2": (2, 2), "4x1": (4, 1)}
 RATES = ("1gbit", "200mbit", "50mbit")
 MEASURE_ROUNDS = 5  # the measurement here, each between two probes (:func:`measure_here`)
@@ -274,12 +280,8 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
     text.append(line("advisor_probe_floor_ms", 1e3 * floor_s, "ms"))
     errors: list[tuple[float, str]] = []
     preset_errors: list[float] = []
-    # the cells of sessions with a message probe: as predicted (its gloo latencies), with the presets' latencies,
-    # with RPC's host work also slowed as the probe's RPC round trip, and with the latency between nodes its
-    # other ranks computing (neither adopted: see docs/advisor.md); each variant's errors with their cells
-    variants: dict[str, list[tuple[float, str]]] = {
-        "its gloo latencies": [], "the presets' latencies": [], "RPC's host work x its round trip": [],
-        "the busy latency between nodes": []}  # fmt: skip
+    # the message-probed cells' errors with their cells, per MESSAGE_VARIANTS' suffix
+    variants: dict[str, list[tuple[float, str]]] = {suffix: [] for suffix in MESSAGE_VARIANTS}
     taus: list[tuple[float, float, str]] = []
     floors: list[float] = []
     within = 0
@@ -293,11 +295,12 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
         cpu = session_cpu(session)
         m_s, here_s, source = session_measurement(session, m, here)
         costs = run_costs(cluster, m_s, cpu, here_s, floor_s)
-        # the same without the message probe (the presets' latencies), with RPC's host work slowed as its round
-        # trip, and with gloo's latency between nodes the one measured while the other ranks computed
-        others = (run_costs(cluster, m_s, {k: v for k, v in cpu.items() if k != "messages"}, here_s, floor_s),
-                  run_costs(cluster, m_s, cpu, here_s, floor_s, quiet_rpc_round_trip_s(cluster.world)),
-                  run_costs(cluster, m_s, busy_between_nodes(cpu), here_s, floor_s))  # fmt: skip
+        # the MESSAGE_VARIANTS not adopted
+        others = {
+            "_preset_latency": run_costs(cluster, m_s, {k: v for k, v in cpu.items() if k != "messages"}, here_s,
+                                         floor_s),
+            "_rpc_round_trip": run_costs(cluster, m_s, cpu, here_s, floor_s, quiet_rpc_round_trip_s(cluster.world)),
+            "_busy_latency": run_costs(cluster, m_s, busy_between_nodes(cpu), here_s, floor_s)}  # fmt: skip
         m_run = at_speed(m_s, cpu["probe"][0] / here_s)  # the measurement at the session's CPU, as costs.compute_s
         text.append(line(f"advisor_session_microbatch_share_{layout}_{rate}", microbatch_share(m_s), "x"))
         text.append(f"# {layout} {rate}: predicted from {source} measurement ({1e3 * m_s.step_s:.2f} ms, its probe "
@@ -331,10 +334,13 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
                 one = predicted(m_run, key, layout, rate, costs.with_(all_to_all_share=1.0))
                 text.append(line(f"advisor_step_error_{tag}_one_stream", abs(one - got) / got, "x"))
             if "messages" in cpu:
-                errs = [err, *(abs(predicted(m_run, key, layout, rate, c) - got) / got for c in others)]
-                text.append(line(f"advisor_step_error_{tag}_preset_latency", errs[1], "x"))
-                for errors_of, e in zip(variants.values(), errs, strict=True):
-                    errors_of.append((e, tag))
+                errs = {
+                    "": err,
+                    **{s: abs(predicted(m_run, key, layout, rate, c) - got) / got for s, c in others.items()},
+                }
+                text.append(line(f"advisor_step_error_{tag}_preset_latency", errs["_preset_latency"], "x"))
+                for suffix, e in errs.items():
+                    variants[suffix].append((e, tag))
             text.append(line(f"advisor_predicted_preset_step_s_{tag}", preset, "s"))
             text.append(line(f"advisor_probe_alone_ms_{tag}", 1e3 * median([r["probe"][0] for r in cell]), "ms"))
             floors.append(floor)
@@ -368,13 +374,13 @@ def step_lines(m: Measurement, runs: dict[str, list[dict]], here: float) -> list
     text.append(line("advisor_step_error_median_floor", median(floors), "x"))
     text.append(line("advisor_step_error_within_goal_or_floor", within / len(errors), "frac"))
     text.append(line("advisor_step_error_preset_max", max(preset_errors), "x"))
-    if variants["its gloo latencies"]:
-        suffixes = ("", "_preset_latency", "_rpc_round_trip", "_busy_latency")
-        for suffix, pairs in zip(suffixes, variants.values(), strict=True):
+    if variants[""]:
+        for suffix, pairs in variants.items():
             text.append(line(f"advisor_step_error_max_message_probed{suffix}", max(pairs)[0], "x"))
             text.append(line(f"advisor_step_error_median_message_probed{suffix}", median([e for e, _ in pairs]), "x"))
-        text.append(f"# the {len(pairs)} cells of the sessions with a message probe, within {STEP_GOAL} (median error; "
-                    "the worst cells): " + "; ".join(variant_summary(n, p) for n, p in variants.items()))  # fmt: skip
+        text.append(f"# the {len(variants[''])} cells of the sessions with a message probe, within {STEP_GOAL} (median "
+                    "error; the worst cells): "
+                    + "; ".join(variant_summary(MESSAGE_VARIANTS[s], p) for s, p in variants.items()))  # fmt: skip
     lowest = min(taus)
     text.append(line("advisor_rank_kendall_tau_min", lowest[0], "tau"))
     text.append(line("advisor_rank_kendall_tau_min_floor", min(t[1] for t in taus), "tau"))
