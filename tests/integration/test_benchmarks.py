@@ -306,12 +306,12 @@ GOALS["loop_overhead.py"] = [
     (r"loop_measured_optimizer_ms_(tiny|mlp)", 0.0, 1e3),
     (r"loop_advisor_step_error_mlp_P1(_without_loop)?", 0.0, math.inf),
 ]
-# advisor_cluster.py --quick: ring and pipeline on 4x1 at 1gbit, 4 steps, a probe before each: that the
+# advisor_cluster.py --quick: the pipeline on 4x1 at 1gbit, 4 steps, a probe before it: that the
 # fits ran (a step time), the probe measured (the MLP's step alone and on 4 processes at once) and the message
 # probe timed a message between nodes (gloo's: 170-350 us on this machine; an RPC round trip: 0.8-1.3 ms)
 GOALS["advisor_cluster.py"] = [
-    (r"advisor_cluster_step_s_(ring|pipeline)_4x1_1gbit", 0.001, 60.0),
-    (r"advisor_cluster_probe_(alone|together)_ms_(ring|pipeline)_4x1_1gbit", 0.1, 5000.0),
+    (r"advisor_cluster_step_s_pipeline_4x1_1gbit", 0.001, 60.0),
+    (r"advisor_cluster_probe_(alone|together)_ms_pipeline_4x1_1gbit", 0.1, 5000.0),
     (r"advisor_cluster_message_us_(gloo|rpc)_inter_4x1_1gbit", 1.0, 1e6),
 ]
 # advisor_resnet50.py: ResNet-50's float32 gradients as the advisor measures them (accounting, exact);
