@@ -6,6 +6,11 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 ARGS ?=
 PYTEST_ARGS ?=
+# pytest processes (pytest-xdist; an idle one takes tests queued for the other: worksteal): the multi-process
+# tests leave a core idle while they start interpreters and wait out timeouts, so two workers on 2 cores
+# finish the suite sooner than one; TEST_WORKERS=0 runs it in pytest's own process, one test at a time
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist worksteal
 
 .PHONY: install train test test-fast lint bench docs docs-serve docs-vendor clean
 
@@ -25,11 +30,11 @@ train: install
 ## lint (ruff, mypy), then the whole test suite: unit and multi-process (slow) tests; the unit tests
 ## build the documentation site strictly (tests/unit/test_docs_site.py)
 test: install lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 ## unit tests only
 test-fast: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -45,12 +45,19 @@ def reserved_port() -> int:
     many): the store then fails with EADDRINUSE. The kernel never picks a port below its ephemeral
     range by itself, so one free there stays free until someone binds it by number; the ports this
     process handed out are never repeated.
+
+    Under pytest-xdist each worker (``PYTEST_XDIST_WORKER`` ``gw<i>`` of ``PYTEST_XDIST_WORKER_COUNT``,
+    inherited by the processes its tests start) takes only the ports equal to ``i`` modulo the count, so two
+    tests running side by side never pick the same one.
     """
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768  # Linux's default
     candidates = list(range(max(1024, low - 12000), low))
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1:
+        candidates = [p for p in candidates if p % int(count) == int(worker[2:]) % int(count)]
     random.SystemRandom().shuffle(candidates)  # not the seeded global generator: other test processes differ
     for port in candidates:
         if port in _handed_out:
