@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, one script for a CUDA machine (under 8 minutes on one GPU):
 #   1. every `gpu`-marked test (tests/gpu: each strategy against the CPU, mixed precision, Lamb/Lars
-#      foreach, the device prefetcher, no host syncs);
+#      foreach, the device prefetcher, no host syncs), on CUDA each test in its own process, $GPU_TEST_JOBS
+#      (6) at a time;
 #   2. ResNet-50 (bf16-mixed, channels_last) training images/s for ddp, ring and ps at world 1, and
 #      at world 2 on a machine with two GPUs or more (benchmarks/gpu_resnet50.py);
 # as `name value unit` lines; on CUDA the whole output is also written to
@@ -18,6 +19,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+# a rank that dies of a signal (SIGSEGV, SIGABRT) prints every thread's Python stack, spawned ranks too
+export PYTHONFAULTHANDLER=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$(date +%s)
 
@@ -64,10 +67,39 @@ cuda=$($PY -c "import torch; print(int(torch.cuda.is_available()))")
 echo "cuda_available $cuda flag"
 [ "$cuda" = 1 ] && touch "$log.cuda"
 
-echo "== GPU tests (tests/gpu)"
-# -v: one line per test, so the output shows what ran (or was skipped: on CPU, all of it)
-timeout 240 $PY -m pytest -v -p no:cacheprovider -rfEs tests/gpu
-rc=$?
+if [ "$cuda" = 1 ]; then
+  # Each test in a fresh process, $GPU_TEST_JOBS at a time: under torch 2.11 a process that has destroyed its
+  # NCCL default group and made another crashes (SIGSEGV) in the device mesh's split_group, and a group
+  # left alive would carry one fit's backend into the next; a test's own fits still share its process
+  echo "== GPU tests (tests/gpu), one process per test"
+  gpu_tests=$(mktemp -d /tmp/gpu_tests.XXXXXX)
+  timeout -k 10 120 $PY -m pytest --collect-only -q -p no:cacheprovider tests/gpu | grep '::' >"$gpu_tests/ids"
+  # timeout -k: Lightning's signal handler catches SIGTERM, so a hung fit outlives it; SIGKILL 10 s later ends it
+  run_one() {  # $1: a test's node id; prints "<exit code> <node id>"
+    local out="$GPU_TESTS/$(printf '%s' "$1" | tr -c 'A-Za-z0-9_.-' '_').log"
+    timeout -k 10 120 $PY -m pytest -v -p no:cacheprovider -rfEs "$1" >"$out" 2>&1
+    echo "$? $1"
+  }
+  export -f run_one; export PY GPU_TESTS="$gpu_tests"
+  xargs -d '\n' -P "${GPU_TEST_JOBS:-6}" -I{} bash -c 'run_one "$1"' _ {} <"$gpu_tests/ids" | sort -k2 >"$gpu_tests/codes"
+  # -v lines (PASSED, FAILED, SKIPPED with its reason) by file name, then the last 150 lines of each failure's log
+  for f in "$gpu_tests"/*.log; do grep -hE '(PASSED|FAILED|SKIPPED|ERROR)( |$)|^SKIPPED \[' "$f"; done
+  echo "gpu_tests_run $(wc -l <"$gpu_tests/ids") count"
+  rc=0
+  while read -r code id; do
+    if [ "$code" != 0 ]; then
+      rc=1
+      echo "== $id: exit $code"
+      tail -n 150 "$GPU_TESTS/$(printf '%s' "$id" | tr -c 'A-Za-z0-9_.-' '_').log"
+    fi
+  done <"$gpu_tests/codes"
+  rm -rf "$gpu_tests"
+else
+  echo "== GPU tests (tests/gpu)"
+  # -v: one line per test, so the output shows what ran (or was skipped: on CPU, all of it)
+  timeout -k 10 240 $PY -m pytest -v -p no:cacheprovider -rfEs tests/gpu
+  rc=$?
+fi
 echo "gpu_tests_failed $((rc != 0)) flag"
 
 if [ "$cuda" != 1 ]; then
@@ -77,7 +109,7 @@ if [ "$cuda" != 1 ]; then
 fi
 
 echo "== ResNet-50, bf16-mixed, channels_last: images/s (ddp, ring, ps)"
-timeout 200 $PY benchmarks/gpu_resnet50.py --rounds 2 || echo "resnet50_failed 1 flag"
+timeout -k 10 200 $PY benchmarks/gpu_resnet50.py --rounds 2 || echo "resnet50_failed 1 flag"
 echo "gpu_check_seconds $(( $(date +%s) - start )) s"
 }
 

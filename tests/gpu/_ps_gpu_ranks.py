@@ -14,7 +14,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_strategies.comm.async_ import AsyncCoordinator, register_coordinator, unregister_coordinator
 from lightning_strategies.comm.async_ps import AsyncParameterServerClient, AsyncParameterShard
 from lightning_strategies.comm.ps import (
     OptimizerSpec,
@@ -67,8 +66,6 @@ def train(rank: int, world: int, mode: str, steps: int, lr: float) -> list[Any]:
         mine = [slice_of(params[sl.tensor], sl) for sl in plan[rank]]
         shard_cls = ParameterShard if mode == "sync" else AsyncParameterShard
         register_shard(shard_cls(rank, plan[rank], mine, spec, world, timeout=timeout))
-        if mode == "async" and rank == 0:
-            register_coordinator(AsyncCoordinator(world, None, timeout=timeout))
         dist.barrier()
         client: ParameterServerClient
         if mode == "sync":
@@ -78,7 +75,7 @@ def train(rank: int, world: int, mode: str, steps: int, lr: float) -> list[Any]:
                     p.grad = g
                 client.push_pull([lr])
         else:
-            client = AsyncParameterServerClient(rank, params, plan, timeout=timeout, coordinator_rank=0)
+            client = AsyncParameterServerClient(rank, params, plan, timeout=timeout)
             for step in range(steps):
                 client.push(late_grads(rank, step, device), [lr], pull=True)
             dist.barrier()  # every push is applied
@@ -89,6 +86,4 @@ def train(rank: int, world: int, mode: str, steps: int, lr: float) -> list[Any]:
         return out
     finally:
         unregister_shard(rank)
-        if mode == "async" and rank == 0:
-            unregister_coordinator()
         shutdown_rpc(failed=failed, timeout=timeout)

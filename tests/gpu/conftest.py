@@ -13,10 +13,12 @@ cannot fork a child that uses it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from gpu_utils import ON_CPU, suite_device
 
 
@@ -38,3 +40,14 @@ def cuda() -> torch.device:
     if not ON_CPU:
         torch.cuda.empty_cache()
     return suite_device()
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left() -> Iterator[None]:
+    """A default process group a test made in this process (a world-1 fit, ``init_process_group``) is
+    destroyed after it: Lightning destroys its own only at exit, and a later fit or test would find it
+    and run on its backend, or fail to make its own."""
+    before = dist.is_initialized()
+    yield
+    if not before and dist.is_initialized():
+        dist.destroy_process_group()

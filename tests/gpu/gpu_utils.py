@@ -14,10 +14,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning_utils import GlobalBatchSampler, TinyRegressor, regression_data
 from torch.utils.data import DataLoader
 
-__all__ = ["ON_CPU", "PipeRegressor", "assert_weights_close", "fit", "no_host_sync", "suite_device"]
+__all__ = [
+    "ON_CPU", "PipeRegressor", "assert_weights_close", "fit", "no_host_sync", "own_process_group", "suite_device",
+]  # fmt: skip
 
 ON_CPU = os.environ.get("LS_GPU_SUITE_ON_CPU") == "1"
 
@@ -25,6 +28,23 @@ ON_CPU = os.environ.get("LS_GPU_SUITE_ON_CPU") == "1"
 def suite_device() -> torch.device:
     """The device under test: the first GPU (the CPU under ``LS_GPU_SUITE_ON_CPU=1``)."""
     return torch.device("cpu") if ON_CPU else torch.device("cuda", 0)
+
+
+@contextmanager
+def own_process_group() -> Iterator[None]:
+    """Destroy the default process group a fit in this process made, when the block ends.
+
+    Lightning destroys the group it made only at exit: a world-1 fit would leave it to the next fit,
+    which would then run on this one's backend (gloo where it should be NCCL, or NCCL for CPU tensors:
+    "No backend type associated with device type cpu"). Under torch 2.11 a second NCCL group made in one
+    process crashes in the device mesh's ``split_group``, so ``benchmarks/gpu_check.sh`` runs each test in
+    its own process; this keeps a test's CPU and GPU fits apart."""
+    owned = not dist.is_initialized()
+    try:
+        yield
+    finally:
+        if owned and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 @contextmanager
@@ -81,7 +101,8 @@ def fit(
         use_distributed_sampler=False, **trainer_kwargs,
     )  # fmt: skip
     assert trainer.world_size == world, (trainer.world_size, world)
-    trainer.fit(model, DataLoader(data, batch_size=batch_size, sampler=sampler))
+    with own_process_group():
+        trainer.fit(model, DataLoader(data, batch_size=batch_size, sampler=sampler))
     return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
 
 

@@ -12,11 +12,10 @@ from typing import Any
 import pytest
 import torch
 from _ps_gpu_ranks import SIZES, SLEEP_CYCLES, grad, initial_params, train
-from gpu_utils import no_host_sync
+from gpu_utils import no_host_sync, own_process_group
 from torch.utils.data import DataLoader
 
 from benchmarks._workers import run_workers
-from lightning_strategies.comm.async_ import AsyncCoordinator, register_coordinator, unregister_coordinator
 from lightning_strategies.comm.async_ps import AsyncParameterServerClient, AsyncParameterShard
 from lightning_strategies.comm.ps import (
     OptimizerSpec,
@@ -78,17 +77,15 @@ def test_one_async_worker_push_and_pull_never_sync_the_host(cuda: torch.device) 
     spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=LR))
     plan = partition_parameters(list(SIZES), 1)
     register_shard(AsyncParameterShard(0, plan[0], [slice_of(params[sl.tensor], sl) for sl in plan[0]], spec, 1))
-    register_coordinator(AsyncCoordinator(1, None))
     try:
-        client = AsyncParameterServerClient(0, params, plan, coordinator_rank=0)
+        client = AsyncParameterServerClient(0, params, plan)
         staged = [[grad(0, s, i).to(cuda) for i in range(len(SIZES))] for s in range(steps)]
-        with no_host_sync():  # the shard and the coordinator are local: no RPC, only device work
+        with no_host_sync():  # the shard is local: no RPC, only device work
             for step in range(steps):
                 torch.cuda._sleep(SLEEP_CYCLES)
                 client.push([g.mul(1.0) for g in staged[step]], [LR], pull=step % 2 == 1)
         torch.cuda.synchronize()
     finally:
-        unregister_coordinator()
         unregister_shard(0)
     want = _sgd_reference(lambda s, i: grad(0, s, i), steps, 0.0)
     for got, ref in zip(params, want, strict=True):  # the last push pulled: the model holds every update
@@ -118,7 +115,8 @@ def _fit(strategy: Any, accelerator: str, **kwargs: Any) -> dict[str, torch.Tens
     data = regression_data()
     loader = DataLoader(data, batch_size=16, sampler=GlobalBatchSampler(len(data), 16))
     trainer = quiet_trainer(strategy, 1, accelerator=accelerator, max_epochs=2, use_distributed_sampler=False, **kwargs)
-    trainer.fit(model, loader)
+    with own_process_group():
+        trainer.fit(model, loader)
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
