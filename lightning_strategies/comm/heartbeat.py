@@ -145,14 +145,34 @@ class Heartbeat:
         self._mark(_FAILED, reason)
 
     def stop(self, *, finished: bool = True) -> None:
-        """Stop beating and watching; with ``finished`` (and no failure reported) tell the peers it is done."""
-        if finished:
-            self._mark(_FINISHED, "finished")
+        """Stop beating and watching; with ``finished`` (and no failure reported) tell the peers it is done.
+
+        The mark comes after the beating thread has ended, so no beat follows it. The rank hosting the store
+        (:attr:`store_rank`) then waits up to :attr:`grace` for every peer's mark (finished or failed): its
+        process holds the store, and a peer still beating when it exits gets "Connection reset by peer",
+        which the store client logs with a C++ stack trace at the end of a run that went well."""
         self._stop.set()
         _RUNNING.discard(self)
         for thread in (self._thread, self._watcher):
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout=self.interval + 1.0)
+        if finished:
+            self._mark(_FINISHED, "finished")
+            if self.rank == self.store_rank:
+                self._await_peer_marks(self.grace)
+
+    def _await_peer_marks(self, timeout: float) -> None:
+        """Return once every peer has marked its end (finished or failed), or after ``timeout`` seconds."""
+        peers = [r for r in range(self.world) if r != self.rank]
+        keys = [f"mark/{r}" for r in peers]
+        deadline = time.monotonic() + timeout
+        try:
+            for r in self._absent(peers, ("beat", "mark")):  # a peer that never started: multi_get waits for none
+                _create_keys(self.store, r)
+            while not all(int(v) for v in self.store.multi_get(keys)) and time.monotonic() < deadline:
+                time.sleep(min(self.interval / 4, max(0.0, deadline - time.monotonic())))
+        except Exception as err:  # the store is gone or slow: nothing left to protect
+            log.debug(f"rank {self.rank}: stopped waiting for the peers' marks: {err}")
 
     def watch(
         self,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -93,6 +94,50 @@ def test_a_restarted_run_forgets_the_marks_of_the_previous_one(beats: list[Heart
     first[0].stop()
     ranks = _ranks(store, [LIVE_S, FROZEN_S], beats)  # the same ranks, a new fit: rank 1 freezes
     assert ranks[0].diagnose().lost == (1,)
+
+
+def _mark(store: dist.Store, rank: int) -> int:
+    return int(store.add(f"lightning_strategies/peers/mark/{rank}", 0))
+
+
+def test_the_store_host_ends_after_its_peers_have_marked_their_end(beats: list[Heartbeat]) -> None:
+    """Rank 0 hosts the store: a peer still beating when its process exits gets "Connection reset by peer"
+    (a C++ stack trace in a run that went well), so its clean stop returns only once every peer has said
+    it finished, or after the grace. A peer marks after its last beat."""
+    store = dist.HashStore()
+    ranks = _ranks(store, [LIVE_S, LIVE_S, LIVE_S], beats)
+    late = 0.3
+    ranks[2].report_failure("ValueError: bad batch")  # a failed peer counts as ended
+    peer = threading.Timer(late, ranks[1].stop)
+    start = time.monotonic()  # before the timer's start: rank 1 marks at least `late` after it
+    peer.start()
+    ranks[0].stop()
+    waited = time.monotonic() - start
+    peer.join()
+    # it returned after rank 1's mark (finished = 2), not before, and not at the end of the grace
+    assert _mark(store, 1) == 2 and _mark(store, 2) == 1
+    assert late <= waited < GRACE_S + 20.0
+    beat = int(store.add("lightning_strategies/peers/beat/1", 0))
+    time.sleep(10 * LIVE_S)
+    assert int(store.add("lightning_strategies/peers/beat/1", 0)) == beat  # no beat after the mark
+
+
+def test_the_store_host_waits_for_a_silent_peer_no_longer_than_the_grace(beats: list[Heartbeat]) -> None:
+    store = dist.HashStore()
+    ranks = _ranks(store, [LIVE_S, FROZEN_S], beats)
+    start = time.monotonic()
+    ranks[0].stop()
+    assert GRACE_S <= time.monotonic() - start < GRACE_S + 20.0
+    assert _mark(store, 0) == 2 and _mark(store, 1) == 0
+
+
+def test_a_peer_that_does_not_host_the_store_ends_without_waiting(beats: list[Heartbeat]) -> None:
+    store = dist.HashStore()
+    ranks = [Heartbeat(store, r, 2, interval=LIVE_S, grace=60.0).start() for r in range(2)]
+    beats.extend(ranks)
+    start = time.monotonic()
+    ranks[1].stop()  # rank 0 still runs: a wait for it would last the 60 s grace
+    assert time.monotonic() - start < 30.0 and _mark(store, 1) == 2
 
 
 def _serve_store(write_fd: int) -> None:
@@ -185,6 +230,6 @@ def test_start_heartbeat_uses_the_process_groups_store_under_its_prefixes() -> N
             assert store.add(key, 0) > first >= 1  # the clone beats into the group's namespace
             assert beat.diagnose(grace=0.2).lost == (1,)
         finally:
-            beat.stop()
+            beat.stop(finished=False)  # rank 1 never starts: a clean stop would wait the grace for it
     finally:
         dist.destroy_process_group()
