@@ -7,7 +7,7 @@ step). Two costs were missing from its model, and this script measures the first
   each op on them goes through DTensor's sharding propagation on the host, in the forward, the
   backward and the optimizer step. Timed here in one process on a one-process mesh (a gloo group of
   1: no peer, no transfer), the emulated cluster's MLP (``_fit.py``: 3 linear layers, all split)
-  at the per-device batch of 32, whole against split, interleaved. At T processes a rank's
+  at the per-device batch of 32, whole against split, taking turns step by step. At T processes a rank's
   activations of a split layer hold T x 32 rows of 1/T of the width: as many elements as one process
   at 32 rows holds whole, so the T = 1 figure stands for every T. The preset's
   ``tensor_overhead_us`` is ``tensor_cpu_dtensor_us_per_layer``.
@@ -25,7 +25,8 @@ Lines:
 
     tensor_cpu_plain_ms_<phase>, tensor_cpu_split_ms_<phase>   forward / backward / optimizer step of the MLP
                                                  whole and split over a one-process mesh (medians)
-    tensor_cpu_dtensor_us_per_layer              (split - whole) over the three phases, per split layer
+    tensor_cpu_dtensor_us_per_layer              split step less whole step (median over the steps, the two
+                                                 taking turns), per split layer
     tensor_cpu_wall_s_per_step_<s>_P<P>          the fit's wall time per step (ddp, tensor)
     tensor_cpu_predicted_over_wall_<s>_P<P>      the advisor's step over it (the 2x2 preset's host
                                                  figures on one node of P; tensor with the dispatch
@@ -68,45 +69,46 @@ PHASES = ("forward", "backward", "optimizer")
 STRATEGIES = ("ddp", "tensor")
 
 
-def _phases(net: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> dict[str, list[float]]:
-    """Seconds of each phase of ``steps`` SGD steps of ``net`` (as ``_fit.py``'s), the first 3 untimed."""
-    opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    out: dict[str, list[float]] = {p: [] for p in PHASES}
-    for i in range(steps + 3):
-        t0 = time.perf_counter()
-        loss = nn.functional.mse_loss(net(x), y)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        opt.step()
-        opt.zero_grad()
-        t3 = time.perf_counter()
-        if i >= 3:
-            for p, s in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2), strict=True):
-                out[p].append(s)
-    return out
+def _phases(net: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> tuple[float, ...]:
+    """Seconds of each phase (``PHASES``) of one SGD step of ``net`` (as ``_fit.py``'s)."""
+    t0 = time.perf_counter()
+    loss = nn.functional.mse_loss(net(x), y)
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    opt.step()
+    opt.zero_grad()
+    t3 = time.perf_counter()
+    return t1 - t0, t2 - t1, t3 - t2
 
 
-def dispatch(rounds: int, steps: int) -> tuple[dict[str, float], dict[str, float], int]:
-    """Per phase, the median seconds of the MLP whole and split over a one-process mesh (rounds interleaved),
-    and the split layers. Runs in a gloo group of one process (an in-memory store), destroyed after."""
+def dispatch(rounds: int, steps: int) -> tuple[dict[str, float], dict[str, float], float, int]:
+    """Per phase, the median seconds of the MLP whole and split over a one-process mesh; the median over steps
+    of the split step's seconds less the whole one's; and the split layers. The two models take turns step by
+    step (which goes first alternates), so a slower minute on a shared machine slows both alike; the first 3
+    steps of each round are untimed. Runs in a gloo group of one process (an in-memory store), destroyed after."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         net = MLP(1024, 2).net
         plan = auto_plan(net)
         x, y = torch.randn(32, IN), torch.randn(32, OUT)
-        got: dict[str, dict[str, list[float]]] = {"plain": {p: [] for p in PHASES}, "split": {p: [] for p in PHASES}}
+        got: dict[str, list[tuple[float, ...]]] = {"plain": [], "split": []}
         for _ in range(rounds):
             split = copy.deepcopy(net)
             parallelize(split, mesh, plan)
-            for kind, model in (("plain", copy.deepcopy(net)), ("split", split)):
-                for p, v in _phases(model, x, y, steps).items():
-                    got[kind][p] += v
+            models = {"plain": copy.deepcopy(net), "split": split}
+            opts = {k: torch.optim.SGD(m.parameters(), lr=0.01) for k, m in models.items()}
+            for i in range(steps + 3):
+                for kind in ("plain", "split") if i % 2 == 0 else ("split", "plain"):
+                    phases = _phases(models[kind], opts[kind], x, y)
+                    if i >= 3:
+                        got[kind].append(phases)
     finally:
         dist.destroy_process_group()
-    plain, split_s = ({p: median(got[k][p]) for p in PHASES} for k in ("plain", "split"))
-    return plain, split_s, len(plan)
+    plain, split_s = ({p: median([t[j] for t in got[k]]) for j, p in enumerate(PHASES)} for k in ("plain", "split"))
+    extra = median([sum(s) - sum(w) for s, w in zip(got["split"], got["plain"], strict=True)])
+    return plain, split_s, extra, len(plan)
 
 
 def predicted(m: Measurement, strategy: str, world: int, *, layer_s: float, before: bool = False) -> float:
@@ -136,11 +138,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"wall/step (load {load_average()})")  # fmt: skip
             print(text[-1], flush=True)
     torch.set_num_threads(1)  # after the fits' forks: as every rank of them, one thread
-    plain, split, layers = dispatch(2 if args.quick else 5, 20 if args.quick else 60)
+    plain, split, extra_s, layers = dispatch(2 if args.quick else 5, 20 if args.quick else 60)
     for p in PHASES:
         text.append(line(f"tensor_cpu_plain_ms_{p}", 1e3 * plain[p], "ms"))
         text.append(line(f"tensor_cpu_split_ms_{p}", 1e3 * split[p], "ms"))
-    layer_s = sum(split[p] - plain[p] for p in PHASES) / layers
+    layer_s = extra_s / layers
     text.append(line("tensor_cpu_split_layers", layers, "layers"))
     text.append(line("tensor_cpu_dtensor_us_per_layer", 1e6 * layer_s, "us"))
     m = measure(MLP(1024, 2), (torch.randn(32, IN), torch.randn(32, OUT)), repeats=5)
