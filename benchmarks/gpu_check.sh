@@ -75,22 +75,22 @@ if [ "$cuda" = 1 ]; then
   gpu_tests=$(mktemp -d /tmp/gpu_tests.XXXXXX)
   timeout -k 10 120 $PY -m pytest --collect-only -q -p no:cacheprovider tests/gpu | grep '::' >"$gpu_tests/ids"
   # timeout -k: Lightning's signal handler catches SIGTERM, so a hung fit outlives it; SIGKILL 10 s later ends it
-  run_one() {  # $1: a test's node id; prints "<exit code> <node id>"
+  run_one() {  # $1: a test's node id; prints "<exit code> <its log> <node id>"
     local out="$GPU_TESTS/$(printf '%s' "$1" | tr -c 'A-Za-z0-9_.-' '_').log"
     timeout -k 10 120 $PY -m pytest -v -p no:cacheprovider -rfEs "$1" >"$out" 2>&1
-    echo "$? $1"
+    echo "$? $out $1"
   }
   export -f run_one; export PY GPU_TESTS="$gpu_tests"
-  xargs -d '\n' -P "${GPU_TEST_JOBS:-6}" -I{} bash -c 'run_one "$1"' _ {} <"$gpu_tests/ids" | sort -k2 >"$gpu_tests/codes"
+  xargs -d '\n' -P "${GPU_TEST_JOBS:-6}" -I{} bash -c 'run_one "$1"' _ {} <"$gpu_tests/ids" | sort -k3 >"$gpu_tests/codes"
   # -v lines (PASSED, FAILED, SKIPPED with its reason) by file name, then the last 150 lines of each failure's log
   for f in "$gpu_tests"/*.log; do grep -hE '(PASSED|FAILED|SKIPPED|ERROR)( |$)|^SKIPPED \[' "$f"; done
   echo "gpu_tests_run $(wc -l <"$gpu_tests/ids") count"
   rc=0
-  while read -r code id; do
+  while read -r code out id; do
     if [ "$code" != 0 ]; then
       rc=1
       echo "== $id: exit $code"
-      tail -n 150 "$GPU_TESTS/$(printf '%s' "$id" | tr -c 'A-Za-z0-9_.-' '_').log"
+      tail -n 150 "$out"
     fi
   done <"$gpu_tests/codes"
   rm -rf "$gpu_tests"

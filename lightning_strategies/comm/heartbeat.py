@@ -164,12 +164,11 @@ class Heartbeat:
     def _await_peer_marks(self, timeout: float) -> None:
         """Return once every peer has marked its end (finished or failed), or after ``timeout`` seconds."""
         peers = [r for r in range(self.world) if r != self.rank]
-        keys = [f"mark/{r}" for r in peers]
+        keys = [f"beat/{r}" for r in peers] + [f"mark/{r}" for r in peers]
         deadline = time.monotonic() + timeout
         try:
-            for r in self._absent(peers, ("beat", "mark")):  # a peer that never started: multi_get waits for none
-                _create_keys(self.store, r)
-            while not all(int(v) for v in self.store.multi_get(keys)) and time.monotonic() < deadline:
+            self._create_absent_keys(peers)
+            while not all(self._poll(keys, peers)[1].values()) and time.monotonic() < deadline:
                 time.sleep(min(self.interval / 4, max(0.0, deadline - time.monotonic())))
         except Exception as err:  # the store is gone or slow: nothing left to protect
             log.debug(f"rank {self.rank}: stopped waiting for the peers' marks: {err}")
@@ -302,8 +301,7 @@ class Heartbeat:
             )
 
         try:
-            for r in self._absent(peers, ("beat", "mark")):  # a peer that never started its heartbeat
-                _create_keys(self.store, r)  # as its start would: multi_get waits for none
+            self._create_absent_keys(peers)
             poll = time.monotonic()
             first, marks = self._poll(keys, peers)
             slowest = time.monotonic() - poll
@@ -331,6 +329,12 @@ class Heartbeat:
         values = [int(v) for v in self.store.multi_get(keys)]
         n = len(peers)
         return dict(zip(peers, values[:n], strict=True)), dict(zip(peers, values[n:], strict=True))
+
+    def _create_absent_keys(self, peers: list[int]) -> None:
+        """Create the beat and mark keys of the ``peers`` that never started their heartbeat, as their start
+        would: ``multi_get`` waits for a missing key."""
+        for r in self._absent(peers, ("beat", "mark")):
+            _create_keys(self.store, r)
 
     def _absent(self, ranks: list[int], names: tuple[str, ...]) -> list[int]:
         """The ``ranks`` with a key ``<name>/<rank>`` missing from the store, found by bisection:

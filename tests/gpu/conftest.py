@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from gpu_utils import ON_CPU, suite_device
+from gpu_utils import ON_CPU, own_process_group, suite_device
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -47,7 +46,5 @@ def _no_process_group_left() -> Iterator[None]:
     """A default process group a test made in this process (a world-1 fit, ``init_process_group``) is
     destroyed after it: Lightning destroys its own only at exit, and a later fit or test would find it
     and run on its backend, or fail to make its own."""
-    before = dist.is_initialized()
-    yield
-    if not before and dist.is_initialized():
-        dist.destroy_process_group()
+    with own_process_group():
+        yield
