@@ -15,14 +15,14 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
-from torch._C._distributed_c10d import Backend
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_strategies._errors import ddp_options_set
 from lightning_strategies.checkpoint import ATOMIC_CHECKPOINT_IO_DEFAULT
+from lightning_strategies.comm.mesh import device_mesh
 from lightning_strategies.faults import PeerFailureMixin
 from lightning_strategies.strategies._lightning_internals import logged_step, should_update_logs
 
@@ -43,20 +43,6 @@ __all__ = [
 def divisors(n: int) -> list[int]:
     """The divisors of ``n``, for errors that suggest a size that fits the world."""
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _group_options(backend: str, timeout: timedelta | None) -> tuple[str, Any] | None:
-    """``(backend, options)`` carrying ``timeout`` for a new process group; ``None`` for the defaults."""
-    if timeout is None:
-        return None
-    options: Any
-    if backend == "nccl" and dist.is_nccl_available():
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-    else:
-        # the generic options object: DeviceMesh reads its ``_timeout`` for new_group(timeout=...)
-        options = Backend.Options(backend, timeout)
-    return backend, options
 
 
 class MetricsWindow:
@@ -275,13 +261,8 @@ class StrategyBase(PeerFailureMixin, DDPStrategy):
 
     def _init_mesh(self, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
         """A mesh whose groups get this strategy's backend and timeout (new groups default to 30 minutes)."""
-        override = _group_options(self._get_process_group_backend(), self._timeout)
-        return init_device_mesh(
-            self.root_device.type,
-            shape,
-            mesh_dim_names=names,
-            backend_override=dict.fromkeys(names, override) if override is not None else None,
-        )
+        backend = self._get_process_group_backend()
+        return device_mesh(self.root_device.type, shape, names, backend=backend, timeout=self._timeout)
 
     def _fitting(self) -> bool:
         trainer = self.trainer

@@ -19,11 +19,6 @@ from pathlib import Path
 # Internals kept on purpose, each isolated in one function (issue #26: "if a feature cannot be kept
 # without an internal, keep the feature, isolate the internal in one function"), with the reason.
 _KEPT_INTERNALS = {
-    "lightning_strategies/strategies/_base.py:_group_options": (
-        "the device mesh's groups get the strategy's timeout only through their options' _timeout, "
-        "which torch's DeviceMesh reads (pg_options._timeout) and no constructor sets; "
-        "tests/integration/test_peer_death.py's pipeline cases fail when it stops working"
-    ),
     "lightning_strategies/comm/elastic.py:remove_from_torch_rpc_group": (
         "torch's dynamic RPC group forgets only a member that left gracefully; a dead one stays listed and "
         "fails the next join, and torch has no public way to remove it (async_elastic's rejoin needs it); "
