@@ -42,7 +42,10 @@ the interpreter began to exit):
   teardown or at interpreter exit would show as a timeout there).
 
 Timing: ``TIMEOUT_S`` (10 s) is the strategies' ``timeout`` in the SIGKILL cases, ``HANG_TIMEOUT_S``
-(3 s) in the SIGSTOP ones. The cases run ``PARALLEL`` at a time: a case mostly waits (heartbeats,
+(10 s too) in the SIGSTOP ones. The timeout bounds every wait of a healthy rank too (the join, each
+collective), and with 3 s a peer delayed by load on 2 cores failed the ``hang`` cases before the kill
+(a join's connect and a collective's recv "timed out after 3000ms", seen at -n 2 beside the tensor
+tests). The cases run ``PARALLEL`` at a time: a case mostly waits (heartbeats,
 timeouts) rather than computes.
 """
 
@@ -65,7 +68,7 @@ import lightning_strategies.faults as faults
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 10.0
-HANG_TIMEOUT_S = 3.0
+HANG_TIMEOUT_S = 10.0  # no shorter: see the module docstring's Timing
 FREEZE_TIMEOUT_S = 60.0
 FREEZE_WATCH_S = 3.0  # the watch polls every second: it notices by FREEZE_WATCH_S + 1 s
 ASYNC_RPC_MARGIN_S = 5.0  # comm.ps: RPCs time out after timeout + max(5 s, 10%)
