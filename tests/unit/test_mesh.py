@@ -36,7 +36,7 @@ def _compare(rank: int, world: int) -> dict[str, Any]:
         summed = torch.tensor([float(rank)])
         dist.all_reduce(summed, group=ours.get_group(name))
         out[f"sum_{name}"] = summed.item()
-    # a DTensor sharded over the tp dimension: each tp rank holds its rows, full_tensor() joins them
+    # a DTensor sharded over both dimensions (columns over dp, rows over tp): full_tensor() joins the pieces
     whole = torch.arange(8.0).view(4, 2)
     piece = distribute_tensor(whole, ours, [Shard(1), Shard(0)])
     out["local_piece"] = piece.to_local().tolist()
