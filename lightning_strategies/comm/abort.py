@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from lightning_strategies.comm.peer_lost import PeerDiagnosis
 
-__all__ = ["abort_communication", "add_abort_hook"]
+__all__ = ["abort_communication", "add_abort_group", "add_abort_hook"]
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,21 @@ log = logging.getLogger(__name__)
 # What abort_communication also runs: waits that are local, not on a connection (a parameter-server
 # shard's barrier waiting for a frozen worker's push), registered by the modules that own them.
 _ABORT_HOOKS: list[Callable[[PeerDiagnosis | None], object]] = []
+
+
+# The process groups besides the default one that abort_communication aborts, in the order they were added
+# (torch has no public list of a process's groups): weak, so a destroyed group's connections close as before.
+_GROUPS: list[weakref.ref[dist.ProcessGroup]] = []
+
+
+def add_abort_group(group: dist.ProcessGroup) -> None:
+    """Have :func:`abort_communication` abort ``group`` too while it lives (the default group always is).
+
+    :func:`lightning_strategies.comm.groups.new_group` adds every group this package makes.
+    """
+    _GROUPS[:] = [ref for ref in _GROUPS if ref() is not None]
+    if all(ref() is not group for ref in _GROUPS):
+        _GROUPS.append(weakref.ref(group))
 
 
 def add_abort_hook(hook: Callable[[PeerDiagnosis | None], object]) -> Callable[[], None]:
@@ -36,13 +52,15 @@ def add_abort_hook(hook: Callable[[PeerDiagnosis | None], object]) -> Callable[[
 def abort_communication(diagnosis: PeerDiagnosis | None = None) -> list[str]:
     """Make this process's blocked and later communication fail at once, because a peer is gone.
 
-    NCCL groups are aborted (subgroups first). Where gloo runs (and TensorPipe's RPC), whose ``abort()``
-    does not unblock a pending operation, this process's connected TCP sockets are shut down both ways
-    (Linux ``/proc``), except the store's and those inherited at a fork, so blocked operations fail as if
-    the peer had died. Then every :func:`add_abort_hook` hook runs (waits no connection ends).
+    NCCL groups are aborted, subgroups first: the default group and those added by :func:`add_abort_group`
+    (every group this package makes; torch lists a process's groups only in its private state). Where gloo
+    runs (and TensorPipe's RPC), whose ``abort()`` does not unblock a pending operation, this process's
+    connected TCP sockets are shut down both ways (Linux ``/proc``), except the store's and those inherited at
+    a fork, so blocked operations fail as if the peer had died. Then every :func:`add_abort_hook` hook runs
+    (waits no connection ends).
 
     Args:
-        diagnosis: why (for the log); its store address is kept when given.
+        diagnosis: why (for the log); its store's connections are kept (without one: ``MASTER_PORT``'s).
 
     Returns:
         What was aborted, one line each.
@@ -70,28 +88,29 @@ def abort_communication(diagnosis: PeerDiagnosis | None = None) -> list[str]:
 
 
 def _process_groups() -> list[dist.ProcessGroup]:
-    """Every process group of this process in creation order (the default one first)."""
+    """The default group, then every group added by :func:`add_abort_group` that is still initialised."""
     if not dist.is_available() or not dist.is_initialized():
         return []
-    world = dist.distributed_c10d._world
-    names = getattr(world, "pg_names", {})
-    # torch names a new group by a counter ("0", "1", ...): numeric names sort as numbers ("2" before "10")
-    groups = sorted(names, key=lambda g: (0, int(names[g]), "") if names[g].isdigit() else (1, 0, names[g]))
-    default = dist.group.WORLD
-    if default is not None and default not in groups:
-        groups.insert(0, default)
+    groups = [dist.group.WORLD]
+    for ref in _GROUPS:
+        group = ref()
+        if group is not None and group not in groups and _initialised(group):
+            groups.append(group)
     return [g for g in groups if isinstance(g, dist.ProcessGroup)]
 
 
-def _store_port(diagnosis: PeerDiagnosis | None) -> int | None:
+def _initialised(group: dist.ProcessGroup) -> bool:
     try:
-        store = dist.distributed_c10d._get_default_store()
-        base = getattr(store, "_underlying_non_prefix_store", store)
-        if isinstance(base, dist.TCPStore):
-            return int(base.port)
-    except Exception:  # no default group (a direct caller): fall back to the diagnosis's address
-        pass
+        dist.get_backend(group)  # raises ValueError for a destroyed group
+    except (ValueError, RuntimeError):
+        return False
+    return True
+
+
+def _store_port(diagnosis: PeerDiagnosis | None) -> int | None:
+    """The store's port: the diagnosis's (its heartbeat's store), else ``MASTER_PORT`` (``env://``'s)."""
     port = diagnosis.store_host.rpartition(":")[2] if diagnosis is not None else ""
+    port = port or os.environ.get("MASTER_PORT", "")
     return int(port) if port.isdigit() else None
 
 

@@ -35,6 +35,7 @@ from lightning_strategies.comm.peer_lost import (
 
 __all__ = [
     "DEFAULT_INTERVAL",
+    "DEFAULT_STORE_CONNECT_TIMEOUT",
     "DEFAULT_STORE_TIMEOUT",
     "DEFAULT_WATCH_GRACE",
     "GRACE_INTERVALS",
@@ -61,6 +62,9 @@ GRACE_INTERVALS = 2.5
 _GRACE_POLLS = 4.0
 #: Timeout of the heartbeat's own store connection: a frozen store host must not freeze a diagnosis.
 DEFAULT_STORE_TIMEOUT = timedelta(seconds=5)
+#: Timeout of opening that connection: a store whose host is still starting under load can take seconds to
+#: accept (5 s fell short with 8 processes starting on 2 cores: the heartbeat of a rank was missing).
+DEFAULT_STORE_CONNECT_TIMEOUT = timedelta(seconds=60)
 #: Seconds a watched peer may stay silent (or marked failed) before the survivors abort their communication:
 #: long enough for a live process whose heartbeat thread waits for the GIL behind a long native call (a large
 #: checkpoint write), far below the process groups' 30-minute default timeout.
@@ -377,18 +381,26 @@ def start_heartbeat(
     rank: int,
     world: int,
     *,
+    store_address: tuple[str, int] | None = None,
     interval: float = DEFAULT_INTERVAL,
     store_timeout: timedelta = DEFAULT_STORE_TIMEOUT,
+    connect_timeout: timedelta = DEFAULT_STORE_CONNECT_TIMEOUT,
     watch_grace: float | None = None,
     on_lost: Callable[[PeerDiagnosis], object] | None = None,
 ) -> Heartbeat | None:
-    """Start this rank's heartbeat in the default process group's store, and its watch.
+    """Start this rank's heartbeat in the process group's ``TCPStore``, and its watch.
 
-    The heartbeat and the watch each get a clone of the ``TCPStore`` client with ``store_timeout``, so
-    they never wait behind the group's requests.
+    The heartbeat and the watch each open a client connection of their own to the store (within
+    ``connect_timeout``), whose requests time out after ``store_timeout``, so they never wait behind the group's
+    requests. Their keys lie under
+    ``process_group/attempt_<TORCHELASTIC_RESTART_COUNT>/`` (``attempt_0`` outside torchrun): torchrun's agent
+    store outlives a restart, which starts afresh.
 
     Args:
-        store_timeout: the timeout of the heartbeat's store connections.
+        store_address: ``(host, port)`` of the store the group met in; ``None``: ``MASTER_ADDR`` and
+            ``MASTER_PORT``, which Lightning's launchers, torchrun and SLURM set and ``env://`` reads.
+        store_timeout: the timeout of the heartbeat's store requests.
+        connect_timeout: how long opening each store connection may take.
         watch_grace: seconds of a watched peer's silence before the survivors act; ``None``:
             :data:`DEFAULT_WATCH_GRACE`; ``0``: no watch.
         on_lost: what the watch does; default :func:`~lightning_strategies.comm.abort.abort_communication`.
@@ -400,21 +412,25 @@ def start_heartbeat(
     if world < 2 or not dist.is_available() or not dist.is_initialized():
         return None
     try:
-        store = dist.distributed_c10d._get_default_store()
-        base = getattr(store, "_underlying_non_prefix_store", store)  # below the PrefixStores
-        tcp = isinstance(base, dist.TCPStore)
-        host = f"{base.host}:{base.port}" if isinstance(base, dist.TCPStore) else ""
+        host, port = store_address or (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        prefix = f"process_group/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
         def connection() -> dist.Store:
-            if not tcp:
-                return store
-            clone = store.clone()  # a connection of its own, under the group's prefixes (a restart starts afresh)
-            clone.set_timeout(store_timeout)
-            return clone
+            client = dist.TCPStore(host, port, is_master=False, timeout=connect_timeout)
+            client.set_timeout(store_timeout)
+            return dist.PrefixStore(prefix, client)
 
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        beat = Heartbeat(connection(), rank, world, interval=interval, store_host=host, store_rank=None if agent else 0)
+        beat = Heartbeat(
+            connection(), rank, world, interval=interval, store_host=f"{host}:{port}", store_rank=None if agent else 0
+        )
         beat.start()
+    except KeyError as err:
+        log.warning(
+            f"rank {rank}: no heartbeat (no {err} in the environment: pass store_address); "
+            "a lost peer will not be named"
+        )
+        return None
     except Exception as err:
         log.warning(f"rank {rank}: no heartbeat ({err}); a lost peer will not be named")
         return None

@@ -17,6 +17,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
+from lightning_strategies.comm.groups import new_group
 from lightning_strategies.comm.ps.hierarchy import HierarchicalParameterServerClient
 from lightning_strategies.comm.ps.plan import Slice
 from lightning_strategies.comm.ring.layout import NodeLayout, new_hierarchical_groups
@@ -201,8 +202,7 @@ def plan_alignment(
         return None
     if backend == "gloo":
         return PushAlignment(None)
-    group = dist.new_group(backend="gloo", timeout=timeout)
-    assert isinstance(group, dist.ProcessGroup)  # every rank is a member
+    group = new_group(backend="gloo", timeout=timeout)
     return PushAlignment(group)
 
 

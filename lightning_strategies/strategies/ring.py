@@ -20,6 +20,7 @@ from torch.nn import Module
 from torch.nn.parallel.distributed import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_strategies.comm.groups import new_group
 from lightning_strategies.comm.ring import (
     MIN_CHUNK_BYTES,
     WIRE_DTYPES,
@@ -154,8 +155,7 @@ class RingAllReduceStrategy(StrategyBase):
             self._ring_groups = [intra, inter]
             self._reducer = RingBucketReducer(intra, op="avg", wire_dtype=self._wire_dtype, inter_group=inter)
         else:
-            group = dist.new_group(timeout=self._timeout, backend=backend)
-            assert isinstance(group, dist.ProcessGroup)
+            group = new_group(timeout=self._timeout, backend=backend)
             self._ring_groups = [group]
             split = layout if layout.num_nodes > 1 else None  # on one node every byte stays inside it
             self._reducer = RingBucketReducer(group, op="avg", wire_dtype=self._wire_dtype, layout=split)

@@ -213,23 +213,35 @@ def test_a_failed_step_raises_peer_lost_error_only_when_a_peer_is_gone(beats: li
     assert plain.value is local  # every peer alive: the original error, unchanged
 
 
-def test_start_heartbeat_uses_the_process_groups_store_under_its_prefixes() -> None:
+def test_start_heartbeat_beats_into_the_groups_store_under_the_attempts_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
     assert start_heartbeat(0, 2) is None  # no process group
     port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         assert start_heartbeat(0, 1) is None  # nobody to watch
-        beat = start_heartbeat(0, 2, interval=LIVE_S)  # as rank 0 of 2 (no rank 1 ever starts)
-        assert beat is not None
-        try:
-            assert beat.store_host == f"127.0.0.1:{port}" and beat.store_rank == 0
-            store = dist.distributed_c10d._get_default_store()  # the group's own connection
-            key = "lightning_strategies/peers/beat/0"
-            first = store.add(key, 0)
-            time.sleep(20 * LIVE_S)
-            assert store.add(key, 0) > first >= 1  # the clone beats into the group's namespace
-            assert beat.diagnose(grace=0.2).lost == (1,)
-        finally:
-            beat.stop(finished=False)  # rank 1 never starts: a clean stop would wait the grace for it
+        monkeypatch.delenv("MASTER_ADDR", raising=False)
+        assert start_heartbeat(0, 2) is None  # no address given nor in the environment: logged, no heartbeat
+        reader = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        for env, address, attempt in [({}, ("127.0.0.1", port), 0), ({"TORCHELASTIC_RESTART_COUNT": "2"}, None, 2)]:
+            monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # what Lightning's launchers and torchrun set
+            monkeypatch.setenv("MASTER_PORT", str(port))
+            for name, value in env.items():
+                monkeypatch.setenv(name, value)
+            short = datetime.timedelta(seconds=0.5)
+            beat = start_heartbeat(0, 2, store_address=address, interval=LIVE_S, store_timeout=short)  # no rank 1
+            assert beat is not None
+            try:
+                assert beat.store_host == f"127.0.0.1:{port}" and beat.store_rank == 0
+                start = time.monotonic()
+                with pytest.raises(dist.DistStoreError):  # a request waits store_timeout, not the connect's 60 s
+                    beat.store.get("never-set")
+                assert time.monotonic() - start < 5
+                key = f"process_group/attempt_{attempt}/lightning_strategies/peers/beat/0"
+                first = reader.add(key, 0)
+                time.sleep(20 * LIVE_S)
+                assert reader.add(key, 0) > first >= 1  # its own connection beats into this attempt's keys
+                assert beat.diagnose(grace=0.2).lost == (1,)
+            finally:
+                beat.stop(finished=False)  # rank 1 never starts: a clean stop would wait the grace for it
     finally:
         dist.destroy_process_group()

@@ -84,6 +84,6 @@ def test_device_mesh_equals_init_device_mesh_on_four_ranks() -> None:
         assert out["error_(3, 2)"] is True
         assert out["error_(4,)"] is True
         message = out["torch_2_11_error"]
-        assert message.startswith("could not make the mesh's group of ranks [0, 2] (backend gloo, device cuda, torch ")
+        assert message.startswith("could not make the cuda mesh's group of ranks [0, 2] (backend gloo, torch ")
         assert "perform_nocolor_split" in message
         assert "Fix: on GPUs pass process_group_backend='nccl', or use torch 2.14 (" in message

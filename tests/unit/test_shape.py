@@ -35,14 +35,23 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("lightning_strategies", "recipes")
 MAX_BYTES = 32 * 1024
 MAX_CLASS_LINES = 400
-# torch.distributed.rpc's internals (and the store key torch writes its worker infos under)
-RPC_INTERNALS = (
+# torch.distributed.rpc's internals (and the store key torch writes its worker infos under), and c10d's
+# state: its world of groups and their stores (comm.abort keeps its own list of groups; the heartbeat opens
+# its own store connection)
+TORCH_INTERNALS = (
     "_init_counter",
     "_init_counter_lock",
     "_set_rpc_timeout",
     "_get_current_rpc_agent",
     "_update_group_membership",
     "_ALL_WORKER_INFOS",
+    "_world",
+    "_pg_map",
+    "_pg_names",
+    "pg_names",
+    "_get_default_group",
+    "_get_default_store",
+    "_underlying_non_prefix_store",
 )
 MAX_TRAINER_READS = 3
 
@@ -253,8 +262,8 @@ def test_comm_reaches_no_lightning_and_the_library_no_hydra_nor_recipes() -> Non
 # -- internals of torch and Lightning ------------------------------------------------------------
 
 
-def _rpc_internals(tree: ast.AST) -> list[str]:
-    """Uses of torch RPC's internals: as names, attributes, imported names or inside strings (a store
+def _torch_internals(tree: ast.AST) -> list[str]:
+    """Uses of torch's RPC and c10d internals: as names, attributes, imported names or inside strings (a store
     key built from one); docstrings, which may name them, are not uses."""
     docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
     hits = []
@@ -269,8 +278,8 @@ def _rpc_internals(tree: ast.AST) -> list[str]:
         elif isinstance(node, ast.alias):
             names = [node.name.split(".")[-1]]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            names = [n for n in RPC_INTERNALS if n in node.value]
-        hits += [f"line {getattr(node, 'lineno', '?')}: {n}" for n in names if n in RPC_INTERNALS]
+            names = [n for n in TORCH_INTERNALS if n in node.value]
+        hits += [f"line {getattr(node, 'lineno', '?')}: {n}" for n in names if n in TORCH_INTERNALS]
     return hits
 
 
@@ -378,12 +387,12 @@ def test_kept_internals_exist_where_they_are_listed() -> None:
         assert function in names, key
 
 
-def test_no_torch_rpc_internals_and_no_private_writes() -> None:
+def test_no_torch_internals_and_no_private_writes() -> None:
     found: list[str] = []
     for path in _sources(*PACKAGES):
         tree = ast.parse(path.read_text())
         kept = _kept_lines(tree, _rel(path))
-        found += [f"{_rel(path)} {hit}" for hit in _rpc_internals(tree) if _line_of(hit) not in kept]
+        found += [f"{_rel(path)} {hit}" for hit in _torch_internals(tree) if _line_of(hit) not in kept]
         found += [
             f"{_rel(path)} {hit}"
             for function, hit in _private_writes(tree)
@@ -414,6 +423,7 @@ def test_the_internal_finders_find_what_they_describe() -> None:
         "        self.__dict__['_x'] = 6\n"
         "        rpc._init_counter = 0\n"
         "        key = '_ALL_WORKER_INFOS'\n"
+        "        store = dist.distributed_c10d._get_default_store()\n"
         "        return trainer._logger_connector, trainer.fit_loop.epoch_loop._batches, self._state\n"
     )
     tree = ast.parse(source)
@@ -425,7 +435,11 @@ def test_the_internal_finders_find_what_they_describe() -> None:
         "loop._hook = ...",
         "rpc._init_counter = ...",
     ]
-    assert [h.split(": ")[1] for h in _rpc_internals(tree)] == ["_init_counter", "_ALL_WORKER_INFOS"]
+    assert [h.split(": ")[1] for h in _torch_internals(tree)] == [
+        "_init_counter",
+        "_ALL_WORKER_INFOS",
+        "_get_default_store",
+    ]
     assert [h.split(": ")[1] for h in _trainer_reads(tree)] == [
         "trainer._logger_connector",
         "trainer.fit_loop.epoch_loop._batches",

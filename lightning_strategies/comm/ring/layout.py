@@ -12,6 +12,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from lightning_strategies.comm.groups import member_group
+
 __all__ = ["MIN_CHUNK_BYTES", "NodeLayout", "new_hierarchical_groups", "ring_bucket_cap_mb"]
 
 #: Smallest chunk (bytes) a ring step should move. A step costs ``latency + chunk / bandwidth``: at 12.5 GB/s
@@ -139,6 +141,7 @@ def new_hierarchical_groups(
 
     Raises:
         ValueError: the layout does not cover the world, or its nodes differ in size.
+        RuntimeError: torch could not make a group (:func:`~lightning_strategies.comm.groups.member_group`).
     """
     layout.require_uniform()
     if layout.world != dist.get_world_size():
@@ -146,14 +149,12 @@ def new_hierarchical_groups(
             f"new_hierarchical_groups: found a layout of {layout.world} processes in a world of "
             f"{dist.get_world_size()}: expected the layout of the whole world."
         )
-    rank = dist.get_rank()
-    mine: list[dist.ProcessGroup] = []
-    for ranks in layout.intra_node_ranks() + layout.inter_node_ranks():
-        group = dist.new_group(ranks, timeout=timeout, backend=backend)
-        if rank in ranks:
-            assert isinstance(group, dist.ProcessGroup)
-            mine.append(group)
-    intra, inter = mine
+    intra = member_group(
+        layout.intra_node_ranks(), backend=backend, timeout=timeout, what="the intra-node ring's group"
+    )
+    inter = member_group(
+        layout.inter_node_ranks(), backend=backend, timeout=timeout, what="the inter-node ring's group"
+    )
     return intra, inter
 
 
