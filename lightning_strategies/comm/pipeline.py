@@ -475,9 +475,9 @@ def average_gradients(grads: Sequence[Tensor], group: dist.ProcessGroup | None) 
     size = dist.get_world_size(group)
     if size == 1 or not grads:
         return 0
-    flat = torch._utils._flatten_dense_tensors(grads)
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)  # gloo has no AVG: sum, then divide
     flat /= size
-    for g, avg in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-        g.copy_(avg)
+    for g, avg in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(avg.view_as(g))
     return flat.numel() * flat.element_size()

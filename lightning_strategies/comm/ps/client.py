@@ -13,7 +13,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.futures import Future
 
 from lightning_strategies.comm.ps.hosting import _rpc_push, _rpc_state_dict, local_shard
@@ -303,12 +302,9 @@ def _join_state(pieces: Sequence[tuple[Slice, Mapping[str, Any]]], param: Tensor
 def broadcast_from_rank0(tensors: Sequence[Tensor]) -> None:
     """Rank 0's values of ``tensors`` everywhere, one broadcast per dtype: a collective of the default
     process group (every rank passes the same tensors), for buffers the servers do not hold."""
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for group in by_dtype.values():
-        flat = _flatten_dense_tensors(group)
+    packed = pack(tensors)  # one flat tensor per dtype, in the order of first appearance: alike on every rank
+    for flat in packed.flats:
         dist.broadcast(flat, src=0)
-        with torch.no_grad():
-            for t, synced in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
-                t.copy_(synced)
+    with torch.no_grad():
+        for t, synced in zip(tensors, unpack(packed, tensors), strict=True):
+            t.copy_(synced)  # type: ignore[arg-type]  # every tensor was packed: none is None
