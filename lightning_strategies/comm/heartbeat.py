@@ -392,9 +392,8 @@ def start_heartbeat(
 
     The heartbeat and the watch each open a client connection of their own to the store (within
     ``connect_timeout``), whose requests time out after ``store_timeout``, so they never wait behind the group's
-    requests. Their keys lie under
-    ``process_group/attempt_<TORCHELASTIC_RESTART_COUNT>/`` (``attempt_0`` outside torchrun): torchrun's agent
-    store outlives a restart, which starts afresh.
+    requests. Their keys lie under ``process_group/attempt_<TORCHELASTIC_RESTART_COUNT>/`` (``attempt_0``
+    outside torchrun): torchrun's agent store outlives a restart, which starts afresh.
 
     Args:
         store_address: ``(host, port)`` of the store the group met in; ``None``: ``MASTER_ADDR`` and
@@ -406,11 +405,12 @@ def start_heartbeat(
         on_lost: what the watch does; default :func:`~lightning_strategies.comm.abort.abort_communication`.
 
     Returns:
-        The running heartbeat, or ``None`` without a process group, with one rank, or when the store cannot be
+        The running heartbeat, or ``None`` without a process group, with one rank (``world`` or the default
+        group's: strategies whose replicas meet elsewhere keep a group of one), or when the store cannot be
         reached (logged; training is unaffected).
     """
-    if world < 2 or not dist.is_available() or not dist.is_initialized():
-        return None
+    if world < 2 or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None  # a default group of one rank (ft, local_sgd, diloco, async_elastic) shares no store with peers
     try:
         host, port = store_address or (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
         prefix = f"process_group/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"

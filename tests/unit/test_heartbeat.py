@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch.distributed as dist
-from dist_utils import free_port
+from dist_utils import free_port, run_workers
 
 from lightning_strategies.comm.heartbeat import (
     Heartbeat,
@@ -213,35 +213,62 @@ def test_a_failed_step_raises_peer_lost_error_only_when_a_peer_is_gone(beats: li
     assert plain.value is local  # every peer alive: the original error, unchanged
 
 
-def test_start_heartbeat_beats_into_the_groups_store_under_the_attempts_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert start_heartbeat(0, 2) is None  # no process group
-    port = free_port()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        assert start_heartbeat(0, 1) is None  # nobody to watch
-        monkeypatch.delenv("MASTER_ADDR", raising=False)
-        assert start_heartbeat(0, 2) is None  # no address given nor in the environment: logged, no heartbeat
-        reader = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
-        for env, address, attempt in [({}, ("127.0.0.1", port), 0), ({"TORCHELASTIC_RESTART_COUNT": "2"}, None, 2)]:
-            monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # what Lightning's launchers and torchrun set
-            monkeypatch.setenv("MASTER_PORT", str(port))
-            for name, value in env.items():
-                monkeypatch.setenv(name, value)
-            short = datetime.timedelta(seconds=0.5)
-            beat = start_heartbeat(0, 2, store_address=address, interval=LIVE_S, store_timeout=short)  # no rank 1
-            assert beat is not None
+def _beat_into_the_groups_store(rank: int, world: int) -> dict[str, object]:
+    """A rank of a real 2-rank group (``run_workers`` sets ``MASTER_ADDR``/``MASTER_PORT``, as Lightning does)."""
+    port = int(os.environ["MASTER_PORT"])
+    reader = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    short = datetime.timedelta(seconds=0.5)
+    out: dict[str, object] = {"port": port}
+    for attempt, address in [(0, None), (2, ("127.0.0.1", port))]:  # from the environment, then given
+        if attempt:
+            os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)  # torchrun's count of restarts
+        beat = start_heartbeat(rank, world, store_address=address, interval=LIVE_S, store_timeout=short, watch_grace=0)
+        assert beat is not None
+        try:
+            start = time.monotonic()
             try:
-                assert beat.store_host == f"127.0.0.1:{port}" and beat.store_rank == 0
-                start = time.monotonic()
-                with pytest.raises(dist.DistStoreError):  # a request waits store_timeout, not the connect's 60 s
-                    beat.store.get("never-set")
-                assert time.monotonic() - start < 5
-                key = f"process_group/attempt_{attempt}/lightning_strategies/peers/beat/0"
-                first = reader.add(key, 0)
-                time.sleep(20 * LIVE_S)
-                assert reader.add(key, 0) > first >= 1  # its own connection beats into this attempt's keys
-                assert beat.diagnose(grace=0.2).lost == (1,)
-            finally:
-                beat.stop(finished=False)  # rank 1 never starts: a clean stop would wait the grace for it
+                beat.store.get("never-set")
+            except dist.DistStoreError:
+                out[f"request_s_{attempt}"] = time.monotonic() - start  # store_timeout, not the connect's 60 s
+            key = f"process_group/attempt_{attempt}/lightning_strategies/peers/beat/{rank}"
+            first = reader.add(key, 0)
+            time.sleep(20 * LIVE_S)
+            out[f"beats_{attempt}"] = [first, reader.add(key, 0)]  # its own connection, this attempt's keys
+            out[f"lost_{attempt}"] = list(beat.diagnose(grace=2.0).lost)
+            out[f"host_{attempt}"] = (beat.store_host, beat.store_rank)
+        finally:
+            beat.stop()
+        dist.barrier()  # both stopped before the next attempt's heartbeat
+    del os.environ["MASTER_ADDR"]
+    out["without_address"] = start_heartbeat(rank, world) is None  # logged, no heartbeat
+    return out
+
+
+def test_start_heartbeat_beats_into_the_groups_store_under_the_attempts_prefix() -> None:
+    results = run_workers(_beat_into_the_groups_store, 2, timeout=90)
+    for rank in (0, 1):
+        out = results[rank]
+        for attempt in (0, 2):
+            # the group's store, and rank 0 hosts it (no torchrun agent)
+            assert out[f"host_{attempt}"] == (f"127.0.0.1:{out['port']}", 0), out
+            first, later = out[f"beats_{attempt}"]
+            assert later > first >= 1, (rank, attempt, out)
+            assert out[f"lost_{attempt}"] == [], (rank, attempt, out)  # both alive: nobody lost
+            assert out[f"request_s_{attempt}"] < 5, out
+        assert out["without_address"] is True
+
+
+def test_no_heartbeat_without_a_group_or_in_a_group_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert start_heartbeat(0, 2) is None  # no process group
+    # a port nobody listens on: a heartbeat that tried it would wait the connect's 60 s
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        start = time.monotonic()
+        assert start_heartbeat(0, 1) is None  # nobody to watch
+        # ft, local_sgd, diloco and async_elastic keep a default group of one while Lightning's world is larger
+        assert start_heartbeat(0, 2) is None
+        assert time.monotonic() - start < 5
     finally:
         dist.destroy_process_group()
