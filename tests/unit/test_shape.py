@@ -37,7 +37,8 @@ MAX_BYTES = 32 * 1024
 MAX_CLASS_LINES = 400
 # torch.distributed.rpc's internals (and the store key torch writes its worker infos under), and c10d's
 # state: its world of groups and their stores (comm.abort keeps its own list of groups; the heartbeat opens
-# its own store connection)
+# its own store connection). Any private name of ``distributed_c10d`` (its ``_world``, ...) counts too
+# (``_c10d_internal``): listed here, a name as plain as ``_world`` would also flag a class's own attribute.
 TORCH_INTERNALS = (
     "_init_counter",
     "_init_counter_lock",
@@ -45,10 +46,7 @@ TORCH_INTERNALS = (
     "_get_current_rpc_agent",
     "_update_group_membership",
     "_ALL_WORKER_INFOS",
-    "_world",
     "_pg_map",
-    "_pg_names",
-    "pg_names",
     "_get_default_group",
     "_get_default_store",
     "_underlying_non_prefix_store",
@@ -273,6 +271,11 @@ def _torch_internals(tree: ast.AST) -> list[str]:
         names: list[str] = []
         if isinstance(node, ast.Attribute):
             names = [node.attr]
+            if _c10d_internal(node.value, node.attr):
+                hits.append(f"line {node.lineno}: {node.attr}")
+                continue
+        elif isinstance(node, ast.ImportFrom):
+            hits += [f"line {node.lineno}: {a.name}" for a in node.names if _c10d_internal(node.module, a.name)]
         elif isinstance(node, ast.Name):
             names = [node.id]
         elif isinstance(node, ast.alias):
@@ -281,6 +284,17 @@ def _torch_internals(tree: ast.AST) -> list[str]:
             names = [n for n in TORCH_INTERNALS if n in node.value]
         hits += [f"line {getattr(node, 'lineno', '?')}: {n}" for n in names if n in TORCH_INTERNALS]
     return hits
+
+
+def _c10d_internal(owner: ast.expr | str | None, name: str) -> bool:
+    """Whether ``owner.name`` (an attribute, or a name imported from module ``owner``) is a private name of
+    ``torch.distributed.distributed_c10d`` not already in :data:`TORCH_INTERNALS`."""
+    if isinstance(owner, ast.Attribute):
+        owner = owner.attr
+    elif isinstance(owner, ast.Name):
+        owner = owner.id
+    private = name.startswith("_") and not name.startswith("__") and name not in TORCH_INTERNALS
+    return private and isinstance(owner, str) and owner.split(".")[-1] == "distributed_c10d"
 
 
 def _ours(tree: ast.Module) -> set[str]:
@@ -424,6 +438,9 @@ def test_the_internal_finders_find_what_they_describe() -> None:
         "        rpc._init_counter = 0\n"
         "        key = '_ALL_WORKER_INFOS'\n"
         "        store = dist.distributed_c10d._get_default_store()\n"
+        "        names = dist.distributed_c10d._world.pg_names\n"
+        "        from torch.distributed.distributed_c10d import _store_based_barrier, is_initialized\n"
+        "        self._world = store.world_size\n"
         "        return trainer._logger_connector, trainer.fit_loop.epoch_loop._batches, self._state\n"
     )
     tree = ast.parse(source)
@@ -435,10 +452,13 @@ def test_the_internal_finders_find_what_they_describe() -> None:
         "loop._hook = ...",
         "rpc._init_counter = ...",
     ]
+    # in ast.walk's order (a statement before what it holds); self._world is the class's own, not c10d's
     assert [h.split(": ")[1] for h in _torch_internals(tree)] == [
+        "_store_based_barrier",
         "_init_counter",
         "_ALL_WORKER_INFOS",
         "_get_default_store",
+        "_world",
     ]
     assert [h.split(": ")[1] for h in _trainer_reads(tree)] == [
         "trainer._logger_connector",
