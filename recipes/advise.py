@@ -13,15 +13,17 @@ first choice before the trainer is; the launching process passes its choice to t
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -99,36 +101,77 @@ def _compose(overrides: Sequence[str], config_dir: str | None) -> DictConfig:
         return compose("train", overrides=["strategy=advised", *overrides])
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors also say where the options are listed."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"Error: {message}. Fix: ls-advise --help lists the options, recipes and clusters\n")
+
+
+def _names(kind: str) -> str:
+    return ", ".join(sorted(p.stem for p in (CONF / kind).glob("*.yaml")))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="ls-advise",
+        description="Measure an app recipe's model on one batch of its data and predict every strategy's step time, "
+        "peak memory per device and bytes on the busiest link on a cluster; rank them (docs/advisor.md).",
+        epilog=f"recipes (conf/recipe): {_names('recipe')}\n"
+        f"clusters (conf/cluster): {_names('cluster')}; one figure changed with cluster.<field>=...\n\n"
+        "examples:\n"
+        "  ls-advise recipe=resnet50_synthetic cluster=a100            # table + advice.png\n"
+        "  ls-advise recipe=digits_wide_mlp cluster=emulated_2x2_50mbit --json\n"
+        "  python train.py strategy=advised cluster=loopback trainer=ddp_sim   # trains with the first choice",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value",
+        help="Hydra overrides of the app's config: recipe=..., cluster=..., data.batch_size=...",
+    )  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print the advice as JSON (no table, no PNG)")
+    parser.add_argument(
+        "--png", type=Path, default=Path("advice.png"), metavar="PATH",
+        help="where the plot of step time and memory per strategy goes (default: advice.png)",
+    )  # fmt: skip
+    parser.add_argument("--config-dir", metavar="DIR", default=None, help="the app's configs (default: conf/)")
+    return parser
+
+
+def _config_error(err: HydraException) -> str:
+    """Hydra's message without its config search path (the composition's internals)."""
+    text = str(err).split("Config search path:")[0].strip()
+    return f"Error: {text}\nFix: see above; ls-advise --help lists the recipes and clusters"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``ls-advise [--json] [--png PATH] [--config-dir DIR] [recipe=...] [cluster=...] [key=value ...]``."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    as_json, png, config_dir = "--json" in args, Path("advice.png"), None
-    args = [a for a in args if a != "--json"]
-    for flag in ("--png", "--config-dir"):
-        if flag in args:
-            i = args.index(flag)
-            value = args[i + 1] if i + 1 < len(args) else ""
-            del args[i : i + 2]
-            png, config_dir = (Path(value), config_dir) if flag == "--png" else (png, value)
-    if any(a.startswith("-") for a in args):
-        print(f"Error: found {[a for a in args if a.startswith('-')]}: expected --json, --png PATH, --config-dir DIR "
-              "and Hydra overrides (recipe=..., cluster=...)", file=sys.stderr)  # fmt: skip
+    """``ls-advise [--json] [--png PATH] [--config-dir DIR] [recipe=...] [cluster=...] [key=value ...]``;
+    ``--help`` lists the recipes and clusters. Returns 0, 1 when no strategy fits, 2 for a bad option or
+    config."""
+    try:
+        args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as stop:  # --help (0) or a bad option (2, the message printed)
+        return stop.code if isinstance(stop.code, int) else 2
+    try:
+        cfg = _compose(args.overrides, args.config_dir)
+    except HydraException as err:
+        print(_config_error(err), file=sys.stderr)
         return 2
-    cfg = _compose(args, config_dir)
     advice = advice_for(cluster=cfg.cluster, model=cfg.model, data=cfg.data, optimizer=cfg.optimizer)
-    if as_json:
+    if args.json:
         print(to_json_text(advice))
     else:
         from rich.console import Console
 
         Console(width=180).print(to_table(advice))
-        print(f"# measured: {advice.measurement.timed_on}; png: {write_png(advice, png)}")
+        print(f"# measured: {advice.measurement.timed_on}; png: {write_png(advice, args.png)}")
     try:
         best = advice.best()
     except NoStrategyFitsError as err:
         print(f"Error: {err}", file=sys.stderr)
         return 1
-    if not as_json:
+    if not args.json:
         print(f"# first choice: python train.py {' '.join(best.overrides())}  ({best.reason})")
     return 0
 

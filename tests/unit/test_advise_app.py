@@ -44,6 +44,35 @@ def test_a_model_that_fits_nowhere_says_so(capsys: pytest.CaptureFixture[str]) -
     assert main(["--nope"]) == 2
 
 
+def test_the_cli_helps_and_refuses_bad_options_and_configs_in_one_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: ls-advise")
+    for kind in ("recipe", "cluster"):  # every preset, by name
+        names = sorted(p.stem for p in (conf / kind).glob("*.yaml"))
+        assert len(names) >= 5 and f"({conf.name}/{kind}): {', '.join(names)}" in out
+    # a flag without its value: refused before anything is measured or written (it once wrote a file ".png")
+    assert main([*WIDE, "cluster=loopback", "--png"]) == 2
+    err = capsys.readouterr().err
+    assert "Error: argument --png: expected one argument. Fix: ls-advise --help" in err
+    assert main(["--nope", *WIDE]) == 2
+    assert "Error: unrecognized arguments: --nope." in capsys.readouterr().err
+    # an unknown preset: Hydra's list of the available ones, without a traceback or its search path
+    assert main(["recipe=nope", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Error: In 'train': Could not find 'recipe/nope'") and "digits_wide_mlp" in err
+    assert "Traceback" not in err and "Config search path" not in err
+    assert main([*WIDE, "cluster=loopback", "cluster.nope=1"]) == 2
+    assert "Could not override 'cluster.nope'" in capsys.readouterr().err
+    # options between the overrides, and --png=PATH
+    png = tmp_path / "a.png"
+    assert main(["--png=" + str(png), "recipe=digits_wide_mlp", "--json", "model.width=64", "cluster=loopback"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"]["name"] == "loopback" and not png.exists()  # JSON: no PNG
+
+
 def test_strategy_advised_composes_and_builds_the_first_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV, raising=False)
     # compute from a stated throughput (FLOPs / tflops), not timed: the advisor's two runs below see the same
