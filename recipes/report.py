@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,10 @@ def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
     """
     root = Path(sweep_dir)
     if not root.is_dir():
-        raise FileNotFoundError(f"sweep directory {str(root)!r} does not exist; pass the multirun/<date>/<time> dir")
+        raise FileNotFoundError(
+            f"sweep directory {str(root)!r} does not exist: expected a multirun directory (multirun/<date>/<time>). "
+            "Fix: pass the sweep directory that `python train.py -m ...` printed"
+        )
     rows = []
     # Hydra numbers job dirs 0, 1, ...: in job order (10 after 9), other names after, by name
     job_dirs = sorted(
@@ -240,7 +244,11 @@ def write_report(sweep_dir: str | Path) -> Path:
     root = Path(sweep_dir)
     rows = collect(root)
     if not rows:
-        raise FileNotFoundError(f"no job directories with metrics.json or .hydra/ below {str(root)!r}")
+        raise FileNotFoundError(
+            f"no job directories with metrics.json or .hydra/ below {str(root)!r}: expected the sweep's job "
+            "directories 0, 1, ... Fix: pass the sweep directory itself (multirun/<date>/<time>), not a job's "
+            "directory or the one above it"
+        )
     table = markdown_table(rows)
     images = plot(rows, root)
     keys = swept_keys(rows)
@@ -274,7 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("sweep_dir", help="a multirun directory (multirun/<date>/<time>)")
     args = parser.parse_args(argv)
-    summary = write_report(args.sweep_dir)
+    try:
+        summary = write_report(args.sweep_dir)
+    except FileNotFoundError as err:  # no sweep there: one message, not a traceback
+        print(f"Error: {err}", file=sys.stderr)
+        return 1
     print(summary.read_text())
     print(f"sweep summary: {summary}")
     return 0

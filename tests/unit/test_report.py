@@ -43,8 +43,15 @@ def test_report_cli_and_missing_dir(tmp_path: Path, capsys: pytest.CaptureFixtur
     _job(tmp_path, "0", {"status": "ok", "test_acc": 0.5}, ["optimizer.lr=0.1"])
     assert main([str(tmp_path)]) == 0
     assert "sweep summary:" in capsys.readouterr().out
+    # the CLI: one message on stderr, exit 1 (no traceback); write_report itself raises
+    assert main([str(tmp_path / "nope")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"Error: sweep directory {str(tmp_path / 'nope')!r} does not exist") and "Fix: pass" in err
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty")]) == 1
+    assert "no job directories with metrics.json or .hydra/ below" in capsys.readouterr().err
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        main([str(tmp_path / "nope")])
+        write_report(tmp_path / "nope")
 
 
 def test_report_groups_by_two_swept_keys(tmp_path: Path) -> None:
