@@ -1,8 +1,8 @@
 """Which strategy for an app recipe on a cluster: ``python -m recipes.advise recipe=... cluster=...`` (``ls-advise``).
 
-    python -m recipes.advise recipe=resnet50_synthetic cluster=a100          # table + advice.png
-    python -m recipes.advise recipe=digits_wide_mlp cluster=emulated_2x2_50mbit --json
-    python train.py strategy=advised cluster=loopback trainer=ddp_sim        # trains with the first choice
+    ls-advise recipe=resnet50_synthetic cluster=a100                  # table + advice.png
+    ls-advise recipe=digits_wide_mlp cluster=emulated_2x2_50mbit --json
+    python train.py strategy=advised cluster=loopback trainer=ddp_sim   # trains with the first choice
 
 The recipe's module and one batch of its data (``data.batch_size``, the per-device batch) are
 measured here (or timed from the cluster's stated ``tflops``); :mod:`lightning_strategies.advisor`
@@ -35,6 +35,7 @@ __all__ = ["advice_for", "advised_strategy", "main"]
 log = logging.getLogger(__name__)
 CONF = Path(__file__).resolve().parents[1] / "conf"
 ENV = "LS_ADVISED"
+_EXAMPLES = (__doc__ or "").split("\n\n")[1]  # the module docstring's usage lines
 
 
 def _cluster(node: Any) -> Cluster:
@@ -120,10 +121,7 @@ def _parser() -> argparse.ArgumentParser:
         "peak memory per device and bytes on the busiest link on a cluster; rank them (docs/advisor.md).",
         epilog=f"recipes (conf/recipe): {_names('recipe')}\n"
         f"clusters (conf/cluster): {_names('cluster')}; one figure changed with cluster.<field>=...\n\n"
-        "examples:\n"
-        "  ls-advise recipe=resnet50_synthetic cluster=a100            # table + advice.png\n"
-        "  ls-advise recipe=digits_wide_mlp cluster=emulated_2x2_50mbit --json\n"
-        "  python train.py strategy=advised cluster=loopback trainer=ddp_sim   # trains with the first choice",
+        f"examples:\n{_EXAMPLES}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
