@@ -39,6 +39,10 @@ processes (and other jobs) share the cores, so the model has a contention term, 
    (one server's traffic vs P against sharded ps and the rings), ``results/scale_validation.png``
    (predicted vs measured).
 
+The parts: ``_scale_measure.py`` (the worlds' micro-benchmarks and timed runs), ``_scale_costs.py``
+(their figures as the model's constants; the stated cluster), ``_scale_compare.py`` (the model against
+the measured steps and bytes), ``_scale_plots.py`` (the figures); this file runs them and prints.
+
     python benchmarks/scale.py            # P = 2, 3, 4 + torchrun 2x2, 6 rounds (~4-10 min on 2 cores)
     python benchmarks/scale.py --quick    # P = 2, small N, 4 rounds, no torchrun (CI, < 60 s)
     python benchmarks/scale.py --nic-gbit-s 400 --gpus-per-node 4 --step-ms 60   # your cluster
@@ -62,25 +66,29 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import header, line, load_average, load_line, median, pyplot, save_figure
+from benchmarks._common import header, line, load_average, load_line
+from benchmarks._scale_compare import (
+    GOAL,
+    bytes_errors,
+    compare,
+    pooled_calibration,
+    print_calibration,
+    world_calibration,
+)
 from benchmarks._scale_costs import (
-    LATENCY_KEYS,
     STEP_SOURCE,
     Cluster,
     cluster_costs,
     cluster_workload,
-    effective_cores,
     machine_costs,
-    slower,
 )
 from benchmarks._scale_measure import standin_iters, world_worker
+from benchmarks._scale_plots import plot_from, plot_projection, plot_traffic, plot_validation
 from benchmarks._workers import reserved_port, run_workers
 from benchmarks.ps_traffic import resnet50_sizes
-from lightning_strategies.advisor.model import Costs, Link, Prediction, Workload, predict
+from lightning_strategies.advisor.model import Costs, Workload, predict
 
-GOAL = 0.15
 STRATEGIES_MEASURED = ("ddp", "ring", "ps", "ps_1", "async", "pipeline")
-FAST = Link(0.0, math.inf)
 PROJECTED = tuple(2**k for k in range(3, 11))  # 8 ... 1024
 PROJECTED_STRATEGIES = ("ddp", "ring", "ring_hier", "ps", "ps_flat", "ps_1", "async", "pipeline")
 #: ``projected_efficiency_<s>_P256_over_ddp``: the issue-28 goal for ps and async (>= 0.9)
@@ -174,177 +182,6 @@ def wire_bytes(sizes: Sequence[int], worlds: Sequence[int], cases: Sequence[str]
 
 
 # --------------------------------------------------------------------------------------------
-# Model against measurement
-# --------------------------------------------------------------------------------------------
-
-
-def calib_of(row: dict[str, Any]) -> dict[str, float]:
-    return {k.removeprefix("calib/"): v for k, v in row.items() if k.startswith("calib/")}
-
-
-def machine_workload(calib: dict[str, float], world: int, sizes: Sequence[int], pipe: dict) -> Workload:
-    fwd, bwd = calib.get("stage_forward_s"), calib.get("stage_backward_s")
-    return Workload(
-        grad_bytes=4.0 * sum(sizes),
-        tensors=len(sizes),
-        stages=world,
-        microbatches=pipe["microbatches"],
-        activation_bytes=4.0 * pipe["rows"] * pipe["dim"],
-        stage_compute_s=None if fwd is None or bwd is None else fwd + bwd,
-        backward_share=2 / 3 if fwd is None or bwd is None else bwd / (fwd + bwd),
-    )
-
-
-def pooled_calibration(rows: Sequence[dict], *, latency_median: bool = True) -> dict[str, float]:
-    """One world's calibration over its repetitions (every round): the constants the model uses.
-
-    Work figures: their minimum, the least disturbed value (other jobs only ever add time; the probe
-    before each step says how much slower the machine is then, :func:`compare`). Latency figures
-    (``LATENCY_KEYS``, each a mean over its trials within a repetition): their median over the
-    repetitions, the run's typical value (``latency_median=False``: their minimum too, a host that
-    no other job shares, for the projection). None of them is a strategy's step.
-    """
-    calibs = [calib_of(row) for row in rows]
-    # the hops of a repetition at the machine's quietest speed (its own compute alone against the
-    # least disturbed one), as the probe scales them back per step (``slower``)
-    quietest = min((c["compute_s"] for c in calibs if "compute_s" in c), default=1.0)
-    calibs = [
-        {k: v * quietest / c["compute_s"] if k.startswith("wake_") and "compute_s" in c else v for k, v in c.items()}
-        for c in calibs
-    ]
-    out = {}
-    for k in dict.fromkeys(k for c in calibs for k in c):
-        values = [c[k] for c in calibs if k in c]
-        out[k] = float(statistics.median(values) if latency_median and k in LATENCY_KEYS else min(values))
-    return out
-
-
-#: figures of a world without RPC that depend on its P (the rest are a pair's, or one rank's, while
-#: the other ranks idle in a barrier, which costs nothing without an RPC agent polling)
-P_DEPENDENT_COLL = frozenset({"compute_all_s"})
-
-
-def world_calibration(rows: dict[str, list[dict]], kind: str, world: int) -> dict[str, float]:
-    """The constants for the ``kind`` world of ``world`` processes.
-
-    With RPC every figure depends on P (each process's agent polls, idle or not: P pollers share
-    the cores with whatever is measured), so they come from that world's repetitions alone.
-    Without RPC a figure measured by one rank or a pair does not depend on the idle others, so it
-    is pooled over every such world (3x the repetitions against load bursts), and only
-    :data:`P_DEPENDENT_COLL` (and the wake-ups, keyed by their busy count) are the world's own.
-    """
-    own = pooled_calibration(rows[f"{kind}/P{world}"])
-    if kind == "rpc":
-        return own
-    shared = pooled_calibration([row for key, rows_ in rows.items() if key.startswith(f"{kind}/") for row in rows_])
-    return {**shared, **{k: v for k, v in own.items() if k in P_DEPENDENT_COLL}}
-
-
-def compare(
-    rows: list[dict],
-    calib: dict[str, float],
-    world: int,
-    strategies: Sequence[str],
-    sizes: Sequence[int],
-    pipe: dict,
-    local_size: int | None = None,
-) -> tuple[dict[str, dict], list[Costs]]:
-    """Per strategy: measured and predicted medians, the median ratio, its halves, and each run's costs.
-
-    A step's prediction: the world's constants (``calib``, from its calibration runs) scaled to the
-    machine of that moment by the probe taken just before the step: the stand-in alone against its
-    quiet value (the speed of CPU work, which on loopback messages are too) and on all P at once
-    against alone (the contention). ``A`` and ``B``: the even and the odd rounds (or torchrun
-    invocations), separate process worlds at different times: two measurements of the same cell.
-    """
-    out = {}
-    costs_all: list[Costs] = []
-    calib = {**calib, "microbatches": float(pipe["microbatches"])}
-    work = machine_workload(calib, world, sizes, pipe)
-    base = machine_costs(calib, world, local_size=local_size, tensors=work.tensors, grad_bytes=work.grad_bytes)
-    for s in strategies:
-        steps: list[tuple[float, float, int]] = []  # (measured, predicted, round)
-        phases: dict[str, list[float]] = {}
-        loads: list[float] = []
-        for row in rows:
-            key = f"{s}/step_s"
-            if key not in row:
-                continue
-            loads.append(row[f"{s}/load"])
-            for i, seconds in enumerate(row[key]):  # every step beside the probe taken just before it
-                probe = {k: row[f"{s}/probe_{k}"][i] for k in ("alone_s", "all_s")}
-                costs = slower(base, probe["alone_s"] / base.compute_s).with_(
-                    cores=effective_cores(world, probe["alone_s"], probe["all_s"])
-                )
-                costs_all.append(costs)
-                pred = predict(s, costs, world, work)
-                steps.append((seconds, pred.step_s, int(row["round"])))
-                for k, v in pred.phases.items():
-                    phases.setdefault(k, []).append(v)
-        if not steps:
-            print(f"# {s} P={world}: no step measured (missing from every repetition)", flush=True)
-            continue
-        halves = {h: [x for x in steps if x[2] % 2 == h] for h in (0, 1)}
-        out[s] = {
-            "measured": median([m for m, _, _ in steps]),
-            "predicted": median([p for _, p, _ in steps]),
-            "ratio": median([p / m for m, p, _ in steps]),
-            "ratios": [p / m for m, p, _ in steps],
-            "halves": [(median([m for m, _, _ in h]), median([p / m for m, p, _ in h])) for h in halves.values() if h],
-            "phases": {k: median(v) for k, v in phases.items()},
-            "load": median(loads),
-            "rounds": len({r for _, _, r in steps}),
-        }
-    return out, costs_all
-
-
-def bytes_errors(
-    rows: list[dict], world: int, sizes: Sequence[int], tag: str, local_size: int | None = None
-) -> dict[str, float]:
-    """|model / measured - 1| of the bytes the busiest worker sends per step, as the strategies count them."""
-    out = {}
-    work = Workload(grad_bytes=4.0 * sum(sizes), tensors=len(sizes))
-    costs = Costs(compute_s=0.0, local_size=local_size or world, intra=FAST, inter=FAST)
-    for s in ("ring", "ring_hier", "ps", "ps_1", "async"):
-        # bytes do not depend on the load: one repetition says it
-        for row in [r for r in rows if f"{s}/sent_bytes" in r][:1]:
-            pred = predict(s, costs, world, work)
-            for key, want in (("sent", pred.busiest_sent_bytes), ("inter_sent", pred.inter_sent_bytes)):
-                if f"{s}/{key}_bytes" not in row:
-                    continue
-                name = f"{s}_{tag}" if key == "sent" else f"{s}_inter_node_{tag}"
-                out[name] = abs(want / row[f"{s}/{key}_bytes"] - 1)
-                line(f"scale_bytes_sent_{name}", row[f"{s}/{key}_bytes"], "bytes")
-                line(f"scale_bytes_error_{name}", out[name], "fraction")
-    return out
-
-
-def print_calibration(costs: Costs, tag: str = "", kinds: Sequence[str] = ("coll", "rpc")) -> None:
-    """The constants of ``costs``: the ones its world kinds measure (``coll``, ``rpc``)."""
-    line(f"calib_compute_s{tag}", costs.compute_s, "s")
-    line(f"calib_effective_cores_quiet{tag}", costs.cores or 0.0, "cores")
-    for b, seconds in enumerate(costs.hop_s):
-        line(f"calib_wake_us_busy{b}{tag}", 1e6 * seconds, "us")
-    line(f"calib_reduce_ns_per_byte{tag}", 1e9 * costs.reduce_s_per_byte, "ns/B")
-    if "coll" in kinds:
-        line(f"calib_gloo_latency_us{tag}", 1e6 * costs.intra.latency_s, "us")
-        line(f"calib_gloo_bandwidth{tag}", costs.intra.bandwidth / 1e9, "GB/s")
-        line(f"calib_ring_overhead_us{tag}", 1e6 * costs.ring_overhead_s, "us")
-        line(f"calib_pipeline_chunk_overhead_us{tag}", 1e6 * costs.chunk_overhead_s, "us")
-    if "rpc" in kinds:
-        line(f"calib_rpc_overhead_us{tag}", 1e6 * costs.rpc_overhead_s, "us")
-        line(f"calib_rpc_bandwidth{tag}", costs.rpc_intra.bandwidth / 1e9, "GB/s")
-        if costs.rpc_exchange_s is not None:
-            line(f"calib_rpc_exchange_ms{tag}", 1e3 * costs.rpc_exchange_s, "ms")
-        if costs.rpc_gather_s is not None:
-            line(f"calib_rpc_gather_ms{tag}", 1e3 * costs.rpc_gather_s, "ms")
-        line(f"calib_ps_protocol_us_per_peer{tag}", 1e6 * costs.ps_protocol_s, "us")
-        for part in ("client", "average", "update"):
-            line(f"calib_ps_{part}_ns_per_byte{tag}", 1e9 * getattr(costs, f"ps_{part}_s_per_byte"), "ns/B")
-            line(f"calib_ps_{part}_us_per_tensor{tag}", 1e6 * getattr(costs, f"ps_{part}_s_per_tensor"), "us")
-
-
-# --------------------------------------------------------------------------------------------
 # Projection
 # --------------------------------------------------------------------------------------------
 
@@ -381,138 +218,6 @@ def print_projection(cluster: Cluster, calibrated: Costs, proj: dict[str, dict[i
     for s in OVER_DDP:  # efficiency over ddp's = ddp's step over its step (the same compute)
         line(f"projected_efficiency_{s}_P{OVER_DDP_AT}_over_ddp", ddp / proj[s][OVER_DDP_AT].step_s, "x")
     print(f"# goal: projected_efficiency_ps_P{OVER_DDP_AT}_over_ddp and ..._async_... >= {OVER_DDP_GOAL}", flush=True)
-
-
-# --------------------------------------------------------------------------------------------
-# Plots
-# --------------------------------------------------------------------------------------------
-
-
-LABELS = {
-    "ddp": "ddp (NCCL ring)", "ring": "ring (comm.ring, flat)", "ring_hier": "ring, hierarchical",
-    "ps": "ps, P shards (hierarchical push)", "ps_flat": "ps, P shards, flat push", "ps_1": "ps, 1 server",
-    "async": "async (P shards)", "pipeline": "pipeline (K stages x P/K)",
-}  # fmt: skip
-STYLE = {"ddp": "C2", "ring": "C0", "ring_hier": "C9", "ps": "C1", "ps_flat": "C6", "ps_1": "C3", "async": "C4",
-         "pipeline": "C5"}  # fmt: skip
-
-
-def plot_projection(cluster: Cluster, proj: dict[str, dict[int, Any]], path: Path) -> None:
-    """Projected step time and scaling efficiency against P, one line per strategy."""
-    plt = pyplot()
-    fig, (ax, ax_e) = plt.subplots(1, 2, figsize=(11, 3.9))
-    worlds = list(PROJECTED)
-    for s, by_p in proj.items():
-        ax.plot(worlds, [by_p[p].step_s for p in worlds], "o-", ms=3, color=STYLE[s], label=LABELS[s])
-        ax_e.plot(worlds, [cluster.step_ms / 1e3 / by_p[p].step_s for p in worlds], "o-", ms=3, color=STYLE[s])
-    ax.axhline(cluster.step_ms / 1e3, color="k", lw=0.8, ls=":", label="compute alone")
-    for a in (ax, ax_e):
-        a.set_xscale("log", base=2)
-        a.set_xticks(worlds)
-        a.set_xticklabels([str(p) for p in worlds])
-        a.set_xlabel("GPUs P")
-    ax.set_yscale("log")
-    ax.set_ylabel("projected seconds per step")
-    ax_e.set_ylabel("compute / step (scaling efficiency)")
-    ax_e.set_ylim(0, 1.05)
-    nic = f"{cluster.nic_gbit_s:g} Gb/s per node"
-    ax.set_title(
-        f"ResNet-50, {cluster.gpus_per_node} GPUs/node, NVLink {cluster.nvlink_gbyte_s:g} GB/s, {nic}", fontsize=9
-    )
-    ax_e.set_title(f"compute {cluster.step_ms:.1f} ms per step (A100, batch {cluster.batch_per_gpu})", fontsize=9)
-    ax.legend(fontsize=7)
-    save_figure(fig, path)
-
-
-def plot_traffic(cluster: Cluster, proj: dict[str, dict[int, Any]], path: Path) -> None:
-    """The seed's claim 1 at scale: one server's traffic grows with P; sharded ps and the rings' do not
-    (and the hierarchical push's NIC carries the hierarchical ring's bytes)."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.2, 4.0))
-    worlds = list(PROJECTED)
-    gb = 1e9
-    series = [
-        ("ps_1", "busiest_sent_bytes", "ps, 1 server: the server's link", "D-"),
-        ("ps_flat", "nic_bytes", "ps, P shards, flat push: a node's NIC", "s-"),
-        ("ps_flat", "busiest_sent_bytes", "ps, P shards, flat push: a worker", "s--"),
-        ("ps", "nic_bytes", "ps, hierarchical push: a node's NIC", "x:"),
-        ("ring", "nic_bytes", "flat ring: a node's NIC (= a worker's link)", "^-"),
-        ("ring_hier", "nic_bytes", "hierarchical ring: a node's NIC", "v-"),
-        ("ring_hier", "inter_per_worker", "hierarchical ring: a worker across nodes", "v--"),
-    ]
-    for s, key, label, fmt in series:
-        if key == "inter_per_worker":
-            ys = [proj[s][p].nic_bytes / cluster.gpus_per_node / gb for p in worlds]
-        else:
-            ys = [getattr(proj[s][p], key) / gb for p in worlds]
-        ys = [y if y > 0 else math.nan for y in ys]  # one node: nothing crosses a NIC (log axis)
-        ax.plot(worlds, ys, fmt, ms=4, color=STYLE[s], label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(worlds)
-    ax.set_xticklabels([str(p) for p in worlds])
-    ax.set_xlabel(f"GPUs P ({cluster.gpus_per_node} per node)")
-    ax.set_ylabel("GB sent per step")
-    ax.set_title(f"ResNet-50's {4 * cluster.params / 1e6:.0f} MB gradient: bytes sent per step", fontsize=9)
-    ax.legend(fontsize=7)
-    save_figure(fig, path)
-
-
-def plot_validation(results: Sequence[tuple[str, str, dict]], path: Path) -> None:
-    """Predicted against measured step time of every validation run, with the goal's +-15% band."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(5.2, 4.6))
-    xs = [r["measured"] for _, _, r in results]
-    lo, hi = 0.8 * min(xs), 1.25 * max(xs)
-    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
-    ax.fill_between([lo, hi], [lo * (1 - GOAL), hi * (1 - GOAL)], [lo * (1 + GOAL), hi * (1 + GOAL)], alpha=0.15)
-    markers = {"P2": "o", "P3": "s", "P4": "^", "2x2": "D"}
-    for s, tag, r in results:
-        ax.plot(r["measured"], r["measured"] * r["ratio"], markers.get(tag, "x"), color=STYLE[s], fillstyle="none")
-    for s in dict.fromkeys(s for s, _, _ in results):
-        ax.plot([], [], "o", color=STYLE[s], label=s)
-    for tag, m in markers.items():
-        ax.plot([], [], m, color="gray", fillstyle="none", label=tag)
-    from matplotlib.ticker import NullFormatter
-
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    for axis in (ax.xaxis, ax.yaxis):
-        axis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("measured seconds per step (median)")
-    ax.set_ylabel("predicted (median ratio x measured)")
-    ax.set_title("scale model on this machine (band: +-15%)", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
-    save_figure(fig, path)
-
-
-def plot_from(path: Path) -> None:
-    """Draw the three figures again from a stored output (``--plot-from results/scale.txt``): no
-    measurement, the printed lines only."""
-    values: dict[str, float] = {}
-    for text in path.read_text().splitlines():
-        parts = text.split()
-        if len(parts) == 3 and not text.startswith("#"):
-            values[parts[0]] = float(parts[1])
-    defaults = Cluster()
-    cluster = Cluster(**{f.name: type(getattr(defaults, f.name))(values[f"cluster_{f.name}"]) for f in fields(Cluster)})
-    proj: dict[str, dict[int, Any]] = {s: {} for s in PROJECTED_STRATEGIES}
-    for s in PROJECTED_STRATEGIES:
-        for p in PROJECTED:
-            proj[s][p] = Prediction(
-                values[f"projected_step_s_{s}_P{p}"], {}, values[f"projected_worker_bytes_{s}_P{p}"],
-                values[f"projected_link_bytes_{s}_P{p}"], values[f"projected_nic_bytes_{s}_P{p}"], 0.0,
-            )  # fmt: skip
-    results = []
-    for name, measured in values.items():
-        if name.startswith("scale_measured_step_s_"):
-            tag = name.removeprefix("scale_measured_step_s_")
-            s, _, world = tag.rpartition("_")
-            ratio = values[f"scale_predicted_over_measured_{tag}"]
-            results.append((s, world, {"measured": measured, "ratio": ratio}))
-    plot_projection(cluster, proj, path.parent / "scale.png")
-    plot_traffic(cluster, proj, path.parent / "scale_traffic.png")
-    plot_validation(results, path.parent / "scale_validation.png")
 
 
 # --------------------------------------------------------------------------------------------
