@@ -114,6 +114,24 @@ def _use_foreach(foreach: bool | None, params: Iterable[Tensor]) -> bool:
     return all(type(p) in _FOREACH_TYPES and p.device.type in _FOREACH_DEVICES for p in params)
 
 
+def _group_by_device_and_dtype(
+    tensor_lists: Sequence[Sequence[Any]],
+) -> dict[tuple[torch.device, torch.dtype], tuple[list[list[Any]], list[int]]]:
+    """Index ``i`` of every list, grouped by the device and dtype of ``tensor_lists[0][i]``, with the indices.
+
+    The grouping torch's own foreach optimizers do (each ``torch._foreach_*`` call takes one device and dtype),
+    written here rather than borrowed from ``Optimizer``'s private helper. The other lists follow the first
+    (their entries may be ``None``, or step counters on another device); groups come in order of first appearance.
+    """
+    out: dict[tuple[torch.device, torch.dtype], tuple[list[list[Any]], list[int]]] = {}
+    for i, first in enumerate(tensor_lists[0]):
+        lists, indices = out.setdefault((first.device, first.dtype), ([[] for _ in tensor_lists], []))
+        for dst, src in zip(lists, tensor_lists, strict=True):
+            dst.append(src[i])
+        indices.append(i)
+    return out
+
+
 def _norm_dtype(t: Tensor) -> torch.dtype:
     """Norms in float32 (float64 for float64 tensors): bf16/fp16 sums of squares lose too much."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
@@ -130,7 +148,7 @@ def _global_clip_factor(grads: list[Tensor], max_norm: float, *, foreach: bool, 
     if foreach:
         # grouped by device and dtype, then put back in parameter order (the same sum as below)
         norms: list[Tensor] = [torch.empty(0)] * len(grads)
-        grouped = Optimizer._group_tensors_by_device_and_dtype([grads], with_indices=True)  # type: ignore[list-item]
+        grouped = _group_by_device_and_dtype([grads])
         for (device_grads,), indices in grouped.values():
             dev = cast(list[Tensor], device_grads)
             for i, n in zip(indices, torch._foreach_norm(dev, 2, dtype=_norm_dtype(dev[0])), strict=True):

@@ -13,11 +13,12 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor
-from torch.optim.optimizer import Optimizer, ParamsT
+from torch.optim.optimizer import ParamsT
 from typing_extensions import Self
 
 from lightning_strategies.optim._foreach import (
     _global_clip_factor,
+    _group_by_device_and_dtype,
     _GroupOptions,
     _is_real_number,
     _LayerwiseOptimizer,
@@ -256,9 +257,7 @@ def _single_tensor_lamb(g: _LambGroup, o: _LambOptions, grad_scale: Tensor | Non
 
 
 def _multi_tensor_lamb(g: _LambGroup, o: _LambOptions, grad_scale: Tensor | None) -> None:
-    grouped = Optimizer._group_tensors_by_device_and_dtype(
-        [g.params, g.grads, g.exp_avgs, g.exp_avg_sqs, g.steps]  # type: ignore[list-item]
-    )
+    grouped = _group_by_device_and_dtype([g.params, g.grads, g.exp_avgs, g.exp_avg_sqs, g.steps])
     for (params_, grads_, exp_avgs_, exp_avg_sqs_, steps_), _ in grouped.values():
         xs, grads, ms, vs, steps = (cast(list[Tensor], t) for t in (params_, grads_, exp_avgs_, exp_avg_sqs_, steps_))
         torch._foreach_add_(steps, 1.0)

@@ -11,9 +11,10 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor
-from torch.optim.optimizer import Optimizer, ParamsT
+from torch.optim.optimizer import ParamsT
 
 from lightning_strategies.optim._foreach import (
+    _group_by_device_and_dtype,
     _GroupOptions,
     _is_real_number,
     _LayerwiseOptimizer,
@@ -173,10 +174,7 @@ def _single_tensor_lars(params: list[Tensor], grads: list[Tensor], bufs: list[Te
 
 
 def _multi_tensor_lars(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor | None], o: _LarsOptions) -> None:
-    grouped = Optimizer._group_tensors_by_device_and_dtype(
-        [params, grads, bufs],  # type: ignore[list-item]
-        with_indices=True,
-    )
+    grouped = _group_by_device_and_dtype([params, grads, bufs])
     for (params_, grads_, bufs_), indices in grouped.values():
         xs, gs = cast(list[Tensor], params_), cast(list[Tensor], grads_)
         dev_bufs: list[Tensor | None] = bufs_
