@@ -1,6 +1,6 @@
 """The scale model on the emulated cluster: a step is compute plus the busiest NIC's bytes over the link.
 
-Pure arithmetic (no torch), so ``tests/unit/test_scale_model.py`` holds it to hand-computed values.
+Pure arithmetic (no torch), so ``tests/unit/test_scale_model_calibration.py`` holds it to hand-computed values.
 
 On the emulated cluster (``benchmarks/emulated``) every node's link is shaped to a rate R in both
 directions by HTB; inside a node, processes talk at loopback speed. A strategy's step there is

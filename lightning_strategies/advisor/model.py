@@ -1,6 +1,6 @@
 """The scale model: step time and bytes per link of every strategy (``benchmarks/scale.py`` validates it).
 
-Pure arithmetic (no torch), one function per strategy, so ``tests/unit/test_scale_model.py`` holds
+Pure arithmetic (no torch), one function per strategy, so ``tests/unit/test_scale_model_*.py`` hold
 the formulas to hand-computed values. A strategy's step is a list of *phases*; a phase is work that
 ``busy`` processes do at once, and costs ``contention(busy) x seconds``:
 

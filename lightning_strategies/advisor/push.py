@@ -2,7 +2,7 @@
 
 Pure arithmetic (no torch), as :mod:`~lightning_strategies.advisor.schedule` is for the pipeline:
 the scale model's ``ps``, ``ps_flat`` and ``async`` terms take their messages and bytes from here,
-and ``tests/unit/test_scale_model.py`` holds them to the formulas written out by hand.
+and ``tests/unit/test_scale_model_ps.py`` holds them to the formulas written out by hand.
 
 P processes, L per node, N = P / L nodes, D gradient bytes; shard s (1/P of the model) on rank s.
 
