@@ -165,7 +165,7 @@ def test_the_chunk_overhead_is_the_tiny_pipelines_cpu_time_per_chunk_when_measur
 
 
 def test_calibration_pools_pair_figures_over_worlds_without_rpc_and_not_with_it() -> None:
-    from benchmarks.scale import pooled_calibration, world_calibration
+    from benchmarks._scale_compare import pooled_calibration, world_calibration
 
     def row(world: int, compute_all: float, tiny: float, wake: float) -> dict[str, float]:
         return {"calib/compute_all_s": compute_all, "calib/gloo_tiny_allreduce_s": tiny, "calib/wake_0_s": wake}

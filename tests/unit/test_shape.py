@@ -1,6 +1,7 @@
 """The library's shape (issue #26's "done when"), measured from the sources so that growth fails here.
 
-- no file in ``lightning_strategies/`` or ``recipes/`` over 32 KiB, no class over 400 lines;
+- no Python file of the project (the library, ``recipes/``, ``benchmarks/``, ``tests/``, ``docs/``,
+  ``examples/``, the top level) over 32 KiB, no class over 400 lines;
 - no import circle between the library's modules; ``comm/`` reaches no Lightning, the library
   neither Hydra nor ``recipes``;
 - none of torch RPC's internals, no write into a private attribute of a foreign object, and at
@@ -33,6 +34,8 @@ _KEPT_INTERNALS = {
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("lightning_strategies", "recipes")
+#: every tree of the project's own Python: the size rules hold for all of it, not only the library
+SIZED = (*PACKAGES, "benchmarks", "tests", "docs", "examples")
 MAX_BYTES = 32 * 1024
 MAX_CLASS_LINES = 400
 # torch.distributed.rpc's internals (and the store key torch writes its worker infos under), and c10d's
@@ -90,7 +93,7 @@ def _long_classes(tree: ast.AST) -> Iterator[tuple[str, int]]:
 
 def test_no_file_over_32_kib_and_no_class_over_400_lines() -> None:
     found: list[str] = []
-    for path in _sources(*PACKAGES):
+    for path in [*_sources(*SIZED), *sorted(REPO.glob("*.py"))]:
         size = path.stat().st_size
         if size > MAX_BYTES:
             found.append(f"{_rel(path)}: {size} bytes (limit {MAX_BYTES})")
