@@ -13,12 +13,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -193,8 +192,15 @@ class TensorParallelStats:
 
 
 def _settled(t: Tensor) -> Tensor:
-    """``t`` with its collective finished (functional collectives return before they complete)."""
-    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
+    """``t`` with its collective finished.
+
+    ``DTensor.to_local`` documents that after an asynchronous redistribution (``async_op=True``, as torch's own
+    parallel styles use) it returns a tensor whose collective may still run, and that its ``wait()`` gives the
+    finished tensor; a plain tensor has no ``wait``. So the documented method is called where it exists, without
+    naming torch's private class for such tensors.
+    """
+    wait = getattr(t, "wait", None)
+    return cast(Tensor, wait()) if callable(wait) else t
 
 
 def _timed_replicate(t: DTensor, mesh: DeviceMesh, model: Callable[[int, int], int]) -> tuple[Tensor, CommStats]:
