@@ -40,7 +40,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from benchmarks._workers import free_port  # noqa: E402  (the repo root is importable now)
+from benchmarks._workers import reserved_port  # noqa: E402  (the repo root is importable now)
 
 WORKERS = 3
 RUN_TIMEOUT_S = 600.0
@@ -169,7 +169,7 @@ def _run_async(settings: dict[str, Any], work: Path) -> list[int]:
     """The async run's 4 ranks, forked by a zygote of their own; their exit statuses."""
     from fault_utils import Job, Zygote
 
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(WORKERS + 1),
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(reserved_port()), "WORLD_SIZE": str(WORKERS + 1),
            "NODE_RANK": "{rank}", "LOCAL_RANK": "0"}  # fmt: skip
     job = Job(target="benchmarks._failure:_zygote_rank", world=WORKERS + 1, env=env, kwargs={"settings": settings},
               log_dir=work, timeout=RUN_TIMEOUT_S)  # fmt: skip
@@ -201,7 +201,7 @@ def run_case(kind: str, *, kill: bool, epochs: int, base_ms: float, work: Path) 
         "ckpt_dir": str(work / "ckpt"),
     }
     if kind == "ps":
-        port = free_port()
+        port = reserved_port()
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={WORKERS}",
                     "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=1"]  # fmt: skip
         with (work / "rank0.log").open("wb") as log:

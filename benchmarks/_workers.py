@@ -25,22 +25,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 _handed_out: set[int] = set()
 
 
 def reserved_port() -> int:
     """A port on 127.0.0.1 that nothing listens on, below the kernel's ephemeral range.
 
-    :func:`free_port` asks the kernel for an ephemeral port: right for a port bound at once, but one
-    picked for a process started a minute later may meanwhile be handed out again, as another
+    The port every launcher here passes on to processes it starts (a store's, torchrun's, a heartbeat's).
+    An ephemeral port (``bind(0)``, then closed) is right only for a port bound at once: one
+    picked for a process started a moment later may meanwhile be handed out again, as another
     socket's ``bind(0)`` or as the local end of an outgoing connection (gloo and TensorPipe open
     many): the store then fails with EADDRINUSE. The kernel never picks a port below its ephemeral
     range by itself, so one free there stays free until someone binds it by number; the ports this

@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "integration")]
 
 from benchmarks._common import header, line, load_line, median  # noqa: E402
-from benchmarks._workers import free_port  # noqa: E402
+from benchmarks._workers import reserved_port  # noqa: E402
 
 TIMEOUT_S = 10.0  # the strategies' timeout in the SIGKILL cases (test_peer_death.TIMEOUT_S)
 HANG_TIMEOUT_S = 3.0  # ... and in the SIGSTOP ones
@@ -81,7 +81,7 @@ def _job(case: tuple[str, str, int, int], out: Path) -> Any:
     from fault_utils import Job
 
     name, fault, world, victim = case
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(reserved_port()), "WORLD_SIZE": str(world),
            "NODE_RANK": "{rank}", "LOCAL_RANK": "0"}  # fmt: skip
     timeout_s = {"hang": HANG_TIMEOUT_S, "freeze": FREEZE_TIMEOUT_S}.get(fault, TIMEOUT_S)
     kwargs = {"strategy": name, "fault": fault, "victim": victim, "step": STEP, "timeout_s": timeout_s,

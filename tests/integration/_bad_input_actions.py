@@ -13,7 +13,6 @@ import io
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import lightning.pytorch as pl
 import torch
 import torch.multiprocessing as mp
 from app_utils import FEW_BATCHES, ROOT, compose_cfg
+from dist_utils import reserved_port
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -65,12 +65,6 @@ class Ended:
     seconds: float = 0.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _rank_main(
     fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
 ) -> None:
@@ -101,7 +95,7 @@ def in_ranks(fn: Callable[..., Any], *args: Any, world: int = 2, **kwargs: Any) 
     """
     ctx = mp.get_context("fork")
     results = ctx.Queue()
-    port = _free_port()
+    port = reserved_port()  # bound by rank 0 a moment later: never an ephemeral port
     procs = [
         ctx.Process(target=_rank_main, args=(fn, r, world, port, args, kwargs, results), daemon=True)
         for r in range(world)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._workers import free_port
+from benchmarks._workers import reserved_port
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("_torchrun_fit.py")
@@ -69,7 +69,7 @@ def run_torchrun_nodes(
         TimeoutError: after killing every invocation, if they did not all exit in time.
         RuntimeError: with the output tails, if any invocation exited non-zero.
     """
-    port = free_port()
+    port = reserved_port()
     commands = []
     for node in range(nnodes):
         if rdzv_backend == "static":
@@ -99,7 +99,7 @@ def run_slurm_tasks(script_args: list[str], *, ntasks: int, log_dir: Path, timeo
     cluster Lightning derives them from ``SLURM_NODELIST`` and ``SLURM_JOB_ID``). Output goes to
     ``task<k>.log``. Returns and raises as :func:`run_torchrun_nodes`.
     """
-    port = free_port()
+    port = reserved_port()
     commands = []
     for task in range(ntasks):
         env = child_env()

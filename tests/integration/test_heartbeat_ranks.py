@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
-from dist_utils import free_port
+from dist_utils import reserved_port
 from fault_utils import Job, Zygote
 
 from lightning_strategies.comm.heartbeat import DEFAULT_INTERVAL, GRACE_INTERVALS
@@ -32,7 +32,7 @@ JOB_TIMEOUT_S = 45.0
 def test_every_survivor_names_the_sigkilled_rank_and_no_other(tmp_path: Path) -> None:
     zygote = Zygote(["_heartbeat_ranks"], tmp_path / "zygote.log")
     try:
-        kwargs = {"port": free_port(), "victim": VICTIM, "interval": DEFAULT_INTERVAL, "out_dir": str(tmp_path)}
+        kwargs = {"port": reserved_port(), "victim": VICTIM, "interval": DEFAULT_INTERVAL, "out_dir": str(tmp_path)}
         answer = zygote.run(Job("_heartbeat_ranks:run_rank", WORLD, {}, kwargs, tmp_path, timeout=JOB_TIMEOUT_S))
         left = zygote.leftovers()
     finally:

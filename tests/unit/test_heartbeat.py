@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch.distributed as dist
-from dist_utils import free_port, run_workers
+from dist_utils import reserved_port, run_workers
 
 from lightning_strategies.comm.heartbeat import (
     Heartbeat,
@@ -262,7 +262,7 @@ def test_no_heartbeat_without_a_group_or_in_a_group_of_one(monkeypatch: pytest.M
     assert start_heartbeat(0, 2) is None  # no process group
     # a port nobody listens on: a heartbeat that tried it would wait the connect's 60 s
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(reserved_port()))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         start = time.monotonic()
