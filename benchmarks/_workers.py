@@ -95,6 +95,36 @@ def _worker(
             dist.destroy_process_group()
 
 
+def start_ranks(
+    target: Callable[..., None],
+    world: int,
+    rank_args: Callable[[int, int, Any], tuple[Any, ...]],
+    start_method: str = "fork",
+) -> tuple[Any, list[Any]]:
+    """Start ``world`` daemon processes, rank r running ``target(*rank_args(r, port, results))``.
+
+    ``port``: one :func:`reserved_port` for their store, picked now and bound by rank 0 a moment later;
+    ``results``: a queue of the start method's context they answer on. Returns ``(results, processes by rank)``;
+    end them with :func:`end_ranks`.
+    """
+    ctx: Any = mp.get_context(start_method)  # fork, spawn or forkserver: one Process API
+    results = ctx.Queue()
+    port = reserved_port()
+    procs = [ctx.Process(target=target, args=rank_args(r, port, results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    return results, procs
+
+
+def end_ranks(procs: list[Any], *, join_timeout_s: float) -> None:
+    """Join every process of :func:`start_ranks`; one still alive after ``join_timeout_s`` is SIGKILLed (by its PID)."""
+    for p in procs:
+        p.join(timeout=join_timeout_s)
+        if p.is_alive() and p.pid is not None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(timeout=5)
+
+
 def run_workers(
     fn: Callable[..., Any],
     world_size: int,
@@ -111,15 +141,9 @@ def run_workers(
     Raises ``RuntimeError`` with every failing rank's traceback, or ``TimeoutError`` (after
     killing the workers) when they do not all finish within ``timeout`` seconds.
     """
-    ctx: Any = mp.get_context(start_method)  # fork, spawn or forkserver: one Process API
-    results = ctx.Queue()
-    port = reserved_port()  # a store port picked now, bound by rank 0 a moment later
-    procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, pg_timeout_s), daemon=True)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
+    results, procs = start_ranks(
+        _worker, world_size, lambda r, port, q: (r, world_size, port, fn, args, q, pg_timeout_s), start_method
+    )
     out: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout
@@ -141,11 +165,7 @@ def run_workers(
                 continue
             (out if status == "ok" else errors)[rank] = value
     finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive() and p.pid is not None:
-                os.kill(p.pid, signal.SIGKILL)
-                p.join(timeout=5)
+        end_ranks(procs, join_timeout_s=5)
     if errors:
         raise RuntimeError(
             "\n".join(f"--- rank {r} failed:\n{tb}" for r, tb in sorted(errors.items()))

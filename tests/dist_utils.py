@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from benchmarks._workers import reserved_port, run_workers
+from benchmarks._workers import end_ranks, reserved_port, run_workers, start_ranks
 
-__all__ = ["reserved_port", "run_workers"]
+__all__ = ["end_ranks", "reserved_port", "run_workers", "start_ranks"]

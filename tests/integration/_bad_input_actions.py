@@ -12,7 +12,6 @@ import functools
 import io
 import os
 import queue
-import signal
 import subprocess
 import sys
 import time
@@ -25,9 +24,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.multiprocessing as mp
 from app_utils import FEW_BATCHES, ROOT, compose_cfg
-from dist_utils import reserved_port
+from dist_utils import end_ranks, start_ranks
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -93,15 +91,7 @@ def in_ranks(fn: Callable[..., Any], *args: Any, world: int = 2, **kwargs: Any) 
     returns nor raises within ``RANK_TIMEOUT_S`` is reported as ``"Timeout"``; a rank that
     dies as ``"Died"``. Every process started here is joined or SIGKILLed before returning.
     """
-    ctx = mp.get_context("fork")
-    results = ctx.Queue()
-    port = reserved_port()  # bound by rank 0 a moment later: never an ephemeral port
-    procs = [
-        ctx.Process(target=_rank_main, args=(fn, r, world, port, args, kwargs, results), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
+    results, procs = start_ranks(_rank_main, world, lambda r, port, q: (fn, r, world, port, args, kwargs, q))
     ended: dict[int, Ended] = {}
     deadline = time.monotonic() + RANK_TIMEOUT_S
     try:
@@ -114,11 +104,7 @@ def in_ranks(fn: Callable[..., Any], *args: Any, world: int = 2, **kwargs: Any) 
                     if r not in ended and p.exitcode not in (None, 0):
                         ended[r] = Ended(r, "Died", f"exit code {p.exitcode}")
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive() and p.pid is not None:
-                os.kill(p.pid, signal.SIGKILL)
-                p.join(timeout=5)
+        end_ranks(procs, join_timeout_s=10)
     return [ended.get(r, Ended(r, "Timeout", f"no answer within {RANK_TIMEOUT_S:.0f}s")) for r in range(world)]
 
 
