@@ -51,6 +51,12 @@ GOALS: dict[str, list[tuple[str, float, float]]] = {
         (r"hier_inter_node_bytes_over_formula", 1 - EXACT, 1 + EXACT),
         (r"hier_node_egress_over_flat", 2 / 3 - EXACT, 2 / 3 + EXACT),
     ],
+    # ps on the ring's halves: each method's SGD from the same start on the same averaged gradients, so the
+    # parameters differ by summation order only (0 at P = 2: one add); timing ratios only a sanity band
+    "ps_ring_floor.py": [
+        (r"ps_ring_params_max_abs_diff_vs_ddp_P2_N.*", 0.0, 1e-5),
+        (r"ps_ring_(exchange_over_allreduce|step_over_ddp)_P2_N.*", 0.02, 30.0),
+    ],
     # Test error (%) on the 270 digits after 2 epochs at 16 px: 2.6-3.0% at B=32 (39 steps per epoch; 6-9%
     # at 32 px), chance is 90%: a broken optimizer, scaling or warmup at B=32 stays near chance. (B=1024: see PAIRS.)
     "large_batch.py": [(r"test_error_(sgd_none|sgd_linear|sgd_linear_warmup|lamb_sqrt_warmup)_B32", 0.0, 25.0)],
