@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
@@ -72,3 +73,24 @@ def load_average(digits: int = 2) -> str:
 def load_line(when: str) -> str:
     """A comment line with the load average at ``when`` (``"start"``, ``"end"``)."""
     return f"# load average at {when}: {load_average()} (1/5/15 min)"
+
+
+def size_label(n: int) -> str:
+    """``n`` elements as the lines name them: ``64K``, ``400K``, ``25.6M``."""
+    return f"{n / 1e6:g}M" if n >= 1_000_000 else f"{n / 1e3:g}K"
+
+
+def world_size_parser(
+    doc: str | None, *, quick: str, procs: list[int], sizes: list[float], reps: int, timeout: float, n: str
+) -> argparse.ArgumentParser:
+    """The options of a benchmark that times P fork-started processes on N float32 elements, interleaved:
+    ``--quick`` (its help ``quick``), ``--procs``, ``--sizes`` (``n``: what N counts), ``--reps``, ``--warmup``,
+    ``--timeout``, with these defaults."""
+    parser = argparse.ArgumentParser(description=doc.split("\n", 1)[0] if doc else None)
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--procs", type=int, nargs="+", default=procs, help="world sizes P")
+    parser.add_argument("--sizes", type=float, nargs="+", default=sizes, help=f"float32 {n} N")
+    parser.add_argument("--reps", type=int, default=reps, help="timed repetitions per method (median)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
+    parser.add_argument("--timeout", type=float, default=timeout, help="seconds per world size")
+    return parser

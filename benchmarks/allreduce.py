@@ -55,7 +55,6 @@ machine, the times only what loopback says):
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -67,7 +66,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import header, line, load_line, median
+from benchmarks._common import header, line, load_line, median, size_label, world_size_parser
 from benchmarks._workers import run_workers
 from lightning_strategies.comm import ring_all_reduce
 from lightning_strategies.comm.ring import NodeLayout, hierarchical_all_reduce, new_hierarchical_groups
@@ -243,18 +242,11 @@ def run_world(world: int, sizes: Sequence[int], reps: int, warmup: int, timeout:
     return dict(run_workers(_bench_worker, world, sizes, reps, warmup, timeout=timeout, pg_timeout_s=120)[0])
 
 
-def _label(n: int) -> str:
-    return f"{n / 1e6:g}M" if n >= 1_000_000 else f"{n / 1e3:g}K"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="P=2 and 4, N=64K, 3 repetitions (CI smoke run)")
-    parser.add_argument("--procs", type=int, nargs="+", default=[2, 3, 4], help="world sizes P")
-    parser.add_argument("--sizes", type=float, nargs="+", default=[1e6, 25.6e6], help="float32 elements N")
-    parser.add_argument("--reps", type=int, default=15, help="timed repetitions per method (median)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per world size")
+    parser = world_size_parser(
+        __doc__, quick="P=2 and 4, N=64K, 3 repetitions (CI smoke run)", procs=[2, 3, 4], sizes=[1e6, 25.6e6],
+        reps=15, timeout=600.0, n="elements",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:
         args.procs, args.sizes, args.reps, args.warmup = [2, 4], [65536], 3, 1
@@ -264,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for world in args.procs:
         results = run_world(world, sizes, args.reps, args.warmup, args.timeout)
         for n in sizes:
-            tag = f"P{world}_N{_label(n)}"
+            tag = f"P{world}_N{size_label(n)}"
             ms, ratio = results[n]["ms"], results[n]["ratio"]
             formula = 2 * (world - 1) / world * n * 4
             line(f"ring_over_gloo_{tag}", ratio["ring"], "x")

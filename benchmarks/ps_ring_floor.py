@@ -35,7 +35,6 @@ fits) and ``ring_over_gloo_P2_N25.6M`` (``allreduce.py``).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -47,7 +46,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import header, line, load_line, median
+from benchmarks._common import header, line, load_line, median, size_label, world_size_parser
 from benchmarks._workers import run_workers
 from lightning_strategies.comm.ring.transport import _Ring, _run
 from lightning_strategies.comm.stats import CommStats
@@ -138,18 +137,11 @@ def _worker(rank: int, world: int, sizes: Sequence[int], reps: int, warmup: int)
     return {n: _measure(n, reps, warmup) for n in sizes}
 
 
-def _label(n: int) -> str:
-    return f"{n / 1e6:g}M" if n >= 1_000_000 else f"{n / 1e3:g}K"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="P = 2, N = 64K, 3 repetitions (CI smoke run)")
-    parser.add_argument("--procs", type=int, nargs="+", default=[2, 4], help="world sizes P")
-    parser.add_argument("--sizes", type=float, nargs="+", default=[0.4e6, 25.6e6], help="float32 parameters N")
-    parser.add_argument("--reps", type=int, default=15, help="timed repetitions (median)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per world size")
+    parser = world_size_parser(
+        __doc__, quick="P = 2, N = 64K, 3 repetitions (CI smoke run)", procs=[2, 4], sizes=[0.4e6, 25.6e6],
+        reps=15, timeout=900.0, n="parameters",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:
         args.procs, args.sizes, args.reps, args.warmup = [2], [65536], 3, 1
@@ -159,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for world in args.procs:
         got = run_workers(_worker, world, sizes, args.reps, args.warmup, timeout=args.timeout, pg_timeout_s=300)[0]
         for n in sizes:
-            tag, r = f"P{world}_N{_label(n)}", got[n]
+            tag, r = f"P{world}_N{size_label(n)}", got[n]
             line(f"ps_ring_exchange_over_allreduce_{tag}", r["ratio"]["exchange"], "x")
             line(f"ps_ring_step_over_ddp_{tag}", r["ratio"]["step"], "x")
             line(f"ps_ring_params_max_abs_diff_vs_ddp_{tag}", r["diff"], "abs")
