@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import header, line, load_line, median, size_label, world_size_parser
 from benchmarks._workers import run_workers
-from lightning_strategies.comm.ring.transport import _Ring, _run
+from lightning_strategies.comm.ring.transport import _chunk_bounds, _Ring, _run
 from lightning_strategies.comm.stats import CommStats
 
 METHODS = ("gloo", "halves", "ddp_step", "ps_ring_step")
@@ -87,9 +87,8 @@ def _halves(grad: torch.Tensor, params: torch.Tensor, between: Callable[[], None
 
 
 def _owned(n: int, world: int, rank: int) -> tuple[int, int]:
-    """The chunk this rank owns after the ring's reduce-scatter."""
-    probe = _Ring(torch.empty(n), dist.group.WORLD, CommStats(), divisor=1, wire=None)  # type: ignore[arg-type]
-    return probe.chunks[(rank + 1) % world]
+    """The chunk this rank owns after the ring's reduce-scatter (the ring's own chunking)."""
+    return _chunk_bounds(n, world)[(rank + 1) % world]
 
 
 def _measure(n: int, reps: int, warmup: int) -> dict[str, Any]:
