@@ -75,6 +75,16 @@ def load_line(when: str) -> str:
     return f"# load average at {when}: {load_average()} (1/5/15 min)"
 
 
+def printed_values(path: Path) -> dict[str, float]:
+    """The ``name value unit`` lines of a stored output, by name (``#`` lines and others skipped)."""
+    values: dict[str, float] = {}
+    for text in path.read_text().splitlines():
+        parts = text.split()
+        if len(parts) == 3 and not text.startswith("#"):
+            values[parts[0]] = float(parts[1])
+    return values
+
+
 def size_label(n: int) -> str:
     """``n`` elements as the lines name them: ``64K``, ``400K``, ``25.6M``."""
     return f"{n / 1e6:g}M" if n >= 1_000_000 else f"{n / 1e3:g}K"

@@ -11,7 +11,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import pyplot, save_figure
+from benchmarks._common import printed_values, pyplot, save_figure
 from benchmarks._scale_compare import GOAL
 from benchmarks._scale_costs import Cluster
 from lightning_strategies.advisor.model import Prediction
@@ -122,11 +122,7 @@ def plot_validation(results: Sequence[tuple[str, str, dict]], path: Path) -> Non
 def plot_from(path: Path) -> None:
     """Draw the three figures again from a stored output (``--plot-from results/scale.txt``): no
     measurement, the printed lines only."""
-    values: dict[str, float] = {}
-    for text in path.read_text().splitlines():
-        parts = text.split()
-        if len(parts) == 3 and not text.startswith("#"):
-            values[parts[0]] = float(parts[1])
+    values = printed_values(path)
     missing = [f"cluster_{f.name}" for f in fields(Cluster) if f"cluster_{f.name}" not in values]
     if missing or not any(name.startswith("projected_step_s_") for name in values):
         raise SystemExit(

@@ -13,18 +13,10 @@ from typing import Any
 import pytest
 
 from benchmarks import _scale_plots
+from benchmarks._common import printed_values
 from benchmarks.scale import PROJECTED, PROJECTED_STRATEGIES
 
 STORED = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "scale.txt"
-
-
-def _printed(path: Path) -> dict[str, float]:
-    out = {}
-    for text in path.read_text().splitlines():
-        parts = text.split()
-        if len(parts) == 3 and not text.startswith("#"):
-            out[parts[0]] = float(parts[1])
-    return out
 
 
 def test_plot_from_reads_back_every_projected_strategy_and_world(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -33,7 +25,7 @@ def test_plot_from_reads_back_every_projected_strategy_and_world(monkeypatch: py
     monkeypatch.setattr(_scale_plots, "plot_traffic", lambda cluster, proj, path: drawn.update(traffic=proj))
     monkeypatch.setattr(_scale_plots, "plot_validation", lambda results, path: drawn.update(results=results))
     _scale_plots.plot_from(STORED)
-    proj, values = drawn["proj"], _printed(STORED)
+    proj, values = drawn["proj"], printed_values(STORED)
     assert list(proj) == list(PROJECTED_STRATEGIES)  # in the projection's order (the legend's)
     for s in PROJECTED_STRATEGIES:
         assert sorted(proj[s]) == list(PROJECTED)
