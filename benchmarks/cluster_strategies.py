@@ -27,6 +27,8 @@ rates 1gbit, 200mbit, 50mbit (both directions of every node's link). Strategies:
                each bucket is answered alone (reply_per_bucket's default)
     ps1_one_reply  ps1 with reply_per_bucket=False: the server steps and answers once every worker pushed every
                bucket (the A/B of ps1's default)
+    ps_ring    RingParameterServerStrategy: ps's co-located shards (one per process) pushed by comm.ring's
+               reduce-scatter and pulled by its all-gather, per bucket during backward (flat on every layout)
     async      AsyncParameterServerStrategy (one shard per process, no staleness bound): the node is the
                asynchronous worker on 2x2 (sums in the node, pushes 1/L per process), flat on 4x1
     async_flat AsyncParameterServerStrategy(hierarchical=False): every process pushes to every shard (2x2 only)
@@ -52,6 +54,8 @@ not step together). Lines (``name value unit``; medians over rounds, the spread 
     cluster_ring_bf16_over_ring_2x2_<rate>     step ring_bf16 / ring            goal <= 0.6 at 50mbit
     cluster_ps1_over_ps_4x1_<rate>             step ps1 / ps                    goal >= 1.7 at 50mbit
     cluster_ps_over_ddp_<layout>_<rate>        step ps / ddp                    goal <= 1.05 (#28)
+    cluster_ps_ring_over_ddp_<layout>_<rate>   step ps_ring / ddp               goal <= 1.05 (#28's, for ps_ring)
+    cluster_ps_ring_over_ps_<layout>_<rate>    step ps_ring / ps
     cluster_ps_over_ddp_wall_<layout>_<rate>   wall per step ps / ddp
     cluster_ps_hier_over_flat_2x2_<rate>       step ps / ps_flat
     cluster_ps_local_sigterm_over_ddp_wall_<layout>_<rate>  wall per step ps_local_sigterm / ddp
@@ -127,7 +131,7 @@ RESULTS = Path(__file__).parent / "results"
 STRATEGIES = (
     "ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_one_shot", "ps_local_sigterm", "ps1", "async",
     "async_flat", "pipeline", "tensor", "ps_aligned", "ps_unaligned", "ps_one_reply",
-    "ps_bucket_replies", "ps_bucket_plan", "ps1_one_reply",
+    "ps_bucket_replies", "ps_bucket_plan", "ps1_one_reply", "ps_ring",
 )  # fmt: skip
 # variants of ps for an A/B of one option: run when named (--strategies)
 AB_ONLY = (
@@ -166,6 +170,7 @@ def formula_over_d(strategy: str, nodes: int, per_node: int) -> float | None:
         "ps_flat": 2 * local * (p - local) / p,
         "async": 2 * (n - 1) / n,  # the node as the worker (L = 1: the flat push's 2L(P-L)/P too)
         "async_flat": 2 * local * (p - local) / p,
+        "ps_ring": ring,  # the flat ring's halves
         "ps1": float(max(p - local, local)),
         "ps1_one_reply": float(max(p - local, local)),
     }
@@ -308,6 +313,8 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, *, e
             ratio(f"cluster_ps_overlap_over_one_shot_{layout}_{rate}", f"ps|{layout}|{rate}",
                   f"ps_one_shot|{layout}|{rate}")  # fmt: skip
             ratio(f"cluster_async_over_ddp_{layout}_{rate}", f"async|{layout}|{rate}", f"ddp|{layout}|{rate}")
+            ratio(f"cluster_ps_ring_over_ddp_{layout}_{rate}", f"ps_ring|{layout}|{rate}", f"ddp|{layout}|{rate}")
+            ratio(f"cluster_ps_ring_over_ps_{layout}_{rate}", f"ps_ring|{layout}|{rate}", f"ps|{layout}|{rate}")
             for s in ("ps", "async", "ps_local_sigterm", "ps_unaligned"):
                 wall_ratio(f"cluster_{s}_over_ddp_wall_{layout}_{rate}", f"{s}|{layout}|{rate}", f"ddp|{layout}|{rate}")
             for s in ("ps", "ps_aligned"):

@@ -26,6 +26,7 @@ from lightning_strategies.strategies.async_ps import AsyncParameterServerStrateg
 from lightning_strategies.strategies.ft import FTStrategy
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 from lightning_strategies.strategies.pipeline import PipelineStrategy
+from lightning_strategies.strategies.ps_ring import RingParameterServerStrategy
 from lightning_strategies.strategies.ring import RingAllReduceStrategy
 from lightning_strategies.strategies.tensor import TensorParallelStrategy
 
@@ -49,6 +50,7 @@ __all__ = [
     "PrefetchConfig",
     "ResumableDataLoader",
     "RingAllReduceStrategy",
+    "RingParameterServerStrategy",
     "ScalingConfig",
     "ScalingPlan",
     "TensorParallelStrategy",

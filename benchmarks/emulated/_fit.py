@@ -59,6 +59,7 @@ from lightning_strategies import (
     ParameterServerStrategy,
     PipelineStrategy,
     RingAllReduceStrategy,
+    RingParameterServerStrategy,
     TensorParallelStrategy,
 )
 from lightning_strategies.strategies._lightning_internals import per_rank_sigterm
@@ -66,7 +67,7 @@ from lightning_strategies.strategies._lightning_internals import per_rank_sigter
 STRATEGIES = (
     "ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_one_shot", "ps_local_sigterm", "ps1", "async",
     "async_flat", "pipeline", "tensor", "ps_aligned", "ps_unaligned", "ps_one_reply",
-    "ps_bucket_replies", "ps_bucket_plan", "ps1_one_reply",
+    "ps_bucket_replies", "ps_bucket_plan", "ps1_one_reply", "ps_ring",
 )  # fmt: skip
 IN, OUT = 256, 16
 
@@ -139,6 +140,8 @@ def make_strategy(name: str) -> Any:
         return ParameterServerStrategy(overlap=False)
     if name in ("ps1", "ps1_one_reply"):  # one server; across nodes each bucket answered alone, or not
         return ParameterServerStrategy(num_servers=1, reply_per_bucket=False if name == "ps1_one_reply" else None)
+    if name == "ps_ring":  # ps's co-located shards on the ring's reduce-scatter and all-gather (no RPC)
+        return RingParameterServerStrategy()
     if name == "async":  # the node is the worker on several nodes of more than one process
         return AsyncParameterServerStrategy()
     if name == "async_flat":

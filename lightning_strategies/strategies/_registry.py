@@ -38,6 +38,7 @@ class StrategyRow:
 
 
 _PS = "lightning_strategies.strategies.parameter_server:ParameterServerStrategy"
+_PS_RING = "lightning_strategies.strategies.ps_ring:RingParameterServerStrategy"
 _ASYNC = "lightning_strategies.strategies.async_ps:AsyncParameterServerStrategy"
 _RING = "lightning_strategies.strategies.ring:RingAllReduceStrategy"
 _PIPELINE = "lightning_strategies.strategies.pipeline:PipelineStrategy"
@@ -61,6 +62,12 @@ STRATEGY_ROWS: tuple[StrategyRow, ...] = (
     ),
     StrategyRow("ps", _PS, "Alias of 'parameter_server'"),
     _fork("ps", _PS),
+    StrategyRow(
+        "ps_ring",
+        _PS_RING,
+        "'ps' with its co-located shards pushed and pulled over our ring's reduce-scatter and all-gather (no RPC)",
+    ),
+    _fork("ps_ring", _PS_RING),
     StrategyRow(
         "async",
         _ASYNC,

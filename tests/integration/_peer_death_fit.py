@@ -16,7 +16,8 @@ and ``hang`` cases the survivors wait for that file at the start of the same ste
 - ``fault="freeze"``: the same SIGSTOP under a long ``timeout`` and a short ``watch_grace_s``: the
   heartbeat's watch, not the timeout, ends the survivors' wait (it aborts their communication).
 - ``fault="comm"``: from step ``step`` on, inside the strategy's communication, while its peers
-  are inside theirs: ring, in the ring all-reduce after the first segment of a bucket arrived;
+  are inside theirs: ring, in the ring all-reduce after the first segment of a bucket arrived (ps_ring: in
+  its push, the ring's reduce-scatter, on the shards' thread);
   ddp, in a DDP communication hook registered on the victim only (after a pause, so the peers
   are waiting in their all-reduce of the bucket); ps and async, in the victim's shard while it
   serves a peer's push (the RPC is in flight); pipeline, in the victim's (last) stage's backward
@@ -51,6 +52,7 @@ from lightning_strategies import (
     PeerFailureReport,
     PipelineStrategy,
     RingAllReduceStrategy,
+    RingParameterServerStrategy,
 )
 from lightning_strategies.comm.async_ps import AsyncParameterShard
 from lightning_strategies.comm.pipeline import _TimedStage
@@ -65,6 +67,8 @@ WAIT_FOR_VICTIM_S = 60.0  # half the test's job timeout: a victim later than tha
 def make_strategy(name: str, timeout: timedelta) -> pl.strategies.Strategy:
     if name == "ring":
         return RingAllReduceStrategy(timeout=timeout)
+    if name == "ps_ring":
+        return RingParameterServerStrategy(timeout=timeout)
     if name in ("ps", "ps_hier"):
         return ParameterServerStrategy(timeout=timeout)
     if name in ("async", "async_hier"):
@@ -176,6 +180,8 @@ class _KillInComm(Callback):
             reduce_segment(dst, src)
 
         ring_module._reduce_segment = reduce_then_maybe_die  # this process (the victim) only
+
+    _arm_ps_ring = _arm_ring  # its push and pull are the ring's halves, on the shards' thread
 
     def _arm_ddp(self, trainer: pl.Trainer) -> None:
         def allreduce_or_die(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -28,6 +28,7 @@ BASE = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.logger=fa
 CLASS_OPTIONS: dict[type, tuple[dict[str, Any], str]] = {
     lightning_strategies.RingAllReduceStrategy: ({"wire_dtype": "bf16", "bucket_cap_mb": 10}, "wire_dtype"),
     lightning_strategies.ParameterServerStrategy: ({"num_servers": 1}, "num_servers"),
+    lightning_strategies.RingParameterServerStrategy: ({"bucket_cap_mb": 10, "overlap": False}, "bucket_cap_mb"),
     lightning_strategies.AsyncParameterServerStrategy: ({"num_servers": 1, "max_staleness": 2}, "num_servers"),
     lightning_strategies.PipelineStrategy: ({"schedule": "gpipe", "num_stages": 2}, "num_stages"),
     lightning_strategies.TensorParallelStrategy: ({"tp_size": 2}, "tp_size"),

@@ -2,7 +2,7 @@
 loudly and in time, naming the lost rank and the strategy, leaves no process behind and does not
 hang at teardown.
 
-For each of ring, ps, async, pipeline and Lightning's ddp, a tiny fit (``_peer_death_fit``) runs on
+For each of ring, ps, ps_ring, async, pipeline and Lightning's ddp, a tiny fit (``_peer_death_fit``) runs on
 2 CPU processes, each its own "node" (``num_nodes=2, devices=1``, ``LOCAL_RANK=0``), so no launcher
 or agent stops a survivor for us: whatever it does, the strategy does. The ranks are forked from a
 pre-imported zygote (``fault_utils``), ~0.2 s per rank instead of ~5 s of imports. The victim:
@@ -12,8 +12,8 @@ pre-imported zygote (``fault_utils``), ~0.2 s per rank instead of ~5 s of import
   theirs (ring all-reduce, a DDP comm hook, a shard serving a push RPC, a pipeline stage's
   backward while stage 0 waits for the gradient; ``_peer_death_fit`` has the details);
 - ``hang``: SIGSTOPs itself at the start of step 3 (its sockets stay open, its heartbeat stops):
-  only the strategy's ``timeout`` can end the survivors' wait. Run for ring (its own process
-  group), pipeline (the device mesh's groups) and async (RPC, whose timeout is ``timeout`` + 5 s).
+  only the strategy's ``timeout`` can end the survivors' wait. Run for ring and ps_ring (their own process
+  groups), pipeline (the device mesh's groups) and async (RPC, whose timeout is ``timeout`` + 5 s).
 - ``freeze``: the same SIGSTOP under a ``timeout`` of ``FREEZE_TIMEOUT_S`` (60 s) and a heartbeat
   watch grace of ``FREEZE_WATCH_S`` (3 s): the watch ends the survivors' wait by aborting their
   communication (gloo: their TCP connections shut down), long before the timeout. Run for ring,
@@ -78,10 +78,10 @@ EXIT_MARGIN_S = 20.0  # interpreter exit took up to 23 s at load 15 on 2 vCPUs (
 PARALLEL = 4  # cases at a time
 STEP = 3
 LABELS = {"ring": "ring", "ps": "parameter_server", "async": "async", "pipeline": "pipeline", "ddp": "ddp",
-          "ps_hier": "parameter_server", "async_hier": "async"}  # fmt: skip
+          "ps_hier": "parameter_server", "async_hier": "async", "ps_ring": "ps_ring"}  # fmt: skip
 # (strategy, fault, world size, victim); the longest first, as they run PARALLEL at a time
 CASES = [
-    *[(name, "hang", 2, 1) for name in ("async", "ring", "pipeline")],
+    *[(name, "hang", 2, 1) for name in ("async", "ring", "pipeline", "ps_ring")],
     *[(name, "freeze", 2, 1) for name in ("ring", "ps", "pipeline", "ddp")],
     *[(name, fault, 2, 1) for name in LABELS if not name.endswith("_hier") for fault in ("step", "comm")],
     ("ddp", "step", 3, 1),

@@ -6,7 +6,9 @@ servers. Workers (:mod:`.client`) push gradients and pull values, one payload pe
 (:mod:`.wire`); on several nodes they push through their node (:mod:`.hierarchy`). The synchronous
 shard (:mod:`.shard`; hosted, and reached by RPC, through :mod:`.hosting`) is a barrier, which takes a
 worker's step in parts when its pushes overlap backward (:mod:`.buckets`); the asynchronous one
-(:mod:`lightning_strategies.comm.async_ps`) builds on the same pieces.
+(:mod:`lightning_strategies.comm.async_ps`) builds on the same pieces. Where every rank hosts a shard, the
+shards may instead sit where the ring's reduce-scatter leaves its chunks (:mod:`.ring_shards`, the state in
+checkpoints :mod:`.ring_shard_state`): pushes and pulls are then the ring's two halves, without RPC.
 """
 
 from lightning_strategies.comm.ps.bucket_replies import BucketwisePush
@@ -24,6 +26,8 @@ from lightning_strategies.comm.ps.plan import (
     shard_parameters,
     whole_tensor_slices,
 )
+from lightning_strategies.comm.ps.ring_shard_state import gather_ring_state, load_ring_state
+from lightning_strategies.comm.ps.ring_shards import RingBucket, RingShards, RingStepTimes
 from lightning_strategies.comm.ps.shard import ParameterShard, ShardReply
 from lightning_strategies.comm.ps.spec import OptimizerSpec
 from lightning_strategies.comm.ps.wire import Packed, pack, payload_bytes, slice_of, unpack
@@ -39,11 +43,16 @@ __all__ = [
     "ParameterServerClient",
     "ParameterShard",
     "PushLayout",
+    "RingBucket",
+    "RingShards",
+    "RingStepTimes",
     "ShardReply",
     "Slice",
     "StepTimeline",
     "broadcast_from_rank0",
+    "gather_ring_state",
     "hosted_shard",
+    "load_ring_state",
     "local_shard",
     "node_nic_bytes",
     "pack",

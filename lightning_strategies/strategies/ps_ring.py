@@ -1,0 +1,264 @@
+"""``RingParameterServerStrategy`` ("ps_ring"): ``"ps"``'s co-located shards, pushed and pulled over the ring.
+
+Every rank hosts the shard the ring's reduce-scatter leaves on it (:mod:`lightning_strategies.comm.ps.ring_shards`):
+a bucket's push is comm.ring's reduce-scatter, the shard steps the user's optimizer on its chunk, and the pull is
+comm.ring's all-gather. No RPC: the bytes per link are DDP's, and each rank's optimizer steps ``1/P``. The hooks
+changed are:
+
+- ``configure_ddp``: no DDP wrapper; check what the shards support, broadcast rank 0's weights.
+- ``setup_optimizers``: then the shards (a process group of their own) and, with ``overlap``, a hook per tensor.
+- ``training_step``: broadcast rank 0's buffers first, as DDP does (BatchNorm statistics).
+- ``optimizer_step``: a step pre-hook runs Lightning's closure (buckets go as backward fills them), then waits
+  for every bucket's new values; ``block_backward_sync`` holds the pushes while accumulating.
+- ``optimizer_state`` / ``load_optimizer_state_dict`` / ``on_train_end``: the shards' state in the worker
+  optimizer's format (:mod:`lightning_strategies.comm.ps.ring_shard_state`).
+- ``teardown``: stop the shards' thread and drop their group.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
+
+from lightning_strategies.comm.groups import new_group
+from lightning_strategies.comm.ps import OptimizerSpec, broadcast_from_rank0
+from lightning_strategies.comm.ps.clip import ClipSpec
+from lightning_strategies.comm.ps.ring_shard_state import gather_ring_state, load_ring_state
+from lightning_strategies.comm.ps.ring_shards import RingShards
+from lightning_strategies.strategies._base import StrategyBase, unwrap_optimizer
+from lightning_strategies.strategies._ps_clipping import WorkerClippingOff, server_clip_spec
+
+__all__ = ["RingParameterServerStrategy"]
+
+log = logging.getLogger(__name__)
+
+
+class RingParameterServerStrategy(StrategyBase):
+    """Synchronous data parallelism through sharded, co-located parameter servers on the ring's two halves.
+
+    DDP's arithmetic with the optimizer on the shards, as ``"ps"`` (every rank hosts ``1/P``), but pushes and
+    pulls are comm.ring's reduce-scatter and all-gather per gradient bucket, run on a thread while backward goes
+    on, and the values land in the optimizer step. Logged per step: ``comm/bytes_sent``, ``comm/bytes_received``,
+    ``ps/wait_seconds`` (the optimizer step's wait for the last buckets) and ``ps/overlap_share`` (the share of
+    push bytes queued before backward ended).
+
+    What it takes: one optimizer of an elementwise class (torch.optim's SGD, Adam, AdamW, Adagrad, Adamax,
+    NAdam, RAdam, RMSprop, Rprop: a chunk cuts tensors anywhere), trainable tensors of one floating dtype, a
+    gradient for every trainable tensor in every step (as DDP without ``find_unused_parameters``), and not
+    ``16-mixed`` (use ``bf16-mixed``). Clipping (``gradient_clip_val``, by norm or value) is the shards', on the
+    averaged gradient, as DDP's: by norm they agree on the global norm first (one float per rank and step).
+    A lost peer fails its ring neighbours (:class:`~lightning_strategies.comm.ring.RingPeerError`), a hung one
+    after ``timeout``. The ring is flat on any number of nodes.
+
+    Args:
+        overlap: push each bucket as backward fills it; ``False``: every bucket at the optimizer step.
+        bucket_cap_mb: a bucket's size in MiB (DDP's; the first is 1 MiB).
+        **kwargs: as for ``DDPStrategy`` (``timeout`` bounds the ring's waits, default 30 minutes).
+
+    Raises:
+        ValueError: for a non-positive ``bucket_cap_mb``; at setup, for what the shards cannot run (manual
+            optimization, several optimizers, a non-elementwise optimizer, ``16-mixed``, an overridden
+            ``configure_gradient_clipping``).
+        TypeError: for DDP-wrapper options (``find_unused_parameters``, ...): there is no wrapper.
+    """
+
+    strategy_name = "ps_ring"
+    wraps_ddp = False
+
+    def __init__(self, *, overlap: bool = True, bucket_cap_mb: float = 25.0, **kwargs: Any) -> None:
+        if not bucket_cap_mb > 0:
+            raise ValueError(
+                f"RingParameterServerStrategy(bucket_cap_mb={bucket_cap_mb}): expected a positive bucket size in "
+                "MiB. Fix: pass e.g. 25 (DDP's default), or overlap=False for one push after the whole backward."
+            )
+        super().__init__(**kwargs)
+        self._overlap = overlap
+        self._bucket_cap_mb = float(bucket_cap_mb)
+        self._clip: ClipSpec | None = None
+        self._shards: RingShards | None = None
+        self._group: dist.ProcessGroup | None = None
+        self._handles: list[RemovableHandle] = []
+        self._buffers: list[Tensor] = []
+        self._worker_clipping: WorkerClippingOff | None = None
+
+    @property
+    def shards(self) -> RingShards | None:
+        """This rank's shards and their exchange (``None`` outside of fitting)."""
+        return self._shards
+
+    @override
+    def configure_ddp(self) -> None:
+        """No DDP wrapper (the shards average): check what they support, then rank 0's weights everywhere."""
+        trainer = self.trainer
+        assert trainer is not None and self.model is not None
+        if not self._module.automatic_optimization:
+            raise ValueError(
+                "RingParameterServerStrategy found `automatic_optimization = False`: expected automatic "
+                "optimization, because the optimizer steps on the shards inside Lightning's optimizer_step. "
+                "Fix: use automatic optimization, or strategy='ddp' for manual optimization."
+            )
+        self._clip = server_clip_spec(type(self).__name__, trainer, self._module, optimizer_norm=False)
+        _sync_module_states(self.model)
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """The optimizers, then (when fitting) this rank's shards."""
+        super().setup_optimizers(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._start_shards()
+
+    def _start_shards(self) -> None:
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"RingParameterServerStrategy found {len(self.optimizers)} optimizers from configure_optimizers: "
+                "expected exactly one, because the shards run one optimizer over the whole model. Fix: return "
+                "one optimizer (use param groups for different hyperparameters)."
+            )
+        if isinstance(getattr(self.precision_plugin, "scaler", None), torch.amp.GradScaler):
+            raise ValueError(
+                "RingParameterServerStrategy found precision='16-mixed' (a GradScaler): expected no loss scaling, "
+                "because a bucket leaves before the whole backward's overflow check. Fix: use precision="
+                "'bf16-mixed' (no scaler), or strategy='ps', which agrees on overflows."
+            )
+        self._stop_shards(failed=False)
+        optimizer = self.optimizers[0]
+        spec = OptimizerSpec.from_optimizer(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        timeout = self._timeout if self._timeout is not None else default_pg_timeout
+        # a group of their own: the shards' thread must never interleave with the main thread's collectives
+        self._group = new_group(timeout=timeout, backend=self._get_process_group_backend())
+        self._shards = RingShards(
+            params, spec, self._group, bucket_cap_mb=self._bucket_cap_mb, clip=self._clip,
+            timeout=timeout.total_seconds() + max(5.0, 0.1 * timeout.total_seconds()),
+        )  # fmt: skip
+        if self._clip is not None:
+            self._worker_clipping = WorkerClippingOff(self.precision_plugin)
+        self._handles = [optimizer.register_step_pre_hook(self._step_on_shards)]
+        if self._overlap:
+            self._handles += self._shards.attach()
+        assert self.model is not None
+        self._buffers = [b for b in self.model.buffers() if self.world_size > 1]
+
+    def _step_on_shards(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Step pre-hook: Lightning's closure (buckets leave during its backward), then wait for every bucket's
+        values; the local update that follows finds no gradient. A pre-hook keeps the precision plugins' handling
+        and LR schedulers see the step."""
+        assert self._shards is not None
+        kwargs = dict(kwargs)
+        closure = kwargs.pop("closure", None) if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+        self._shards.begin_step(optimizer.param_groups)  # this step's options (a scheduler set them)
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        self._shards.flush()
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        return args[:1], kwargs
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """Broadcast rank 0's buffers (BatchNorm statistics) before the forward, as DDP does, then step."""
+        if self._buffers:
+            broadcast_from_rank0(self._buffers)
+        return super().training_step(*args, **kwargs)
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulating micro-batches push nothing, as DDP's ``no_sync``: the stepping one pushes the sum."""
+        shards = self._shards
+        if shards is None:
+            yield
+            return
+        shards.enabled = False
+        try:
+            yield
+        finally:
+            shards.enabled = True
+
+    @override
+    def _after_optimizer_step(self) -> None:
+        if self._shards is None:
+            return
+        stats = self._shards.stats.reset()
+        self.metrics.add(**{"comm/bytes_sent": stats.bytes_sent, "comm/bytes_received": stats.bytes_received})
+        self.metrics.add(**{"ps/wait_seconds": stats.seconds, "ps/overlap_share": self._shards.last.overlap_share})
+        self.metrics.flush_if_due(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        """The shards' optimizer state gathered in the worker optimizer's format, on rank 0 (a collective: every
+        rank calls it, as ``Trainer.save_checkpoint`` does). It loads into a single-device optimizer too; each
+        group's ``lr`` is the worker's, the one its scheduler set for the next step."""
+        if self._shards is None:
+            kept = self._state_after_fit(optimizer)  # after fit: the shards are gone
+            return kept if kept is not None else super().optimizer_state(optimizer)
+        optimizer = unwrap_optimizer(optimizer)
+        state = gather_ring_state(self._shards, optimizer.state_dict()["param_groups"])
+        return state if self.is_global_zero else {}
+
+    @override
+    def on_train_end(self) -> None:
+        # the shards and their state go at teardown, and the worker optimizer never steps: keep it for a
+        # Trainer.save_checkpoint after fit
+        if self._shards is not None and self.optimizers:
+            self._keep_state_at_fit_end()
+        super().on_train_end()
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Each shard's part of the state, and the worker's group options (the LR schedulers use). No collective."""
+        if self._shards is None:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        states = checkpoint["optimizer_states"]
+        if len(states) != 1 or "param_groups" not in states[0]:
+            raise ValueError(
+                f"RingParameterServerStrategy found {len(states)} optimizer states in the checkpoint (keys "
+                f"{[sorted(s) for s in states]}): expected one full optimizer state dict. Fix: resume from a "
+                "checkpoint written by a one-optimizer run (this strategy, ddp, ps or a single device)."
+            )
+        full = states[0]
+        self.optimizers[0].load_state_dict({"state": {}, "param_groups": full["param_groups"]})
+        load_ring_state(self._shards, full)
+
+    def _stop_shards(self, *, failed: bool) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        stopped = self._shards.close(timeout=0.0 if failed else 10.0) if self._shards is not None else True
+        self._shards = None
+        if self._group is not None and stopped and not failed and dist.is_initialized():
+            dist.destroy_process_group(self._group)
+        self._group = None
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Stop the shards without waiting: a lost peer may hold a ring call up for the whole timeout."""
+        self._stop_shards(failed=True)
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        """Stop the shards' thread and drop its group (left alone after a failure: a peer may be gone)."""
+        self._stop_shards(failed=self.failed)
+        self._buffers = []
+        if self._worker_clipping is not None:
+            self._worker_clipping.restore()
+            self._worker_clipping = None
+        super().teardown()
