@@ -28,7 +28,8 @@ rates 1gbit, 200mbit, 50mbit (both directions of every node's link). Strategies:
     ps1_one_reply  ps1 with reply_per_bucket=False: the server steps and answers once every worker pushed every
                bucket (the A/B of ps1's default)
     ps_ring    RingParameterServerStrategy: ps's co-located shards (one per process) pushed by comm.ring's
-               reduce-scatter and pulled by its all-gather, per bucket during backward (flat on every layout)
+               reduce-scatter and pulled by its all-gather, per bucket during backward; hierarchical on 2x2
+    ps_ring_flat  RingParameterServerStrategy(hierarchical=False): one flat ring (2x2 only)
     async      AsyncParameterServerStrategy (one shard per process, no staleness bound): the node is the
                asynchronous worker on 2x2 (sums in the node, pushes 1/L per process), flat on 4x1
     async_flat AsyncParameterServerStrategy(hierarchical=False): every process pushes to every shard (2x2 only)
@@ -56,6 +57,7 @@ not step together). Lines (``name value unit``; medians over rounds, the spread 
     cluster_ps_over_ddp_<layout>_<rate>        step ps / ddp                    goal <= 1.05 (#28)
     cluster_ps_ring_over_ddp_<layout>_<rate>   step ps_ring / ddp               goal <= 1.05 (#28's, for ps_ring)
     cluster_ps_ring_over_ps_<layout>_<rate>    step ps_ring / ps
+    cluster_ps_ring_hier_over_flat_2x2_<rate>  step ps_ring / ps_ring_flat
     cluster_ps_over_ddp_wall_<layout>_<rate>   wall per step ps / ddp
     cluster_ps_hier_over_flat_2x2_<rate>       step ps / ps_flat
     cluster_ps_local_sigterm_over_ddp_wall_<layout>_<rate>  wall per step ps_local_sigterm / ddp
@@ -132,9 +134,11 @@ STRATEGIES = (
     "ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_one_shot", "ps_local_sigterm", "ps1", "async",
     "async_flat", "pipeline", "tensor", "ps_aligned", "ps_unaligned", "ps_one_reply",
     "ps_bucket_replies", "ps_bucket_plan", "ps1_one_reply", "ps_ring",
+    "ps_ring_flat",
 )  # fmt: skip
 # variants of ps for an A/B of one option: run when named (--strategies)
 AB_ONLY = (
+    "ps_ring_flat",
     "ps_one_shot",
     "ps_local_sigterm",
     "ps_aligned",
@@ -170,7 +174,8 @@ def formula_over_d(strategy: str, nodes: int, per_node: int) -> float | None:
         "ps_flat": 2 * local * (p - local) / p,
         "async": 2 * (n - 1) / n,  # the node as the worker (L = 1: the flat push's 2L(P-L)/P too)
         "async_flat": 2 * local * (p - local) / p,
-        "ps_ring": ring,  # the flat ring's halves
+        "ps_ring": 2 * (n - 1) / n,  # the hierarchical ring's halves (4x1: the flat ring's)
+        "ps_ring_flat": ring,
         "ps1": float(max(p - local, local)),
         "ps1_one_reply": float(max(p - local, local)),
     }
@@ -239,7 +244,7 @@ def measure(
         nodes, per_node = LAYOUTS[layout]
         # one process per node: ps_flat is ps, async_flat is async
         cases: list[tuple[str, str, list[str]]] = [
-            (s, s, []) for s in order if s not in ("ps_flat", "async_flat") or per_node > 1
+            (s, s, []) for s in order if s not in ("ps_flat", "async_flat", "ps_ring_flat") or per_node > 1
         ]
         if args.straggler and layout == "2x2":
             slow = ["--base-ms", str(args.base_ms), "--slow-node-factor", str(SLOW_FACTOR)]
@@ -315,6 +320,7 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, *, e
             ratio(f"cluster_async_over_ddp_{layout}_{rate}", f"async|{layout}|{rate}", f"ddp|{layout}|{rate}")
             ratio(f"cluster_ps_ring_over_ddp_{layout}_{rate}", f"ps_ring|{layout}|{rate}", f"ddp|{layout}|{rate}")
             ratio(f"cluster_ps_ring_over_ps_{layout}_{rate}", f"ps_ring|{layout}|{rate}", f"ps|{layout}|{rate}")
+        ratio(f"cluster_ps_ring_hier_over_flat_2x2_{rate}", f"ps_ring|2x2|{rate}", f"ps_ring_flat|2x2|{rate}")
             for s in ("ps", "async", "ps_local_sigterm", "ps_unaligned"):
                 wall_ratio(f"cluster_{s}_over_ddp_wall_{layout}_{rate}", f"{s}|{layout}|{rate}", f"ddp|{layout}|{rate}")
             for s in ("ps", "ps_aligned"):

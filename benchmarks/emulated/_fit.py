@@ -68,6 +68,7 @@ STRATEGIES = (
     "ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_one_shot", "ps_local_sigterm", "ps1", "async",
     "async_flat", "pipeline", "tensor", "ps_aligned", "ps_unaligned", "ps_one_reply",
     "ps_bucket_replies", "ps_bucket_plan", "ps1_one_reply", "ps_ring",
+    "ps_ring_flat",
 )  # fmt: skip
 IN, OUT = 256, 16
 
@@ -140,8 +141,8 @@ def make_strategy(name: str) -> Any:
         return ParameterServerStrategy(overlap=False)
     if name in ("ps1", "ps1_one_reply"):  # one server; across nodes each bucket answered alone, or not
         return ParameterServerStrategy(num_servers=1, reply_per_bucket=False if name == "ps1_one_reply" else None)
-    if name == "ps_ring":  # ps's co-located shards on the ring's reduce-scatter and all-gather (no RPC)
-        return RingParameterServerStrategy()
+    if name in ("ps_ring", "ps_ring_flat"):  # ps's co-located shards on the ring's halves (no RPC)
+        return RingParameterServerStrategy(hierarchical=False if name == "ps_ring_flat" else None)
     if name == "async":  # the node is the worker on several nodes of more than one process
         return AsyncParameterServerStrategy()
     if name == "async_flat":

@@ -6,7 +6,8 @@ comm.ring's all-gather. No RPC: the bytes per link are DDP's, and each rank's op
 changed are:
 
 - ``configure_ddp``: no DDP wrapper; check what the shards support, broadcast rank 0's weights.
-- ``setup_optimizers``: then the shards (a process group of their own) and, with ``overlap``, a hook per tensor.
+- ``setup_optimizers``: then the shards (process groups of their own: one ring, or on several nodes the node's
+  and the one across nodes) and, with ``overlap``, a hook per tensor.
 - ``training_step``: broadcast rank 0's buffers first, as DDP does (BatchNorm statistics).
 - ``optimizer_step``: a step pre-hook runs Lightning's closure (buckets go as backward fills them), then waits
   for every bucket's new values; ``block_backward_sync`` holds the pushes while accumulating.
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.optim import Optimizer
@@ -39,7 +41,9 @@ from lightning_strategies.comm.ps import OptimizerSpec, broadcast_from_rank0
 from lightning_strategies.comm.ps.clip import ClipSpec
 from lightning_strategies.comm.ps.ring_shard_state import gather_ring_state, load_ring_state
 from lightning_strategies.comm.ps.ring_shards import RingShards
-from lightning_strategies.strategies._base import StrategyBase, unwrap_optimizer
+from lightning_strategies.comm.ring import new_hierarchical_groups
+from lightning_strategies.strategies._base import StrategyBase, exposed, unwrap_optimizer
+from lightning_strategies.strategies._nodes import gather_node_layout, wants_hierarchy
 from lightning_strategies.strategies._ps_clipping import WorkerClippingOff, server_clip_spec
 
 __all__ = ["RingParameterServerStrategy"]
@@ -62,11 +66,17 @@ class RingParameterServerStrategy(StrategyBase):
     ``16-mixed`` (use ``bf16-mixed``). Clipping (``gradient_clip_val``, by norm or value) is the shards', on the
     averaged gradient, as DDP's: by norm they agree on the global norm first (one float per rank and step).
     A lost peer fails its ring neighbours (:class:`~lightning_strategies.comm.ring.RingPeerError`), a hung one
-    after ``timeout``. The ring is flat on any number of nodes.
+    after ``timeout``. On several nodes of several processes the push is hierarchical (``hierarchical``), with
+    ``comm/inter_node_bytes_*`` logged too.
 
     Args:
         overlap: push each bucket as backward fills it; ``False``: every bucket at the optimizer step.
         bucket_cap_mb: a bucket's size in MiB (DDP's; the first is 1 MiB).
+        hierarchical: ``None``: on more than one node with more than one process each (nodes as Lightning's
+            cluster environment reports them, as the ``"ring"``'s), reduce-scatter in the node, then across nodes
+            on the ``1/L`` each process holds; step ``1/(N L)``; all-gather across nodes, then in the node: a
+            node's NIC carries the hierarchical ring's bytes. ``True``: the same, logging when nothing is left to
+            split; ``False``: one flat ring.
         **kwargs: as for ``DDPStrategy`` (``timeout`` bounds the ring's waits, default 30 minutes).
 
     Raises:
@@ -79,7 +89,9 @@ class RingParameterServerStrategy(StrategyBase):
     strategy_name = "ps_ring"
     wraps_ddp = False
 
-    def __init__(self, *, overlap: bool = True, bucket_cap_mb: float = 25.0, **kwargs: Any) -> None:
+    def __init__(
+        self, *, overlap: bool = True, bucket_cap_mb: float = 25.0, hierarchical: bool | None = None, **kwargs: Any
+    ) -> None:
         if not bucket_cap_mb > 0:
             raise ValueError(
                 f"RingParameterServerStrategy(bucket_cap_mb={bucket_cap_mb}): expected a positive bucket size in "
@@ -90,10 +102,19 @@ class RingParameterServerStrategy(StrategyBase):
         self._bucket_cap_mb = float(bucket_cap_mb)
         self._clip: ClipSpec | None = None
         self._shards: RingShards | None = None
-        self._group: dist.ProcessGroup | None = None
+        self._hierarchical = hierarchical
+        self._is_hierarchical = False
+        self._groups: list[dist.ProcessGroup] = []
         self._handles: list[RemovableHandle] = []
         self._buffers: list[Tensor] = []
         self._worker_clipping: WorkerClippingOff | None = None
+
+    hierarchical: bool | None = exposed(
+        "_hierarchical", "The ``hierarchical`` setting (``None``: decided from the node layout at setup)."
+    )
+    is_hierarchical: bool = exposed(
+        "_is_hierarchical", "Whether this fit's push is hierarchical (``False`` before setup)."
+    )
 
     @property
     def shards(self) -> RingShards | None:
@@ -139,11 +160,23 @@ class RingParameterServerStrategy(StrategyBase):
         spec = OptimizerSpec.from_optimizer(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         timeout = self._timeout if self._timeout is not None else default_pg_timeout
-        # a group of their own: the shards' thread must never interleave with the main thread's collectives
-        self._group = new_group(timeout=timeout, backend=self._get_process_group_backend())
+        # groups of their own: the shards' thread must never interleave with the main thread's collectives
+        backend = self._get_process_group_backend()
+        layout = gather_node_layout(self, "ps_ring")
+        self._is_hierarchical = wants_hierarchy(self._hierarchical, layout)
+        if self._hierarchical and not self._is_hierarchical:
+            rank_zero_info(
+                f"ps_ring: hierarchical=True on {layout.num_nodes} node(s) of {len(layout.nodes[0])} process(es): "
+                "nothing to split, the ring is flat"
+            )
+        if self._is_hierarchical:
+            self._groups = list(new_hierarchical_groups(layout, backend=backend, timeout=timeout))
+        else:
+            self._groups = [new_group(timeout=timeout, backend=backend)]
         self._shards = RingShards(
-            params, spec, self._group, bucket_cap_mb=self._bucket_cap_mb, clip=self._clip,
+            params, spec, self._groups[0], bucket_cap_mb=self._bucket_cap_mb, clip=self._clip,
             timeout=timeout.total_seconds() + max(5.0, 0.1 * timeout.total_seconds()),
+            inter_group=self._groups[1] if self._is_hierarchical else None,
         )  # fmt: skip
         if self._clip is not None:
             self._worker_clipping = WorkerClippingOff(self.precision_plugin)
@@ -197,7 +230,11 @@ class RingParameterServerStrategy(StrategyBase):
             return
         stats = self._shards.stats.reset()
         self.metrics.add(**{"comm/bytes_sent": stats.bytes_sent, "comm/bytes_received": stats.bytes_received})
-        self.metrics.add(**{"ps/wait_seconds": stats.seconds, "ps/overlap_share": self._shards.last.overlap_share})
+        if stats.inter_node_bytes_sent is not None and stats.inter_node_bytes_received is not None:
+            self.metrics.add(**{"comm/inter_node_bytes_sent": stats.inter_node_bytes_sent,
+                                "comm/inter_node_bytes_received": stats.inter_node_bytes_received})  # fmt: skip
+        last = self._shards.last
+        self.metrics.add(**{"ps/wait_seconds": last.wait_seconds, "ps/overlap_share": last.overlap_share})
         self.metrics.flush_if_due(self.lightning_module)
 
     @override
@@ -243,9 +280,10 @@ class RingParameterServerStrategy(StrategyBase):
         self._handles = []
         stopped = self._shards.close(timeout=0.0 if failed else 10.0) if self._shards is not None else True
         self._shards = None
-        if self._group is not None and stopped and not failed and dist.is_initialized():
-            dist.destroy_process_group(self._group)
-        self._group = None
+        if stopped and not failed and dist.is_initialized():
+            for group in self._groups:
+                dist.destroy_process_group(group)
+        self._groups = []
 
     @override
     def on_exception(self, exception: BaseException) -> None:

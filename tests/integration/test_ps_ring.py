@@ -14,6 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader
@@ -242,18 +243,23 @@ def _lamb(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return Lamb(params, lr=0.02)
 
 
+def _fp16() -> dict[str, Any]:
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]}
+
+
 @pytest.mark.parametrize(
     ("model", "trainer_kwargs", "message"),
     [
-        (_Manual, {}, r"found `automatic_optimization = False`"),
-        (lambda: TinyRegressor(optimizer_factory=_lamb), {}, r"found Lamb, which is not an elementwise optimizer"),
-        (TinyRegressor, {"precision": "16-mixed"}, r"found precision='16-mixed' \(a GradScaler\)"),
-        (_Unused, {}, r"trainable tensor\(s\) \[4, 5\] \(optimizer order\) have no gradient at the optimizer step"),
+        (_Manual, dict, r"found `automatic_optimization = False`"),
+        (lambda: TinyRegressor(optimizer_factory=_lamb), dict, r"found Lamb, which is not an elementwise optimizer"),
+        # on CPU Lightning turns "16-mixed" into bf16: a GradScaler comes as a plugin (test_ps_amp.py)
+        (TinyRegressor, _fp16, r"found precision='16-mixed' \(a GradScaler\)"),
+        (_Unused, dict, r"trainable tensor\(s\) \[4, 5\] \(optimizer order\) have no gradient at the optimizer step"),
     ],
 )
-def test_unsupported_setups_raise_clear_errors(model: Any, trainer_kwargs: dict[str, Any], message: str) -> None:
+def test_unsupported_setups_raise_clear_errors(model: Any, trainer_kwargs: Any, message: str) -> None:
     with pytest.raises(Exception, match=message):
-        fit_weights(ps_ring(), 2, model=model(), **trainer_kwargs)
+        fit_weights(ps_ring(), 2, model=model(), **trainer_kwargs())
 
 
 def test_bad_bucket_cap_and_ddp_options_are_refused() -> None:

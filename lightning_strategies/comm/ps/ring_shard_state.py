@@ -18,7 +18,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_strategies.comm.ps.ring_shards import RingBucket, RingShards
-from lightning_strategies.comm.ring.halves import ring_all_gather
 
 __all__ = ["gather_ring_state", "load_ring_state"]
 
@@ -36,7 +35,7 @@ def _is_elementwise(value: Any, n: int) -> bool:
 
 def gather_ring_state(shards: RingShards, param_groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The whole optimizer state in the worker optimizer's ``state_dict`` format, on every rank (a collective of
-    ``shards.group``: every rank calls it, between steps).
+    the shards' groups and the default one: every rank calls it, on the main thread, between steps).
 
     Args:
         shards: this rank's shards.
@@ -51,8 +50,8 @@ def gather_ring_state(shards: RingShards, param_groups: Sequence[Mapping[str, An
                     keys.add(k)
                 else:
                     local.setdefault(i, {})[k] = v.clone() if isinstance(v, Tensor) else v
-    everyone: list[Any] = [None] * shards.world
-    dist.all_gather_object(everyone, (sorted(keys), local), group=shards.group)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (sorted(keys), local))  # the default group: this runs between steps
     all_keys = sorted({k for held, _ in everyone for k in held})
     state: dict[int, dict[str, Any]] = {}
     for _, scalars in everyone:
@@ -65,7 +64,7 @@ def gather_ring_state(shards: RingShards, param_groups: Sequence[Mapping[str, An
             for (_, a, b, _), st in zip(bucket.pieces, states, strict=True):
                 if key in st:
                     flat[a:b].copy_(st[key])
-            ring_all_gather(flat, shards.group)
+            shards.all_gather(flat)
             for i, off in zip(bucket.tensors, bucket.offsets, strict=True):
                 p = shards.params[i]
                 state.setdefault(i, {})[key] = flat[off : off + p.numel()].view_as(p).clone()

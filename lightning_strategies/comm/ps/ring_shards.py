@@ -71,12 +71,14 @@ class RingBucket:
 @dataclass
 class RingStepTimes:
     """One step's moments, in ``time.perf_counter()`` seconds: the first bucket queued, the backward's end
-    (:meth:`RingShards.flush` called) and every value written. ``bytes_before_backward_end`` of
-    ``bytes_pushed``: the reduce-scatter bytes of the buckets queued before backward ended."""
+    (:meth:`RingShards.flush` called) and every value written; ``wait_seconds``, what :meth:`RingShards.flush`
+    waited for the buckets. ``bytes_before_backward_end`` of ``bytes_pushed``: the gradient bytes of the buckets
+    queued before backward ended."""
 
     first_push: float | None = None
     backward_end: float | None = None
     landed: float | None = None
+    wait_seconds: float = 0.0
     bytes_pushed: int = 0
     bytes_before_backward_end: int = 0
 
@@ -94,7 +96,11 @@ class RingShards:
         spec: the user's optimizer (:class:`OptimizerSpec`), rebuilt over each bucket's owned pieces: it must be
             :attr:`~OptimizerSpec.elementwise`, since a chunk cuts tensors anywhere.
         group: a process group of every rank, used only by this object (its thread, and between steps
-            :mod:`.ring_shard_state`).
+            :mod:`.ring_shard_state`); with ``inter_group``, this process's node.
+        inter_group: the hierarchical push (:func:`~lightning_strategies.comm.ring.new_hierarchical_groups`'
+            inter-node group): reduce-scatter in the node, then across nodes on the ``1/L`` this process holds,
+            the step on ``1/(N L)``, then all-gather across nodes and in the node. A node's NIC then carries
+            ``2 (N-1)/N`` of the gradient per step, as the hierarchical ring's.
         bucket_cap_mb: a bucket's size (DDP's ``bucket_cap_mb``); the first is ``min(1, bucket_cap_mb)`` MiB.
         clip: what to clip the averaged gradient by (Lightning's ``gradient_clip_val`` / ``_algorithm``).
         timeout: seconds :meth:`flush` waits for the thread at most (a lost peer fails the ring sooner, within
@@ -113,14 +119,22 @@ class RingShards:
         bucket_cap_mb: float = 25.0,
         clip: ClipSpec | None = None,
         timeout: float = 1800.0,
+        inter_group: dist.ProcessGroup | None = None,
     ) -> None:
         _check_params(params, spec)
         self.params = list(params)
         self.spec = spec
         self.group = group
+        self.inter_group = inter_group
         self.clip = clip if clip is not None and clip.clips else None
         self.timeout = timeout
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.rank = dist.get_rank()  # for messages: the job's rank
+        self.local, self.local_size = dist.get_rank(group), dist.get_world_size(group)
+        self.node, self.nodes = (
+            (dist.get_rank(inter_group), dist.get_world_size(inter_group)) if inter_group else (0, 1)
+        )
+        #: Processes every gradient is averaged over.
+        self.world = self.local_size * self.nodes
         trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
         nbytes = [self.params[i].numel() * self.params[i].element_size() for i in trainable]
         caps = bucket_caps(bucket_cap_mb, min(DEFAULT_FIRST_BUCKET_MB, bucket_cap_mb))
@@ -152,7 +166,9 @@ class RingShards:
         like = self.params[tensors[0]]
         grad = torch.zeros(total, dtype=like.dtype, device=like.device)
         values = torch.zeros_like(grad)
-        start, end = owned_chunk(total, self.world, self.rank)
+        a, b = owned_chunk(total, self.local_size, self.local)  # in the node (flat: in the job)
+        c, d = owned_chunk(b - a, self.nodes, self.node)  # across nodes, of that (flat: all of it)
+        start, end = a + c, a + d
         pieces = [
             (i, max(start, off), min(end, off + n), off)
             for i, off, n in zip(tensors, offsets, sizes, strict=True)
@@ -229,7 +245,7 @@ class RingShards:
         step = self._step
         if step.first_push is None:
             step.first_push = now
-        pushed = (bucket.grad.numel() - (bucket.owned[1] - bucket.owned[0])) * bucket.grad.element_size()
+        pushed = bucket.grad.numel() * bucket.grad.element_size()
         step.bytes_pushed += pushed if self.world > 1 else 0
         if step.backward_end is None and self.world > 1:
             step.bytes_before_backward_end += pushed
@@ -282,8 +298,8 @@ class RingShards:
                     p = self.params[i]
                     p.copy_(bucket.values[off : off + p.numel()].view_as(p))
         self._step.landed = time.perf_counter()
+        self._step.wait_seconds = waited
         self.last, self._step = self._step, RingStepTimes()
-        self.stats.seconds += waited
         return waited
 
     # -- the thread -----------------------------------------------------------------------------
@@ -298,7 +314,31 @@ class RingShards:
             self._done.release()
 
     def _push(self, bucket: RingBucket) -> None:
-        ring_reduce_scatter(bucket.grad, self.group, average=True, stats=self.stats)
+        if self.inter_group is None:
+            ring_reduce_scatter(bucket.grad, self.group, average=True, stats=self.stats)
+            return
+        ring_reduce_scatter(bucket.grad, self.group, average=False, stats=self.stats)
+        a, b = owned_chunk(bucket.grad.numel(), self.local_size, self.local)
+        across = self._across()
+        ring_reduce_scatter(bucket.grad[a:b], self.inter_group, divisor=self.world, stats=across)
+        self._count_across(across)
+
+    def all_gather(self, flat: Tensor) -> None:
+        """Every rank's owned chunk of a bucket-shaped buffer, everywhere (the pull; a checkpoint's state): across
+        nodes the chunk this node holds, then in the node."""
+        if self.inter_group is not None:
+            a, b = owned_chunk(flat.numel(), self.local_size, self.local)
+            across = self._across()
+            ring_all_gather(flat[a:b], self.inter_group, stats=across)
+            self._count_across(across)
+        ring_all_gather(flat, self.group, stats=self.stats)
+
+    def _across(self) -> CommStats:
+        return CommStats(inter_node_bytes_sent=0, inter_node_bytes_received=0)
+
+    def _count_across(self, across: CommStats) -> None:
+        across.inter_node_bytes_sent, across.inter_node_bytes_received = across.bytes_sent, across.bytes_received
+        self.stats += across
 
     def _push_step_pull(self, bucket: RingBucket) -> None:
         self._push(bucket)
@@ -313,7 +353,7 @@ class RingShards:
         elif factor != 1.0:
             grad.mul_(factor)
         self._step_owned(bucket)
-        ring_all_gather(bucket.values, self.group, stats=self.stats)
+        self.all_gather(bucket.values)
 
     def _step_owned(self, bucket: RingBucket) -> None:
         if bucket.optimizer is None:
@@ -339,7 +379,9 @@ class RingShards:
         for part in parts:
             if part.numel():
                 sq += torch.linalg.vector_norm(part, dtype=torch.float64).square()
-        dist.all_reduce(sq, group=self.group)
+        for group in (self.group, self.inter_group):
+            if group is not None:
+                dist.all_reduce(sq, group=group)
         norm = math.sqrt(float(sq))
         factor = min(1.0, self.clip.clip_val / (norm + 1e-6))
         for bucket in self.buckets:

@@ -39,7 +39,12 @@ def _flat(tensor: torch.Tensor, who: str) -> torch.Tensor:
 
 
 def ring_reduce_scatter(
-    tensor: torch.Tensor, group: dist.ProcessGroup, *, average: bool = True, stats: CommStats | None = None
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    average: bool = True,
+    divisor: int | None = None,
+    stats: CommStats | None = None,
 ) -> CommStats:
     """Reduce ``tensor`` (summed, or averaged over the group) into this rank's :func:`owned_chunk`, in place.
 
@@ -50,6 +55,8 @@ def ring_reduce_scatter(
         tensor: contiguous, floating point.
         group: used by the calling thread alone while the call runs.
         average: divide the owned chunk's sum by the group's size.
+        divisor: divide the owned chunk's sum by this instead (a sum that is part of a larger one: the
+            hierarchical push's ring across nodes divides by every process of the job, ``N x L``).
         stats: add the bytes and time to these (default: new ones).
 
     Returns:
@@ -58,7 +65,11 @@ def ring_reduce_scatter(
     Raises:
         RingPeerError: a neighbour died or stopped answering within the group's timeout.
     """
-    return _half(tensor, group, stats, reduce=True, average=average)
+    if divisor is not None and divisor < 1:
+        raise ValueError(f"ring_reduce_scatter: found divisor={divisor}: expected a positive count (or None).")
+    if divisor is None:
+        divisor = dist.get_world_size(group) if average else 1
+    return _half(tensor, group, stats, divisor=divisor)
 
 
 def ring_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, *, stats: CommStats | None = None) -> CommStats:
@@ -67,22 +78,22 @@ def ring_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, *, stats: Co
 
     Args and raises as :func:`ring_reduce_scatter`.
     """
-    return _half(tensor, group, stats, reduce=False, average=False)
+    return _half(tensor, group, stats, divisor=None)
 
 
-def _half(
-    tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None, *, reduce: bool, average: bool
-) -> CommStats:
+def _half(tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None, *, divisor: int | None) -> CommStats:
+    """The reduce-scatter (``divisor``: what the owned sum is divided by), or with ``None`` the all-gather."""
     start = time.perf_counter()
     stats = stats if stats is not None else CommStats()
     stats.calls += 1
     world = dist.get_world_size(group)
-    flat = _flat(tensor, "ring_reduce_scatter" if reduce else "ring_all_gather")
+    flat = _flat(tensor, "ring_all_gather" if divisor is None else "ring_reduce_scatter")
     if world > 1 and flat.numel() > 0:
-        divisor = world if average else 1
-        if reduce:
+        if divisor is not None:
             _run(_Ring(flat, group, stats, divisor=divisor, wire=None, stop=world - 1), None)
         else:
             _run(_Ring(flat, group, stats, divisor=1, wire=None, first=world - 1), None)
+    elif divisor is not None and divisor > 1 and flat.numel() > 0:  # one process: the sum is its own
+        flat.div_(divisor)
     stats.seconds += time.perf_counter() - start
     return stats
