@@ -313,6 +313,7 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, *, e
         ratio(f"cluster_ring_bf16_over_ring_2x2_{rate}", f"ring_bf16|2x2|{rate}", f"ring|2x2|{rate}")
         ratio(f"cluster_ps1_over_ps_4x1_{rate}", f"ps1|4x1|{rate}", f"ps|4x1|{rate}")
         ratio(f"cluster_ps_hier_over_flat_2x2_{rate}", f"ps|2x2|{rate}", f"ps_flat|2x2|{rate}")
+        ratio(f"cluster_ps_ring_hier_over_flat_2x2_{rate}", f"ps_ring|2x2|{rate}", f"ps_ring_flat|2x2|{rate}")
         for layout in args.layouts:
             ratio(f"cluster_ps_over_ddp_{layout}_{rate}", f"ps|{layout}|{rate}", f"ddp|{layout}|{rate}")
             ratio(f"cluster_ps_overlap_over_one_shot_{layout}_{rate}", f"ps|{layout}|{rate}",
@@ -320,7 +321,6 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, *, e
             ratio(f"cluster_async_over_ddp_{layout}_{rate}", f"async|{layout}|{rate}", f"ddp|{layout}|{rate}")
             ratio(f"cluster_ps_ring_over_ddp_{layout}_{rate}", f"ps_ring|{layout}|{rate}", f"ddp|{layout}|{rate}")
             ratio(f"cluster_ps_ring_over_ps_{layout}_{rate}", f"ps_ring|{layout}|{rate}", f"ps|{layout}|{rate}")
-        ratio(f"cluster_ps_ring_hier_over_flat_2x2_{rate}", f"ps_ring|2x2|{rate}", f"ps_ring_flat|2x2|{rate}")
             for s in ("ps", "async", "ps_local_sigterm", "ps_unaligned"):
                 wall_ratio(f"cluster_{s}_over_ddp_wall_{layout}_{rate}", f"{s}|{layout}|{rate}", f"ddp|{layout}|{rate}")
             for s in ("ps", "ps_aligned"):
