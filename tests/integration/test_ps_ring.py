@@ -127,16 +127,31 @@ def test_lr_warmup_and_batchnorm_buffers_match_ddp() -> None:
 
 
 class _Record(pl.Callback):
-    """Each step's logged metrics and the shards' step times (rank 0's come back to the parent)."""
+    """Each step's logged metrics and the shards' step times, summarised into ``callback_metrics`` at the end
+    (what a fork-started fit brings back to the parent: rank 0's)."""
 
     def __init__(self) -> None:
         self.rows: list[dict[str, float]] = []
-        self.times: list[tuple[float | None, float | None, float]] = []
+        self.times: list[tuple[float, float, float]] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
-        shards = trainer.strategy.shards  # type: ignore[attr-defined]
-        self.times.append((shards.last.first_push, shards.last.backward_end, shards.last.overlap_share))
+        last = trainer.strategy.shards.last  # type: ignore[attr-defined]
+        assert last.first_push is not None and last.backward_end is not None
+        self.times.append((last.first_push, last.backward_end, last.overlap_share))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        summary = {
+            "steps": len(self.rows),
+            "sent_min": min(r["comm/bytes_sent"] for r in self.rows),
+            "sent_max": max(r["comm/bytes_sent"] for r in self.rows),
+            "received_max": max(r["comm/bytes_received"] for r in self.rows),
+            "wait_max": max(r["ps/wait_seconds"] for r in self.rows),
+            "pushed_in_backward": sum(first < end for first, end, _ in self.times),
+            "share_min": min(share for _, _, share in self.times),
+            "share_max": max(share for _, _, share in self.times),
+        }
+        trainer.callback_metrics.update({k: torch.tensor(float(v)) for k, v in summary.items()})
 
 
 def _trainer(strategy: Any, devices: int, max_steps: int, **kwargs: Any) -> pl.Trainer:
@@ -150,22 +165,20 @@ def _loader(batch_size: int = 8) -> DataLoader:
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_logs_and_overlap(overlap: bool) -> None:
-    record = _Record()
-    trainer = _trainer(ps_ring(overlap=overlap, bucket_cap_mb=1e-4), 2, 4, log_every_n_steps=1, callbacks=[record])
+    trainer = _trainer(ps_ring(overlap=overlap, bucket_cap_mb=1e-4), 2, 4, log_every_n_steps=1, callbacks=[_Record()])
     trainer.fit(TinyRegressor(), _loader())
+    got = {k: float(v) for k, v in trainer.callback_metrics.items()}
     n_bytes = 4 * sum(p.numel() for p in TinyRegressor().parameters())  # 212 floats
+    assert got["steps"] == 4
     # per bucket, the reduce-scatter sends the half this rank does not own and the all-gather the owned half
-    # (P = 2): the model's bytes, as ddp's all-reduce
-    for row in record.rows:
-        assert row["comm/bytes_sent"] == row["comm/bytes_received"] == n_bytes
-        assert 0.0 <= row["ps/wait_seconds"] < 30.0
-    for first_push, backward_end, share in record.times:
-        assert first_push is not None and backward_end is not None
-        if overlap:  # every bucket was queued from inside backward, the first before it ended
-            assert first_push < backward_end and share == 1.0
-        else:  # every bucket at the optimizer step
-            assert first_push >= backward_end and share == 0.0
-    assert record.rows[-1]["ps/overlap_share"] == (1.0 if overlap else 0.0)
+    # (P = 2): the model's bytes each way, as ddp's all-reduce
+    assert got["sent_min"] == got["sent_max"] == got["received_max"] == n_bytes
+    assert 0.0 <= got["wait_max"] < 30.0
+    if overlap:  # every bucket was queued from inside backward, the first before it ended
+        assert got["pushed_in_backward"] == 4 and got["share_min"] == got["share_max"] == 1.0
+    else:  # every bucket at the optimizer step
+        assert got["pushed_in_backward"] == 0 and got["share_min"] == got["share_max"] == 0.0
+    assert got["ps/overlap_share"] == (1.0 if overlap else 0.0)
 
 
 class _SaveAtEnd(pl.Callback):

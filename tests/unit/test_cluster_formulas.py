@@ -25,6 +25,7 @@ EXPECTED = {
         "async": 2 * 1 / 2,  # the node as the worker: ps's 2(N-1)/N
         "ps_flat": 2 * 2 * 2 / 4, "async_flat": 2 * 2 * 2 / 4,  # 2L(P-L)/P
         "ps1": 2.0, "ps1_one_reply": 2.0,  # P - L remote workers' gradients in, parameters out
+        "ps_ring": 2 * 1 / 2, "ps_ring_flat": 2 * 3 / 4,  # the hierarchical ring's halves; the flat ring's
         "pipeline": None, "tensor": None,  # activations, not gradients
     },
     "4x1": {
@@ -32,7 +33,7 @@ EXPECTED = {
         "ps_local_sigterm": 1.5, "ps_aligned": 1.5, "ps_unaligned": 1.5, "ps_one_reply": 1.5,
         "ps_bucket_replies": 1.5, "ps_bucket_plan": 1.5,
         "async": 1.5, "async_flat": 1.5,
-        "ps1": 3.0, "ps1_one_reply": 3.0, "pipeline": None, "tensor": None,
+        "ps1": 3.0, "ps1_one_reply": 3.0, "ps_ring": 1.5, "ps_ring_flat": 1.5, "pipeline": None, "tensor": None,
     },
 }  # fmt: skip
 
