@@ -20,6 +20,7 @@ from lightning_strategies.advisor.ft_model import FT_STRATEGIES, predict_ft
 from lightning_strategies.advisor.measure import Measurement
 from lightning_strategies.advisor.memory import Memory, memory, pipeline_stages
 from lightning_strategies.advisor.model import Prediction, Workload, predict
+from lightning_strategies.comm.ps.spec import ELEMENTWISE_OPTIMIZERS
 
 __all__ = [
     "STRATEGIES",
@@ -32,7 +33,11 @@ __all__ = [
     "strategy_workload",
 ]
 
-STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pipeline", "tensor", *FT_STRATEGIES)
+STRATEGIES = (
+    "ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "ps_ring", "async", "pipeline", "tensor", *FT_STRATEGIES,
+)  # fmt: skip
+#: the optimizers ps_ring's shards can step (a chunk of the ring cuts tensors anywhere), by class name
+_ELEMENTWISE = frozenset(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
 #: listed with their step time, never ranked: their steps are not a synchronous step's progress
 UNRANKED = ("local_sgd", "diloco")
 SYNC_EVERY = 100  # FTStrategy's default H
@@ -118,7 +123,14 @@ def model_key(name: str) -> str:
 
 
 def strategy_workload(
-    m: Measurement, name: str, batch: int, *, num_stages: int = 1, microbatches: int = 1, tp_size: int = 1
+    m: Measurement,
+    name: str,
+    batch: int,
+    *,
+    num_stages: int = 1,
+    microbatches: int = 1,
+    tp_size: int = 1,
+    world: int = 1,
 ) -> Workload:
     """What one step of strategy ``name`` computes and moves for ``m`` at ``batch`` per data-parallel worker.
 
@@ -129,11 +141,14 @@ def strategy_workload(
         num_stages: the pipeline's stages K (``pipeline`` only): a replica steps K x ``batch``.
         microbatches: the pipeline's micro-batches M per step (``pipeline`` only).
         tp_size: the tensor-parallel group T (``tensor`` only): a group steps T x ``batch``.
+        world: the processes (``ps_ring`` only: each one's shard steps ``1/world`` of the optimizer).
     """
     if name == "pipeline":
         return _pipeline_work(m, batch, num_stages, microbatches)
     if name == "tensor":
         return _tensor_work(m, batch, tp_size)
+    if name == "ps_ring":  # each rank's shard steps its chunk of every bucket
+        return _work(m, batch, optimizer_s=m.optimizer_s / max(1, world))
     # ps and async: the shards step (the model's ps host work), not the workers
     return _work(m, batch, optimizer_s=0.0 if model_key(name) in ("ps", "ps_flat", "ps_1", "async") else None)
 
@@ -186,6 +201,8 @@ def _reason(name: str, pred: Prediction, mem: Memory, cluster: Cluster, options:
         "ring_bf16": "the ring with bf16 on the wire: half the bytes",
         "ps": f"sharded parameter servers: {pred.messages:g} RPC messages per step per worker",
         "ps1": "one server receives and sends every gradient",
+        "ps_ring": "sharded servers on the ring's reduce-scatter and all-gather: the ring's bytes, the optimizer on "
+        "1/P",
         "async": "sharded servers without a barrier (stale updates)",
         "ft": "torchft: DDP's all-reduce after the backward, a quorum and a commit every step",
     }.get(name, "")
@@ -203,7 +220,7 @@ def _reason(name: str, pred: Prediction, mem: Memory, cluster: Cluster, options:
 def _row(name: str, m: Measurement, cluster: Cluster, batch: int, compute_s: float, **options: Any) -> StrategyAdvice:
     world = cluster.world
     k, micro, t = options.get("num_stages", 1), options.get("microbatches", 1), options.get("tp_size", 1)
-    work = strategy_workload(m, name, batch, num_stages=k, microbatches=micro, tp_size=t)
+    work = strategy_workload(m, name, batch, num_stages=k, microbatches=micro, tp_size=t, world=world)
     if name in FT_STRATEGIES:
         pred = predict_ft(name, cluster.costs(compute_s), world, work, sync_every=options.get("sync_every", 1))
     else:
@@ -274,6 +291,9 @@ def advise(
         elif name == "ring_hier" and cluster.nodes < 2:
             row = _row(name, m, cluster, batch, compute_s)
             rows.append(StrategyAdvice(**{**row.__dict__, "reason": "one node: the flat ring; " + row.reason}))
+        elif name == "ps_ring" and m.optimizer not in _ELEMENTWISE:
+            why = f"{m.optimizer} is not an elementwise optimizer: a chunk of the ring cuts tensors anywhere (use ps)"
+            rows.append(_unavailable(name, why))
         elif name == "pipeline":
             rows.append(_pipelines(m, cluster, batch, compute_s))
         elif name == "tensor":

@@ -91,6 +91,8 @@ def memory(
         return Memory(p, g, o, _acts(m, batch), g + wire)
     if strategy in ("ps", "ps_flat", "async"):
         return Memory(p + p / world, g, o / world, _acts(m, batch), g + g / world)
+    if strategy == "ps_ring":  # each bucket's gradients and values in flat buffers; the optimizer on 1/P
+        return Memory(p, g, o / world, _acts(m, batch), 2 * g)
     if strategy == "ps1":
         return Memory(2 * p, g, o, _acts(m, batch), g)
     if strategy == "pipeline":
@@ -105,7 +107,7 @@ def memory(
         return Memory(held, g * share, o * share, _acts(m, t * batch, saved), payload)
     raise ValueError(
         f"memory: unknown strategy {strategy!r}: expected one of ddp, ring, ring_hier, ring_bf16, ps, ps_flat, ps1, "
-        "async, pipeline, tensor, ft, local_sgd, diloco. Fix: name one of them"
+        "ps_ring, async, pipeline, tensor, ft, local_sgd, diloco. Fix: name one of them"
     )
 
 

@@ -119,7 +119,9 @@ __all__ = [
 ]
 
 
-STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_1", "async", "pipeline", "tensor")
+STRATEGIES = (
+    "ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps_flat", "ps_1", "ps_ring", "async", "pipeline", "tensor",
+)  # fmt: skip
 
 
 def _segments(nbytes: float, segment: float) -> float:
@@ -285,6 +287,13 @@ def _ps(costs: Costs, world: int, work: Workload, *, hierarchical: bool = True) 
                       latency=2 * link.latency_s)  # a push and its reply  # fmt: skip
     return Prediction(_overlapped(phases, costs), phases, t.sent_bytes, t.link_bytes, t.nic_bytes, t.messages,
                       inter_sent_bytes=t.inter_sent_bytes)  # fmt: skip
+
+
+def _ps_ring(costs: Costs, world: int, work: Workload) -> Prediction:
+    """ps's shards on the ring's halves: the ring's exchange, hierarchical on several nodes of several processes (as
+    ``RingParameterServerStrategy``), flat otherwise; its optimizer steps ``1/P`` (``Workload.optimizer_s``)."""
+    local = min(costs.local_size, world)
+    return _hier_ring(costs, world, work) if world > local > 1 else _flat_ring("ring", costs, world, work)
 
 
 def _ps_1(costs: Costs, world: int, work: Workload) -> Prediction:
@@ -462,7 +471,8 @@ def predict(strategy: str, costs: Costs, world: int, work: Workload) -> Predicti
     priced: dict[str, Callable[[Costs, int, Workload], Prediction]] = {
         "ddp": partial(_flat_ring, "ddp"), "ring": partial(_flat_ring, "ring"),
         "ring_bf16": partial(_flat_ring, "ring_bf16"), "ring_hier": _hier_ring, "ps": _ps,
-        "ps_flat": partial(_ps, hierarchical=False), "ps_1": _ps_1, "async": _async, "pipeline": _pipeline,
+        "ps_flat": partial(_ps, hierarchical=False), "ps_1": _ps_1, "ps_ring": _ps_ring, "async": _async,
+        "pipeline": _pipeline,
         "tensor": _tensor}  # fmt: skip
     if strategy not in priced:
         raise ValueError(f"unknown strategy {strategy!r}: expected one of {list(STRATEGIES)}")

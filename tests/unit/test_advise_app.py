@@ -29,9 +29,9 @@ def test_the_cli_prints_the_table_writes_the_png_and_json(tmp_path: Path, capsys
     # 64 -> 256 -> 256 -> 256 -> 10 in float32, SGD with momentum (conf/optimizer/sgd.yaml): one buffer per weight
     params = 4 * (64 * 256 + 256 + 2 * (256 * 256 + 256) + 256 * 10 + 10)
     assert data["measured"]["params"] == params and data["measured"]["optimizer_state"] == params
-    assert [set(r) for r in data["strategies"]] == [set(JSON_KEYS)] * 12
+    assert [set(r) for r in data["strategies"]] == [set(JSON_KEYS)] * 13
     # every strategy but local_sgd and diloco ranked (theirs is a different optimisation): ddp ... tensor, ft
-    assert sorted(r["rank"] for r in data["strategies"] if r["rank"]) == list(range(1, 11))
+    assert sorted(r["rank"] for r in data["strategies"] if r["rank"]) == list(range(1, 12))
     unranked = {r["name"]: r for r in data["strategies"] if not r["rank"]}
     assert set(unranked) == {"local_sgd", "diloco"} and all(r["fits"] for r in unranked.values())
     assert unranked["diloco"]["options"] == {"sync_every": 100}

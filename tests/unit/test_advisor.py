@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lightning_strategies.advisor import (
+    STRATEGIES,
     Cluster,
     NoStrategyFitsError,
     advise,
@@ -212,7 +213,7 @@ def test_advise_ranks_fitting_strategies_by_step_and_marks_the_others() -> None:
     assert ranks == list(range(1, len(ranks) + 1))
     steps = [r.step_s for r in advice.rows if r.rank]
     assert steps == sorted(steps)
-    assert {r.name for r in advice.rows} == {"ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async",
+    assert {r.name for r in advice.rows} == {"ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "ps_ring", "async",
                                              "pipeline", "tensor", "ft", "local_sgd", "diloco"}  # fmt: skip
     # local_sgd and diloco fit and have a step time, but a different optimisation: listed, not ranked
     unranked = [r for r in advice.rows if r.name in ("local_sgd", "diloco")]
@@ -310,7 +311,7 @@ def test_the_report_json_has_every_strategy_and_key_and_the_png_is_written(tmp_p
     advice = advise(measure(Toy(), BATCH), load_cluster("loopback"))
     data = json.loads(json.dumps(to_json(advice)))
     assert data["world"] == 2 and data["measured"]["params"] == PARAMS
-    assert len(data["strategies"]) == 12
+    assert len(data["strategies"]) == len(STRATEGIES) == 13
     for row in data["strategies"]:
         assert set(row) == set(JSON_KEYS)
         assert row["step_s"] is None or math.isfinite(row["step_s"])

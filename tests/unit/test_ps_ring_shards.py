@@ -266,3 +266,44 @@ def test_a_lost_peer_fails_the_step_naming_it(tmp_path: Path) -> None:
     assert found["type"] == "RingPeerError" and found["peer"] == 1, found
     assert "peer rank 1" in found["error"], found
     assert found["seconds"] < PG_TIMEOUT_S, found  # a closed connection, not a timeout
+
+
+def _stream_log(rank: int, world: int) -> list[tuple[Any, ...]]:
+    from test_ps_streams import FakeStreams  # the streams' fake backend (no GPU): it logs each order it is given
+
+    streams = FakeStreams()
+    params = [torch.nn.Parameter(torch.ones(s)) for s in SHAPES]
+    opt = torch.optim.SGD(params, lr=0.1)
+    shards = RingShards(
+        params, OptimizerSpec.from_optimizer(opt), dist.new_group(backend="gloo"), bucket_cap_mb=1e-4, streams=streams
+    )
+    push = shards._push
+
+    def logged_push(bucket: Any) -> None:
+        streams.mark("push")  # which stream the thread's work is enqueued on
+        push(bucket)
+
+    shards._push = logged_push  # type: ignore[method-assign]
+    for step in range(2):
+        streams.mark(f"step{step}")
+        shards.begin_step(opt.param_groups)
+        for i, p in enumerate(params):
+            p.grad = torch.ones_like(p)
+            shards.grad_ready(i)
+        shards.flush()
+    shards.close()
+    return streams.log
+
+
+def test_on_a_device_the_thread_works_on_its_own_stream_after_the_callers() -> None:
+    for log in run_workers(_stream_log, 2, timeout=60):
+        for step in range(2):
+            start = log.index((f"step{step}", "default"))
+            end = log.index(("step1", "default")) if step == 0 else len(log)
+            events = log[start + 1 : end]
+            # each of the 3 buckets: the shards' stream waits for the caller's (the copy into the bucket), the
+            # bucket's work runs on the shards' stream, and the caller's stream waits for it before the values land
+            assert events.count(("wait", "shard1", "default")) == 3, events
+            assert events.count(("push", "shard1")) == 3, events
+            assert events[-1] == ("wait", "default", "shard1"), events
+            assert events.index(("wait", "shard1", "default")) < events.index(("push", "shard1")), events

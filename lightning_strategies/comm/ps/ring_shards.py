@@ -19,7 +19,6 @@ buckets' steps then wait for the agreed norm (one float per rank and step).
 from __future__ import annotations
 
 import functools
-import math
 import queue
 import threading
 import time
@@ -38,6 +37,7 @@ from lightning_strategies.comm.ps.clip import ClipSpec
 from lightning_strategies.comm.ps.spec import OptimizerSpec, hyperparameters
 from lightning_strategies.comm.ring.halves import owned_chunk, ring_all_gather, ring_reduce_scatter
 from lightning_strategies.comm.stats import CommStats
+from lightning_strategies.comm.streams import StreamBackend, StreamOrder
 
 __all__ = ["RingBucket", "RingShards", "RingStepTimes"]
 
@@ -120,6 +120,7 @@ class RingShards:
         clip: ClipSpec | None = None,
         timeout: float = 1800.0,
         inter_group: dist.ProcessGroup | None = None,
+        streams: StreamBackend | None = None,
     ) -> None:
         _check_params(params, spec)
         self.params = list(params)
@@ -152,6 +153,8 @@ class RingShards:
         self._done = threading.Semaphore(0)
         self._work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
+        #: On CUDA the thread works on a stream of its own, after the caller's (events, no host wait).
+        self.order = StreamOrder.for_tensors([b.grad for b in self.buckets], streams)
         self._thread = threading.Thread(target=self._serve, name="ps-ring-shards", daemon=True)
         self._thread.start()
 
@@ -251,6 +254,7 @@ class RingShards:
             step.bytes_before_backward_end += pushed
         self._queued[b] = True
         self._next = b + 1
+        self.order.take()  # the shards' stream after the copy (and the last step's values written), in bucket order
         if self.clip is not None and self.clip.algorithm == "norm":
             self._work.put(functools.partial(self._push, bucket))  # the step waits for the agreed norm
         else:
@@ -292,6 +296,7 @@ class RingShards:
             self._next = 0
             self._options = None
         waited = time.perf_counter() - start
+        self.order.give()  # the caller's stream after every bucket's exchange and step
         with torch.no_grad():
             for bucket in self.buckets:
                 for i, off in zip(bucket.tensors, bucket.offsets, strict=True):
@@ -308,7 +313,8 @@ class RingShards:
         while (item := self._work.get()) is not None:
             if self._error is None:
                 try:
-                    item()
+                    with self.order.running():
+                        item()
                 except BaseException as exc:  # handed to flush, which raises it on the training thread
                     self._error = exc
             self._done.release()
@@ -342,16 +348,16 @@ class RingShards:
 
     def _push_step_pull(self, bucket: RingBucket) -> None:
         self._push(bucket)
-        self._step_pull(bucket, 1.0)
+        self._step_pull(bucket, None)
 
-    def _step_pull(self, bucket: RingBucket, factor: float) -> None:
+    def _step_pull(self, bucket: RingBucket, factor: Tensor | None) -> None:
         a, b = bucket.owned
         grad = bucket.grad[a:b]
         if self.clip is not None and self.clip.algorithm == "value":
             assert self.clip.clip_val is not None
             grad.clamp_(-self.clip.clip_val, self.clip.clip_val)
-        elif factor != 1.0:
-            grad.mul_(factor)
+        elif factor is not None:
+            grad.mul_(factor.to(grad.dtype))
         self._step_owned(bucket)
         self.all_gather(bucket.values)
 
@@ -382,8 +388,8 @@ class RingShards:
         for group in (self.group, self.inter_group):
             if group is not None:
                 dist.all_reduce(sq, group=group)
-        norm = math.sqrt(float(sq))
-        factor = min(1.0, self.clip.clip_val / (norm + 1e-6))
+        # a device tensor, never read on the host: min(1, c / (norm + 1e-6)) in float64, rounded once
+        factor = (self.clip.clip_val / (sq.sqrt() + 1e-6)).clamp(max=1.0)
         for bucket in self.buckets:
             self._step_pull(bucket, factor)
 
