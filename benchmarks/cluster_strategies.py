@@ -43,6 +43,8 @@ not step together). Lines (``name value unit``; medians over rounds, the spread 
 
     cluster_step_s_<strategy>_<layout>_<rate>              s; ``..._spread``: (max - min) / median
                                                            over rounds (over the timed steps with 1 round)
+    cluster_cpu_ms_per_step_<strategy>_<layout>_<rate>     ms: a process's CPU time (every thread) over the
+                                                           timed steps per step, the median over ranks and rounds
     cluster_wall_s_per_step_<strategy>_<layout>_<rate>     s: the timed steps' wall time over their count
                                                            (the time between steps too), ranks' harmonic mean
     cluster_nic_bytes_per_step_<strategy>_<layout>_<rate>  the busiest node's link, busier direction,
@@ -291,6 +293,10 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, *, e
         if all("wall_s" in r for r in rs):
             wall[key] = median([r["wall_s"] for r in rs])
             out.append(line(f"cluster_wall_s_per_step_{tag}", wall[key], "s"))
+        cpu = [r["window"]["cpu"] / r["window"]["steps"] for run in rs for r in run["records"]
+               if r.get("window", {}).get("steps") and "cpu" in r["window"]]  # fmt: skip
+        if cpu:
+            out.append(line(f"cluster_cpu_ms_per_step_{tag}", 1000 * median(cpu), "ms"))
         if name.endswith("_straggler"):
             continue
         nic = median([r["nic_bytes"] for r in rs])
