@@ -16,7 +16,8 @@
   (``comm/inter_node_bytes_sent``; 3 buckets, each cut into halves and quarters, so up to 3 elements of uneven
   chunking) and ``2 (P-1)/P`` of them in all, as the flat ring does: the same bytes, fewer of them across.
 
-One launch serves the tests (a module fixture): two torchrun agents, four workers, four fits.
+One launch, one test (two torchrun agents, four workers, four fits: ~35 s on 2 loaded cores), so that no two
+xdist workers launch it twice.
 """
 
 from __future__ import annotations
@@ -40,15 +41,17 @@ N_PARAMS = 8 * 16 + 16 + 16 * 4 + 4  # TinyRegressor
 FITS = ("hier", "flat", "hier_clip", "flat_clip")
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
-    out = tmp_path_factory.mktemp("ps_ring_hier")
-    run_torchrun_nodes(["--out-dir", str(out)], nnodes=NODES, nproc_per_node=LOCAL, log_dir=out, script=SCRIPT,
-                       timeout=400)  # fmt: skip
-    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+def test_hierarchical_push_under_torchrun(tmp_path: Path) -> None:
+    run_torchrun_nodes(["--out-dir", str(tmp_path)], nnodes=NODES, nproc_per_node=LOCAL, log_dir=tmp_path,
+                       script=SCRIPT, timeout=400)  # fmt: skip
+    run = (tmp_path, [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)])
+    push_is_hierarchical_on_the_launchers_nodes(run)
+    for clipped in (False, True):
+        hierarchical_equals_flat_and_ddp(run, clipped)
+    bytes_across_nodes_are_the_hierarchical_rings(run)
 
 
-def test_push_is_hierarchical_on_the_launchers_nodes(run: tuple[Path, list[dict]]) -> None:
+def push_is_hierarchical_on_the_launchers_nodes(run: tuple[Path, list[dict]]) -> None:
     for name in FITS:
         records = [r[name] for r in run[1]]
         for record in records:
@@ -60,8 +63,7 @@ def test_push_is_hierarchical_on_the_launchers_nodes(run: tuple[Path, list[dict]
             assert all(x[1] == y[0] for x, y in itertools.pairwise(chunks)), (name, chunks)
 
 
-@pytest.mark.parametrize("clipped", [False, True])
-def test_hierarchical_equals_flat_and_ddp(run: tuple[Path, list[dict]], clipped: bool) -> None:
+def hierarchical_equals_flat_and_ddp(run: tuple[Path, list[dict]], clipped: bool) -> None:
     suffix = "_clip" if clipped else ""
     hier = torch.load(run[0] / f"hier{suffix}.pt", weights_only=False)
     flat = torch.load(run[0] / f"flat{suffix}.pt", weights_only=False)
@@ -78,7 +80,7 @@ def test_hierarchical_equals_flat_and_ddp(run: tuple[Path, list[dict]], clipped:
         torch.testing.assert_close(state_h[i]["momentum_buffer"], state_f[i]["momentum_buffer"], rtol=0, atol=1e-6)
 
 
-def test_bytes_across_nodes_are_the_hierarchical_rings(run: tuple[Path, list[dict]]) -> None:
+def bytes_across_nodes_are_the_hierarchical_rings(run: tuple[Path, list[dict]]) -> None:
     for record in run[1]:
         for name in ("hier", "hier_clip"):
             metrics = record[name]["metrics"]
