@@ -152,6 +152,43 @@ def fit_weights(
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def steps_trainer(strategy: Any, devices: int, max_steps: int, **kwargs: Any) -> pl.Trainer:
+    """:func:`quiet_trainer` for ``max_steps`` steps of :func:`global_loader`'s batches (no distributed sampler)."""
+    return quiet_trainer(strategy, devices, max_steps=max_steps, use_distributed_sampler=False, **kwargs)
+
+
+def global_loader(batch_size: int = 8) -> DataLoader:
+    """:func:`regression_data` in the contiguous global batches of :class:`GlobalBatchSampler`."""
+    data = regression_data()
+    return DataLoader(data, batch_size=batch_size, sampler=GlobalBatchSampler(len(data), batch_size))
+
+
+class SaveAtEnd(pl.Callback):
+    """``trainer.save_checkpoint(path)`` at the end of fit: every rank calls it (the shards' state is gathered)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+class ManualRegressor(TinyRegressor):
+    """:class:`TinyRegressor` under manual optimization (what the parameter servers refuse)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(loss)
+        opt.step()  # type: ignore[union-attr]
+        return loss
+
+
 @contextmanager
 def one_process_group_cleanup() -> Iterator[None]:
     """Destroy the default process group a one-process fit in the test process made (a fit that

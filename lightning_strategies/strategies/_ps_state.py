@@ -15,7 +15,23 @@ from lightning_strategies.comm.ps.spec import OptimizerSpec
 from lightning_strategies.strategies._base import StrategyBase, unwrap_optimizer
 from lightning_strategies.strategies._ps_overlap import PushOverlapMixin
 
-__all__ = ["ShardStateMixin"]
+__all__ = ["ShardStateMixin", "full_optimizer_state"]
+
+
+def full_optimizer_state(strategy: str, checkpoint: Any) -> dict[str, Any]:
+    """The checkpoint's one optimizer state dict in a whole optimizer's format (what shards load their parts of).
+
+    Raises:
+        ValueError: the checkpoint holds another number of optimizer states, or one without ``param_groups``.
+    """
+    states = checkpoint["optimizer_states"]
+    if len(states) != 1 or "param_groups" not in states[0]:
+        raise ValueError(
+            f"{strategy} found {len(states)} optimizer states in the checkpoint (keys {[sorted(s) for s in states]}): "
+            "expected one full optimizer state dict. Fix: resume from a checkpoint written by a one-optimizer run "
+            "(ddp, ps, ps_ring or a single device)."
+        )
+    return dict(states[0])
 
 
 class ShardStateMixin(PushOverlapMixin, StrategyBase):
@@ -59,14 +75,7 @@ class ShardStateMixin(PushOverlapMixin, StrategyBase):
         if self._client is None:
             super().load_optimizer_state_dict(checkpoint)
             return
-        states = checkpoint["optimizer_states"]
-        if len(states) != 1 or "param_groups" not in states[0]:
-            raise ValueError(
-                f"ParameterServerStrategy found {len(states)} optimizer states in the checkpoint (keys "
-                f"{[sorted(s) for s in states]}): expected one full optimizer state dict. Fix: resume from a "
-                "checkpoint written by a one-optimizer run (this strategy or a single device)."
-            )
-        full = states[0]
+        full = full_optimizer_state(type(self).__name__, checkpoint)
         optimizer = self.optimizers[0]
         optimizer.load_state_dict({"state": {}, "param_groups": full["param_groups"]})
         shard = local_shard(self.global_rank)

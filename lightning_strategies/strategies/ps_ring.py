@@ -45,6 +45,7 @@ from lightning_strategies.comm.ring import new_hierarchical_groups
 from lightning_strategies.strategies._base import StrategyBase, exposed, unwrap_optimizer
 from lightning_strategies.strategies._nodes import gather_node_layout, wants_hierarchy
 from lightning_strategies.strategies._ps_clipping import WorkerClippingOff, server_clip_spec
+from lightning_strategies.strategies._ps_state import full_optimizer_state
 
 __all__ = ["RingParameterServerStrategy"]
 
@@ -263,14 +264,7 @@ class RingParameterServerStrategy(StrategyBase):
         if self._shards is None:
             super().load_optimizer_state_dict(checkpoint)
             return
-        states = checkpoint["optimizer_states"]
-        if len(states) != 1 or "param_groups" not in states[0]:
-            raise ValueError(
-                f"RingParameterServerStrategy found {len(states)} optimizer states in the checkpoint (keys "
-                f"{[sorted(s) for s in states]}): expected one full optimizer state dict. Fix: resume from a "
-                "checkpoint written by a one-optimizer run (this strategy, ddp, ps or a single device)."
-            )
-        full = states[0]
+        full = full_optimizer_state(type(self).__name__, checkpoint)
         self.optimizers[0].load_state_dict({"state": {}, "param_groups": full["param_groups"]})
         load_ring_state(self._shards, full)
 

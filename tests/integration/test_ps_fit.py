@@ -16,20 +16,23 @@ import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.utils.data import DataLoader
 
 import lightning_strategies  # noqa: F401  (registers "ps")
 from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
 from tests.lightning_utils import (
-    GlobalBatchSampler,
+    ManualRegressor,
+    SaveAtEnd,
     TinyRegressor,
     fit_weights,
-    quiet_trainer,
-    regression_data,
+    global_loader,
     sgd_momentum,
+    steps_trainer,
 )
 
 pytestmark = pytest.mark.slow
+
+# the shared helpers (tests/lightning_utils.py) under this file's short names
+_trainer, _loader, _SaveAtEnd, _Manual = steps_trainer, global_loader, SaveAtEnd, ManualRegressor
 
 
 def lamb(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -189,15 +192,6 @@ class _Metrics(pl.Callback):
         self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
-def _trainer(strategy: Any, devices: int, max_steps: int, **kwargs: Any) -> pl.Trainer:
-    return quiet_trainer(strategy, devices, max_steps=max_steps, use_distributed_sampler=False, **kwargs)
-
-
-def _loader(batch_size: int = 8) -> DataLoader:
-    data = regression_data()
-    return DataLoader(data, batch_size=batch_size, sampler=GlobalBatchSampler(len(data), batch_size))
-
-
 @pytest.mark.parametrize("log_every_n_steps", [1, 2])
 def test_logs_bytes_and_wait_per_step(log_every_n_steps: int) -> None:
     trainer = _trainer(ps(), 2, max_steps=4, log_every_n_steps=log_every_n_steps)
@@ -216,14 +210,6 @@ def test_logs_bytes_and_wait_per_step(log_every_n_steps: int) -> None:
     # (measured here, processes' start included; the old bound, 30 s, was the RPC timeout)
     assert 0.0 < float(metrics["ps/wait_seconds"]) < fit_seconds
     assert "train_loss" in metrics
-
-
-class _SaveAtEnd(pl.Callback):
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        trainer.save_checkpoint(self.path)  # every rank calls it; rank 0 gathers and writes
 
 
 def test_checkpoint_resume_restores_the_servers_optimizer_state(tmp_path: Path) -> None:
@@ -263,20 +249,6 @@ def test_ps_checkpoint_loads_into_a_single_device_model(tmp_path: Path) -> None:
     optimizer = model.configure_optimizers()
     optimizer.load_state_dict(state["optimizer_states"][0])
     assert len(optimizer.state) == 4
-
-
-class _Manual(TinyRegressor):
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        opt = self.optimizers()
-        loss = super().training_step(batch, batch_idx)
-        opt.zero_grad()  # type: ignore[union-attr]
-        self.manual_backward(loss)
-        opt.step()  # type: ignore[union-attr]
-        return loss
 
 
 class _TwoOptimizers(TinyRegressor):

@@ -17,13 +17,22 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.utils.data import DataLoader
 
 import lightning_strategies  # noqa: F401  (registers "ps_ring")
 from lightning_strategies import RingParameterServerStrategy
-from tests.lightning_utils import GlobalBatchSampler, TinyRegressor, fit_weights, quiet_trainer, regression_data
+from tests.lightning_utils import (
+    ManualRegressor,
+    SaveAtEnd,
+    TinyRegressor,
+    fit_weights,
+    global_loader,
+    steps_trainer,
+)
 
 pytestmark = pytest.mark.slow
+
+# the shared helpers (tests/lightning_utils.py) under this file's short names
+_trainer, _loader, _SaveAtEnd, _Manual = steps_trainer, global_loader, SaveAtEnd, ManualRegressor
 
 
 def adamw_two_groups(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -154,15 +163,6 @@ class _Record(pl.Callback):
         trainer.callback_metrics.update({k: torch.tensor(float(v)) for k, v in summary.items()})
 
 
-def _trainer(strategy: Any, devices: int, max_steps: int, **kwargs: Any) -> pl.Trainer:
-    return quiet_trainer(strategy, devices, max_steps=max_steps, use_distributed_sampler=False, **kwargs)
-
-
-def _loader(batch_size: int = 8) -> DataLoader:
-    data = regression_data()
-    return DataLoader(data, batch_size=batch_size, sampler=GlobalBatchSampler(len(data), batch_size))
-
-
 @pytest.mark.parametrize("overlap", [True, False])
 def test_logs_and_overlap(overlap: bool) -> None:
     trainer = _trainer(ps_ring(overlap=overlap, bucket_cap_mb=1e-4), 2, 4, log_every_n_steps=1, callbacks=[_Record()])
@@ -179,14 +179,6 @@ def test_logs_and_overlap(overlap: bool) -> None:
     else:  # every bucket at the optimizer step
         assert got["pushed_in_backward"] == 0 and got["share_min"] == got["share_max"] == 0.0
     assert got["ps/overlap_share"] == (1.0 if overlap else 0.0)
-
-
-class _SaveAtEnd(pl.Callback):
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        trainer.save_checkpoint(self.path)  # every rank calls it; the shards' state is gathered
 
 
 @pytest.mark.parametrize("optimizer", ["sgd_momentum", "adamw"])
@@ -228,20 +220,6 @@ def test_a_ddp_checkpoint_resumes_under_ps_ring(tmp_path: Path) -> None:
     full = TinyRegressor()
     _trainer(DDPStrategy(start_method="fork"), 2, -1, max_epochs=2).fit(full, _loader())
     assert_weights_equal(resumed.state_dict(), full.state_dict(), 0.0)  # DDP's momentum went to the shards
-
-
-class _Manual(TinyRegressor):
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        opt = self.optimizers()
-        loss = super().training_step(batch, batch_idx)
-        opt.zero_grad()  # type: ignore[union-attr]
-        self.manual_backward(loss)
-        opt.step()  # type: ignore[union-attr]
-        return loss
 
 
 class _Unused(TinyRegressor):

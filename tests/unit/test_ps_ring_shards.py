@@ -109,6 +109,21 @@ def _model_and_reference(opt: str) -> tuple[list[torch.nn.Parameter], list[torch
     return params, ref, OPTIMIZERS[opt](params), OPTIMIZERS[opt](ref)
 
 
+def _reference_step(
+    ref: list[torch.nn.Parameter], opt: torch.optim.Optimizer, grads: list[torch.Tensor], world: int, clip: Any
+) -> None:
+    """DDP's step: every rank's gradient averaged (gloo), clipped as Lightning does, the optimizer on all of it."""
+    for p, g in zip(ref, grads, strict=True):
+        avg = g.clone()
+        dist.all_reduce(avg)
+        p.grad = avg / world
+    if clip and clip[0] == "norm":
+        torch.nn.utils.clip_grad_norm_(ref, clip[1])
+    elif clip:
+        torch.nn.utils.clip_grad_value_(ref, clip[1])
+    opt.step()
+
+
 def _steps(rank: int, world: int, opt: str, clip: tuple[str, float] | None, cap_mb: float, order: str) -> Any:
     params, ref, worker_opt, ref_opt = _model_and_reference(opt)
     group = dist.new_group(backend="gloo")
@@ -125,16 +140,7 @@ def _steps(rank: int, world: int, opt: str, clip: tuple[str, float] | None, cap_
             params[i].grad = grads[i].clone()
             shards.grad_ready(i)
         shards.flush()
-        # the reference: DDP's average of every rank's gradient, clipped as Lightning does, stepped on everything
-        for p, g in zip(ref, grads, strict=True):
-            avg = g.clone()
-            dist.all_reduce(avg)
-            p.grad = avg / world
-        if clip and clip[0] == "norm":
-            torch.nn.utils.clip_grad_norm_(ref, clip[1])
-        elif clip:
-            torch.nn.utils.clip_grad_value_(ref, clip[1])
-        ref_opt.step()
+        _reference_step(ref, ref_opt, grads, world, clip)
         worker_opt.param_groups[0]["lr"] *= 0.5  # a scheduler: the shards take the worker's options each step
         ref_opt.param_groups[0]["lr"] *= 0.5
     out["diff"] = max(float((p - r).abs().max()) for p, r in zip(params, ref, strict=True))
@@ -154,15 +160,7 @@ def _steps(rank: int, world: int, opt: str, clip: tuple[str, float] | None, cap_
     for i, p in enumerate(params):
         p.grad = _grad(rank, 9, SHAPES[i])
     fresh.flush()
-    for i, p in enumerate(ref):
-        avg = _grad(rank, 9, SHAPES[i])
-        dist.all_reduce(avg)
-        p.grad = avg / world
-    if clip and clip[0] == "norm":
-        torch.nn.utils.clip_grad_norm_(ref, clip[1])
-    elif clip:
-        torch.nn.utils.clip_grad_value_(ref, clip[1])
-    ref_opt.step()
+    _reference_step(ref, ref_opt, [_grad(rank, 9, s) for s in SHAPES], world, clip)
     out["resumed_diff"] = max(float((p - r).abs().max()) for p, r in zip(params, ref, strict=True))
     out["bytes"] = shards.stats.bytes_sent + fresh.stats.bytes_sent
     shards.close()
@@ -307,3 +305,16 @@ def test_on_a_device_the_thread_works_on_its_own_stream_after_the_callers() -> N
             assert events.count(("push", "shard1")) == 3, events
             assert events[-1] == ("wait", "default", "shard1"), events
             assert events.index(("wait", "shard1", "default")) < events.index(("push", "shard1")), events
+
+
+def test_a_checkpoint_without_one_whole_optimizer_state_is_refused() -> None:
+    from lightning_strategies.strategies._ps_state import full_optimizer_state
+
+    state = {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    assert full_optimizer_state("X", {"optimizer_states": [state]}) == state
+    with pytest.raises(
+        ValueError, match=r"X found 2 optimizer states in the checkpoint .* expected one full optimizer"
+    ):
+        full_optimizer_state("X", {"optimizer_states": [state, state]})
+    with pytest.raises(ValueError, match=r"X found 1 optimizer states in the checkpoint \(keys \[\['state'\]\]\)"):
+        full_optimizer_state("X", {"optimizer_states": [{"state": {}}]})
