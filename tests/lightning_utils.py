@@ -8,6 +8,7 @@ Processes are fork-started (``start_method="fork"``), ~0.2 s to the first step i
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
@@ -150,6 +152,33 @@ def fit_weights(
     trainer = quiet_trainer(strategy, devices, max_steps=max_steps, use_distributed_sampler=False, **trainer_kwargs)
     trainer.fit(model, loader)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class WarmupRegressor(TinyRegressor):
+    """Linear warmup per step: a parameter server must use the learning rate the worker's scheduler set."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = super().configure_optimizers()
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+
+@functools.cache
+def ddp_reference_weights(
+    devices: int,
+    optimizer_factory: OptimizerFactory = sgd_momentum,
+    accumulate: int = 1,
+    clip: tuple[tuple[str, Any], ...] = (),
+) -> dict[str, torch.Tensor]:
+    """:func:`fit_weights` of Lightning's DDP (fork-started) on :class:`TinyRegressor`, once per setting: the
+    reference the data-parallel strategies' tests compare with (``clip``: the Trainer's clipping options)."""
+    return fit_weights(
+        DDPStrategy(start_method="fork"),
+        devices,
+        model=TinyRegressor(optimizer_factory=optimizer_factory),
+        accumulate_grad_batches=accumulate,
+        **dict(clip),
+    )
 
 
 def steps_trainer(strategy: Any, devices: int, max_steps: int, **kwargs: Any) -> pl.Trainer:

@@ -4,7 +4,6 @@ the per-step communication logs, and the errors for what the strategy does not s
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Iterable
 from datetime import timedelta
@@ -23,6 +22,8 @@ from tests.lightning_utils import (
     ManualRegressor,
     SaveAtEnd,
     TinyRegressor,
+    WarmupRegressor,
+    ddp_reference_weights,
     fit_weights,
     global_loader,
     sgd_momentum,
@@ -54,17 +55,10 @@ def ps(num_servers: int | None = None) -> ParameterServerStrategy:
     return ParameterServerStrategy(start_method="fork", num_servers=num_servers, timeout=timedelta(seconds=30))
 
 
-@functools.cache
 def ddp_weights(
     devices: int, optimizer: str, accumulate: int = 1, clip: tuple[tuple[str, Any], ...] = ()
 ) -> dict[str, torch.Tensor]:
-    return fit_weights(
-        DDPStrategy(start_method="fork"),
-        devices,
-        model=TinyRegressor(optimizer_factory=OPTIMIZERS[optimizer]),
-        accumulate_grad_batches=accumulate,
-        **dict(clip),
-    )
+    return ddp_reference_weights(devices, OPTIMIZERS[optimizer], accumulate, clip)
 
 
 def assert_weights_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], devices: int) -> None:
@@ -131,18 +125,9 @@ def test_gradient_accumulation_matches_ddp() -> None:
     assert_weights_equal(got, ddp_weights(2, "sgd_momentum", accumulate=2), 2)
 
 
-class _Warmup(TinyRegressor):
-    """Linear warmup per step: the servers must use the learning rate the worker's scheduler set."""
-
-    def configure_optimizers(self) -> Any:
-        optimizer = super().configure_optimizers()
-        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
-
-
 def test_lr_scheduler_warmup_matches_ddp() -> None:
-    got = fit_weights(ps(), 2, model=_Warmup())
-    want = fit_weights(DDPStrategy(start_method="fork"), 2, model=_Warmup())
+    got = fit_weights(ps(), 2, model=WarmupRegressor())
+    want = fit_weights(DDPStrategy(start_method="fork"), 2, model=WarmupRegressor())
     assert_weights_equal(got, want, 2)
     # and the warmup did change the result: the servers did not keep the initial lr
     assert not torch.equal(got["net.0.weight"], ddp_weights(2, "sgd_momentum")["net.0.weight"])

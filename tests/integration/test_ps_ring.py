@@ -5,7 +5,6 @@ the per-step logs, that the pushes overlap backward, and the errors for what the
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
@@ -24,6 +23,8 @@ from tests.lightning_utils import (
     ManualRegressor,
     SaveAtEnd,
     TinyRegressor,
+    WarmupRegressor,
+    ddp_reference_weights,
     fit_weights,
     global_loader,
     steps_trainer,
@@ -53,17 +54,10 @@ def ps_ring(**kwargs: Any) -> RingParameterServerStrategy:
     return RingParameterServerStrategy(start_method="fork", timeout=timedelta(seconds=30), **kwargs)
 
 
-@functools.cache
 def ddp_weights(
     devices: int, optimizer: str, accumulate: int = 1, clip: tuple[tuple[str, Any], ...] = ()
 ) -> dict[str, torch.Tensor]:
-    return fit_weights(
-        DDPStrategy(start_method="fork"),
-        devices,
-        model=TinyRegressor(optimizer_factory=OPTIMIZERS[optimizer]),
-        accumulate_grad_batches=accumulate,
-        **dict(clip),
-    )
+    return ddp_reference_weights(devices, OPTIMIZERS[optimizer], accumulate, clip)
 
 
 def assert_weights_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float) -> None:
@@ -116,18 +110,9 @@ def test_registered_name_and_accumulation_match_ddp() -> None:
     assert_weights_equal(got, ddp_weights(2, "sgd_momentum", accumulate=2), 0.0)
 
 
-class _Warmup(TinyRegressor):
-    """Linear warmup per step: the shards must use the learning rate the worker's scheduler set."""
-
-    def configure_optimizers(self) -> Any:
-        optimizer = super().configure_optimizers()
-        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
-
-
 def test_lr_warmup_and_batchnorm_buffers_match_ddp() -> None:
-    got = fit_weights(ps_ring(), 2, model=_Warmup())
-    assert_weights_equal(got, fit_weights(DDPStrategy(start_method="fork"), 2, model=_Warmup()), 0.0)
+    got = fit_weights(ps_ring(), 2, model=WarmupRegressor())
+    assert_weights_equal(got, fit_weights(DDPStrategy(start_method="fork"), 2, model=WarmupRegressor()), 0.0)
     assert not torch.equal(got["net.0.weight"], ddp_weights(2, "sgd_momentum")["net.0.weight"])
     # BatchNorm: rank 0's running statistics broadcast before each forward, as DDP does (state_dict: rank 0's)
     got = fit_weights(ps_ring(), 2, model=TinyRegressor(batchnorm=True))
