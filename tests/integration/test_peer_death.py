@@ -12,8 +12,9 @@ pre-imported zygote (``fault_utils``), ~0.2 s per rank instead of ~5 s of import
   theirs (ring all-reduce, a DDP comm hook, a shard serving a push RPC, a pipeline stage's
   backward while stage 0 waits for the gradient; ``_peer_death_fit`` has the details);
 - ``hang``: SIGSTOPs itself at the start of step 3 (its sockets stay open, its heartbeat stops):
-  only the strategy's ``timeout`` can end the survivors' wait. Run for ring and ps_ring (their own process
-  groups), pipeline (the device mesh's groups) and async (RPC, whose timeout is ``timeout`` + 5 s).
+  only the strategy's ``timeout`` can end the survivors' wait. Run for ring (its own process group; ps_ring's
+  ring calls are the same code, on a group of their own, and its hang is not run again here: CI's time),
+  pipeline (the device mesh's groups) and async (RPC, whose timeout is ``timeout`` + 5 s).
 - ``freeze``: the same SIGSTOP under a ``timeout`` of ``FREEZE_TIMEOUT_S`` (60 s) and a heartbeat
   watch grace of ``FREEZE_WATCH_S`` (3 s): the watch ends the survivors' wait by aborting their
   communication (gloo: their TCP connections shut down), long before the timeout. Run for ring,
@@ -81,7 +82,7 @@ LABELS = {"ring": "ring", "ps": "parameter_server", "async": "async", "pipeline"
           "ps_hier": "parameter_server", "async_hier": "async", "ps_ring": "ps_ring"}  # fmt: skip
 # (strategy, fault, world size, victim); the longest first, as they run PARALLEL at a time
 CASES = [
-    *[(name, "hang", 2, 1) for name in ("async", "ring", "pipeline", "ps_ring")],
+    *[(name, "hang", 2, 1) for name in ("async", "ring", "pipeline")],
     *[(name, "freeze", 2, 1) for name in ("ring", "ps", "pipeline", "ddp")],
     *[(name, fault, 2, 1) for name in LABELS if not name.endswith("_hier") for fault in ("step", "comm")],
     ("ddp", "step", 3, 1),
