@@ -36,10 +36,11 @@ backward, pulls with the next forward: the default) / ``strategy="ddp"`` for a s
 Lightning on 2 fork-started CPU processes (goal <= 1.0), ``ps_no_overlap_over_ddp_step`` the same for
 ``overlap=False`` (push after the whole backward, wait for every shard), ``ps_bucket_replies_over_ddp_step``
 for ``reply_per_bucket=True`` (each bucket split over the shards and answered alone; off by default on one
-node) and ``ps_bucket_replies_over_ps_step`` that over ps's, the four in interleaved rounds, with the raw
-medians; ``ps_overlap_share`` is the share of ps's push bytes sent before backward ended (the client's own
+node), ``ps_ring_over_ddp_step`` for ``strategy="ps_ring"`` (the shards on the ring's reduce-scatter and
+all-gather, no RPC) and ``ps_bucket_replies_over_ps_step`` that over ps's, the five in interleaved rounds, with
+the raw medians; ``ps_overlap_share`` is the share of ps's push bytes sent before backward ended (the client's own
 count, rank 0, median over rounds). A shared machine is noisy: read the ratio of interleaved runs, not the
-milliseconds. ``{ps,ps_bucket_replies,ps_no_overlap,ddp}_cpu_ms_per_step``: the median CPU seconds per step of
+milliseconds. ``{ps,ps_bucket_replies,ps_no_overlap,ps_ring,ddp}_cpu_ms_per_step``: the median CPU seconds per step of
 rank 0's process, every thread (``time.process_time``): on 2 shared cores CPU per step bounds the step.
 
 Part 3, the floor (#28): the CPU per step of the transport alone, without Lightning, a model or the
@@ -240,6 +241,7 @@ def _timed_fit(strategy_name: str, steps: int, width: int, rpc_threads: int) -> 
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_strategies.strategies.parameter_server import ParameterServerStrategy
+    from lightning_strategies.strategies.ps_ring import RingParameterServerStrategy
 
     class Mlp(pl.LightningModule):
         def __init__(self) -> None:
@@ -280,6 +282,8 @@ def _timed_fit(strategy_name: str, steps: int, width: int, rpc_threads: int) -> 
     strategy: Any = (
         DDPStrategy(start_method="fork")
         if strategy_name == "ddp"
+        else RingParameterServerStrategy(start_method="fork")
+        if strategy_name == "ps_ring"
         else ParameterServerStrategy(
             start_method="fork",
             rpc_threads=rpc_threads,
@@ -309,7 +313,7 @@ def step_time(rounds: int, steps: int, width: int, rpc_threads: int = 4) -> None
         logging.getLogger(name).setLevel(logging.WARNING)
     params = 256 * width + width + width * width + width + width * 10 + 10
     line("mlp_params", params, "floats")
-    names = ("ps", "ps_bucket_replies", "ps_no_overlap", "ddp")
+    names = ("ps", "ps_bucket_replies", "ps_no_overlap", "ps_ring", "ddp")
     times: dict[str, list[float]] = {name: [] for name in names}
     cpus: dict[str, list[float]] = {name: [] for name in names}
     shares: list[float] = []
@@ -325,7 +329,7 @@ def step_time(rounds: int, steps: int, width: int, rpc_threads: int = 4) -> None
         line(f"{name}_step_ms", median(times[name]) * 1e3, "ms")
     for name in names:
         line(f"{name}_cpu_ms_per_step", median(cpus[name]) * 1e3, "ms")
-    for name in names[:3]:
+    for name in names[:-1]:
         ratios = [p / d for p, d in zip(times[name], times["ddp"], strict=True)]
         line(f"{name}_over_ddp_step", median(ratios), "x")
     bucket_replies = [b / p for b, p in zip(times["ps_bucket_replies"], times["ps"], strict=True)]
