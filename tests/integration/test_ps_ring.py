@@ -109,6 +109,12 @@ def test_clipping_ends_with_ddps_clipped_weights(setting: str) -> None:
     assert any(not torch.allclose(got[k], unclipped[k], rtol=0, atol=1e-5) for k in want)
 
 
+def test_one_process_equals_a_single_device() -> None:
+    # one rank owns every chunk: the halves move nothing, the shard steps everything, bit for bit
+    got = fit_weights(ps_ring(), 1, batch_size=16)
+    assert_weights_equal(got, fit_weights("auto", 1, batch_size=16), 0.0)
+
+
 def test_registered_name_and_accumulation_match_ddp() -> None:
     # the accumulated gradient is pushed on the stepping micro-batch only, as DDP syncs it
     got = fit_weights("ps_ring_fork", 2, accumulate_grad_batches=2)
