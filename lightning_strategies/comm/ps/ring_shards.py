@@ -128,6 +128,8 @@ class RingShards:
         self.group = group
         self.inter_group = inter_group
         self.clip = clip if clip is not None and clip.clips else None
+        # by norm the buckets' steps wait for the agreed norm: a push per bucket, then one step-and-pull of all
+        self._clips_norm = self.clip is not None and self.clip.algorithm == "norm"
         self.timeout = timeout
         self.rank = dist.get_rank()  # for messages: the job's rank
         self.local, self.local_size = dist.get_rank(group), dist.get_world_size(group)
@@ -184,10 +186,6 @@ class RingShards:
         return RingBucket(
             tuple(tensors), tuple(offsets), grad, values, (start, end), pieces, piece_params, optimizer, groups
         )
-
-    def numel(self) -> int:
-        """Elements of the trainable tensors (every bucket's)."""
-        return sum(b.grad.numel() for b in self.buckets)
 
     # -- backward: queue buckets as they fill -----------------------------------------------------
 
@@ -255,16 +253,16 @@ class RingShards:
         self._queued[b] = True
         self._next = b + 1
         self.order.take()  # the shards' stream after the copy (and the last step's values written), in bucket order
-        if self.clip is not None and self.clip.algorithm == "norm":
-            self._work.put(functools.partial(self._push, bucket))  # the step waits for the agreed norm
+        if self._clips_norm:
+            self._work.put(functools.partial(self._push, bucket))
         else:
             self._work.put(functools.partial(self._push_step_pull, bucket))
 
     # -- the optimizer step: what is left, then wait and land ------------------------------------------
 
-    def flush(self) -> float:
+    def flush(self) -> None:
         """Queue every bucket not queued yet, wait until every bucket's new values arrived and write them into
-        the parameters. Returns the seconds waited.
+        the parameters (the wait: :attr:`last`'s ``wait_seconds``).
 
         Raises:
             RuntimeError: a bucket's exchange or step failed on the thread (its error, e.g. a
@@ -276,10 +274,10 @@ class RingShards:
             raise RuntimeError("RingShards.flush: begin_step(options) was not called for this step.")
         for b in range(self._next, len(self.buckets)):
             self._queue(b)
-        if self.clip is not None and self.clip.algorithm == "norm":
+        if self._clips_norm:
             self._work.put(self._clip_step_pull)
         start = time.perf_counter()
-        expected = len(self.buckets) + (1 if self.clip is not None and self.clip.algorithm == "norm" else 0)
+        expected = len(self.buckets) + int(self._clips_norm)
         try:
             for _ in range(expected):
                 if not self._done.acquire(timeout=self.timeout):
@@ -305,7 +303,6 @@ class RingShards:
         self._step.landed = time.perf_counter()
         self._step.wait_seconds = waited
         self.last, self._step = self._step, RingStepTimes()
-        return waited
 
     # -- the thread -----------------------------------------------------------------------------
 
