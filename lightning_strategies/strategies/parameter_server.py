@@ -73,6 +73,11 @@ from lightning_strategies.strategies._ps_nodes import (
 )
 from lightning_strategies.strategies._ps_overlap import OverlapHooks, PushOverlapMixin
 from lightning_strategies.strategies._ps_state import ShardStateMixin
+from lightning_strategies.strategies._shard_step import (
+    closure_then_exchange,
+    require_automatic_optimization,
+    require_one_optimizer,
+)
 
 __all__ = ["ParameterServerStrategy"]
 
@@ -284,23 +289,13 @@ class ParameterServerStrategy(ShardStateMixin, PushOverlapMixin, StrategyBase):
     def _check_supported(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
         assert module is not None
-        if not module.automatic_optimization:
-            raise ValueError(
-                "ParameterServerStrategy found `automatic_optimization = False`: expected automatic "
-                "optimization, because the optimizer step runs on the servers inside Lightning's "
-                "optimizer_step. Fix: use automatic optimization, or strategy='ddp' for manual optimization."
-            )
+        require_automatic_optimization(type(self).__name__, module)
         if self.clips_on_servers:  # refuses a custom configure_gradient_clipping (it cannot run on the shards)
             self._server_clip = server_clip_spec(type(self).__name__, trainer, module, optimizer_norm=False)
 
     def _plan_servers(self) -> tuple[Optimizer, OptimizerSpec, list[Tensor], list[list[Slice]]]:
         """The optimizer, its rebuild spec, its parameters and the shard plan (:func:`_shard_plan`)."""
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"{type(self).__name__} found {len(self.optimizers)} optimizers from configure_optimizers: "
-                "expected exactly one, because the servers run one optimizer over the whole model. Fix: "
-                "return one optimizer (use param groups for different hyperparameters)."
-            )
+        require_one_optimizer(type(self).__name__, self.optimizers)
         optimizer = self.optimizers[0]
         self._spec = OptimizerSpec.from_optimizer(optimizer)
         # LAMB (timm-style) clips by the norm over *all* its tensors, and each shard sees a slice
@@ -361,19 +356,8 @@ class ParameterServerStrategy(ShardStateMixin, PushOverlapMixin, StrategyBase):
 
     def _step_on_servers(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Step pre-hook: Lightning's closure, then push/pull; the local update that follows finds no gradient
-        (the servers stepped). A pre-hook keeps every precision plugin's handling: under ``16-mixed`` the
-        scaler calls ``step`` only when it does not skip, and LR schedulers see the step."""
-        # torch passes the step's own arguments, the optimizer first
-        kwargs = dict(kwargs)
-        closure = kwargs.pop("closure", None) if "closure" in kwargs else (args[1] if len(args) > 1 else None)
-        if closure is not None:
-            with torch.enable_grad():
-                closure()
-        self._push_pull(optimizer)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
-        return args[:1], kwargs
+        (the servers stepped; :func:`~._shard_step.closure_then_exchange`)."""
+        return closure_then_exchange(optimizer, args, kwargs, lambda: self._push_pull(optimizer))
 
     def _share_overflow_decision(self) -> None:
         """Swap in an :class:`~lightning_strategies.comm.amp.AgreedGradScaler`, deciding as ``agree_on_overflow``."""

@@ -46,6 +46,11 @@ from lightning_strategies.strategies._base import StrategyBase, exposed, unwrap_
 from lightning_strategies.strategies._nodes import gather_node_layout, wants_hierarchy
 from lightning_strategies.strategies._ps_clipping import WorkerClippingOff, server_clip_spec
 from lightning_strategies.strategies._ps_state import full_optimizer_state
+from lightning_strategies.strategies._shard_step import (
+    closure_then_exchange,
+    require_automatic_optimization,
+    require_one_optimizer,
+)
 
 __all__ = ["RingParameterServerStrategy"]
 
@@ -127,12 +132,7 @@ class RingParameterServerStrategy(StrategyBase):
         """No DDP wrapper (the shards average): check what they support, then rank 0's weights everywhere."""
         trainer = self.trainer
         assert trainer is not None and self.model is not None
-        if not self._module.automatic_optimization:
-            raise ValueError(
-                "RingParameterServerStrategy found `automatic_optimization = False`: expected automatic "
-                "optimization, because the optimizer steps on the shards inside Lightning's optimizer_step. "
-                "Fix: use automatic optimization, or strategy='ddp' for manual optimization."
-            )
+        require_automatic_optimization(type(self).__name__, self._module)
         self._clip = server_clip_spec(type(self).__name__, trainer, self._module, optimizer_norm=False)
         _sync_module_states(self.model)
 
@@ -144,12 +144,7 @@ class RingParameterServerStrategy(StrategyBase):
             self._start_shards()
 
     def _start_shards(self) -> None:
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"RingParameterServerStrategy found {len(self.optimizers)} optimizers from configure_optimizers: "
-                "expected exactly one, because the shards run one optimizer over the whole model. Fix: return "
-                "one optimizer (use param groups for different hyperparameters)."
-            )
+        require_one_optimizer(type(self).__name__, self.optimizers)
         if isinstance(getattr(self.precision_plugin, "scaler", None), torch.amp.GradScaler):
             raise ValueError(
                 "RingParameterServerStrategy found precision='16-mixed' (a GradScaler): expected no loss scaling, "
@@ -189,20 +184,10 @@ class RingParameterServerStrategy(StrategyBase):
 
     def _step_on_shards(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Step pre-hook: Lightning's closure (buckets leave during its backward), then wait for every bucket's
-        values; the local update that follows finds no gradient. A pre-hook keeps the precision plugins' handling
-        and LR schedulers see the step."""
+        values; the local update that follows finds no gradient (:func:`~._shard_step.closure_then_exchange`)."""
         assert self._shards is not None
-        kwargs = dict(kwargs)
-        closure = kwargs.pop("closure", None) if "closure" in kwargs else (args[1] if len(args) > 1 else None)
         self._shards.begin_step(optimizer.param_groups)  # this step's options (a scheduler set them)
-        if closure is not None:
-            with torch.enable_grad():
-                closure()
-        self._shards.flush()
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
-        return args[:1], kwargs
+        return closure_then_exchange(optimizer, args, kwargs, self._shards.flush)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
