@@ -3,13 +3,17 @@ the hierarchical parameter-server push, so both split a job into nodes the same 
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_strategies.comm.ring.layout import NodeLayout
+from lightning_strategies.comm.groups import new_group
+from lightning_strategies.comm.ring.layout import NodeLayout, new_hierarchical_groups
 
-__all__ = ["gather_node_layout", "wants_hierarchy"]
+__all__ = ["gather_node_layout", "ring_groups", "wants_hierarchy"]
 
 
 def gather_node_layout(strategy: DDPStrategy, name: str) -> NodeLayout:
@@ -46,3 +50,20 @@ def wants_hierarchy(hierarchical: bool | None, layout: NodeLayout) -> bool:
     if wanted:
         layout.require_uniform()  # the same number of processes on every node, or a clear error
     return wanted and layout.local_size > 1
+
+
+def ring_groups(
+    strategy: DDPStrategy, name: str, hierarchical: bool | None, *, backend: str, timeout: timedelta | None
+) -> tuple[NodeLayout, list[dist.ProcessGroup]]:
+    """The node layout and the ring's process groups of their own (a collective: every rank, in the same order):
+    ``[intra, inter]`` where the ring goes hierarchical (:func:`wants_hierarchy`), else ``[the whole world]``;
+    said on rank 0 when ``hierarchical=True`` finds nothing to split."""
+    layout = gather_node_layout(strategy, name)
+    if not wants_hierarchy(hierarchical, layout):
+        if hierarchical:
+            rank_zero_info(
+                f"{name}: hierarchical=True on {layout.num_nodes} node(s) of {len(layout.nodes[0])} process(es): "
+                "nothing to split, the ring is flat"
+            )
+        return layout, [new_group(timeout=timeout, backend=backend)]
+    return layout, list(new_hierarchical_groups(layout, backend=backend, timeout=timeout))

@@ -29,21 +29,18 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_strategies.comm.groups import new_group
 from lightning_strategies.comm.ps import OptimizerSpec, broadcast_from_rank0
 from lightning_strategies.comm.ps.clip import ClipSpec
 from lightning_strategies.comm.ps.ring_shard_state import gather_ring_state, load_ring_state
 from lightning_strategies.comm.ps.ring_shards import RingShards
-from lightning_strategies.comm.ring import new_hierarchical_groups
 from lightning_strategies.strategies._base import StrategyBase, exposed, unwrap_optimizer
-from lightning_strategies.strategies._nodes import gather_node_layout, wants_hierarchy
+from lightning_strategies.strategies._nodes import ring_groups
 from lightning_strategies.strategies._ps_clipping import WorkerClippingOff, server_clip_spec
 from lightning_strategies.strategies._ps_state import full_optimizer_state
 from lightning_strategies.strategies._shard_step import (
@@ -158,17 +155,8 @@ class RingParameterServerStrategy(StrategyBase):
         timeout = self._timeout if self._timeout is not None else default_pg_timeout
         # groups of their own: the shards' thread must never interleave with the main thread's collectives
         backend = self._get_process_group_backend()
-        layout = gather_node_layout(self, "ps_ring")
-        self._is_hierarchical = wants_hierarchy(self._hierarchical, layout)
-        if self._hierarchical and not self._is_hierarchical:
-            rank_zero_info(
-                f"ps_ring: hierarchical=True on {layout.num_nodes} node(s) of {len(layout.nodes[0])} process(es): "
-                "nothing to split, the ring is flat"
-            )
-        if self._is_hierarchical:
-            self._groups = list(new_hierarchical_groups(layout, backend=backend, timeout=timeout))
-        else:
-            self._groups = [new_group(timeout=timeout, backend=backend)]
+        _, self._groups = ring_groups(self, "ps_ring", self._hierarchical, backend=backend, timeout=timeout)
+        self._is_hierarchical = len(self._groups) == 2
         self._shards = RingShards(
             params, spec, self._groups[0], bucket_cap_mb=self._bucket_cap_mb, clip=self._clip,
             timeout=timeout.total_seconds() + max(5.0, 0.1 * timeout.total_seconds()),

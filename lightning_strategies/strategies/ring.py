@@ -20,18 +20,16 @@ from torch.nn import Module
 from torch.nn.parallel.distributed import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_strategies.comm.groups import new_group
 from lightning_strategies.comm.ring import (
     MIN_CHUNK_BYTES,
     WIRE_DTYPES,
     NodeLayout,
     RingBucketReducer,
-    new_hierarchical_groups,
     resolve_wire_dtype,
     ring_bucket_cap_mb,
 )
 from lightning_strategies.strategies._base import StrategyBase, exposed, log_due
-from lightning_strategies.strategies._nodes import gather_node_layout, wants_hierarchy
+from lightning_strategies.strategies._nodes import ring_groups
 
 __all__ = ["RingAllReduceStrategy"]
 
@@ -141,24 +139,18 @@ class RingAllReduceStrategy(StrategyBase):
         self._close_reducer()
         # Every rank gets here in the same order (fit setup), as the all-gather and new_group need. Groups of
         # its own: the reducer thread's messages must never interleave with the main thread's collectives.
-        layout = gather_node_layout(self, "ring")
-        self._layout = layout
-        self._is_hierarchical = wants_hierarchy(self._hierarchical, layout)
-        if self._hierarchical and not self._is_hierarchical:
-            rank_zero_info(
-                f"ring: hierarchical=True on {layout.num_nodes} node(s) of {len(layout.nodes[0])} process(es): "
-                "nothing to split, the ring is flat"
-            )
         backend = self._get_process_group_backend()
+        layout, self._ring_groups = ring_groups(
+            self, "ring", self._hierarchical, backend=backend, timeout=self._timeout
+        )
+        self._layout = layout
+        self._is_hierarchical = len(self._ring_groups) == 2
         if self._is_hierarchical:
-            intra, inter = new_hierarchical_groups(layout, backend=backend, timeout=self._timeout)
-            self._ring_groups = [intra, inter]
+            intra, inter = self._ring_groups
             self._reducer = RingBucketReducer(intra, op="avg", wire_dtype=self._wire_dtype, inter_group=inter)
         else:
-            group = new_group(timeout=self._timeout, backend=backend)
-            self._ring_groups = [group]
             split = layout if layout.num_nodes > 1 else None  # on one node every byte stays inside it
-            self._reducer = RingBucketReducer(group, op="avg", wire_dtype=self._wire_dtype, layout=split)
+            self._reducer = RingBucketReducer(self._ring_groups[0], op="avg", wire_dtype=self._wire_dtype, layout=split)
         self.model.register_comm_hook(state=None, hook=self._ring_hook)
 
     def _ring_hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
