@@ -48,8 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import header, line, load_line, median, size_label, world_size_parser
 from benchmarks._workers import run_workers
-from lightning_strategies.comm.ring.transport import _chunk_bounds, _Ring, _run
-from lightning_strategies.comm.stats import CommStats
+from lightning_strategies.comm.ring import owned_chunk, ring_all_gather, ring_reduce_scatter
 
 METHODS = ("gloo", "halves", "ddp_step", "ps_ring_step")
 LR, MOMENTUM = 0.05, 0.9
@@ -78,24 +77,17 @@ def _halves(grad: torch.Tensor, params: torch.Tensor, between: Callable[[], None
     ``between`` (the shard's step), then the all-gather of ``params``' owned chunks."""
     pg = dist.group.WORLD
     assert pg is not None
-    world = dist.get_world_size()
-    stats = CommStats()
-    _run(_Ring(grad, pg, stats, divisor=world, wire=None, stop=world - 1), None)
+    ring_reduce_scatter(grad, pg, average=True)
     if between is not None:
         between()
-    _run(_Ring(params, pg, stats, divisor=1, wire=None, first=world - 1), None)
-
-
-def _owned(n: int, world: int, rank: int) -> tuple[int, int]:
-    """The chunk this rank owns after the ring's reduce-scatter (the ring's own chunking)."""
-    return _chunk_bounds(n, world)[(rank + 1) % world]
+    ring_all_gather(params, pg)
 
 
 def _measure(n: int, reps: int, warmup: int) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     start = torch.randn(n, generator=torch.Generator().manual_seed(0))  # the same parameters on every rank
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own gradients
-    ddp, ps = _Replica(start, None), _Replica(start, _owned(n, world, rank))
+    ddp, ps = _Replica(start, None), _Replica(start, owned_chunk(n, world, rank))
     scratch = _Replica(start, None)  # the exchange-only methods' buffers (their results are not kept)
 
     def ddp_step() -> None:
