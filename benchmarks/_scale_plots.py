@@ -19,10 +19,13 @@ from lightning_strategies.advisor.model import Prediction
 LABELS = {
     "ddp": "ddp (NCCL ring)", "ring": "ring (comm.ring, flat)", "ring_hier": "ring, hierarchical",
     "ps": "ps, P shards (hierarchical push)", "ps_flat": "ps, P shards, flat push", "ps_1": "ps, 1 server",
-    "async": "async (P shards)", "pipeline": "pipeline (K stages x P/K)",
+    "ps_ring": "ps_ring (shards on the ring's halves)", "async": "async (P shards)",
+    "pipeline": "pipeline (K stages x P/K)",
 }  # fmt: skip
 STYLE = {"ddp": "C2", "ring": "C0", "ring_hier": "C9", "ps": "C1", "ps_flat": "C6", "ps_1": "C3", "async": "C4",
-         "pipeline": "C5"}  # fmt: skip
+         "pipeline": "C5", "ps_ring": "C8"}  # fmt: skip
+#: dashed where a strategy is projected as another one's exchange (ps_ring: the hierarchical ring's; it would hide it)
+DASHED = {"ps_ring"}
 
 
 def _worlds(proj: dict[str, dict[int, Any]]) -> list[int]:
@@ -36,8 +39,9 @@ def plot_projection(cluster: Cluster, proj: dict[str, dict[int, Any]], path: Pat
     fig, (ax, ax_e) = plt.subplots(1, 2, figsize=(11, 3.9))
     worlds = _worlds(proj)
     for s, by_p in proj.items():
-        ax.plot(worlds, [by_p[p].step_s for p in worlds], "o-", ms=3, color=STYLE[s], label=LABELS[s])
-        ax_e.plot(worlds, [cluster.step_ms / 1e3 / by_p[p].step_s for p in worlds], "o-", ms=3, color=STYLE[s])
+        fmt = "o--" if s in DASHED else "o-"
+        ax.plot(worlds, [by_p[p].step_s for p in worlds], fmt, ms=3, color=STYLE[s], label=LABELS[s])
+        ax_e.plot(worlds, [cluster.step_ms / 1e3 / by_p[p].step_s for p in worlds], fmt, ms=3, color=STYLE[s])
     ax.axhline(cluster.step_ms / 1e3, color="k", lw=0.8, ls=":", label="compute alone")
     for a in (ax, ax_e):
         a.set_xscale("log", base=2)
