@@ -29,7 +29,7 @@ took them on loopback), the host's share of every message at the session's momen
                                                                 4 KiB round trip; inside a node, between nodes
 
     flock /tmp/ls-timing.lock python benchmarks/advisor_cluster.py --rates 1gbit --layouts 2x2 --name NAME
-    (NAME: advisor_cluster_<rate>_<layout>; one rate and layout per stored run: 2 rounds of 9 fits,
+    (NAME: advisor_cluster_<rate>_<layout>; one rate and layout per stored run: 2 rounds of 10 fits,
     6-20 min on 2 loaded cores)
     python benchmarks/advisor_cluster.py --quick     # 4x1 at 1gbit, the pipeline, 4 steps: nothing written (CI)
 
@@ -61,7 +61,7 @@ from benchmarks.cluster_strategies import LAYOUTS, RESULTS, run_one, schedule
 from benchmarks.emulated import EmulatedCluster
 from benchmarks.emulated.launch import launch, report_start
 
-STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pipeline", "tensor")
+STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "ps_ring", "async", "pipeline", "tensor")
 PROBE = Path(__file__).with_name("_cluster_probe.py")
 MESSAGE_PROBE = Path(__file__).with_name("emulated") / "_latency.py"
 LINK_PROBE_S = 3.0

@@ -135,7 +135,7 @@ MESSAGE_VARIANTS = {"": "its gloo latencies", "_preset_latency": "the presets' l
 LAYOUTS = {"2x2": (2, 2), "4x1": (4, 1)}
 RATES = ("1gbit", "200mbit", "50mbit")
 MEASURE_ROUNDS = 5  # the measurement here, each between two probes (:func:`measure_here`)
-STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "async", "pipeline", "tensor")
+STRATEGIES = ("ddp", "ring", "ring_hier", "ring_bf16", "ps", "ps1", "ps_ring", "async", "pipeline", "tensor")
 RUNS = "advisor_cluster_*.json"  # benchmarks/advisor_cluster.py's stored runs, one file per rate
 
 
@@ -159,8 +159,9 @@ def ps_push(runs: Sequence[dict], layout: str) -> str:
 
 
 def workload(m: Measurement, strategy: str, world: int) -> Workload:
-    """What the runs ran: batch 32 per replica; the pipeline K = P stages, M = 4K; tensor T = P."""
-    return strategy_workload(m, strategy, 32, num_stages=world, microbatches=4 * world, tp_size=world)
+    """What the runs ran: batch 32 per replica; the pipeline K = P stages, M = 4K; tensor T = P; ps_ring's shards
+    each step 1/P of the optimizer."""
+    return strategy_workload(m, strategy, 32, num_stages=world, microbatches=4 * world, tp_size=world, world=world)
 
 
 def measure_here(rounds: int) -> tuple[Measurement, float, list[float], list[float]]:
