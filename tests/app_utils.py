@@ -1,4 +1,12 @@
-"""Compose the app's Hydra config in-process, and run train.py as a subprocess."""
+"""Compose the app's Hydra config in-process, and run train.py as its own process.
+
+``run_train`` runs ``python train.py ARGS`` as a process of its own, forked from a zygote that imported the
+app once per test process (``fault_utils.run_forked``: the imports cost ~5 s of CPU a run on 2 cores, 10 s
+loaded), where ``train.py`` runs as ``__main__`` with a fresh interpreter's ``sys.path`` and ``PYTHONPATH``;
+the ranks a launcher starts from it (Lightning's ``popen``, a sweep's jobs) are fresh interpreters as
+before. ``fresh=True`` starts a fresh interpreter for the run itself: what a user's first ``python
+train.py`` does, imports included.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fault_utils import run_forked
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -53,19 +62,25 @@ def run_train(
     timeout: float = 300,
     extra_paths: tuple[Path, ...] = (),
     env: dict[str, str] | None = None,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """``python train.py ARGS`` from ``cwd`` (outputs land there), one torch thread per process;
-    ``extra_paths`` go on the PYTHONPATH (modules a config's ``_target_`` names), ``env`` on top."""
+    ``extra_paths`` go on the PYTHONPATH (modules a config's ``_target_`` names), ``env`` on top. Forked
+    from the test process's app zygote (module doc); ``fresh``: a fresh interpreter. Past ``timeout``
+    the run and every process it started are killed and ``subprocess.TimeoutExpired`` raised."""
     # PYTHONFAULTHANDLER: a process that dies of a signal prints every thread's Python stack to stderr (an ft
     # launcher died of SIGSEGV three times in full suites while torchft's Lighthouse server ran inside it; the
     # Lighthouse now runs as its own process: start_lighthouse)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
-           "PYTHONPATH": pythonpath(*extra_paths), **(env or {})}
+    extra = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
     command = [sys.executable, str(ROOT / "train.py"), *args]
+    if not fresh:
+        return run_forked(command[1], args, cwd=cwd, timeout=timeout, pythonpath=pythonpath(*extra_paths), env=extra)
+    full_env = {**os.environ, "PYTHONPATH": pythonpath(*extra_paths), **extra}
     # its own process group, so a timeout ends the ranks and sweep jobs it started too
     with subprocess.Popen(
-        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    ) as proc:
+        command, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    ) as proc:  # fmt: skip
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

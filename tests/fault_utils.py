@@ -26,14 +26,18 @@ seconds).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import gc
 import importlib
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -42,7 +46,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
-__all__ = ["Job", "Zygote", "run_script", "session_members"]
+__all__ = ["Job", "Zygote", "run_forked", "run_script", "script_rank", "session_members"]
 
 
 def session_members(sid: int) -> list[int]:
@@ -88,6 +92,58 @@ def run_script(rank: int, world: int, *, script: str, argv: list[str], stderr: s
         os.environ.pop("PYTHONPATH", None)
     sys.argv = [script, *argv]
     runpy.run_path(script, run_name="__main__")
+
+
+def script_rank(rank: int, world: int, *, cwd: str, **kwargs: Any) -> None:
+    """A :class:`Job` target for :func:`run_forked`: a process group of its own (so that a timeout ends what the
+    script started too), ``cwd``, then :func:`run_script`."""
+    os.setpgid(0, 0)
+    os.chdir(cwd)
+    run_script(rank, world, **kwargs)
+
+
+#: what :func:`run_forked`'s zygote imports: the app's entry point (train.py: hydra, omegaconf, recipes.app) and
+#: the library and test helpers the fit scripts import (none of them starts a thread)
+FORKED_PRELOAD = ["hydra", "omegaconf", "recipes.app", "lightning_strategies", "lightning_utils"]
+_FORKED: dict[str, Any] = {}  # this process's zygote for run_forked, started by its first call
+
+
+def run_forked(
+    script: str, argv: list[str], *, cwd: Path, timeout: float, pythonpath: str, env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """``python SCRIPT ARGV`` from ``cwd`` with ``env`` on top of this process's environment and ``pythonpath`` as
+    its ``PYTHONPATH``, as a process forked from a zygote that imported :data:`FORKED_PRELOAD` once for this test
+    process (closed when it exits), where the script runs as ``__main__`` (:func:`run_script`: a fresh
+    interpreter's ``sys.path``). What the script starts (a launcher's ranks, a sweep's jobs) is what it starts
+    under ``python``. Past ``timeout`` the script and its process group are killed and
+    ``subprocess.TimeoutExpired`` raised."""
+    if "zygote" not in _FORKED:
+        home = Path(tempfile.mkdtemp(prefix="forked-"))
+        zygote = Zygote(FORKED_PRELOAD, home / "zygote.log")
+
+        def close() -> None:
+            zygote.close()
+            shutil.rmtree(home, ignore_errors=True)
+
+        atexit.register(close)
+        _FORKED.update(zygote=zygote, home=home)
+    logs = Path(tempfile.mkdtemp(prefix="run-", dir=_FORKED["home"]))
+    command = [sys.executable, script, *argv]
+    try:
+        kwargs = {"script": script, "argv": argv, "stderr": str(logs / "stderr.log"), "pythonpath": pythonpath,
+                  "cwd": str(cwd)}  # fmt: skip
+        job = Job(target="fault_utils:script_rank", world=1, env=env, kwargs=kwargs, log_dir=logs, timeout=timeout)
+        answer = _FORKED["zygote"].run(job)
+        rank = answer["ranks"][0]
+        if answer["timed_out"]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(rank["pid"], signal.SIGKILL)  # the group script_rank made: what the script started
+            raise subprocess.TimeoutExpired(command, timeout)
+        out, err = logs / "rank0.log", logs / "stderr.log"
+        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace") if err.exists() else ""
+        return subprocess.CompletedProcess(command, rank["returncode"], stdout, stderr)
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 @dataclass(frozen=True)

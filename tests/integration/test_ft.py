@@ -36,13 +36,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from fault_utils import run_forked
 from lightning_utils import TinyRegressor, one_process_group_cleanup, quiet_trainer, regression_data
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -65,13 +64,12 @@ def run_case(tmp_path: Path, name: str, **cfg: Any) -> dict[tuple[int, int], dic
     cfg = {"out": str(out), "replicas": REPLICAS, "n": N, "batch_size": BATCH, **cfg}
     cfg["strategy"] = {**FAST, **cfg.get("strategy", {})}
     (out / "case.json").write_text(json.dumps(cfg))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1")
-    env["PYTHONFAULTHANDLER"] = "1"  # a replica that crashes (a signal) prints every thread's stack to its stderr
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out / "case.json")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
-    )  # fmt: skip
+    # PYTHONFAULTHANDLER: a replica that crashes (a signal) prints every thread's stack to its stderr. The launcher
+    # (replica 0) is forked from a zygote that imported Lightning once (fault_utils.run_forked, with no LOCAL_RANK
+    # or other launcher variables); the replicas it starts are fresh interpreters, as they must be to die alone
+    proc = run_forked(str(SCRIPT), [str(out / "case.json")], cwd=ROOT, timeout=JOB_TIMEOUT_S,
+                      pythonpath=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+                      env={"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})  # fmt: skip
     records = {}
     for path in out.glob("replica*_*.pt"):
         replica, start = path.stem.removeprefix("replica").split("_")

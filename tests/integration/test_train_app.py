@@ -79,8 +79,8 @@ def test_goyal_recipe_derives_per_device_batch(tmp_path: Path) -> None:
 
 
 def test_digits_default_reaches_95_percent(tmp_path: Path) -> None:
-    """`python train.py` as a user runs it: the digits recipe, single CPU process."""
-    proc = run_train(["hydra.run.dir=run", "trainer.enable_progress_bar=false"], cwd=tmp_path, timeout=300)
+    """`python train.py` as a user runs it (a fresh interpreter): the digits recipe, single CPU process."""
+    proc = run_train(["hydra.run.dir=run", "trainer.enable_progress_bar=false"], cwd=tmp_path, timeout=300, fresh=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["test_acc"] >= 0.95, metrics
