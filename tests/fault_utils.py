@@ -111,12 +111,13 @@ _FORKED: dict[str, Any] = {}  # this process's zygote for run_forked, started by
 def run_forked(
     script: str, argv: list[str], *, cwd: Path, timeout: float, pythonpath: str, env: dict[str, str]
 ) -> subprocess.CompletedProcess[str]:
-    """``python SCRIPT ARGV`` from ``cwd`` with ``env`` on top of this process's environment and ``pythonpath`` as
-    its ``PYTHONPATH``, as a process forked from a zygote that imported :data:`FORKED_PRELOAD` once for this test
-    process (closed when it exits), where the script runs as ``__main__`` (:func:`run_script`: a fresh
-    interpreter's ``sys.path``). What the script starts (a launcher's ranks, a sweep's jobs) is what it starts
-    under ``python``. Past ``timeout`` the script and its process group are killed and
-    ``subprocess.TimeoutExpired`` raised."""
+    """``python SCRIPT ARGV`` from ``cwd`` with ``pythonpath`` as its ``PYTHONPATH``, as a process forked from a
+    zygote that imported :data:`FORKED_PRELOAD` once for this test process (closed when it exits), where the
+    script runs as ``__main__`` (:func:`run_script`: a fresh interpreter's ``sys.path``). Its environment is the
+    zygote's (this process's at the first call, less the launchers' variables: :class:`Zygote`) with ``env`` on
+    top: set what a run needs in ``env``, not in ``os.environ``. What the script starts (a launcher's ranks, a
+    sweep's jobs) is what it starts under ``python``. Past ``timeout`` the script and its process group are killed
+    and ``subprocess.TimeoutExpired`` raised."""
     if "zygote" not in _FORKED:
         home = Path(tempfile.mkdtemp(prefix="forked-"))
         zygote = Zygote(FORKED_PRELOAD, home / "zygote.log")
