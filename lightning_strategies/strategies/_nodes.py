@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_strategies.comm.groups import new_group
 from lightning_strategies.comm.ring.layout import NodeLayout, new_hierarchical_groups
 
-__all__ = ["gather_node_layout", "ring_groups", "wants_hierarchy"]
+__all__ = ["decide_hierarchy", "gather_node_layout", "ring_groups", "wants_hierarchy"]
 
 
 def gather_node_layout(strategy: DDPStrategy, name: str) -> NodeLayout:
@@ -58,12 +58,23 @@ def ring_groups(
     """The node layout and the ring's process groups of their own (a collective: every rank, in the same order):
     ``[intra, inter]`` where the ring goes hierarchical (:func:`wants_hierarchy`), else ``[the whole world]``;
     said on rank 0 when ``hierarchical=True`` finds nothing to split."""
-    layout = gather_node_layout(strategy, name)
-    if not wants_hierarchy(hierarchical, layout):
-        if hierarchical:
-            rank_zero_info(
-                f"{name}: hierarchical=True on {layout.num_nodes} node(s) of {len(layout.nodes[0])} process(es): "
-                "nothing to split, the ring is flat"
-            )
+    layout, hier = decide_hierarchy(strategy, name, hierarchical, "ring")
+    if not hier:
         return layout, [new_group(timeout=timeout, backend=backend)]
     return layout, list(new_hierarchical_groups(layout, backend=backend, timeout=timeout))
+
+
+def decide_hierarchy(
+    strategy: DDPStrategy, name: str, hierarchical: bool | None, what: str
+) -> tuple[NodeLayout, bool]:
+    """The node layout (:func:`gather_node_layout`, a collective) and whether to go hierarchical
+    (:func:`wants_hierarchy`); said on rank 0, as "the ``what`` is flat", when ``hierarchical=True`` finds nothing
+    to split."""
+    layout = gather_node_layout(strategy, name)
+    hier = wants_hierarchy(hierarchical, layout)
+    if hierarchical and not hier:
+        rank_zero_info(
+            f"{name}: hierarchical=True on {layout.num_nodes} node(s) of {len(layout.nodes[0])} process(es): "
+            f"nothing to split, the {what} is flat"
+        )
+    return layout, hier

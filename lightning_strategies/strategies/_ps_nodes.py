@@ -21,7 +21,7 @@ from lightning_strategies.comm.groups import new_group
 from lightning_strategies.comm.ps.hierarchy import HierarchicalParameterServerClient
 from lightning_strategies.comm.ps.plan import Slice
 from lightning_strategies.comm.ring.layout import NodeLayout, new_hierarchical_groups
-from lightning_strategies.strategies._nodes import gather_node_layout, wants_hierarchy
+from lightning_strategies.strategies._nodes import decide_hierarchy
 
 __all__ = [
     "PushAlignment",
@@ -104,13 +104,8 @@ def plan_push_nodes(
         if hierarchical:
             rank_zero_info(f"{name}: hierarchical=True on one node: nothing to split, the push is flat")
         return None
-    layout = gather_node_layout(strategy, name)
-    if not wants_hierarchy(hierarchical, layout):
-        if hierarchical:
-            rank_zero_info(
-                f"{name}: hierarchical=True on {layout.num_nodes} node(s) of {len(layout.nodes[0])} process(es): "
-                "nothing to split, the push is flat"
-            )
+    layout, hier = decide_hierarchy(strategy, name, hierarchical, "push")
+    if not hier:
         return None
     if num_servers != layout.world:
         if hierarchical:
